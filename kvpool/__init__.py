@@ -1,0 +1,53 @@
+"""kvpool: the memory layer under an LLM inference engine's KV cache.
+
+Layers, bottom up (a module never imports one above it): ``errors`` -> ``spec`` / ``hf_config`` ->
+``planner`` -> ``allocators`` -> ``storage`` -> ``engine`` / ``trace`` -> ``bench`` -> ``cli``.
+Public names are imported lazily, so ``import kvpool`` stays cheap and pulls in no optional dependency.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from kvpool.errors import (
+    ConfigError,
+    DoubleFreeError,
+    InsufficientMemoryError,
+    IntegrityError,
+    InvalidArgumentError,
+    InvalidIdError,
+    KVPoolError,
+    OutOfBlocksError,
+    TraceFormatError,
+)
+from kvpool.spec import AttentionKind, KVCacheSpec, parse_kv_dtype
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "MemoryReadings": "kvpool.planner",
+    "PoolPlan": "kvpool.planner",
+    "plan_pool": "kvpool.planner",
+    "profile_cuda_memory": "kvpool.planner",
+    "BlockPool": "kvpool.allocators.block_pool",
+    "block_hashes": "kvpool.allocators.hashing",
+    "hash_block": "kvpool.allocators.hashing",
+    "TokenToKVPoolAllocator": "kvpool.allocators.token",
+    "ReqToTokenPool": "kvpool.allocators.req_to_token",
+    "PagedKVCache": "kvpool.storage.paged",
+    "MLAKVCache": "kvpool.storage.mla",
+    "HostKVCache": "kvpool.storage.host",
+}
+
+__all__ = [
+    "AttentionKind", "ConfigError", "DoubleFreeError", "InsufficientMemoryError", "IntegrityError",
+    "InvalidArgumentError", "InvalidIdError", "KVCacheSpec", "KVPoolError", "OutOfBlocksError",
+    "TraceFormatError", "parse_kv_dtype", *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvpool' has no attribute {name!r}")

@@ -1,0 +1,38 @@
+"""Timing helpers shared by the benchmark suites: medians of repeated runs, and a plain-text table."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+
+def median_ns(fn: Callable[[], object], *, ops: int, repeat: int = 5, setup: Callable[[], object] | None = None
+              ) -> float:
+    """Median over ``repeat`` runs of ``fn`` of nanoseconds per operation (``fn`` does ``ops`` operations).
+
+    ``setup`` runs before each repetition, outside the timed region.
+    """
+    samples = []
+    for _ in range(repeat):
+        if setup is not None:
+            setup()
+        start = time.perf_counter_ns()
+        fn()
+        samples.append((time.perf_counter_ns() - start) / ops)
+    return statistics.median(samples)
+
+
+def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """Print an aligned table; floats get 1 decimal (3 for ratios below 10)."""
+
+    def fmt(value: object) -> str:
+        if isinstance(value, float):
+            return f"{value:.3f}" if abs(value) < 10 else f"{value:,.1f}"
+        return str(value)
+
+    cells = [list(header), *[[fmt(v) for v in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    print(title)
+    for row in cells:
+        print("  " + "  ".join(cell.rjust(width) for cell, width in zip(row, widths)))

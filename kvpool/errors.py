@@ -1,0 +1,39 @@
+"""Every error kvpool raises. All subclass :class:`KVPoolError`; an operation that raises changes nothing."""
+
+from __future__ import annotations
+
+
+class KVPoolError(Exception):
+    """Base class of every kvpool error."""
+
+
+class ConfigError(KVPoolError, ValueError):
+    """A model config, KV cache spec or CLI value that cannot be used (names the field and the value)."""
+
+
+class InsufficientMemoryError(KVPoolError):
+    """The memory budget cannot hold the smallest usable pool (says how many bytes are missing)."""
+
+
+class OutOfBlocksError(KVPoolError):
+    """An allocation asked for more blocks, pages or slots than are available; nothing was handed out."""
+
+
+class InvalidArgumentError(KVPoolError, ValueError):
+    """A bad argument: negative count, wrong shape, dtype, device or layer, out-of-range slot."""
+
+
+class InvalidIdError(InvalidArgumentError):
+    """A block, page, slot or row id that is out of range, negative, reserved, or repeated in one call."""
+
+
+class DoubleFreeError(KVPoolError):
+    """Freeing an id that is not allocated (or a ref count that would go below zero)."""
+
+
+class IntegrityError(KVPoolError, AssertionError):
+    """``check_integrity()`` found a broken invariant (see DESIGN.md); the message names it."""
+
+
+class TraceFormatError(KVPoolError, ValueError):
+    """A malformed trace row; the message names the file and line."""

