@@ -1,6 +1,6 @@
 """kvpool: the memory layer under an LLM inference engine's KV cache.
 
-Layers, bottom up (a module never imports one above it): ``errors`` -> ``spec`` / ``hf_config`` ->
+Layers, bottom up (a module never imports one above it): ``errors`` -> ``hf_config`` -> ``spec`` ->
 ``planner`` -> ``allocators`` -> ``storage`` -> ``engine`` / ``trace`` -> ``bench`` -> ``cli``.
 Public names are imported lazily, so ``import kvpool`` stays cheap and pulls in no optional dependency.
 """

@@ -30,6 +30,8 @@ KV_DTYPES: dict[str, torch.dtype] = {
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
 }
 
 
@@ -37,9 +39,10 @@ def parse_kv_dtype(name: str | torch.dtype, model_dtype: str | None = None) -> t
     """Resolve a KV cache dtype name to a torch dtype.
 
     ``"auto"`` means the model's own dtype (``model_dtype``, e.g. a config's ``torch_dtype``), float32 when
-    the model names none. Raises :class:`ConfigError` listing the accepted names for an unknown one.
+    the model names none. Raises :class:`ConfigError` listing the accepted names for an unknown one (or for
+    a torch dtype that is not a KV dtype, such as int8).
     """
-    if isinstance(name, torch.dtype):
+    if isinstance(name, torch.dtype) and name in KV_DTYPES.values():
         return name
     key = str(name).lower().removeprefix("torch.")
     if key == "auto":
@@ -51,16 +54,16 @@ def parse_kv_dtype(name: str | torch.dtype, model_dtype: str | None = None) -> t
 
 
 class AttentionKind(str, enum.Enum):
-    """How K/V are stored: ``MHA`` (separate K and V per KV head; covers GQA and MQA) or ``MLA`` (one latent)."""
+    """How K/V are stored: ``MHA`` (K and V per KV head; covers GQA and MQA) or ``MLA`` (one latent)."""
 
     MHA = "mha"
     MLA = "mla"
 
 
-def _require_positive(**values: int | None) -> None:
+def _require_int(minimum: int = 1, **values: int | None) -> None:
     for field, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(f"{field} must be a positive integer, got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise ConfigError(f"{field} must be an integer >= {minimum}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -100,14 +103,13 @@ class KVCacheSpec:
             object.__setattr__(self, "attention", AttentionKind(self.attention))
         except ValueError:
             raise ConfigError(f"attention must be 'mha' or 'mla', got {self.attention!r}") from None
-        _require_positive(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
-                          head_dim=self.head_dim, block_size=self.block_size, tp_size=self.tp_size)
+        _require_int(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                     block_size=self.block_size, tp_size=self.tp_size)
         if self.sliding_window is not None:
-            _require_positive(sliding_window=self.sliding_window)
+            _require_int(sliding_window=self.sliding_window)
         if self.attention is AttentionKind.MLA:
-            _require_positive(kv_lora_rank=self.kv_lora_rank)
-            if self.qk_rope_head_dim < 0:
-                raise ConfigError(f"qk_rope_head_dim must be >= 0, got {self.qk_rope_head_dim}")
+            _require_int(kv_lora_rank=self.kv_lora_rank)
+            _require_int(0, qk_rope_head_dim=self.qk_rope_head_dim)
         else:
             self._check_tp_split()
 

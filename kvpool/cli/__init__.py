@@ -10,13 +10,14 @@ import argparse
 import importlib
 import sys
 
+from kvpool.cli._args import OneLineErrorParser
 from kvpool.errors import KVPoolError
 
 SUBCOMMANDS = ("plan", "generate", "replay", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpool", description="The KV cache memory pool for LLM inference.")
+    parser = OneLineErrorParser(prog="kvpool", description="The KV cache memory pool for LLM inference.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:
         importlib.import_module(f"kvpool.cli.{name}").register(subparsers)

@@ -1,0 +1,96 @@
+"""``kvpool plan CONFIG``: how much KV cache a model gets on a GPU (per tensor-parallel rank).
+
+Without ``--gpu-memory`` it reads the local CUDA device (its total, free and already-used memory) and adds
+``--non-kv-memory`` (the model's weights and activations) to what is already in use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import torch
+
+from kvpool.cli._args import fraction, parse_bytes, positive_int
+from kvpool.errors import ConfigError
+from kvpool.planner import MemoryReadings, PoolPlan, plan_pool, profile_cuda_memory
+from kvpool.spec import KVCacheSpec
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("plan", help="how much KV cache a model gets on a GPU",
+                                   description=__doc__.splitlines()[0])
+    parser.add_argument("config", metavar="CONFIG", help="a Hugging Face config.json or a folder holding one")
+    parser.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel ranks (default 1)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="auto (the model's dtype), float16, bfloat16, float32, fp8, fp8_e4m3, fp8_e5m2")
+    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per block (default 16)")
+    parser.add_argument("--gpu-memory", type=parse_bytes, metavar="BYTES",
+                        help="device memory per rank, e.g. 80GiB (default: read the local CUDA device)")
+    parser.add_argument("--gpu-memory-utilization", type=fraction, default=0.9, metavar="F",
+                        help="share of the device memory kvpool may plan with (default 0.9)")
+    parser.add_argument("--non-kv-memory", type=parse_bytes, default=0, metavar="BYTES",
+                        help="weights, activations and workspace per rank, e.g. 16GiB (default 0)")
+    parser.add_argument("--max-model-len", type=positive_int, metavar="N",
+                        help="longest request in tokens; reports how many fit at once")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run)
+
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = KVCacheSpec.from_hf_config(args.config, tp_size=args.tp_size, kv_cache_dtype=args.kv_cache_dtype,
+                                      block_size=args.block_size)
+    plan = plan_pool(spec, _readings(args), gpu_memory_utilization=args.gpu_memory_utilization,
+                     max_model_len=args.max_model_len)
+    report = plan_report(spec, plan)
+    print(json.dumps(report) if args.json else _human(report))
+    return 0
+
+
+def _readings(args: argparse.Namespace) -> MemoryReadings:
+    if args.gpu_memory is not None:
+        return MemoryReadings(total_bytes=args.gpu_memory, non_kv_bytes=args.non_kv_memory)
+    if not torch.cuda.is_available():
+        raise ConfigError("no CUDA device here to read; give --gpu-memory BYTES (and --non-kv-memory BYTES)")
+    local = profile_cuda_memory()
+    return MemoryReadings(total_bytes=local.total_bytes, non_kv_bytes=local.non_kv_bytes + args.non_kv_memory,
+                          free_bytes=local.free_bytes)
+
+
+def plan_report(spec: KVCacheSpec, plan: PoolPlan) -> dict[str, Any]:
+    """The spec's per-rank layout and the plan's breakdown in one flat dict (what ``--json`` prints)."""
+    report = {
+        "attention": spec.attention.value, "num_layers": spec.num_layers,
+        "num_kv_heads": spec.num_kv_heads, "num_kv_heads_per_rank": spec.num_kv_heads_per_rank,
+        "head_dim": spec.head_dim, "kv_dtype": str(spec.dtype).removeprefix("torch."),
+        "kv_dtype_bytes": spec.dtype_bytes, "tp_size": spec.tp_size, "sliding_window": spec.sliding_window,
+        **plan.to_dict(),
+    }
+    if plan.max_model_len is None:
+        del report["max_model_len"], report["max_concurrency"]
+    return report
+
+
+def _human(r: dict[str, Any]) -> str:
+    gib = 2**30
+    heads = f"2 (K, V) x {r['num_kv_heads_per_rank']} heads" if r["attention"] == "mha" else "1 latent"
+    layout = f"{r['num_layers']} layers x {heads} x {r['head_dim']} x {r['kv_dtype_bytes']} B"
+    lines = [
+        f"KV layout        {r['attention'].upper()}: {layout} ({r['kv_dtype']}), per rank of {r['tp_size']}",
+        f"per token        {r['bytes_per_token']:,} B",
+        f"per block        {r['bytes_per_block']:,} B ({r['block_size']} tokens)",
+        f"device memory    {r['total_bytes']:,} B ({r['total_bytes'] / gib:.2f} GiB)",
+        f"x utilization    {r['gpu_memory_utilization']} = {r['budget_bytes']:,} B",
+        f"- non-KV memory  {r['non_kv_bytes']:,} B ({r['non_kv_bytes'] / gib:.2f} GiB)",
+        f"= KV memory      {r['available_kv_bytes']:,} B ({r['available_kv_bytes'] / gib:.2f} GiB, "
+        f"limited by {r['limited_by']})",
+        f"blocks           {r['num_blocks']:,} ({r['kv_cache_bytes']:,} B)",
+        f"tokens           {r['max_num_tokens']:,}",
+    ]
+    if r["free_bytes"] is not None:
+        lines.insert(6, f"  free now       {r['free_bytes']:,} B")
+    if "max_concurrency" in r:
+        lines.append(f"concurrency      {r['max_concurrency']:.2f} requests of {r['max_model_len']:,} tokens")
+    return "\n".join(lines)

@@ -1,0 +1,187 @@
+"""Read the KV cache fields of a Hugging Face ``config.json``, without transformers for the common models.
+
+Each model type names its sizes differently (GPT-2 says ``n_layer``, Falcon ``num_kv_heads``); :data:`LAYOUTS`
+maps a model type to where it keeps them. A type not in the table is read with the Llama names, which most
+decoder models use. Multimodal wrappers (LLaVA, Qwen2-VL, Gemma 3) keep the language model under
+``text_config``. A field the config leaves out is taken from the defaults of that model type's transformers
+config class (imported only then); without transformers it is a :class:`ConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvpool.errors import ConfigError
+
+
+def _falcon_kv_heads(config: dict[str, Any], num_heads: int) -> int:
+    """Falcon: ``num_kv_heads`` with the new decoder architecture (40B/180B), else 1 for multi-query (7B)."""
+    if config.get("new_decoder_architecture"):
+        return config.get("num_kv_heads") or num_heads
+    return 1 if config.get("multi_query", True) else num_heads
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one model type keeps its sizes: config keys tried in order, first present wins.
+
+    ``head_dim_from_hidden``: without a head_dim key, head_dim = hidden_size / heads (Gemma: never, its
+    head_dim is its own field). ``mla``: the KV is one latent of ``kv_lora_rank + qk_rope_head_dim``
+    (DeepSeek-V2/V3).
+    ``kv_heads_rule``: computes the KV heads from the config where a flag decides it (Falcon).
+    """
+
+    num_layers: tuple[str, ...] = ("num_hidden_layers",)
+    num_heads: tuple[str, ...] = ("num_attention_heads",)
+    num_kv_heads: tuple[str, ...] = ("num_key_value_heads",)
+    hidden_size: tuple[str, ...] = ("hidden_size",)
+    head_dim: tuple[str, ...] = ("head_dim",)
+    head_dim_from_hidden: bool = True
+    mla: bool = False
+    kv_heads_rule: Callable[[dict[str, Any], int], int] | None = None
+
+
+_LLAMA = Layout()
+_GPT2 = Layout(num_layers=("n_layer",), num_heads=("n_head",), num_kv_heads=(), hidden_size=("n_embd",))
+_GEMMA = Layout(head_dim_from_hidden=False)
+_MLA = Layout(mla=True)
+_FALCON = Layout(num_layers=("num_hidden_layers", "n_layer"), num_heads=("num_attention_heads", "n_head"),
+                 num_kv_heads=(), hidden_size=("hidden_size", "n_embed"), kv_heads_rule=_falcon_kv_heads)
+
+#: Model types understood, and where each keeps its sizes (any other type is read as ``_LLAMA``).
+LAYOUTS: dict[str, Layout] = {
+    **dict.fromkeys(["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3",
+                     "gpt_neox", "qwen2_vl", "qwen2_vl_text", "qwen2_5_vl", "qwen2_5_vl_text"], _LLAMA),
+    **dict.fromkeys(["gpt2", "gptj"], _GPT2),
+    **dict.fromkeys(["gemma", "gemma2", "gemma3", "gemma3_text"], _GEMMA),
+    **dict.fromkeys(["falcon", "RefinedWeb", "RefinedWebModel"], _FALCON),
+    **dict.fromkeys(["deepseek_v2", "deepseek_v3"], _MLA),
+}
+
+
+class _MissingField(ConfigError):
+    def __init__(self, field: str, keys: tuple[str, ...], model_type: str | None) -> None:
+        super().__init__(f"config.json ({model_type or 'no model_type'}) has no {field} "
+                         f"(looked for {', '.join(keys)})")
+
+
+def read_kv_fields(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
+    """The KV cache fields of a config: num_layers, num_kv_heads, head_dim, attention ('mha' | 'mla'),
+    kv_lora_rank, qk_rope_head_dim, sliding_window (tokens or None) and model_dtype (the config's
+    torch_dtype / dtype string, the language model's own before the wrapper's; None when neither names one).
+
+    ``path_or_dict``: a config.json, a folder holding one, or the parsed dict. MLA: head_dim is the latent
+    width ``kv_lora_rank + qk_rope_head_dim`` (vLLM's head size for MLA). Raises :class:`ConfigError` for an
+    unreadable file, or a missing field that transformers is not there to fill.
+    """
+    config = load_config(path_or_dict)
+    try:
+        return _read(_language_model(config), config)
+    except _MissingField as missing:
+        return _read(_filled_from_transformers(config, missing), config)
+
+
+def load_config(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
+    """The parsed config.json (a file, or a folder holding ``config.json``); a dict is returned as is."""
+    if isinstance(path_or_dict, dict):
+        return path_or_dict
+    path = Path(path_or_dict)
+    path = path / "config.json" if path.is_dir() else path
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"no config file at {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read {path} as JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} holds a JSON {type(config).__name__}, not an object")
+    return config
+
+
+def _language_model(config: dict[str, Any]) -> dict[str, Any]:
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
+
+
+def _read(lm: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    model_type = lm.get("model_type") or top.get("model_type")
+    layout = LAYOUTS.get(model_type, _LLAMA)
+    pick = _Picker(lm, model_type)
+    num_layers = pick("num_layers", layout.num_layers)
+    num_heads = pick("num_attention_heads", layout.num_heads)
+    if layout.kv_heads_rule is not None:
+        num_kv_heads = layout.kv_heads_rule(lm, num_heads)
+    else:
+        num_kv_heads = pick.optional(layout.num_kv_heads) or num_heads
+    fields = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "attention": "mha",
+              "kv_lora_rank": 0, "qk_rope_head_dim": 0}
+    if layout.mla:
+        kv_lora_rank = pick("kv_lora_rank", ("kv_lora_rank",))
+        qk_rope_head_dim = pick("qk_rope_head_dim", ("qk_rope_head_dim",))
+        fields.update(attention="mla", kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
+                      head_dim=kv_lora_rank + qk_rope_head_dim)
+    else:
+        fields["head_dim"] = _head_dim(pick, layout, num_heads)
+    return {**fields, "sliding_window": _sliding_window(lm),
+            "model_dtype": _dtype_name(lm) or _dtype_name(top)}
+
+
+class _Picker:
+    """Reads one field from the first of its keys that the config holds (a None value counts as absent)."""
+
+    def __init__(self, config: dict[str, Any], model_type: str | None) -> None:
+        self.config, self.model_type = config, model_type
+
+    def optional(self, keys: tuple[str, ...]) -> Any:
+        return next((self.config[key] for key in keys if self.config.get(key) is not None), None)
+
+    def __call__(self, field: str, keys: tuple[str, ...]) -> Any:
+        value = self.optional(keys)
+        if value is None:
+            raise _MissingField(field, keys, self.model_type)
+        return value
+
+
+def _head_dim(pick: _Picker, layout: Layout, num_heads: int) -> int:
+    head_dim = pick.optional(layout.head_dim)
+    if head_dim is not None:
+        return head_dim
+    if not layout.head_dim_from_hidden:
+        raise _MissingField("head_dim", layout.head_dim, pick.model_type)
+    hidden_size = pick("hidden_size", layout.hidden_size)
+    if not isinstance(hidden_size, int) or not isinstance(num_heads, int) or num_heads <= 0 \
+            or hidden_size % num_heads:
+        raise ConfigError(f"hidden_size {hidden_size!r} is not a multiple of "
+                          f"num_attention_heads {num_heads!r}")
+    return hidden_size // num_heads
+
+
+def _sliding_window(lm: dict[str, Any]) -> int | None:
+    """The window in tokens; None when absent, null, or off (Qwen2's ``use_sliding_window: false``)."""
+    if lm.get("use_sliding_window") is False:
+        return None
+    return lm.get("sliding_window") or None
+
+
+def _dtype_name(config: dict[str, Any]) -> str | None:
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    return None if dtype is None else str(dtype)
+
+
+def _filled_from_transformers(config: dict[str, Any], missing: _MissingField) -> dict[str, Any]:
+    """The language model's config with every field the file leaves out set to transformers' default."""
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise ConfigError(f"{missing}; install transformers to take the model type's defaults") from None
+    model_type = config.get("model_type")
+    kwargs = {key: value for key, value in config.items() if key != "model_type"}
+    try:
+        full = AutoConfig.for_model(model_type, **kwargs)
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(f"{missing}, and transformers has no config class for it to fill it") from None
+    return full.get_text_config(decoder=True).to_dict()

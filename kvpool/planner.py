@@ -1,0 +1,228 @@
+"""Capacity planner: device memory readings in, a :class:`PoolPlan` (how many KV blocks) out.
+
+The arithmetic is vLLM's (``gpu_memory_utilization``, ``num_gpu_blocks_override``), per tensor-parallel rank::
+
+    budget_bytes       = floor(total_bytes x gpu_memory_utilization)
+    available_kv_bytes = min(budget_bytes - non_kv_bytes, free_bytes)      (free_bytes when known)
+    num_blocks         = available_kv_bytes // spec.bytes_per_block         (the smallest over the ranks)
+    max_num_tokens     = num_blocks x block_size
+    max_concurrency    = max_num_tokens / max_model_len
+
+:func:`plan_pool` is pure. :func:`profile_cuda_memory` takes the readings on a live CUDA device.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from typing import Any
+
+import torch
+
+from kvpool.errors import InsufficientMemoryError, InvalidArgumentError
+from kvpool.spec import KVCacheSpec
+
+
+def _check_bytes(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise InvalidArgumentError(f"{name} must be a whole number of bytes >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class MemoryReadings:
+    """One device's memory, in bytes.
+
+    Args:
+        total_bytes: the device's whole memory (``torch.cuda.mem_get_info()[1]``).
+        non_kv_bytes: what everything but the KV cache needs at its peak: weights, activations, workspace,
+            CUDA context, other processes.
+        free_bytes: what is free on the device right now, or None when unknown (a what-if plan).
+    """
+
+    total_bytes: int
+    non_kv_bytes: int
+    free_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_bytes(total_bytes=self.total_bytes, non_kv_bytes=self.non_kv_bytes)
+        if self.free_bytes is not None:
+            _check_bytes(free_bytes=self.free_bytes)
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """How many KV blocks to allocate on each rank, with every term of the breakdown (bytes are per rank).
+
+    ``limited_by`` says which bound set num_blocks: ``"budget"`` (total x utilization - non-KV), ``"free"``
+    (the memory actually free) or ``"override"`` (``num_blocks_override``). ``rank`` is the tensor-parallel
+    rank whose readings set the plan (the one with the least room). ``max_concurrency`` is None without a
+    ``max_model_len``.
+    """
+
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+    bytes_per_block: int
+    total_bytes: int
+    gpu_memory_utilization: float
+    budget_bytes: int
+    non_kv_bytes: int
+    free_bytes: int | None
+    available_kv_bytes: int
+    kv_cache_bytes: int
+    max_num_tokens: int
+    max_model_len: int | None
+    max_concurrency: float | None
+    limited_by: str
+    rank: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, JSON-ready (bytes as ints)."""
+        return asdict(self)
+
+
+def plan_pool(
+    spec: KVCacheSpec,
+    readings: MemoryReadings | Sequence[MemoryReadings],
+    *,
+    gpu_memory_utilization: float = 0.9,
+    num_blocks_override: int | None = None,
+    max_model_len: int | None = None,
+) -> PoolPlan:
+    """Size the KV pool of ``spec`` from memory ``readings`` (one for every rank, or a list of ``tp_size``).
+
+    ``gpu_memory_utilization`` is taken as the decimal written (0.9 is exactly 9/10), so budgets are exact.
+    ``num_blocks_override`` replaces the computed count (it must still fit in ``free_bytes`` when known).
+
+    Raises:
+        InvalidArgumentError: utilization outside (0, 1], a wrong number of readings, a bad override or
+            max_model_len.
+        InsufficientMemoryError: the pool cannot hold one block, the sliding window plus one block, or one
+            request of ``max_model_len`` tokens; the message says how many bytes are missing and what to
+            change.
+    """
+    ranks = _per_rank(readings, spec.tp_size)
+    _check_args(gpu_memory_utilization, num_blocks_override, max_model_len)
+    share = Fraction(str(gpu_memory_utilization))
+    terms = [_rank_terms(r, share) for r in ranks]
+    rank = min(range(len(terms)), key=lambda i: terms[i][1])
+    budget, available, limited_by = terms[rank]
+    num_blocks = max(available, 0) // spec.bytes_per_block
+    if num_blocks_override is not None:
+        num_blocks, limited_by = num_blocks_override, "override"
+        _check_override_fits(num_blocks, spec, ranks)
+    _check_minimum(spec, num_blocks, available, max_model_len, overridden=limited_by == "override")
+    max_num_tokens = num_blocks * spec.block_size
+    least = ranks[rank]
+    return PoolPlan(
+        num_blocks=num_blocks, block_size=spec.block_size, bytes_per_token=spec.bytes_per_token,
+        bytes_per_block=spec.bytes_per_block, total_bytes=least.total_bytes,
+        gpu_memory_utilization=gpu_memory_utilization, budget_bytes=budget,
+        non_kv_bytes=least.non_kv_bytes, free_bytes=least.free_bytes, available_kv_bytes=available,
+        kv_cache_bytes=num_blocks * spec.bytes_per_block, max_num_tokens=max_num_tokens,
+        max_model_len=max_model_len,
+        max_concurrency=None if max_model_len is None else max_num_tokens / max_model_len,
+        limited_by=limited_by, rank=rank,
+    )
+
+
+def _per_rank(readings: MemoryReadings | Sequence[MemoryReadings], tp_size: int) -> list[MemoryReadings]:
+    if isinstance(readings, MemoryReadings):
+        return [readings] * tp_size
+    ranks = list(readings)
+    if len(ranks) != tp_size or not all(isinstance(r, MemoryReadings) for r in ranks):
+        raise InvalidArgumentError(f"need one MemoryReadings or a list of tp_size={tp_size} of them, "
+                                   f"got {len(ranks)} items")
+    return ranks
+
+
+def _check_args(utilization: float, override: int | None, max_model_len: int | None) -> None:
+    if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
+        raise InvalidArgumentError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
+    for name, value in (("num_blocks_override", override), ("max_model_len", max_model_len)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _rank_terms(readings: MemoryReadings, share: Fraction) -> tuple[int, int, str]:
+    """(budget_bytes, available_kv_bytes, limited_by) of one rank; available may be negative."""
+    budget = math.floor(readings.total_bytes * share)
+    available, limited_by = budget - readings.non_kv_bytes, "budget"
+    if readings.free_bytes is not None and readings.free_bytes < available:
+        available, limited_by = readings.free_bytes, "free"
+    return budget, available, limited_by
+
+
+def _check_override_fits(num_blocks: int, spec: KVCacheSpec, ranks: list[MemoryReadings]) -> None:
+    need = num_blocks * spec.bytes_per_block
+    free = min((r.free_bytes for r in ranks if r.free_bytes is not None), default=None)
+    if free is not None and need > free:
+        raise InsufficientMemoryError(
+            f"num_blocks_override {num_blocks} needs {need} B but only {free} B are free "
+            f"({need - free} B missing); lower num_blocks_override or free device memory")
+
+
+def _check_minimum(spec: KVCacheSpec, num_blocks: int, available: int, max_model_len: int | None,
+                   *, overridden: bool) -> None:
+    """The pool must hold one block, the sliding window plus one block, and one request of max_model_len."""
+    bs = spec.block_size
+    needs = [(1, "one block")]
+    if spec.sliding_window is not None:
+        needs.append((-(-spec.sliding_window // bs) + 1, f"the sliding window of {spec.sliding_window} "
+                                                         f"tokens plus one block"))
+    if max_model_len is not None:
+        needs.append((-(-max_model_len // bs), f"one request of max_model_len {max_model_len} tokens"))
+    blocks, what = max(needs)
+    if num_blocks >= blocks:
+        return
+    need = blocks * spec.bytes_per_block
+    if overridden:
+        raise InsufficientMemoryError(f"num_blocks_override {num_blocks} is too small: {what} needs {blocks} "
+                                      f"blocks of {bs} tokens")
+    raise InsufficientMemoryError(
+        f"the KV cache needs {need} B for {what} ({blocks} x {spec.bytes_per_block} B blocks) but only "
+        f"{available} B are available ({need - available} B missing); lower the non-KV memory, raise "
+        f"gpu_memory_utilization, use a smaller KV dtype (fp8) or more tensor-parallel ranks"
+        + (", or a smaller max_model_len" if max_model_len is not None else ""))
+
+
+def readings_from_cuda_stats(total_bytes: int, free_bytes: int, peak_allocated_bytes: int,
+                             reserved_bytes: int) -> MemoryReadings:
+    """Non-KV memory from one device's counters: torch's peak allocation plus what is held outside torch.
+
+    ``non_kv_bytes = peak_allocated + max(0, (total - free) - reserved)``: ``total - free`` is all memory in
+    use on the device (``cudaMemGetInfo``: every process, the CUDA context, NCCL buffers), and ``reserved`` is
+    the part torch's caching allocator holds, so their difference is the memory torch cannot see.
+    """
+    outside_torch = max(0, (total_bytes - free_bytes) - reserved_bytes)
+    return MemoryReadings(total_bytes=total_bytes, non_kv_bytes=peak_allocated_bytes + outside_torch,
+                          free_bytes=free_bytes)
+
+
+def profile_cuda_memory(device: torch.device | int | str | None = None) -> MemoryReadings:
+    """Read one CUDA device's memory for :func:`plan_pool`.
+
+    Call order: load the model, run one warmup forward pass at the largest batch you will serve (its
+    activations set torch's peak counter), then call this, then allocate the KV cache from the plan. It
+    synchronizes, runs ``gc.collect()`` and ``torch.cuda.empty_cache()`` (so freed activations leave torch's
+    reserve and count as free), then reads ``torch.cuda.mem_get_info`` and ``torch.cuda.memory_stats``
+    (``allocated_bytes.all.peak``, ``reserved_bytes.all.current``); see :func:`readings_from_cuda_stats`.
+    Call ``torch.cuda.reset_peak_memory_stats()`` before loading if earlier work must not count.
+
+    Raises:
+        InvalidArgumentError: no CUDA device (plan with hand-given :class:`MemoryReadings` instead).
+    """
+    if not torch.cuda.is_available():
+        raise InvalidArgumentError("no CUDA device to profile; give the memory readings by hand "
+                                   "(MemoryReadings, or --gpu-memory on the command line)")
+    torch.cuda.synchronize(device)
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    stats = torch.cuda.memory_stats(device)
+    return readings_from_cuda_stats(total, free, stats.get("allocated_bytes.all.peak", 0),
+                                    stats.get("reserved_bytes.all.current", 0))
