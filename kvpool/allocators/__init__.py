@@ -1,0 +1,29 @@
+"""Allocators: bookkeeping of blocks, pages and slots (no KV tensors).
+
+``BlockPool`` (block tables with prefix caching, vLLM / nano-vllm style), ``block_hashes`` / ``hash_block``
+(chained prefix hashes), ``TokenToKVPoolAllocator`` (token slots or pages, SGLang style) and
+``ReqToTokenPool`` (request -> slot table). Imported lazily, like the package root.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "BlockPool": "kvpool.allocators.block_pool",
+    "BlockPoolStats": "kvpool.allocators.block_pool",
+    "block_hashes": "kvpool.allocators.hashing",
+    "hash_block": "kvpool.allocators.hashing",
+    "block_extra_keys": "kvpool.allocators.hashing",
+    "TokenToKVPoolAllocator": "kvpool.allocators.token",
+    "ReqToTokenPool": "kvpool.allocators.req_to_token",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvpool.allocators' has no attribute {name!r}")

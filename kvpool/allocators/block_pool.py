@@ -1,0 +1,368 @@
+"""Block pool with prefix caching: free stack, ref counts, a hash index and an LRU of cached free blocks.
+
+Bookkeeping only (block ids, no KV tensors), in plain Python lists and dicts: every call costs O(1) per
+block it names, independent of the pool size. Every block is in exactly one of three sets:
+
+* **uncached free**: ref count 0, no hash; a list used as a stack, handed out first;
+* **cached free** (evictable): ref count 0, holds a published hash; an ``OrderedDict`` in LRU order
+  (``free`` appends to the tail, eviction pops from the head, ``touch`` revives in place);
+* **in use**: ref count > 0, with or without a published hash.
+
+A block's hash is in the prefix index (hash -> block id) exactly while the block holds it. Every method
+validates its whole argument before it changes anything, so a call that raises leaves the pool as it was.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+
+from kvpool.errors import (
+    DoubleFreeError,
+    IntegrityError,
+    InvalidArgumentError,
+    InvalidIdError,
+    OutOfBlocksError,
+)
+
+
+@dataclass(frozen=True)
+class BlockPoolStats:
+    """Prefix-cache counters, in blocks. ``hits``/``misses`` are counted by :meth:`BlockPool.lookup` only:
+    a lookup of ``k`` hashes whose cached prefix is ``h`` blocks adds ``h`` hits and ``k - h`` misses.
+    ``evictions`` counts cached free blocks that ``allocate`` recycled (their hash left the index)."""
+
+    hits: int
+    misses: int
+    evictions: int
+
+    @property
+    def hit_rate(self) -> float:
+        """hits / (hits + misses); 0.0 before any lookup."""
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+class BlockPool:
+    """``num_blocks`` KV blocks with ref counts and (when ``enable_caching``) a prefix cache.
+
+    Typical request life: ``lookup`` its block hashes, ``touch`` the hit blocks, ``allocate`` the rest,
+    ``cache_blocks`` each block once it is full and its KV is written, and at the end ``free`` all of them
+    **tail first** (see :meth:`free`). With ``enable_caching=False`` ``cache_blocks`` and ``lookup`` do
+    nothing (``lookup`` returns ``[]``) and freed blocks go straight back to the free stack.
+
+    Raises:
+        InvalidArgumentError: ``num_blocks`` < 1 or not an int.
+    """
+
+    def __init__(self, num_blocks: int, *, enable_caching: bool = True) -> None:
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+            raise InvalidArgumentError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+        self._n = num_blocks
+        self._caching = enable_caching
+        self._ref = [0] * num_blocks
+        self._hash: list[Hashable | None] = [None] * num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # stack: pop() hands out 0, 1, 2, ...
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached free blocks, head = evict first
+        self._index: dict[Hashable, int] = {}
+        self._hits = self._misses = self._evictions = 0
+
+    # ---- allocation -------------------------------------------------------------------------------------
+
+    def allocate(self, n: int) -> list[int]:
+        """Hand out ``n`` blocks, each with ref count 1: uncached free blocks first, then cached free blocks
+        from the LRU head (each loses its hash before it is handed out, so a stale entry never matches).
+
+        Raises:
+            InvalidArgumentError: ``n`` is negative or not an int.
+            OutOfBlocksError: fewer than ``n`` free blocks (cached free included); nothing is handed out.
+        """
+        free = self._free
+        if n == 1 and type(n) is int and (free or self._lru):  # fast path: one block
+            block = free.pop() if free else self._evict(1)[0]
+            self._ref[block] = 1
+            return [block]
+        self._check_count(n)
+        k = len(free)
+        if n <= k:
+            ids = free[k - n:]
+            del free[k - n:]
+            ids.reverse()
+        else:
+            ids = free[::-1]
+            free.clear()
+            ids += self._evict(n - k)
+        ref = self._ref
+        for block in ids:
+            ref[block] = 1
+        return ids
+
+    def _check_count(self, n: int) -> None:
+        if type(n) is not int or n < 0:
+            raise InvalidArgumentError(f"block count must be an int >= 0, got {n!r}")
+        if n > len(self._free) + len(self._lru):
+            raise OutOfBlocksError(f"asked for {n} blocks, {self.num_free_blocks} free of {self._n}")
+
+    def _evict(self, m: int) -> list[int]:
+        """Take ``m`` blocks from the LRU head, dropping their hashes from the index first."""
+        popitem, index, hashes, out = self._lru.popitem, self._index, self._hash, []
+        for _ in range(m):
+            block = popitem(False)[0]
+            del index[hashes[block]]
+            hashes[block] = None
+            out.append(block)
+        self._evictions += m
+        return out
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference from each block; a block that reaches 0 becomes free.
+
+        Pass ids in **eviction order, first to evict first**: a request frees its blocks tail first
+        (``reversed(block_table)``), so the shared head of a prefix joins the LRU last and is evicted last.
+        Blocks without a hash go to the free stack (reused first); hashed ones join the LRU tail.
+
+        Raises:
+            InvalidIdError: an id out of range, not an int, or repeated in the call.
+            DoubleFreeError: an id whose ref count is already 0.
+        """
+        ids = block_ids if type(block_ids) is list else _as_list(block_ids)
+        ref = self._ref
+        if len(ids) != 1 or type(ids[0]) is not int or not 0 <= ids[0] < self._n or ref[ids[0]] <= 0:
+            refs = self._refs_of(ids)  # general path; a single valid id skips it
+            if refs and min(refs) <= 0:
+                raise DoubleFreeError(f"block {ids[refs.index(min(refs))]} is not allocated (ref count 0)")
+        free, lru, hashes = self._free, self._lru, self._hash
+        for block in ids:
+            r = ref[block] - 1
+            ref[block] = r
+            if r == 0:
+                if hashes[block] is None:
+                    free.append(block)
+                else:
+                    lru[block] = None
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Add one reference to each block (a prefix hit). A cached free block leaves the LRU and is
+        revived in place with its hash; an in-use block is simply shared.
+
+        Raises:
+            InvalidIdError: an id out of range, not an int, repeated, or free without a cached hash.
+        """
+        ids = block_ids if type(block_ids) is list else _as_list(block_ids)
+        ref, lru, hashes = self._ref, self._lru, self._hash
+        single_ok = len(ids) == 1 and type(ids[0]) is int and 0 <= ids[0] < self._n and (
+            ref[ids[0]] > 0 or hashes[ids[0]] is not None)
+        if not single_ok and 0 in self._refs_of(ids):  # general path; a single valid id skips it
+            for block in ids:
+                if hashes[block] is None and ref[block] == 0:
+                    raise InvalidIdError(f"block {block} is free and holds no cached hash: allocate it")
+        for block in ids:
+            if ref[block] == 0:
+                del lru[block]
+            ref[block] += 1
+
+    def _refs_of(self, ids: Sequence[int]) -> list[int]:
+        """Validate a whole call's ids (ints in range, none repeated) and return their ref counts.
+        O(len(ids)) with C-level min/max/set; a non-int fails the range test or the list indexing."""
+        ref = self._ref
+        if len(ids) == 1 and type(ids[0]) is int and 0 <= ids[0] < self._n:
+            return [ref[ids[0]]]
+        if not ids:
+            return []
+        try:
+            refs = [ref[b] for b in ids] if min(ids) >= 0 and max(ids) < self._n else None
+        except TypeError:
+            refs = None
+        if refs is None:
+            raise InvalidIdError(f"block ids must be ints in [0, {self._n}), got {_head(ids)}")
+        if len(ids) > 1 and len(set(ids)) != len(ids):
+            raise InvalidIdError(f"block ids repeated in one call: {_head(ids)}")
+        return refs
+
+    # ---- prefix cache -----------------------------------------------------------------------------------
+
+    def cache_blocks(self, block_ids: Sequence[int], block_hashes: Sequence[Hashable]) -> None:
+        """Publish full blocks whose KV has been written: ``block_hashes[i]`` names ``block_ids[i]``.
+
+        Publishing the hash a block already holds is a no-op. If a *different* block already holds a hash,
+        the first one stays published and this block stays private (it is freed to the free stack, not
+        the LRU): the index maps each hash to one block. Never publish a partial block.
+
+        Raises:
+            InvalidArgumentError: lengths differ, or a hash is None or unhashable.
+            InvalidIdError: a bad or repeated id, a block that is not allocated, or a block that already
+                holds a different hash.
+        """
+        ids = block_ids if type(block_ids) is list else _as_list(block_ids)
+        self._check_publish(ids, block_hashes)
+        if not self._caching:
+            return
+        index, hashes = self._index, self._hash
+        for block, h in zip(ids, block_hashes, strict=True):
+            if hashes[block] is None and h not in index:
+                index[h] = block
+                hashes[block] = h
+
+    def _check_publish(self, block_ids: Sequence[int], block_hashes: Sequence[Hashable]) -> None:
+        if len(block_ids) != len(block_hashes):
+            raise InvalidArgumentError(f"{len(block_ids)} block ids but {len(block_hashes)} hashes")
+        refs = self._refs_of(block_ids)
+        for block, h, r in zip(block_ids, block_hashes, refs, strict=True):
+            if r == 0:
+                raise InvalidIdError(f"block {block} is not allocated: only in-use blocks can be published")
+            if h is None or not _hashable(h):
+                raise InvalidArgumentError(f"block hash must be hashable and not None, got {h!r}")
+            held = self._hash[block]
+            if held is not None and held != h:
+                raise InvalidIdError(f"block {block} already holds hash {held!r}, cannot publish {h!r}")
+
+    def lookup(self, block_hashes: Iterable[Hashable]) -> list[int]:
+        """Block ids of the longest prefix of ``block_hashes`` that is cached (in use or cached free).
+        Ref counts do not change: ``touch`` the result to keep it. Counts stats (see :class:`BlockPoolStats`).
+
+        Raises:
+            InvalidArgumentError: an unhashable hash.
+        """
+        hashes = block_hashes if isinstance(block_hashes, (list, tuple)) else list(block_hashes)
+        hit = self._match(hashes)
+        self._hits += len(hit)
+        self._misses += len(hashes) - len(hit)
+        return hit
+
+    def _match(self, hashes: Sequence[Hashable]) -> list[int]:
+        if not self._caching:
+            return []
+        get, hit = self._index.get, []
+        try:
+            for h in hashes:
+                block = get(h)
+                if block is None:
+                    break
+                hit.append(block)
+        except TypeError:
+            raise InvalidArgumentError("block hashes must be hashable") from None
+        return hit
+
+    # ---- admission --------------------------------------------------------------------------------------
+
+    def num_blocks_to_allocate(self, block_hashes: Sequence[Hashable], num_blocks: int) -> int:
+        """Free blocks a request of ``num_blocks`` blocks (prefix hashes ``block_hashes``) would consume:
+        ``num_blocks`` minus its cached-prefix blocks that are **in use**. A hit on a cached *free* block
+        still consumes a free block (it leaves the free set when touched), as in nano-vllm's ``can_allocate``.
+        Does not count stats.
+
+        Raises:
+            InvalidArgumentError: ``num_blocks`` negative, or fewer than ``len(block_hashes)``.
+        """
+        if type(num_blocks) is not int or num_blocks < len(block_hashes):
+            raise InvalidArgumentError(
+                f"num_blocks must be an int >= len(block_hashes) = {len(block_hashes)}, got {num_blocks!r}")
+        ref = self._ref
+        return num_blocks - sum(1 for block in self._match(block_hashes) if ref[block] > 0)
+
+    def can_allocate(self, block_hashes: Sequence[Hashable], num_blocks: int) -> bool:
+        """Whether :meth:`num_blocks_to_allocate` fits in :attr:`num_free_blocks` right now."""
+        return self.num_blocks_to_allocate(block_hashes, num_blocks) <= self.num_free_blocks
+
+    # ---- state ------------------------------------------------------------------------------------------
+
+    def ref_count(self, block_id: int) -> int:
+        """References held on ``block_id`` (0 = free). Raises InvalidIdError for a bad id."""
+        return self._refs_of([block_id])[0]
+
+    def block_hash(self, block_id: int) -> Hashable | None:
+        """The published hash ``block_id`` holds, or None. Raises InvalidIdError for a bad id."""
+        self._refs_of([block_id])
+        return self._hash[block_id]
+
+    @property
+    def enable_caching(self) -> bool:
+        """Whether prefix caching is on (fixed at construction)."""
+        return self._caching
+
+    @property
+    def num_blocks(self) -> int:
+        """Total blocks in the pool."""
+        return self._n
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks ``allocate`` can hand out: uncached free plus cached free (evictable)."""
+        return len(self._free) + len(self._lru)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding a published hash (in the prefix index), in use or free."""
+        return len(self._index)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Cached free blocks: ref count 0, hash still published, in LRU order."""
+        return len(self._lru)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks with ref count > 0."""
+        return self._n - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """num_used_blocks / num_blocks, in [0, 1]."""
+        return self.num_used_blocks / self._n
+
+    @property
+    def stats(self) -> BlockPoolStats:
+        """A snapshot of the prefix-cache counters."""
+        return BlockPoolStats(self._hits, self._misses, self._evictions)
+
+    def evictable_blocks(self) -> list[int]:
+        """Cached free block ids in eviction order (head first). O(number of cached free blocks)."""
+        return list(self._lru)
+
+    def check_integrity(self) -> None:
+        """Verify the DESIGN.md invariants in O(num_blocks); raises IntegrityError naming the broken one.
+
+        Free stack, LRU and in-use set partition the ids with no id twice; ref counts >= 0; free-stack
+        blocks hold no hash; LRU blocks have ref 0 and a hash; the index and the per-block hashes agree.
+        """
+        n, ref, hashes = self._n, self._ref, self._hash
+        _require(all(type(r) is int and r >= 0 for r in ref), "a ref count is negative")
+        _require(len(set(self._free)) == len(self._free), "an id is twice in the free stack")
+        _require(all(0 <= b < n and ref[b] == 0 and hashes[b] is None for b in self._free),
+                 "a free-stack id is out of range, referenced, or hashed")
+        _require(all(0 <= b < n and ref[b] == 0 and hashes[b] is not None for b in self._lru),
+                 "an evictable id is out of range, referenced, or unhashed")
+        _require(not set(self._free) & self._lru.keys(), "an id is both in the free stack and the LRU")
+        used = sum(1 for r in ref if r > 0)
+        _require(used + len(self._free) + len(self._lru) == n, "free + evictable + in use != total")
+        _require(all(0 <= b < n and hashes[b] == h for h, b in self._index.items()),
+                 "an index entry names a block that does not hold its hash")
+        _require(sum(1 for h in hashes if h is not None) == len(self._index), "a block hash is not indexed")
+        _require(self._caching or not self._index, "caching is off but the index is not empty")
+
+    def __repr__(self) -> str:
+        return (f"BlockPool(num_blocks={self._n}, free={len(self._free)}, evictable={len(self._lru)}, "
+                f"used={self.num_used_blocks}, cached={len(self._index)})")
+
+
+def _as_list(values: Iterable) -> list:
+    """A list of the ids (a tensor or numpy array via ``tolist()``, so its elements are Python ints)."""
+    return values.tolist() if hasattr(values, "tolist") else list(values)
+
+
+def _hashable(value: object) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _head(ids: Sequence[int]) -> str:
+    return repr(list(ids[:8])) + ("..." if len(ids) > 8 else "")
+
+
+def _require(ok: bool, invariant: str) -> None:
+    if not ok:
+        raise IntegrityError(f"BlockPool invariant broken: {invariant}")

@@ -1,0 +1,117 @@
+"""The request-to-token table (SGLang style): row r holds the KV slot id of every token of one request.
+
+Release order when a request finishes or is aborted (the row is reused by the next request, so its slot ids
+must be copied out before anything else happens to it)::
+
+    slots = req_pool.read(row, seq_len)     # 1. copy the row's slot ids
+    allocator.free(slots)                   # 2. free the KV slots
+    req_pool.free(row)                      # 3. free the row
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvpool.allocators.token import IdsLike, as_ids, is_int
+from kvpool.errors import (
+    DoubleFreeError,
+    IntegrityError,
+    InvalidArgumentError,
+    InvalidIdError,
+    OutOfBlocksError,
+)
+
+_INT32_MAX = 2**31 - 1
+
+
+class ReqToTokenPool:
+    """``max_reqs`` rows of ``max_context_len`` slot ids, handed out and released by row.
+
+    ``req_to_token``: ``[max_reqs, max_context_len]`` on ``device``, int32, or int64 when ``num_slots`` (the
+    KV pool's slot count) lets slot ids pass 2**31 - 1. Errors: OutOfBlocksError when too few rows are
+    free; InvalidIdError for a row out of range or repeated in one call; DoubleFreeError for a row that is
+    not allocated; InvalidArgumentError for bad counts or positions. A call that raises changes nothing.
+    """
+
+    def __init__(self, max_reqs: int, max_context_len: int, *, num_slots: int | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        for name, value in (("max_reqs", max_reqs), ("max_context_len", max_context_len)):
+            if not is_int(value) or value < 1:
+                raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+        if num_slots is not None and (not is_int(num_slots) or num_slots < 1):
+            raise InvalidArgumentError(f"num_slots must be a positive int or None, got {num_slots!r}")
+        wide = num_slots is not None and num_slots - 1 > _INT32_MAX
+        self.max_reqs, self.max_context_len = max_reqs, max_context_len
+        dtype = torch.int64 if wide else torch.int32
+        self.req_to_token = torch.zeros((max_reqs, max_context_len), dtype=dtype, device=device)
+        self._free: list[int] = []
+        self._used: set[int] = set()
+        self.clear()
+
+    @property
+    def available_size(self) -> int:
+        """Free rows."""
+        return len(self._free)
+
+    def alloc(self, n: int = 1) -> list[int]:
+        """``n`` free row ids (lowest first on a fresh pool).
+
+        Raises InvalidArgumentError for n < 0, OutOfBlocksError when fewer than n rows are free."""
+        if not is_int(n) or n < 0:
+            raise InvalidArgumentError(f"n must be an int >= 0, got {n!r}")
+        if n > len(self._free):
+            raise OutOfBlocksError(f"need {n} request rows, {len(self._free)} free")
+        rows = self._free[len(self._free) - n:][::-1]
+        del self._free[len(self._free) - n:]
+        self._used.update(rows)
+        return rows
+
+    def free(self, rows: int | Sequence[int] | torch.Tensor) -> None:
+        """Release rows (see the module docstring for the order). Raises InvalidIdError, DoubleFreeError."""
+        rows = as_ids(rows, "rows").tolist()
+        if not rows:
+            return
+        if min(rows) < 0 or max(rows) >= self.max_reqs:
+            raise InvalidIdError(f"a row id is out of range [0, {self.max_reqs}): {rows}")
+        if len(set(rows)) != len(rows):
+            raise InvalidIdError(f"a row id is repeated in one free(): {rows}")
+        if not self._used.issuperset(rows):
+            raise DoubleFreeError(f"row {sorted(set(rows) - self._used)[0]} is not allocated (double free?)")
+        self._used.difference_update(rows)
+        self._free.extend(reversed(rows))
+
+    def write(self, row: int, slots: IdsLike, start: int = 0) -> None:
+        """Store ``slots`` (``[n]`` ints) as the slot ids of tokens ``start .. start + n - 1`` of ``row``."""
+        ids = as_ids(slots, "slots", to_host=False)
+        self._check_span(row, start, start + ids.numel())
+        if self.req_to_token.dtype == torch.int32 and ids.numel() and int(ids.max()) > _INT32_MAX:
+            raise InvalidArgumentError("slot id > 2**31 - 1 in an int32 table: pass num_slots")
+        self.req_to_token[row, start:start + ids.numel()] = ids
+
+    def read(self, row: int, end: int, start: int = 0) -> torch.Tensor:
+        """A copy (int64 ``[end - start]``, on the table's device) of the slot ids of tokens start..end-1."""
+        self._check_span(row, start, end)
+        return self.req_to_token[row, start:end].to(torch.int64, copy=True)
+
+    def clear(self) -> None:
+        """Free every row (the table's contents are left as they are)."""
+        self._free = list(range(self.max_reqs - 1, -1, -1))
+        self._used.clear()
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError unless free and used rows are disjoint, unique and together all rows."""
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise IntegrityError("a row is in the free list twice")
+        if free & self._used:
+            raise IntegrityError("a row is both free and used")
+        if free | self._used != set(range(self.max_reqs)):
+            raise IntegrityError(f"free + used rows != {self.max_reqs}")
+
+    def _check_span(self, row: int, start: int, end: int) -> None:
+        if not is_int(row) or row not in self._used:
+            raise InvalidIdError(f"row {row!r} is not an allocated row")
+        if not (is_int(start) and is_int(end) and 0 <= start <= end <= self.max_context_len):
+            raise InvalidArgumentError(f"token span [{start}, {end}) outside [0, {self.max_context_len}]")

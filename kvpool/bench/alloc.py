@@ -1,0 +1,278 @@
+"""``kvpool bench alloc``: ns per block of BlockPool operations, block hashing, and the token allocator,
+each beside a naive allocator timed in the same run.
+
+The naive baseline is a ``collections.deque`` free list plus a dict of ref counts, no caching (what a first
+attempt looks like). Op pattern, as in ``../shared/peer-bench/vllm_block_pool.py``: allocate ``n`` blocks per
+call until ``--ops`` blocks are out (capped at the pool size), then free each chunk tail first; allocation
+and freeing are timed separately. Pool sizes 1K, 32K and 1M blocks show the cost per block is flat.
+Hashing is timed per 16-token block over a 4,096-token sequence, against SHA-256 of a pickled
+``(parent, tokens)`` tuple (vLLM's default block hash style). Peer figures from DESIGN.md are printed as
+references measured earlier on a similar machine, not in this run; ``benchmarks/compare_peers.sh`` runs the
+peers beside this suite. Targets: allocate+free <= 500 ns single, <= 200 ns per block batched; hashing
+<= 500 ns per block; token alloc(1)+free(1) <= 4,000 ns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import pickle
+import random
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from kvpool.allocators.block_pool import BlockPool
+from kvpool.allocators.hashing import block_hashes, resolved_algorithm
+from kvpool.bench.timing import median_ns, print_table
+from kvpool.errors import OutOfBlocksError
+
+PEERS = [  # (peer, op, ns) measured earlier (DESIGN.md), compared with kvpool's row (op, pool size)
+    ("vLLM 0.33 BlockPool", "allocate(1)+free", 1550.0, ("allocate(1)+free", 32768)),
+    ("vLLM 0.33 BlockPool", "allocate(256)+free", 580.0, ("allocate(256)+free", 32768)),
+    ("vLLM 0.33 BlockPool", "evicting allocate", 1000.0, ("evicting allocate(1)", 32768)),
+    ("vLLM 0.33 sha256 block hash", "hash 16 tokens", 3300.0, ("hash (default algorithm)", 0)),
+    ("SGLang 0.5.23 TokenToKVPoolAllocator", "alloc(1)+free(1)", 21600.0, ("token alloc(1)+free(1)", 32768)),
+]
+TARGETS_NS = {"allocate(1)+free": 500, "allocate(256)+free": 200, "hash blake2b": 500, "hash xxh3_128": 500,
+              "token alloc(1)+free(1)": 4000}
+
+
+class NaiveAllocator:
+    """The baseline: deque free list + dict ref counts, no caching, no validation beyond a count check."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self._free = deque(range(num_blocks))
+        self._ref: dict[int, int] = {}
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocksError(f"{n} > {len(self._free)} free")
+        ids = [self._free.popleft() for _ in range(n)]
+        for block in ids:
+            self._ref[block] = 1
+        return ids
+
+    def free(self, block_ids: list[int]) -> None:
+        for block in block_ids:
+            r = self._ref[block] - 1
+            if r:
+                self._ref[block] = r
+            else:
+                del self._ref[block]
+                self._free.append(block)
+
+    def touch(self, block_ids: list[int]) -> None:
+        for block in block_ids:
+            self._ref[block] += 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 32768, 1 << 20],
+                        help="pool sizes in blocks (default: 1024 32768 1048576)")
+    parser.add_argument("--ops", type=int, default=32768, help="blocks per timed repetition (default 32768)")
+    parser.add_argument("--repeat", type=int, default=7, help="timed repetitions (median)")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Time every row; print the table unless ``args.json``; return the JSON-ready result."""
+    gc.collect()
+    gc.disable()  # as the peer scripts do: no cycle collection inside timed regions
+    try:
+        rows = [row for size in args.sizes for row in _pool_rows(size, args.ops, args.repeat)]
+        rows += _hash_rows(args.repeat)
+        rows += _token_rows(args.sizes, args.repeat)
+    finally:
+        gc.enable()
+    result = {"suite": "alloc", "unit": "ns per block (token rows: ns per alloc(1)+free(1) pair)",
+              "rows": rows, "peers_measured_earlier": _peer_rows(rows), "targets_ns": TARGETS_NS}
+    if not args.json:
+        _print(result)
+    return result
+
+
+def _row(op: str, size: int, ours: float, naive: float | None, baseline: str = "naive deque"
+         ) -> dict[str, Any]:
+    return {"op": op, "pool_blocks": size, "kvpool_ns": round(ours, 1),
+            "baseline": baseline, "baseline_ns": None if naive is None else round(naive, 1),
+            "ratio": None if naive is None else round(ours / naive, 3), "target_ns": TARGETS_NS.get(op)}
+
+
+# ---- BlockPool rows -------------------------------------------------------------------------------------
+
+
+def _pool_rows(size: int, ops: int, repeat: int) -> list[dict[str, Any]]:
+    rows, naive_alloc = [], {}
+    for n in (1, 256):
+        k = min(size, ops) // n * n
+        ours = _alloc_free_ns(lambda: BlockPool(size), n, k, repeat)
+        naive = _alloc_free_ns(lambda: NaiveAllocator(size), n, k, repeat)
+        naive_alloc[n] = naive["allocate"]
+        for phase in ("allocate", "free", "allocate+free"):
+            op = f"allocate({n})+free" if phase == "allocate+free" else f"{phase} (n={n})"
+            rows.append(_row(op, size, ours[phase], naive[phase]))
+    k = min(size, ops)
+    rows.append(_row("touch(1) on a cached free block", size, _touch_ns(size, k, repeat),
+                     _naive_touch_ns(size, k, repeat), "naive touch of an in-use block"))
+    for n in (1, 256):
+        rows.append(_row(f"evicting allocate({n})", size, _evict_ns(size, n, k // n * n, repeat),
+                         naive_alloc[n], f"naive allocate({n}), nothing to evict"))
+    return rows
+
+
+def _alloc_free_ns(factory: Callable[[], Any], n: int, k: int, repeat: int) -> dict[str, float]:
+    """Median ns per block of allocate(n) x k/n, then of freeing every chunk tail first."""
+    state: dict[str, Any] = {}
+
+    def fresh() -> None:
+        state["pool"], state["chunks"] = factory(), []
+
+    def allocate() -> None:
+        alloc = state["pool"].allocate
+        state["chunks"] = [alloc(n) for _ in range(k // n)]
+
+    def filled() -> None:
+        fresh()
+        allocate()
+        state["chunks"] = [chunk[::-1] for chunk in state["chunks"]]
+
+    def free() -> None:
+        release = state["pool"].free
+        for chunk in state["chunks"]:
+            release(chunk)
+
+    a = median_ns(allocate, ops=k, repeat=repeat, setup=fresh)
+    f = median_ns(free, ops=k, repeat=repeat, setup=filled)
+    return {"allocate": a, "free": f, "allocate+free": a + f}
+
+
+def _touch_ns(size: int, k: int, repeat: int) -> float:
+    """touch([b]) of k cached free blocks, one per call (a 1-block prefix hit revived from the LRU)."""
+    pool = BlockPool(size)
+    blocks = pool.allocate(k)
+    pool.cache_blocks(blocks, range(k))
+    singles = [[b] for b in blocks]
+
+    def reset() -> None:
+        if pool.num_evictable_blocks < k:
+            pool.free(blocks)
+
+    def touch() -> None:
+        for ids in singles:
+            pool.touch(ids)
+
+    pool.free(blocks)
+    return median_ns(touch, ops=k, repeat=repeat, setup=reset)
+
+
+def _naive_touch_ns(size: int, k: int, repeat: int) -> float:
+    pool = NaiveAllocator(size)
+    singles = [[b] for b in pool.allocate(k)]
+
+    def touch() -> None:
+        for ids in singles:
+            pool.touch(ids)
+
+    return median_ns(touch, ops=k, repeat=repeat)
+
+
+def _evict_ns(size: int, n: int, k: int, repeat: int) -> float:
+    """allocate(n) x k/n when the only free blocks are k cached ones (the rest of the pool is held)."""
+    pool = BlockPool(size)
+    pool.allocate(size - k)
+    state: dict[str, list[list[int]]] = {"chunks": []}
+
+    def fill_lru() -> None:
+        for chunk in state["chunks"]:
+            pool.free(chunk)
+        blocks = pool.allocate(k)
+        pool.cache_blocks(blocks, range(k))
+        pool.free(blocks[::-1])
+
+    def allocate() -> None:
+        state["chunks"] = [pool.allocate(n) for _ in range(k // n)]
+
+    return median_ns(allocate, ops=k, repeat=repeat, setup=fill_lru)
+
+
+# ---- hashing and token allocator ------------------------------------------------------------------------
+
+
+def _hash_rows(repeat: int, num_tokens: int = 4096, block_size: int = 16) -> list[dict[str, Any]]:
+    rng = random.Random(0)
+    tokens = [rng.randrange(152_000) for _ in range(num_tokens)]
+    blocks = num_tokens // block_size
+    naive = median_ns(lambda: _sha256_pickle(tokens, block_size), ops=blocks, repeat=repeat)
+    rows = []
+    for algorithm in ("blake2b", "xxh3_128"):
+        try:
+            ns = median_ns(lambda a=algorithm: block_hashes(tokens, block_size, algorithm=a), ops=blocks,
+                           repeat=repeat)
+        except ImportError:
+            continue  # xxhash not installed: the row is left out
+        rows.append(_row(f"hash {algorithm}", 0, ns, naive, "sha256(pickle(parent, tokens))"))
+    return rows
+
+
+def _sha256_pickle(tokens: list[int], block_size: int) -> list[bytes]:
+    parent, out = b"", []
+    for i in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hashlib.sha256(pickle.dumps((parent, tuple(tokens[i:i + block_size])))).digest()
+        out.append(parent)
+    return out
+
+
+def _token_rows(sizes: list[int], repeat: int) -> list[dict[str, Any]]:
+    """alloc(1) x k then free each (the SGLang peer's pattern), per pair; k = min(2048, size // 2)."""
+    try:
+        from kvpool.allocators.token import TokenToKVPoolAllocator
+    except ImportError as exc:
+        return [{"op": "token alloc(1)+free(1)", "skipped": f"kvpool.allocators.token not importable: {exc}"}]
+    rows = []
+    for size in sizes:
+        k = min(2048, size // 2)
+        ours = _pairs_ns(lambda s=size: TokenToKVPoolAllocator(s), k, repeat, lambda a: a.alloc(1))
+        naive = _pairs_ns(lambda s=size: NaiveAllocator(s), k, repeat, lambda a: a.allocate(1))
+        rows.append(_row("token alloc(1)+free(1)", size, ours, naive))
+    return rows
+
+
+def _pairs_ns(factory: Callable[[], Any], k: int, repeat: int, alloc_one: Callable[[Any], Any]) -> float:
+    state: dict[str, Any] = {}
+
+    def pairs() -> None:
+        a = state["a"]
+        for x in [alloc_one(a) for _ in range(k)]:
+            a.free(x)
+
+    return median_ns(pairs, ops=k, repeat=repeat, setup=lambda: state.update(a=factory()))
+
+
+# ---- report ---------------------------------------------------------------------------------------------
+
+
+def _peer_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    ours = {(r["op"], r["pool_blocks"]): r["kvpool_ns"] for r in rows if "kvpool_ns" in r}
+    ours["hash (default algorithm)", 0] = ours.get((f"hash {resolved_algorithm()}", 0))
+    out = []
+    for peer, op, ns, key in PEERS:
+        mine = ours.get(key)
+        out.append({"peer": peer, "op": op, "peer_ns": ns, "kvpool_op": key[0], "kvpool_ns": mine,
+                    "peer_over_kvpool": None if not mine else round(ns / mine, 2)})
+    return out
+
+
+def _print(result: dict[str, Any]) -> None:
+    header = ["op", "pool", "kvpool ns", "baseline ns", "ratio", "target ns", "baseline"]
+    table = [[r["op"], r["pool_blocks"] or "-", r["kvpool_ns"], r["baseline_ns"], r["ratio"],
+              r["target_ns"] or "-", r["baseline"]] for r in result["rows"] if "kvpool_ns" in r]
+    title = "kvpool bench alloc: ns per block (ratio = kvpool / baseline, lower is better)"
+    print_table(title, header, table)
+    for r in result["rows"]:
+        if "skipped" in r:
+            print(f"  {r['op']}: skipped ({r['skipped']})")
+    peers = [[p["peer"], p["op"], p["peer_ns"], p["kvpool_ns"], p["peer_over_kvpool"]]
+             for p in result["peers_measured_earlier"]]
+    print_table("\nPeers (DESIGN.md figures measured EARLIER on a similar machine, not in this run; "
+                "x = peer / kvpool)", ["peer", "op", "peer ns", "kvpool ns", "x"], peers)

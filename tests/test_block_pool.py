@@ -1,0 +1,315 @@
+"""Pinned behaviour of BlockPool: eviction order, revival, stale hashes, admission, errors, integrity.
+
+Expected values are worked out by hand in each test's comments (which block goes where, and why).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpool import (
+    BlockPool,
+    DoubleFreeError,
+    IntegrityError,
+    InvalidArgumentError,
+    InvalidIdError,
+    KVPoolError,
+    OutOfBlocksError,
+)
+
+
+def snapshot(pool: BlockPool) -> tuple:
+    """Everything observable through the public API (used to prove a failed call changed nothing)."""
+    n = pool.num_blocks
+    return ([pool.ref_count(b) for b in range(n)], [pool.block_hash(b) for b in range(n)],
+            pool.evictable_blocks(), pool.num_free_blocks, pool.num_cached_blocks, pool.stats)
+
+
+def run_request(pool: BlockPool, hashes: list[str]) -> list[int]:
+    """Admit a request whose blocks are all full: reuse its cached prefix, allocate the rest, publish."""
+    hit = pool.lookup(hashes)
+    pool.touch(hit)
+    blocks = hit + pool.allocate(len(hashes) - len(hit))
+    pool.cache_blocks(blocks, hashes)
+    return blocks
+
+
+def test_fresh_pool_hands_out_ids_in_order_and_counts() -> None:
+    pool = BlockPool(10)
+    assert pool.allocate(3) == [0, 1, 2]
+    assert pool.allocate(1) == [3]
+    # 4 of 10 used: usage 0.4, 6 free, none cached.
+    assert (pool.num_used_blocks, pool.num_free_blocks, pool.num_cached_blocks) == (4, 6, 0)
+    assert pool.usage == pytest.approx(0.4)
+    assert [pool.ref_count(b) for b in range(5)] == [1, 1, 1, 1, 0]
+    pool.check_integrity()
+
+
+def test_eviction_order_after_two_requests_sharing_three_blocks() -> None:
+    pool = BlockPool(10)
+    a = run_request(pool, ["p0", "p1", "p2", "a3", "a4"])  # blocks 0..4
+    b = run_request(pool, ["p0", "p1", "p2", "b3", "b4"])  # hits 0,1,2 (ref 2) + new blocks 5, 6
+    assert a == [0, 1, 2, 3, 4] and b == [0, 1, 2, 5, 6]
+    assert [pool.ref_count(i) for i in range(7)] == [2, 2, 2, 1, 1, 1, 1]
+    pool.free(reversed(a))  # 4, 3 reach 0 and join the LRU; 2, 1, 0 drop to ref 1
+    pool.free(reversed(b))  # 6, 5 then the shared 2, 1, 0 reach 0, in that order
+    assert pool.evictable_blocks() == [4, 3, 6, 5, 2, 1, 0]
+    # allocate(5): the 3 uncached blocks 7, 8, 9 first (stack order 7, 8, 9), then evict 4 and 3 (LRU head).
+    assert pool.allocate(5) == [7, 8, 9, 4, 3]
+    assert pool.stats.evictions == 2
+    assert pool.lookup(["p0", "p1", "p2", "a3", "a4"]) == [0, 1, 2]  # a3 left the index with block 3
+    assert pool.lookup(["p0", "p1", "p2", "b3", "b4"]) == [0, 1, 2, 5, 6]
+    pool.check_integrity()
+
+
+def test_hit_after_free_revives_the_same_block_ids() -> None:
+    pool = BlockPool(8)
+    first = run_request(pool, ["h0", "h1", "h2", "h3"])
+    pool.free(reversed(first))
+    assert pool.num_evictable_blocks == 4 and pool.num_free_blocks == 8
+    hit = pool.lookup(["h0", "h1", "h2", "h3", "h4"])
+    assert hit == first == [0, 1, 2, 3]
+    assert all(pool.ref_count(b) == 0 for b in hit)  # lookup changes no ref count
+    pool.touch(hit)
+    assert [pool.ref_count(b) for b in hit] == [1, 1, 1, 1]
+    assert [pool.block_hash(b) for b in hit] == ["h0", "h1", "h2", "h3"]  # revived in place, hash kept
+    assert pool.num_evictable_blocks == 0 and pool.num_free_blocks == 4
+    pool.check_integrity()
+
+
+def test_stale_hash_never_matches_after_recycling_one_block_1000_times() -> None:
+    pool = BlockPool(1)
+    for i in range(1000):
+        (block,) = pool.allocate(1)
+        assert block == 0
+        assert pool.lookup([f"h{i - 1}"]) == []  # the previous hash left the index when block 0 was recycled
+        pool.cache_blocks([block], [f"h{i}"])
+        pool.free([block])
+        assert pool.lookup([f"h{i}"]) == [0]
+        assert pool.num_cached_blocks <= pool.num_blocks
+    assert pool.stats.evictions == 999  # every allocation after the first evicts the one cached block
+    pool.check_integrity()
+
+
+def test_reserve_then_abort_100_times_ends_with_all_blocks_free() -> None:
+    pool = BlockPool(10)
+    running = run_request(pool, ["r0", "r1"])
+    for i in range(100):
+        reserved = pool.allocate(4)  # a queued request's reservation
+        assert pool.num_free_blocks == 10 - 2 - 4
+        pool.cache_blocks(reserved[:1], [f"q{i}"])  # sometimes a block was already written before the abort
+        pool.free(reversed(reserved))
+    pool.free(reversed(running))
+    assert pool.num_free_blocks == 10 and pool.num_used_blocks == 0 and pool.usage == 0.0
+    pool.check_integrity()
+
+
+def test_same_hash_on_a_second_block_keeps_the_first() -> None:
+    pool = BlockPool(4)
+    blocks = pool.allocate(2)
+    pool.cache_blocks(blocks[:1], ["h"])
+    pool.cache_blocks(blocks[1:], ["h"])  # a duplicate computation of the same block: stays private
+    assert pool.lookup(["h"]) == [0]
+    assert pool.block_hash(1) is None and pool.num_cached_blocks == 1
+    pool.free([1, 0])  # 1 has no hash: free stack; 0 joins the LRU
+    assert pool.evictable_blocks() == [0]
+    assert pool.allocate(3) == [1, 2, 3]  # uncached first: the stack pops 1 (freed last), then 2, 3
+    pool.check_integrity()
+
+
+def test_republishing_the_same_hash_is_a_no_op() -> None:
+    pool = BlockPool(2)
+    pool.allocate(1)
+    pool.cache_blocks([0], ["h"])
+    pool.cache_blocks([0], ["h"])
+    assert pool.num_cached_blocks == 1 and pool.lookup(["h"]) == [0]
+
+
+def test_lookup_counts_hits_and_misses_in_blocks() -> None:
+    pool = BlockPool(4)
+    run_request(pool, ["a", "b"])  # its own lookup: 0 hits, 2 misses
+    assert pool.lookup(["a", "b", "x", "b"]) == [0, 1]  # stops at the first miss: 2 hits, 2 misses
+    stats = pool.stats
+    assert (stats.hits, stats.misses) == (2, 4)
+    assert stats.hit_rate == pytest.approx(2 / 6)
+
+
+def test_unpublished_block_never_matches() -> None:
+    pool = BlockPool(4)
+    pool.allocate(2)
+    assert pool.lookup(["a"]) == []
+    assert pool.num_cached_blocks == 0
+
+
+def test_shared_in_use_block_survives_one_free() -> None:
+    pool = BlockPool(3)
+    blocks = run_request(pool, ["s"])
+    pool.touch(blocks)  # a second request shares block 0: ref 2
+    pool.free(blocks)
+    assert pool.ref_count(0) == 1 and pool.num_evictable_blocks == 0
+    pool.free(blocks)
+    assert pool.ref_count(0) == 0 and pool.evictable_blocks() == [0]
+
+
+def test_caching_disabled_publishes_nothing() -> None:
+    pool = BlockPool(4, enable_caching=False)
+    blocks = pool.allocate(2)
+    pool.cache_blocks(blocks, ["a", "b"])
+    assert pool.lookup(["a", "b"]) == [] and pool.num_cached_blocks == 0
+    pool.touch(blocks)  # sharing still works without caching
+    pool.free(blocks)
+    pool.free(reversed(blocks))
+    assert pool.num_evictable_blocks == 0 and pool.num_free_blocks == 4
+    assert pool.allocate(4) == [0, 1, 2, 3]  # stack pops 0 (freed last), then 1, then the untouched 2, 3
+    pool.check_integrity()
+
+
+# ---- admission ------------------------------------------------------------------------------------------
+
+
+def test_admission_counts_hits_on_in_use_blocks_as_free() -> None:
+    pool = BlockPool(8)
+    run_request(pool, ["p0", "p1", "p2", "p3"])  # in use, 4 free left
+    # 8 blocks, 4 cached in use: needs 8 - 4 = 4 new blocks, and 4 are free.
+    assert pool.num_blocks_to_allocate(["p0", "p1", "p2", "p3"], 8) == 4
+    assert pool.can_allocate(["p0", "p1", "p2", "p3"], 8)
+    assert not pool.can_allocate(["p0", "p1", "p2", "x"], 8)  # 3 hits: 8 - 3 = 5 > 4
+    run_request(pool, ["p0", "p1", "p2", "p3", "n4", "n5", "n6", "n7"])  # and it does fit exactly
+    assert pool.num_free_blocks == 0
+    pool.check_integrity()
+
+
+def test_admission_counts_hits_on_cached_free_blocks_as_consuming() -> None:
+    pool = BlockPool(8)
+    pool.free(reversed(run_request(pool, ["p0", "p1", "p2", "p3"])))  # 8 free, 4 of them cached
+    # The 4 hits are free blocks: touching them takes them out of the free set, so all 8 count.
+    assert pool.num_blocks_to_allocate(["p0", "p1", "p2", "p3"], 8) == 8
+    assert pool.can_allocate(["p0", "p1", "p2", "p3"], 8)
+    assert not pool.can_allocate(["p0", "p1", "p2", "p3"], 9)
+    assert pool.stats.hits == 0  # admission does not count stats
+    run_request(pool, ["p0", "p1", "p2", "p3", "n4", "n5", "n6", "n7"])
+    assert pool.num_free_blocks == 0 and pool.stats.evictions == 0
+    pool.check_integrity()
+
+
+def test_admission_rejects_fewer_blocks_than_hashes() -> None:
+    with pytest.raises(InvalidArgumentError):
+        BlockPool(4).num_blocks_to_allocate(["a", "b"], 1)
+
+
+# ---- errors are typed and atomic ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def busy_pool() -> BlockPool:
+    """10 blocks: 0..3 in use (0 and 1 published), 4, 5 cached free ("c4", "c5"), 6..9 uncached free."""
+    pool = BlockPool(10)
+    blocks = pool.allocate(6)
+    pool.cache_blocks([0, 1, 4, 5], ["h0", "h1", "c4", "c5"])
+    pool.free([4, 5])
+    assert blocks == [0, 1, 2, 3, 4, 5]
+    return pool
+
+
+BAD_CALLS = [
+    ("allocate 7 of 6 free", lambda p: p.allocate(7), OutOfBlocksError),
+    ("allocate -1", lambda p: p.allocate(-1), InvalidArgumentError),
+    ("allocate 1.0", lambda p: p.allocate(1.0), InvalidArgumentError),
+    ("allocate True", lambda p: p.allocate(True), InvalidArgumentError),
+    ("free a free block", lambda p: p.free([0, 6]), DoubleFreeError),
+    ("free a cached free block", lambda p: p.free([3, 4]), DoubleFreeError),
+    ("free out of range", lambda p: p.free([0, 10]), InvalidIdError),
+    ("free negative", lambda p: p.free([-1]), InvalidIdError),
+    ("free duplicate", lambda p: p.free([2, 2]), InvalidIdError),
+    ("free non-int", lambda p: p.free([0, 1.5, 2]), InvalidIdError),
+    ("free str", lambda p: p.free(["0"]), InvalidIdError),
+    ("touch uncached free", lambda p: p.touch([0, 7]), InvalidIdError),
+    ("touch duplicate", lambda p: p.touch([4, 4]), InvalidIdError),
+    ("touch out of range", lambda p: p.touch([4, 99]), InvalidIdError),
+    ("cache unallocated", lambda p: p.cache_blocks([2, 7], ["x", "y"]), InvalidIdError),
+    ("cache cached free", lambda p: p.cache_blocks([2, 4], ["x", "y"]), InvalidIdError),
+    ("cache different hash", lambda p: p.cache_blocks([2, 0], ["x", "other"]), InvalidIdError),
+    ("cache length mismatch", lambda p: p.cache_blocks([2, 3], ["x"]), InvalidArgumentError),
+    ("cache unhashable", lambda p: p.cache_blocks([2, 3], ["x", ["list"]]), InvalidArgumentError),
+    ("cache None hash", lambda p: p.cache_blocks([2], [None]), InvalidArgumentError),
+    ("cache duplicate id", lambda p: p.cache_blocks([2, 2], ["x", "y"]), InvalidIdError),
+    ("lookup unhashable", lambda p: p.lookup(["h0", ["list"]]), InvalidArgumentError),
+    ("ref_count out of range", lambda p: p.ref_count(10), InvalidIdError),
+]
+
+
+@pytest.mark.parametrize(("name", "call", "error"), BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_call_raises_typed_error_and_changes_nothing(busy_pool: BlockPool, name: str, call,
+                                                          error: type[KVPoolError]) -> None:
+    before = snapshot(busy_pool)
+    with pytest.raises(error):
+        call(busy_pool)
+    assert issubclass(error, KVPoolError)
+    assert snapshot(busy_pool) == before
+    busy_pool.check_integrity()
+    # and the pool still works: 6 free blocks, uncached 6..9 first, then LRU head 4, 5
+    assert sorted(busy_pool.allocate(6)) == [4, 5, 6, 7, 8, 9]
+
+
+@pytest.mark.parametrize("num_blocks", [0, -3, 2.0, True])
+def test_bad_pool_size(num_blocks: object) -> None:
+    with pytest.raises(InvalidArgumentError):
+        BlockPool(num_blocks)  # type: ignore[arg-type]
+
+
+def test_allocate_zero_and_empty_calls_are_no_ops(busy_pool: BlockPool) -> None:
+    before = snapshot(busy_pool)
+    assert busy_pool.allocate(0) == []
+    busy_pool.free([])
+    busy_pool.touch([])
+    busy_pool.cache_blocks([], [])
+    assert busy_pool.lookup([]) == []
+    assert snapshot(busy_pool) == before
+
+
+# ---- check_integrity catches corruption -----------------------------------------------------------------
+
+
+CORRUPTIONS = {  # how to break a busy pool -> the invariant check_integrity must name
+    "negative ref": (lambda p: p._ref.__setitem__(7, -1), "negative"),
+    "id twice in free stack": (lambda p: p._free.append(p._free[-1]), "twice"),
+    "lost block": (lambda p: p._free.pop(), "!= total"),
+    "evictable but referenced": (lambda p: p._ref.__setitem__(4, 1), "evictable"),
+    "hashed block in free stack": (lambda p: p._free.append(4), "free-stack"),
+    "index names wrong block": (lambda p: p._index.__setitem__("c4", 5), "index entry"),
+    "hash not indexed": (lambda p: p._hash.__setitem__(2, "ghost"), "not indexed"),
+}
+
+
+@pytest.mark.parametrize("name", CORRUPTIONS)
+def test_check_integrity_detects_corruption(busy_pool: BlockPool, name: str) -> None:
+    corrupt, message = CORRUPTIONS[name]
+    busy_pool.check_integrity()
+    corrupt(busy_pool)
+    with pytest.raises(IntegrityError, match=message):
+        busy_pool.check_integrity()
+
+
+def test_ids_may_come_as_tensor_tuple_or_iterator() -> None:
+    pool = BlockPool(6)
+    blocks = pool.allocate(3)  # [0, 1, 2]
+    pool.cache_blocks(torch.tensor(blocks), ("a", "b", "c"))
+    pool.touch((0, 1))
+    pool.free(torch.tensor([2, 1, 0]))  # 2 reaches 0; 1 and 0 drop to ref 1
+    assert pool.evictable_blocks() == [2] and pool.ref_count(0) == 1
+    pool.free(iter([1, 0]))
+    assert pool.evictable_blocks() == [2, 1, 0]
+    assert all(type(b) is int for b in pool.allocate(6))
+    with pytest.raises(InvalidIdError):
+        pool.free(torch.tensor([3, 3]))
+    pool.check_integrity()
+
+
+def test_pool_size_does_not_change_behaviour_at_one_million_blocks() -> None:
+    pool = BlockPool(1 << 20)
+    assert pool.allocate(2) == [0, 1]
+    pool.cache_blocks([0, 1], ["a", "b"])
+    pool.free([1, 0])
+    assert pool.evictable_blocks() == [1, 0]
+    assert pool.num_free_blocks == 1 << 20
