@@ -1,0 +1,231 @@
+"""``HostKVCache``: a CPU tier with the device cache's layout, its own ``BlockPool``, and block swapping.
+
+Swap out: allocate host blocks, then copy the device blocks (every layer, K and V) into them in one batched
+copy per call. Swap in: copy host blocks back into given device blocks. On CUDA the copies run on a dedicated
+stream per device (an ``index_select`` into a staging tensor, one ``non_blocking`` copy, an event per call);
+on CPU they are synchronous. While a swap-out is in flight its source device blocks hold an extra reference
+in the device ``BlockPool`` (when one is passed), so a request that frees them meanwhile only defers their
+reuse; the reference is dropped when the copy completes (:meth:`HostKVCache.poll` or
+:meth:`HostKVCache.synchronize`; at once on CPU). The CUDA path is untested on the CPU-only build machine.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvpool.allocators.block_pool import BlockPool
+from kvpool.errors import InvalidArgumentError, InvalidIdError, KVPoolError
+from kvpool.spec import AttentionKind, KVCacheSpec
+from kvpool.storage.mla import MLAKVCache
+from kvpool.storage.paged import BlockIds, BlockStore, PagedKVCache, check_block_ids
+
+
+@dataclass
+class _InFlight:
+    """One asynchronous copy: done when ``event`` is; then ``finish`` and ``release`` run, in that order."""
+
+    event: Any
+    host_ids: frozenset[int]
+    finish: Callable[[], None] | None = None
+    release: Callable[[], None] | None = None
+    keep: tuple[torch.Tensor, ...] = field(default_factory=tuple)
+
+
+class HostKVCache:
+    """A host (CPU) copy of a device KV cache's layout, with its own :class:`BlockPool` (caching off).
+
+    Args:
+        spec: the model's spec (MHA/GQA gives a :class:`PagedKVCache`, MLA an :class:`MLAKVCache`).
+        num_blocks: host blocks.
+        pin_memory: page-locked memory (needed for async copies); default: when CUDA is available. Pinned
+            memory is committed at once; unpinned memory is ``torch.empty`` and lazily committed.
+        **cache_kwargs: passed to the store (``dtype``, ``layout``, fp8 scales): must match the device cache.
+
+    Attributes: ``cache`` (the host store), ``pool`` (its ``BlockPool``). Blocks given out by
+    :meth:`swap_out` stay allocated until :meth:`free`.
+    """
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, *, pin_memory: bool | None = None,
+                 **cache_kwargs: Any) -> None:
+        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        store = MLAKVCache if spec.attention is AttentionKind.MLA else PagedKVCache
+        self.cache: BlockStore = store(spec, num_blocks, device="cpu", pin_memory=pin, **cache_kwargs)
+        self.pool = BlockPool(num_blocks, enable_caching=False)
+        self._in_flight: deque[_InFlight] = deque()
+        self._streams: dict[torch.device, Any] = {}
+
+    @classmethod
+    def like(cls, cache: PagedKVCache | MLAKVCache, num_blocks: int, *, pin_memory: bool | None = None
+             ) -> HostKVCache:
+        """A host tier of ``num_blocks`` blocks matching ``cache``'s spec, dtype, layout and scales."""
+        if isinstance(cache, MLAKVCache):
+            kwargs: dict[str, Any] = {"scale": cache.scale}
+        else:
+            kwargs = {"layout": cache.layout, "k_scale": cache.k_scale, "v_scale": cache.v_scale}
+        return cls(cache.spec, num_blocks, pin_memory=pin_memory, dtype=cache.dtype, **kwargs)
+
+    @property
+    def num_blocks(self) -> int:
+        """Host blocks in total."""
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Host blocks not holding swapped-out KV."""
+        return self.pool.num_free_blocks
+
+    @property
+    def num_in_flight(self) -> int:
+        """Asynchronous copies not yet known to be complete (always 0 on CPU)."""
+        return len(self._in_flight)
+
+    def swap_out(self, cache: BlockStore, block_ids: BlockIds, *, pool: BlockPool | None = None) -> list[int]:
+        """Copy device blocks ``block_ids`` (every layer) into newly allocated host blocks; return their ids
+        (``host_ids[i]`` holds ``block_ids[i]``).
+
+        ``pool``: the device :class:`BlockPool`; its blocks get an extra reference until the copy completes.
+        Raises :class:`InvalidArgumentError` for a cache of another shape or dtype, :class:`InvalidIdError`
+        for ids out of range or repeated, :class:`OutOfBlocksError` when the host is full; nothing changes
+        then.
+        """
+        self._check_peer(cache)
+        src = check_block_ids(block_ids, cache.num_blocks, distinct=True)
+        ids = src.tolist()
+        host_ids = self.pool.allocate(len(ids))
+        if pool is not None and ids:
+            try:
+                pool.touch(ids)
+            except KVPoolError:
+                self.pool.free(host_ids)
+                raise
+        release = (lambda: pool.free(ids[::-1])) if pool is not None and ids else None
+        dst = torch.tensor(host_ids, dtype=torch.int64)
+        if cache.device.type == "cuda":
+            self._swap_out_cuda(cache, src, dst, release)
+        else:
+            self.cache.write_blocks(dst, cache.read_blocks(src.to(cache.device)))
+            if release is not None:
+                release()
+        return host_ids
+
+    def swap_in(self, cache: BlockStore, host_ids: BlockIds, block_ids: BlockIds) -> None:
+        """Copy host blocks ``host_ids`` into device blocks ``block_ids`` (same length; every layer).
+
+        The host blocks stay allocated (call :meth:`free` when done). A swap-out still landing in them is
+        completed first. On CUDA the copy is queued on the swap stream and the current stream waits for it.
+        Raises :class:`InvalidArgumentError` / :class:`InvalidIdError` (a host id not allocated, ids out of
+        range, device ids repeated, lengths differ); nothing is copied then.
+        """
+        self._check_peer(cache)
+        src = check_block_ids(host_ids, self.num_blocks)
+        dst = check_block_ids(block_ids, cache.num_blocks, distinct=True)
+        if len(src) != len(dst):
+            raise InvalidArgumentError(f"{len(src)} host blocks for {len(dst)} device blocks")
+        unallocated = [h for h in src.tolist() if self.pool.ref_count(h) == 0]
+        if unallocated:
+            raise InvalidIdError(f"host blocks {unallocated} hold no swapped-out KV (not allocated)")
+        self._wait_for(src.tolist())
+        if cache.device.type == "cuda":
+            self._swap_in_cuda(cache, src, dst)
+        else:
+            cache.write_blocks(dst, self.cache.read_blocks(src))
+
+    def free(self, host_ids: Sequence[int]) -> None:
+        """Return host blocks to the host pool (after completing a swap-out still landing in them).
+        Raises as :meth:`BlockPool.free` does (InvalidIdError, DoubleFreeError); nothing is freed then."""
+        ids = list(host_ids)
+        self._wait_for(ids)
+        self.pool.free(ids)
+
+    def poll(self) -> int:
+        """Complete every finished asynchronous copy (dropping its source blocks' extra references); return
+        how many are still in flight."""
+        while self._in_flight and self._in_flight[0].event.query():
+            self._complete(self._in_flight.popleft())
+        return len(self._in_flight)
+
+    def synchronize(self) -> None:
+        """Wait for every copy in flight and complete it."""
+        while self._in_flight:
+            item = self._in_flight.popleft()
+            item.event.synchronize()
+            self._complete(item)
+
+    def stats(self) -> dict[str, Any]:
+        """The host store's ``stats()`` plus ``free_blocks``, ``used_blocks``, ``in_flight``, ``pinned``."""
+        return {**self.cache.stats(), "free_blocks": self.pool.num_free_blocks,
+                "used_blocks": self.pool.num_used_blocks, "in_flight": len(self._in_flight),
+                "pinned": self.cache.buffer.is_pinned()}
+
+    def _check_peer(self, cache: BlockStore) -> None:
+        """A device cache swaps with this tier only with the same class, dtype and per-block shape."""
+        mine, theirs = self.cache, cache
+        same = (type(theirs) is type(mine) and theirs.dtype == mine.dtype
+                and getattr(theirs, "layout", None) == getattr(mine, "layout", None)
+                and _block_shape(theirs) == _block_shape(mine))
+        if not same:
+            raise InvalidArgumentError(f"cannot swap between {type(theirs).__name__} {theirs.dtype} "
+                                       f"{list(theirs.buffer.shape)} and host {type(mine).__name__} "
+                                       f"{mine.dtype} {list(mine.buffer.shape)}")
+
+    def _wait_for(self, host_ids: Sequence[int]) -> None:
+        """Complete the copies in flight into any of ``host_ids`` (and those queued before them)."""
+        if self._in_flight and self.poll():
+            wanted = set(host_ids)
+            while any(wanted & item.host_ids for item in self._in_flight):
+                item = self._in_flight.popleft()
+                item.event.synchronize()
+                self._complete(item)
+
+    @staticmethod
+    def _complete(item: _InFlight) -> None:
+        if item.finish is not None:
+            item.finish()
+        if item.release is not None:
+            item.release()
+
+    def _stream(self, device: torch.device) -> Any:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    def _swap_out_cuda(self, cache: BlockStore, src: torch.Tensor, dst: torch.Tensor,
+                       release: Callable[[], None] | None) -> None:
+        """index_select on the swap stream (after the compute stream's writes), one non_blocking D2H copy
+        into pinned staging; the scatter into the host buffer runs on completion."""
+        stream, src_dev = self._stream(cache.device), src.to(cache.device)
+        stream.wait_stream(torch.cuda.current_stream(cache.device))
+        with torch.cuda.stream(stream):
+            staging = self.cache.empty_blocks(len(src), pin_memory=True)
+            staging.copy_(cache.read_blocks(src_dev), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        src_dev.record_stream(stream)
+        finish = lambda: self.cache.write_blocks(dst, staging)  # noqa: E731
+        self._in_flight.append(_InFlight(event, frozenset(dst.tolist()), finish, release, (staging,)))
+
+    def _swap_in_cuda(self, cache: BlockStore, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Gather into pinned staging on the host, one non_blocking H2D copy and the scatter on the swap
+        stream; the compute stream waits on the event before it reads the blocks."""
+        staging = self.cache.read_blocks(src, out=self.cache.empty_blocks(len(src), pin_memory=True))
+        stream, dst_dev = self._stream(cache.device), dst.to(cache.device)
+        current = torch.cuda.current_stream(cache.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            cache.write_blocks(dst_dev, staging.to(cache.device, non_blocking=True))
+            event = torch.cuda.Event()
+            event.record(stream)
+        dst_dev.record_stream(stream)
+        current.wait_event(event)
+        self._in_flight.append(_InFlight(event, frozenset(), keep=(staging,)))
+
+
+def _block_shape(store: BlockStore) -> tuple[int, ...]:
+    shape = list(store.buffer.shape)
+    del shape[store.block_dim]
+    return tuple(shape)

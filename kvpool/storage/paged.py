@@ -1,0 +1,439 @@
+"""``PagedKVCache``: the physical K/V memory of a paged pool, one tensor with per-layer views.
+
+One buffer ``[2, num_layers, num_blocks, block_size, H, D]`` (K then V; nano-vllm / mini-sglang layout), with
+H = ``spec.num_kv_heads_per_rank``. No per-block tensors: a block is an index into dim 2, a slot is
+``block_id * block_size + offset`` (int64 everywhere, so pools past 2^31 elements per layer index correctly).
+
+The shared machinery (allocation, raw byte views, slot and block id checks, ``copy_blocks``, memory stats)
+lives in :class:`BlockStore`, which :class:`kvpool.storage.mla.MLAKVCache` reuses.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError
+from kvpool.spec import AttentionKind, KVCacheSpec
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+LAYOUTS = ("NHD", "HND")
+# Widest element type whose size divides a row: index_copy_ on CPU costs per element, so copying 2 KiB rows
+# as 16-byte complex128 "words" is several times faster than as 2-byte halves (bit-exact: a pure move).
+_RAW_DTYPES = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
+
+BlockIds = Sequence[int] | torch.Tensor
+
+
+def raw_dtype(row_bytes: int) -> torch.dtype:
+    """The widest dtype of :data:`_RAW_DTYPES` whose item size divides ``row_bytes``."""
+    return next(d for d in _RAW_DTYPES if row_bytes % d.itemsize == 0)
+
+
+def as_raw(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` reinterpreted as ``dtype`` (no copy when its strides allow, else a contiguous copy)."""
+    try:
+        return x.view(dtype)
+    except RuntimeError:
+        return x.contiguous().view(dtype)
+
+
+def check_slot_mapping(slot_mapping: torch.Tensor, num_tokens: int, num_slots: int,
+                       device: torch.device) -> bool:
+    """Check a slot mapping and return whether it holds padding (-1) slots.
+
+    Requires an int64 1-D tensor of ``num_tokens`` entries on ``device``, each in ``[0, num_slots)`` or -1.
+    One ``aminmax`` pass (plus a host sync on CUDA). Duplicate slots are not checked (a sort would cost more
+    than the store); which write wins for a duplicate is unspecified.
+
+    Raises:
+        InvalidArgumentError: wrong type, dtype, rank, length or device.
+        InvalidIdError: a slot below -1 or at/after ``num_slots`` (never clamped, never wrapped).
+    """
+    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype != torch.int64:
+        raise InvalidArgumentError(f"slot_mapping must be an int64 tensor, got {_describe(slot_mapping)}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != num_tokens:
+        shape = list(slot_mapping.shape)
+        raise InvalidArgumentError(f"slot_mapping must have shape [{num_tokens}], got {shape}")
+    if slot_mapping.device != device:
+        raise InvalidArgumentError(f"slot_mapping is on {slot_mapping.device}, the cache on {device}")
+    if num_tokens == 0:
+        return False
+    if num_tokens <= 64 and slot_mapping.device.type == "cpu":  # one tolist beats aminmax + 2 item calls
+        values = slot_mapping.tolist()
+        low, high = min(values), max(values)
+    else:
+        low, high = (int(x) for x in slot_mapping.aminmax())
+    if low < -1 or high >= num_slots:
+        raise InvalidIdError(f"slot ids must be in [0, {num_slots}) or -1 (skip), got min {low}, max {high}")
+    return low == -1
+
+
+def check_block_ids(block_ids: BlockIds, num_blocks: int, *, distinct: bool = False) -> torch.Tensor:
+    """``block_ids`` (a sequence of ints or a 1-D integer tensor) as a CPU int64 tensor, after checking each
+    is in ``[0, num_blocks)`` and, when ``distinct``, that none repeats.
+
+    Raises :class:`InvalidArgumentError` for a non-integer or non-1-D input, :class:`InvalidIdError` for an
+    id out of range or repeated.
+    """
+    if isinstance(block_ids, torch.Tensor):
+        if block_ids.is_floating_point() or block_ids.is_complex() or block_ids.dim() != 1:
+            raise InvalidArgumentError(f"block ids must be a 1-D integer tensor, got {block_ids.dtype} "
+                                       f"{list(block_ids.shape)}")
+        ids = block_ids.to(device="cpu", dtype=torch.int64)
+    else:
+        try:
+            ids = torch.tensor([operator.index(i) for i in block_ids], dtype=torch.int64)
+        except TypeError:
+            raise InvalidArgumentError(f"block ids must be integers, got {block_ids!r}") from None
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        raise InvalidIdError(f"block ids must be in [0, {num_blocks}), got {ids.tolist()}")
+    if distinct and ids.unique().numel() != ids.numel():
+        raise InvalidIdError(f"block ids repeat: {ids.tolist()}")
+    return ids
+
+
+def block_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """The int64 slot ids ``[seq_len]`` of a request's first ``seq_len`` tokens: ``block * B + offset``."""
+    offsets = torch.arange(block_size, dtype=torch.int64, device=block_table.device)
+    return (block_table.to(torch.int64)[:, None] * block_size + offsets).flatten()[:seq_len]
+
+
+def encode(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """``x`` converted to the storage ``dtype``; for fp8, divided by ``scale`` and saturated to the format's
+    finite range (as vLLM's scaled fp8 conversion does) instead of turning into NaN."""
+    if x.dtype == dtype:
+        return x
+    if scale != 1.0:
+        x = x.to(torch.float32) / scale
+    limit = torch.finfo(dtype).max
+    return x.clamp(-limit, limit).to(dtype)
+
+
+def dequantize(x: torch.Tensor, scale: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Stored values back to ``dtype``: ``x.to(dtype) * scale`` (the inverse of :func:`encode`, up to the
+    format's rounding: e4m3 keeps 3 mantissa bits, relative error <= 2^-4; e5m2 2 bits, <= 2^-3)."""
+    out = x.to(dtype)
+    return out * scale if scale != 1.0 else out
+
+
+def fp8_scales(dtype: torch.dtype, *scales: float) -> tuple[float, ...]:
+    """The scales as floats for an fp8 ``dtype``, all 1.0 otherwise (scales apply only to fp8 storage).
+    Raises :class:`ConfigError` for a scale that is not a positive finite number."""
+    for scale in scales:
+        if not (isinstance(scale, int | float) and math.isfinite(scale) and scale > 0):
+            raise ConfigError(f"fp8 scales must be positive finite numbers, got {scale!r}")
+    return tuple(float(s) if dtype in FP8_DTYPES else 1.0 for s in scales)
+
+
+def _describe(x: object) -> str:
+    return f"{x.dtype} tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _process_rss() -> int | None:
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return int(psutil.Process().memory_info().rss)
+
+
+class BlockStore:
+    """One pre-allocated buffer whose dimension ``block_dim`` indexes blocks; shared by the KV caches.
+
+    Zeroing: the buffer comes from ``torch.empty`` unless ``zero=True``. On CPU that keeps pages lazily
+    committed (resident memory grows only with what is written, see ``stats()``), and every reader here
+    (``gather``, the engine's paged attention) reads only slots that were written. Pass ``zero=True`` for a
+    kernel that loads whole blocks and masks the tail after the fact: unwritten memory may hold NaN, and
+    ``0 * NaN`` is NaN. ``pin_memory=True`` (page-locked, for async host<->device copies) commits all pages.
+    """
+
+    block_dim: int
+
+    def __init__(self, shape: Sequence[int], block_size: int, *, device: str | torch.device,
+                 dtype: torch.dtype, pin_memory: bool, zero: bool) -> None:
+        num_blocks = shape[self.block_dim]
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
+            raise ConfigError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        self._rss_before = _process_rss() if torch.device(device).type == "cpu" else None
+        factory = torch.zeros if zero else torch.empty
+        self.buffer = factory(tuple(shape), dtype=dtype, device=device, pin_memory=pin_memory)
+        self.dtype = dtype
+        self.device = self.buffer.device
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_slots = num_blocks * block_size
+        self._raw = self.buffer.view(raw_dtype(shape[-1] * dtype.itemsize))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole buffer (what ``torch.empty`` reserved; see ``stats()`` for what is resident)."""
+        return self.buffer.numel() * self.buffer.element_size()
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block across every layer (and K and V)."""
+        return self.nbytes // self.num_blocks
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]] | torch.Tensor) -> None:
+        """Copy whole blocks ``src -> dst`` in every layer (copy-on-write of a shared partial block).
+
+        ``pairs``: ``(src, dst)`` pairs or an int ``[P, 2]`` tensor. Two index ops on the whole buffer: all
+        sources are read before any destination is written. Raises :class:`InvalidIdError` for an id out of
+        range or a destination named twice; nothing is copied then.
+        """
+        table = pairs if isinstance(pairs, torch.Tensor) else torch.tensor(list(pairs), dtype=torch.int64)
+        if table.numel() == 0:
+            return
+        if table.dim() != 2 or table.shape[1] != 2:
+            raise InvalidArgumentError(f"pairs must be (src, dst) pairs, got shape {list(table.shape)}")
+        src = check_block_ids(table[:, 0], self.num_blocks).to(self.device)
+        dst = check_block_ids(table[:, 1], self.num_blocks, distinct=True).to(self.device)
+        self.write_blocks(dst, self.read_blocks(src))
+
+    def read_blocks(self, block_ids: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A copy of whole blocks across every layer, as raw words: the buffer's shape with ``len(block_ids)``
+        blocks, in an integer/complex dtype of the same bytes. ``block_ids``: int64 on this device, already
+        checked (:func:`check_block_ids`). ``out``: e.g. a pinned staging tensor of that shape and dtype."""
+        return torch.index_select(self._raw, self.block_dim, block_ids, out=out)
+
+    def empty_blocks(self, num_blocks: int, *, pin_memory: bool = False) -> torch.Tensor:
+        """An uninitialized CPU tensor shaped like :meth:`read_blocks` output for ``num_blocks`` blocks
+        (a staging buffer for host<->device copies)."""
+        shape = list(self._raw.shape)
+        shape[self.block_dim] = num_blocks
+        return torch.empty(shape, dtype=self._raw.dtype, pin_memory=pin_memory)
+
+    def write_blocks(self, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Write :meth:`read_blocks` output (of a store with the same shape per block) into ``block_ids``
+        (int64 on this device, checked, distinct)."""
+        self._raw.index_copy_(self.block_dim, block_ids, blocks)
+
+    def resident_bytes(self) -> int | None:
+        """The process's resident set size in bytes (psutil), or None without psutil or off CPU.
+
+        RSS is a process figure, not this buffer's: pages of this pool that were written, plus everything
+        else the process holds. ``stats()["rss_growth_bytes"]`` subtracts the RSS taken just before the buffer
+        was allocated, which approximates this pool's committed pages when little else was allocated since.
+        """
+        return _process_rss() if self.device.type == "cpu" else None
+
+    def stats(self) -> dict[str, Any]:
+        """``num_blocks``, ``block_size``, ``dtype``, ``device``, ``nbytes``, ``bytes_per_block``,
+        ``rss_bytes`` (process RSS) and ``rss_growth_bytes`` (RSS minus RSS before allocation; None when
+        unknown). See :meth:`resident_bytes`."""
+        rss = self.resident_bytes()
+        growth = rss - self._rss_before if rss is not None and self._rss_before is not None else None
+        return {"num_blocks": self.num_blocks, "block_size": self.block_size, "dtype": str(self.dtype),
+                "device": str(self.device), "nbytes": self.nbytes, "bytes_per_block": self.bytes_per_block,
+                "rss_bytes": rss, "rss_growth_bytes": growth}
+
+    def _check_layer(self, layer: int, num_layers: int) -> None:
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < num_layers:
+            raise InvalidArgumentError(f"layer must be an integer in [0, {num_layers}), got {layer!r}")
+
+    def _check_rows(self, x: torch.Tensor, name: str, tail: tuple[int, ...], num_tokens: int | None) -> int:
+        """Check ``x`` is ``[T, *tail]`` on this device with a storable dtype; return T."""
+        if not isinstance(x, torch.Tensor):
+            raise InvalidArgumentError(f"{name} must be a tensor, got {type(x).__name__}")
+        shape = x.shape
+        if len(shape) != 1 + len(tail) or shape[1:] != tail or num_tokens not in (None, shape[0]):
+            want = f"[{num_tokens if num_tokens is not None else 'T'}, {', '.join(map(str, tail))}]"
+            raise InvalidArgumentError(f"{name} must have shape {want}, got {list(x.shape)}")
+        if x.device != self.device:
+            raise InvalidArgumentError(f"{name} is on {x.device}, the cache on {self.device}")
+        convertible = self.dtype in FP8_DTYPES and x.dtype.is_floating_point and x.dtype.itemsize > 1
+        if x.dtype != self.dtype and not convertible:
+            raise InvalidArgumentError(f"{name} has dtype {x.dtype}, the cache stores {self.dtype}")
+        return x.shape[0]
+
+    def _block_index(self, block_table: BlockIds, seq_len: int) -> torch.Tensor:
+        """The first ``ceil(seq_len / block_size)`` ids of ``block_table``, checked, on this device."""
+        if not isinstance(seq_len, int) or seq_len < 0:
+            raise InvalidArgumentError(f"seq_len must be a non-negative integer, got {seq_len!r}")
+        needed = math.ceil(seq_len / self.block_size)
+        if len(block_table) < needed:
+            raise InvalidArgumentError(f"seq_len {seq_len} needs {needed} blocks, block_table has "
+                                       f"{len(block_table)}")
+        return check_block_ids(block_table[:needed], self.num_blocks).to(self.device)
+
+
+def _triton_store(device: torch.device) -> Any:
+    """The Triton store function on CUDA when Triton imports, else None (the torch path is used)."""
+    if device.type != "cuda":
+        return None
+    try:
+        from kvpool.storage.triton_store import store_rows
+    except ImportError:
+        return None
+    return store_rows
+
+
+class PagedKVCache(BlockStore):
+    """K and V of every layer in one buffer, for paged attention.
+
+    Args:
+        spec: the model's :class:`KVCacheSpec` (MHA/GQA; H = ``spec.num_kv_heads_per_rank``).
+        num_blocks: blocks N (e.g. ``PoolPlan.num_blocks``); each holds ``spec.block_size`` tokens.
+        device: where the buffer lives (``"meta"`` allocates nothing: shape and offset arithmetic only).
+        dtype: storage dtype, overriding ``spec.dtype`` (e.g. a float32 model whose spec was built by hand).
+        layout: ``"NHD"`` (default) allocates ``[2, L, N, B, H, D]``; ``"HND"`` allocates
+            ``[2, L, N, H, B, D]`` so that FlashInfer's HND pages are contiguous (see :meth:`flashinfer_kv`).
+        k_scale, v_scale: per-tensor fp8 scales (stored = value / scale); ignored for other dtypes.
+        pin_memory: page-locked CPU memory (the host tier sets it when CUDA exists).
+        zero: zero-fill instead of ``torch.empty`` (see :class:`BlockStore` for why the default is empty).
+
+    Views (no copies): :meth:`k_cache`, :meth:`v_cache` ``[N, B, H, D]`` (FlashAttention's paged layout and
+    FlashInfer NHD; in the HND layout these are permuted, non-contiguous views), :meth:`kv_cache`
+    ``[2, N, B, H, D]``, :meth:`flat_k_cache` / :meth:`flat_v_cache` ``[N*B, H, D]`` (NHD only: in HND a
+    slot's heads are not adjacent, so no flat view exists), :meth:`flashinfer_kv` (contiguous in either
+    layout).
+
+    Raises:
+        ConfigError: an MLA spec (use ``MLAKVCache``), an unknown layout, or a non-positive ``num_blocks``.
+    """
+
+    block_dim = 2
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, *, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | None = None, layout: str = "NHD", k_scale: float = 1.0,
+                 v_scale: float = 1.0, pin_memory: bool = False, zero: bool = False) -> None:
+        if spec.attention is not AttentionKind.MHA:
+            raise ConfigError("PagedKVCache stores MHA/GQA K and V; use MLAKVCache for an MLA spec")
+        if layout not in LAYOUTS:
+            raise ConfigError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        self.spec, self.layout = spec, layout
+        self.num_layers, self.head_dim = spec.num_layers, spec.head_dim
+        self.num_heads = spec.num_kv_heads_per_rank
+        dtype = dtype or spec.dtype
+        self.k_scale, self.v_scale = fp8_scales(dtype, k_scale, v_scale)
+        bhd = (spec.block_size, self.num_heads, self.head_dim)
+        page = bhd if layout == "NHD" else (self.num_heads, spec.block_size, self.head_dim)
+        super().__init__((2, self.num_layers, num_blocks, *page), spec.block_size, device=device,
+                         dtype=dtype, pin_memory=pin_memory, zero=zero)
+        layers = range(self.num_layers)
+        self._views = [[self._nhd(self.buffer[kv, layer]) for layer in layers] for kv in (0, 1)]
+        self._raw_views = [[self._nhd(self._raw[kv, layer]) for layer in layers] for kv in (0, 1)]
+        self._flat_raw = [[self._flat(self._raw[kv, layer]) for layer in layers] for kv in (0, 1)]
+        self._triton = _triton_store(self.device) if layout == "NHD" else None
+
+    def _nhd(self, page: torch.Tensor) -> torch.Tensor:
+        return page if self.layout == "NHD" else page.permute(0, 2, 1, 3)
+
+    def _flat(self, page: torch.Tensor) -> torch.Tensor | None:
+        return page.view(self.num_slots, *page.shape[2:]) if self.layout == "NHD" else None
+
+    def k_cache(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s K ``[N, B, H, D]`` (a view; permuted and non-contiguous in the HND layout)."""
+        self._check_layer(layer, self.num_layers)
+        return self._views[0][layer]
+
+    def v_cache(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s V ``[N, B, H, D]`` (a view; permuted and non-contiguous in the HND layout)."""
+        self._check_layer(layer, self.num_layers)
+        return self._views[1][layer]
+
+    def kv_cache(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s K and V ``[2, N, B, H, D]`` (a view; non-contiguous over dim 0 and in HND)."""
+        self._check_layer(layer, self.num_layers)
+        return self._nhd_pair(self.buffer[:, layer])
+
+    def _nhd_pair(self, pages: torch.Tensor) -> torch.Tensor:
+        return pages if self.layout == "NHD" else pages.permute(0, 1, 3, 2, 4)
+
+    def flat_k_cache(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s K by slot ``[N*B, H, D]`` (a view; NHD layout only)."""
+        return self._flat_view(0, layer)
+
+    def flat_v_cache(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s V by slot ``[N*B, H, D]`` (a view; NHD layout only)."""
+        return self._flat_view(1, layer)
+
+    def _flat_view(self, kv: int, layer: int) -> torch.Tensor:
+        self._check_layer(layer, self.num_layers)
+        if self.layout != "NHD":
+            raise InvalidArgumentError("the flat [N*B, H, D] view exists only in the NHD layout")
+        return self._flat(self.buffer[kv, layer])
+
+    def flashinfer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """FlashInfer's paged ``(k_cache, v_cache)`` tuple for ``layer`` in this cache's layout, contiguous
+        views: NHD ``[N, B, H, D]`` each, HND ``[N, H, B, D]`` each. (FlashInfer's single-tensor form
+        ``[N, 2, B, H, D]`` interleaves K and V per page, which this buffer does not: use the tuple.)"""
+        self._check_layer(layer, self.num_layers)
+        return self.buffer[0, layer], self.buffer[1, layer]
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, layer: int, *,
+                 check: bool = True) -> None:
+        """Write token ``t``'s K and V into slot ``slot_mapping[t]`` of ``layer``; slot -1 skips the token.
+
+        Args:
+            k, v: ``[T, H, D]``, on the cache's device, in the cache dtype (an fp8 cache also takes a float
+                dtype, divided by ``k_scale`` / ``v_scale`` and converted).
+            slot_mapping: int64 ``[T]``, each ``block_id * block_size + offset`` or -1.
+            check: False skips only the slot range check (no host sync on CUDA; a bad slot is then undefined
+                behaviour). Shape, dtype, device and layer are always checked.
+
+        Raises:
+            InvalidArgumentError: wrong shape, dtype, device, layer, or k and v of different lengths.
+            InvalidIdError: a slot outside ``[0, N*B)`` other than -1. Nothing is written when it raises.
+        """
+        self._check_layer(layer, self.num_layers)
+        tail = (self.num_heads, self.head_dim)
+        num_tokens = self._check_rows(k, "k", tail, None)
+        self._check_rows(v, "v", tail, num_tokens)
+        pad = check_slot_mapping(slot_mapping, num_tokens, self.num_slots, self.device) if check else True
+        k, v = encode(k, self.dtype, self.k_scale), encode(v, self.dtype, self.v_scale)
+        if self._triton is not None:
+            self._triton(k, v, slot_mapping, self.flat_k_cache(layer), self.flat_v_cache(layer))
+            return
+        k, v = as_raw(k, self._raw.dtype), as_raw(v, self._raw.dtype)
+        if pad:  # drop padding tokens, moving rows as raw words (cheaper than a boolean mask on halves)
+            keep = (slot_mapping != -1).nonzero().squeeze(1)
+            slot_mapping, k, v = slot_mapping[keep], k.index_select(0, keep), v.index_select(0, keep)
+        if self.layout == "NHD":
+            self._flat_raw[0][layer].index_copy_(0, slot_mapping, k)
+            self._flat_raw[1][layer].index_copy_(0, slot_mapping, v)
+        else:
+            block = torch.div(slot_mapping, self.block_size, rounding_mode="floor")
+            index = (block, slot_mapping - block * self.block_size)
+            self._raw_views[0][layer].index_put_(index, k)
+            self._raw_views[1][layer].index_put_(index, v)
+
+    def gather(self, layer: int, block_table: BlockIds, seq_len: int, *, dtype: torch.dtype | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A request's K and V as contiguous ``[seq_len, H, D]`` tensors (for reference attention and tests).
+
+        ``block_table``: the request's block ids (list or int tensor; entries past ``ceil(seq_len / B)`` are
+        ignored). ``dtype``: None returns the stored values bit for bit; a dtype converts (fp8: dequantized
+        with the cache's scales). Raises :class:`InvalidArgumentError` / :class:`InvalidIdError`.
+        """
+        self._check_layer(layer, self.num_layers)
+        blocks = self._block_index(block_table, seq_len)
+        k, v = (view.index_select(0, blocks).reshape(-1, self.num_heads, self.head_dim)[:seq_len]
+                for view in (self._views[0][layer], self._views[1][layer]))
+        if dtype is None:
+            return k, v
+        return dequantize(k, self.k_scale, dtype), dequantize(v, self.v_scale, dtype)
+
+    def bind(self, model: torch.nn.Module) -> int:
+        """Give every module of ``model`` that has ``k_cache`` and ``v_cache`` attributes its layer's views
+        (``k_cache(l)``, ``v_cache(l)``), in ``model.modules()`` order (nano-vllm style). Returns the count.
+
+        Raises :class:`ConfigError` when that count differs from ``num_layers`` (nothing is bound then).
+        """
+        modules = [m for m in model.modules() if hasattr(m, "k_cache") and hasattr(m, "v_cache")]
+        if len(modules) != self.num_layers:
+            raise ConfigError(f"model has {len(modules)} modules with k_cache/v_cache, the cache "
+                              f"{self.num_layers} layers")
+        for layer, module in enumerate(modules):
+            module.k_cache, module.v_cache = self._views[0][layer], self._views[1][layer]
+        return len(modules)
+
+    def stats(self) -> dict[str, Any]:
+        """:meth:`BlockStore.stats` plus ``num_layers``, ``num_kv_heads``, ``head_dim`` and ``layout``."""
+        return {**super().stats(), "num_layers": self.num_layers, "num_kv_heads": self.num_heads,
+                "head_dim": self.head_dim, "layout": self.layout}

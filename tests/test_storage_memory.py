@@ -1,0 +1,44 @@
+"""Section 4, lazy commit: a 4 GiB ``torch.empty`` CPU pool costs resident memory only for what is written.
+
+Expected figures by hand: spec 4 layers x 8 KV heads x 128 dims x 2 bytes (float16), 16-token blocks:
+2 x 4 x 16 x 8 x 128 x 2 B = 256 KiB per block, so 16,384 blocks = 4 GiB. Writing the first 1,638 blocks
+(10%) of every layer, K and V, writes 1,638 x 256 KiB = 409.5 MiB; RSS should grow by about that (Linux
+commits 4 KiB pages on first write), not by 4 GiB.
+"""
+
+import pytest
+import torch
+
+from kvpool.spec import KVCacheSpec
+from kvpool.storage.paged import PagedKVCache, block_slots
+
+psutil = pytest.importorskip("psutil")
+
+MiB = 2**20
+
+
+def rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def test_4gib_pool_grows_resident_memory_only_by_what_is_written() -> None:
+    spec = KVCacheSpec(num_layers=4, num_kv_heads=8, head_dim=128, dtype=torch.float16, block_size=16)
+    written_blocks = 1638
+    tokens = written_blocks * 16
+    k = torch.full((tokens, 8, 128), 1.5, dtype=torch.float16)  # sources allocated before the baseline
+    slots = block_slots(torch.arange(written_blocks), tokens, 16)
+    start = rss()
+    cache = PagedKVCache(spec, 16384)
+    assert cache.nbytes == 4 * 2**30
+    after_alloc = rss()
+    assert after_alloc - start < 64 * MiB  # reserved, not committed
+    for layer in range(4):
+        cache.store_kv(k, k, slots, layer)
+    growth = rss() - after_alloc
+    written = written_blocks * 256 * 1024
+    assert written == int(409.5 * MiB)
+    assert 0.8 * written <= growth <= 1.25 * written + 32 * MiB, f"RSS grew {growth / MiB:.0f} MiB"
+    stats = cache.stats()
+    assert stats["nbytes"] == 4 * 2**30
+    assert 0.8 * written <= stats["rss_growth_bytes"] <= 1.25 * written + 64 * MiB
+    assert torch.equal(cache.gather(3, [written_blocks - 1], 16)[1], k[:16])
