@@ -1,0 +1,135 @@
+"""``kvpool replay [TRACE]``: replay a serving trace through the block pool (hit ratio, blocks, preemptions).
+
+Without TRACE it replays the shipped Mooncake conversation trace (``--format azure``: the shipped Azure code
+trace). Pool size: ``--num-blocks N``, or what ``kvpool plan`` gives a model in a memory budget
+(``--model-config PATH --gpu-memory BYTES``), or by default unbounded (every request's blocks at once, so
+nothing is evicted or preempted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from kvpool.cli._args import fraction, non_negative_float, parse_bytes, positive_int
+from kvpool.errors import ConfigError
+from kvpool.spec import KVCacheSpec
+from kvpool.trace.loaders import FORMATS, load_trace
+from kvpool.trace.replay import TIMINGS, ReplayConfig, run_replay
+
+#: Requests above which a progress bar is drawn (on a terminal, without --json).
+PROGRESS_MIN_REQUESTS = 1000
+
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("replay", help="replay a serving trace through the block pool",
+                                   description=__doc__.splitlines()[0])
+    parser.add_argument("trace", nargs="?", metavar="TRACE", help="trace file (default: the shipped one)")
+    parser.add_argument("--format", choices=FORMATS, help="trace format (default: from the file suffix)")
+    parser.add_argument("--block-size", type=positive_int, default=16, metavar="B",
+                        help="tokens per block; must divide 512 for Mooncake (default 16)")
+    parser.add_argument("--timing", choices=TIMINGS, default="instant",
+                        help="instant: one at a time; trace: arrivals at timestamps (default instant)")
+    parser.add_argument("--max-requests", type=positive_int, metavar="N", help="replay the first N requests")
+    parser.add_argument("--skip-malformed", action="store_true", help="skip and count malformed rows")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw blocks in use / cached / free over time")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _capacity_arguments(parser.add_argument_group("pool size"))
+    _engine_arguments(parser.add_argument_group("engine model (step times; budgets apply to trace timing)"))
+    parser.set_defaults(func=run)
+
+
+def _capacity_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--num-blocks", type=positive_int, metavar="N", help="pool size in blocks")
+    group.add_argument("--model-config", metavar="PATH", help="size the pool as `kvpool plan` does")
+    group.add_argument("--gpu-memory", type=parse_bytes, metavar="BYTES", help="device memory, e.g. 80GiB")
+    group.add_argument("--gpu-memory-utilization", type=fraction, default=0.9, metavar="F",
+                       help="share of the device memory to plan with (default 0.9)")
+    group.add_argument("--non-kv-memory", type=parse_bytes, default=0, metavar="BYTES",
+                       help="weights, activations and workspace, e.g. 16GiB (default 0)")
+    group.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype (default: the model's)")
+    group.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel ranks (default 1)")
+
+
+def _engine_arguments(group: argparse._ArgumentGroup) -> None:
+    defaults = ReplayConfig()
+    group.add_argument("--max-batched-tokens", type=positive_int, default=defaults.max_batched_tokens,
+                       metavar="N", help=f"token budget per step (default {defaults.max_batched_tokens})")
+    group.add_argument("--max-running", type=positive_int, default=defaults.max_running, metavar="N",
+                       help=f"requests in flight at most (default {defaults.max_running})")
+    group.add_argument("--step-s", type=non_negative_float, default=defaults.step_s, metavar="S",
+                       help=f"fixed seconds per step (default {defaults.step_s})")
+    group.add_argument("--prefill-token-s", type=non_negative_float,
+                       default=defaults.prefill_token_s, metavar="S",
+                       help=f"seconds per uncached prompt token (default {defaults.prefill_token_s})")
+    group.add_argument("--decode-token-s", type=non_negative_float,
+                       default=defaults.decode_token_s, metavar="S",
+                       help=f"seconds per decoded token (default {defaults.decode_token_s})")
+
+
+def run(args: argparse.Namespace) -> int:
+    trace = load_trace(args.trace, args.format, skip_malformed=args.skip_malformed,
+                       max_requests=args.max_requests)
+    config = ReplayConfig(
+        block_size=args.block_size, num_blocks=num_blocks_from_args(args), timing=args.timing,
+        max_batched_tokens=args.max_batched_tokens, max_running=args.max_running, step_s=args.step_s,
+        prefill_token_s=args.prefill_token_s, decode_token_s=args.decode_token_s)
+    bar = _progress_bar(len(trace.requests), off=args.json or args.no_progress)
+    try:
+        result = run_replay(trace.requests, config, progress=bar and bar.update,
+                            record_timeline=bool(args.plot))
+    finally:
+        if bar is not None:
+            bar.close()
+    report = {"trace": trace.path, "format": trace.format, "skipped_rows": trace.skipped, **result.to_dict()}
+    if args.plot:
+        from kvpool.trace.plot import plot_timeline
+
+        report["plot"] = str(plot_timeline(result, args.plot, title=f"kvpool replay {trace.format}"))
+    print(json.dumps(report) if args.json else _human(report))
+    return 0
+
+
+def num_blocks_from_args(args: argparse.Namespace) -> int | None:
+    """``--num-blocks``, or the planner's num_blocks for ``--model-config`` and ``--gpu-memory``, or None."""
+    if args.model_config is None:
+        if args.gpu_memory is not None:
+            raise ConfigError("--gpu-memory needs --model-config (or give --num-blocks)")
+        return args.num_blocks
+    if args.num_blocks is not None:
+        raise ConfigError("give either --num-blocks or --model-config, not both")
+    if args.gpu_memory is None:
+        raise ConfigError("--model-config needs --gpu-memory BYTES (the device memory per rank)")
+    from kvpool.planner import MemoryReadings, plan_pool
+
+    spec = KVCacheSpec.from_hf_config(args.model_config, tp_size=args.tp_size,
+                                      kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size)
+    readings = MemoryReadings(total_bytes=args.gpu_memory, non_kv_bytes=args.non_kv_memory)
+    return plan_pool(spec, readings, gpu_memory_utilization=args.gpu_memory_utilization).num_blocks
+
+
+def _progress_bar(total: int, *, off: bool) -> Any:
+    """A tqdm bar on stderr for long runs on a terminal, else None."""
+    if off or total < PROGRESS_MIN_REQUESTS or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="req", file=sys.stderr, desc="replay")
+
+
+#: The human report: field name and how to print it, in order.
+_FORMATS = {
+    "trace": "", "format": "", "timing": "", "block_size": ",", "num_blocks": ",", "skipped_rows": ",",
+    "requests_completed": ",", "requests_rejected": ",", "prompt_blocks": ",", "hit_blocks": ",",
+    "block_hit_ratio": ".6f", "token_hit_ratio": ".6f", "peak_blocks_used": ",", "mean_blocks_used": ",.1f",
+    "preemptions": ",", "evictions": ",", "block_ops": ",", "block_ops_per_s": ",.0f", "wall_s": ",.3f",
+    "simulated_s": ",.3f", "plot": "",
+}
+
+
+def _human(report: dict[str, Any]) -> str:
+    return "\n".join(f"{name:<20} {report[name]:{spec}}" for name, spec in _FORMATS.items() if name in report)

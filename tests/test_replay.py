@@ -1,0 +1,348 @@
+"""Trace replay through the real BlockPool: brute-force oracles, hand-computed schedules, the CLI and bench.
+
+Oracles here never use the replay's code: prefixes are identified by a trie of (hash id, sub-block index)
+paths, so they do not rely on the trace's ids being chained nor on the replay's packed sub-block ids.
+"""
+
+import importlib
+import json
+import math
+import random
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+
+from kvpool.allocators.block_pool import BlockPool
+from kvpool.cli import main
+from kvpool.errors import ConfigError
+from kvpool.trace.loaders import TraceRequest, load_trace
+from kvpool.trace.replay import ReplayConfig, run_replay
+
+replay_module = importlib.import_module("kvpool.trace.replay")
+CONFIGS = Path(__file__).parent / "configs"
+UNIT_COSTS = {"step_s": 1.0, "prefill_token_s": 0.0, "decode_token_s": 0.0}  # every step lasts 1 s
+
+
+# ---- brute-force models -------------------------------------------------------------------------------
+
+class PrefixTrie:
+    """Node ids for prompt-block paths: node((..., b_i)) is the same id exactly when the whole path is."""
+
+    def __init__(self) -> None:
+        self.children: dict[tuple[int, tuple[int, int]], int] = {}
+
+    def path(self, req: TraceRequest, block_size: int, create: bool) -> list[int]:
+        """Node ids of the request's full blocks; block i is sub-block j of hash block h (i = h_idx*k + j)."""
+        k, full = 512 // block_size, req.input_tokens // block_size
+        nodes, node = [], 0
+        for i in range(full):
+            key = (node, (req.hash_ids[i // k], i % k))
+            nxt = self.children.get(key)
+            if nxt is None:
+                if not create:
+                    break
+                nxt = self.children[key] = len(self.children) + 1
+            nodes.append(nxt)
+            node = nxt
+        return nodes
+
+
+def unbounded_oracle(requests: list[TraceRequest], block_size: int) -> tuple[int, int, int]:
+    """(hit blocks, full prompt blocks, prompt tokens): a block hits when it and every block before it
+    appeared as full blocks in an earlier request."""
+    trie, hits, blocks, tokens = PrefixTrie(), 0, 0, 0
+    for req in requests:
+        hits += len(trie.path(req, block_size, create=False))
+        blocks += len(trie.path(req, block_size, create=True))
+        tokens += req.input_tokens
+    return hits, blocks, tokens
+
+
+def lru_model(requests: list[TraceRequest], block_size: int, num_blocks: int) -> tuple[int, int, int]:
+    """(hits, evictions, rejected) of a serial replay on a pool that hands out never-cached free blocks
+    first, then evicts the least recently freed cached block; requests free their blocks tail first."""
+    trie, cached, plain = PrefixTrie(), OrderedDict(), num_blocks
+    hits = evictions = rejected = 0
+    for req in requests:
+        total = math.ceil((req.input_tokens + req.output_tokens) / block_size)
+        if total > num_blocks:
+            rejected += 1
+            continue
+        nodes = trie.path(req, block_size, create=True)
+        h = 0
+        while h < len(nodes) and nodes[h] in cached:
+            del cached[nodes[h]]  # touched: in use now
+            h += 1
+        hits += h
+        take = min(plain, total - h)
+        plain -= take
+        for _ in range(total - h - take):
+            cached.popitem(last=False)
+            evictions += 1
+        published = [n for n in nodes[h:] if n not in cached]  # a hash held elsewhere stays there
+        held = nodes[:h] + published
+        plain += total - len(held)
+        for node in reversed(held):
+            cached[node] = None
+    return hits, evictions, rejected
+
+
+def synthetic_trace(seed: int, n: int = 160) -> list[TraceRequest]:
+    """Chained hash ids (one id per (parent id, label)), much prefix sharing, partial last blocks."""
+    rng = random.Random(seed)
+    ids: dict[tuple[int, int], int] = {}
+    labels_seen: list[list[int]] = []
+    requests = []
+    for i in range(n):
+        if labels_seen and rng.random() < 0.7:
+            base = rng.choice(labels_seen)
+            labels = base[:rng.randint(1, len(base))] + [rng.randrange(3) for _ in range(rng.randint(0, 3))]
+        else:
+            labels = [rng.randrange(3) for _ in range(rng.randint(1, 6))]
+        labels = labels[:8]
+        chain, parent = [], -1
+        for label in labels:
+            parent = ids.setdefault((parent, label), len(ids))
+            chain.append(parent)
+        input_tokens = (len(chain) - 1) * 512 + rng.randint(1, 512)
+        requests.append(TraceRequest(i * 0.4, input_tokens, rng.randint(0, 900), tuple(chain)))
+        labels_seen.append(labels)
+    return requests
+
+
+# ---- oracles on the real trace --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mooncake() -> list[TraceRequest]:
+    return load_trace().requests
+
+
+def _check_against_oracle(requests: list[TraceRequest], block_size: int) -> tuple[int, int, int]:
+    hits, blocks, tokens = unbounded_oracle(requests, block_size)
+    pool = BlockPool(sum(math.ceil((r.input_tokens + r.output_tokens) / block_size) for r in requests))
+    result = run_replay(requests, ReplayConfig(block_size=block_size, timing="instant"), pool=pool)
+    assert (result.hit_blocks, result.prompt_blocks) == (hits, blocks)
+    assert result.block_hit_ratio == hits / blocks
+    assert result.token_hit_ratio == hits * block_size / tokens
+    assert (result.requests_completed, result.requests_rejected, result.evictions) == (len(requests), 0, 0)
+    assert pool.num_free_blocks == pool.num_blocks
+    pool.check_integrity()
+    return hits, blocks, tokens
+
+
+def test_unbounded_instant_replay_equals_oracle_at_512(mooncake: list[TraceRequest]) -> None:
+    hits, blocks, tokens = _check_against_oracle(mooncake, 512)
+    # The oracle against the figures published in issue 6.
+    assert (hits, blocks) == (105_592, 276_491)
+    assert round(hits / blocks, 6) == 0.381900 and round(hits * 512 / tokens, 6) == 0.373380
+
+
+def test_unbounded_instant_replay_equals_oracle_at_128(mooncake: list[TraceRequest]) -> None:
+    _check_against_oracle(mooncake[:6000], 128)
+
+
+@pytest.mark.slow
+def test_unbounded_instant_replay_equals_oracle_at_16(mooncake: list[TraceRequest]) -> None:
+    hits, blocks, _ = _check_against_oracle(mooncake, 16)
+    assert round(hits / blocks, 6) == 0.373849  # issue 6's figure at block size 16
+
+
+def test_default_pool_is_unbounded(mooncake: list[TraceRequest]) -> None:
+    requests = mooncake[:500]
+    result = run_replay(requests, ReplayConfig(block_size=64))
+    assert result.num_blocks == sum(math.ceil((r.input_tokens + r.output_tokens) / 64) for r in requests)
+    assert (result.evictions, result.preemptions, result.requests_rejected) == (0, 0, 0)
+    assert result.hit_blocks == unbounded_oracle(requests, 64)[0]
+
+
+# ---- bounded pools: brute-force LRU model ---------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("block_size", [512, 128, 32])
+@pytest.mark.parametrize("scale", [0.5, 1, 2, 5])
+def test_bounded_instant_replay_matches_lru_model(seed: int, block_size: int, scale: float) -> None:
+    requests = synthetic_trace(seed)
+    biggest = max(math.ceil((r.input_tokens + r.output_tokens) / block_size) for r in requests)
+    num_blocks = int(biggest * scale)
+    pool = BlockPool(num_blocks)
+    result = run_replay(requests, ReplayConfig(block_size=block_size, num_blocks=num_blocks), pool=pool)
+    hits, evictions, rejected = lru_model(requests, block_size, num_blocks)
+    assert (result.hit_blocks, result.evictions, result.requests_rejected) == (hits, evictions, rejected)
+    assert result.requests_completed == len(requests) - rejected
+    assert pool.num_used_blocks == 0
+    pool.check_integrity()
+    if scale >= 1:
+        assert result.evictions > 0  # the bound really bites
+
+
+# ---- trace timing: hand-computed schedules --------------------------------------------------------------
+
+def test_preemption_by_recompute_hand_schedule() -> None:
+    # Block size 4, 4 blocks; A and B: 4 prompt + 8 output tokens (3 blocks each), both at t = 0.
+    # t0 prefill A, B (2 blocks); t1 both decode into a 2nd block (4 used); t2-4 decode (4 used);
+    # t5 A needs a 3rd block, none free: B (newest) is preempted, A takes one (3 used); B needs 2 blocks
+    # (4 prompt + 4 generated tokens) but 1 is free. t6-8 A decodes and finishes; t9 B re-prefills
+    # (2 used); t10 B takes its 3rd block; t10-13 decodes, finishes at the end of step 14.
+    requests = [TraceRequest(0.0, 4, 8), TraceRequest(0.0, 4, 8)]
+    pool = BlockPool(4)
+    result = run_replay(requests, ReplayConfig(block_size=4, num_blocks=4, timing="trace", **UNIT_COSTS),
+                        pool=pool)
+    assert result.preemptions == 1 and result.requests_completed == 2
+    assert result.simulated_s == 14 and result.peak_blocks_used == 4
+    used_per_step = [2, 4, 4, 4, 4, 3, 3, 3, 3, 2, 3, 3, 3, 3]
+    assert result.mean_blocks_used == pytest.approx(sum(used_per_step) / 14)
+    assert pool.num_used_blocks == 0
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize(("budget", "max_running", "expected_s"), [
+    (8192, 256, 2),  # step 1 prefills all three, step 2 decodes all three
+    (250, 256, 3),   # 100 + 100 fit, the third waits: it prefills in step 2 (budget 250 - 2 decodes)
+    (8192, 2, 4),    # two at a time: A, B prefill; A, B decode; C prefills; C decodes
+])
+def test_token_budget_and_max_running(budget: int, max_running: int, expected_s: int) -> None:
+    requests = [TraceRequest(0.0, 100, 1) for _ in range(3)]
+    config = ReplayConfig(block_size=16, num_blocks=100, timing="trace", max_batched_tokens=budget,
+                          max_running=max_running, **UNIT_COSTS)
+    result = run_replay(requests, config)
+    assert result.simulated_s == expected_s and result.requests_completed == 3
+
+
+def test_instant_time_model_by_hand() -> None:
+    # Request 1: 100 prompt + 20 output tokens, block size 16. Prefill: 0.01 + 100 x 0.001 = 0.11 s holding
+    # 7 blocks; 20 decode steps of 0.012 s: tokens 101-112 on 7 blocks, 113-120 on 8 blocks.
+    # Request 2 arrives at t = 10: 16 tokens, no output: 0.01 + 16 x 0.001 = 0.026 s on 1 block.
+    requests = [TraceRequest(0.0, 100, 20), TraceRequest(10.0, 16, 0)]
+    config = ReplayConfig(block_size=16, step_s=0.01, prefill_token_s=0.001, decode_token_s=0.002)
+    result = run_replay(requests, config)
+    block_seconds = 7 * 0.11 + (12 * 7 + 8 * 8) * 0.012 + 1 * 0.026
+    assert result.simulated_s == pytest.approx(10.026)
+    assert result.mean_blocks_used == pytest.approx(block_seconds / 10.026)
+    assert result.peak_blocks_used == 8 and result.prompt_blocks == 6 + 1
+    # block ops: lookup (none: no hash ids), allocate 7 + 1, free 8; then allocate 1, free 1.
+    assert result.block_ops == 18
+
+
+def test_oversized_request_is_rejected_and_counted() -> None:
+    requests = [TraceRequest(0.0, 100, 20), TraceRequest(1.0, 16, 0)]  # 8 blocks and 1 block
+    for timing in ("instant", "trace"):
+        result = run_replay(requests, ReplayConfig(block_size=16, num_blocks=7, timing=timing))
+        assert (result.requests_rejected, result.requests_completed, result.prompt_blocks) == (1, 1, 1)
+
+
+def test_hits_on_a_hand_trace() -> None:
+    # Block size 256: ids (1, 2) -> sub-blocks (1,0) (1,1) (2,0) (2,1); ids (1, 3) share only (1,0) (1,1).
+    requests = [TraceRequest(0.0, 1024, 0, (1, 2)), TraceRequest(1.0, 1024, 0, (1, 3)),
+                TraceRequest(2.0, 700, 0, (1, 2))]  # 700 tokens: 2 full sub-blocks, both cached
+    result = run_replay(requests, ReplayConfig(block_size=256))
+    assert (result.hit_blocks, result.prompt_blocks) == (0 + 2 + 2, 4 + 4 + 2)
+    assert result.token_hit_ratio == 4 * 256 / (1024 + 1024 + 700)
+
+
+def test_fast_forward_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    requests = synthetic_trace(7, n=120)
+    config = ReplayConfig(block_size=64, num_blocks=150, timing="trace", max_batched_tokens=2048,
+                          **UNIT_COSTS)
+    fast = run_replay(requests, config).to_dict()
+    monkeypatch.setattr(replay_module, "FAST_FORWARD", False)
+    slow = run_replay(requests, config).to_dict()
+    for noisy in ("wall_s", "block_ops_per_s"):
+        del fast[noisy], slow[noisy]
+    assert fast == slow and fast["preemptions"] > 0 and fast["evictions"] > 0
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_trace_timing_bounded_pool_ends_clean(seed: int) -> None:
+    requests = synthetic_trace(seed)
+    pool = BlockPool(60)
+    config = ReplayConfig(block_size=32, num_blocks=60, timing="trace", max_batched_tokens=1024)
+    result = run_replay(requests, config, pool=pool)
+    assert result.requests_completed + result.requests_rejected == len(requests)
+    assert result.peak_blocks_used <= 60 and result.preemptions > 0
+    assert pool.num_used_blocks == 0
+    pool.check_integrity()
+    # Concurrency can only hide prefixes that are not yet published: never more hits than serial, unbounded.
+    unbounded = run_replay(requests, ReplayConfig(block_size=32, timing="trace"))
+    assert unbounded.hit_blocks <= unbounded_oracle(requests, 32)[0]
+    assert unbounded.preemptions == 0 and unbounded.requests_completed == len(requests)
+
+
+def test_bad_configs_raise_config_error() -> None:
+    with pytest.raises(ConfigError, match="divide 512"):
+        run_replay([TraceRequest(0.0, 600, 1, (1, 2))], ReplayConfig(block_size=100))
+    run_replay([TraceRequest(0.0, 600, 1)], ReplayConfig(block_size=100))  # no hash ids: any block size
+    with pytest.raises(ConfigError, match="timing"):
+        ReplayConfig(timing="realtime")
+    with pytest.raises(ConfigError, match="num_blocks"):
+        ReplayConfig(num_blocks=0)
+    with pytest.raises(ConfigError, match="step_s"):
+        ReplayConfig(step_s=-1.0)
+    with pytest.raises(ConfigError, match="all-free pool"):
+        run_replay([TraceRequest(0.0, 16, 1)], ReplayConfig(num_blocks=5), pool=BlockPool(4))
+
+
+# ---- CLI, plot and bench --------------------------------------------------------------------------------
+
+ISSUE_NAMES = {"requests_completed", "requests_rejected", "prompt_blocks", "hit_blocks", "block_hit_ratio",
+               "token_hit_ratio", "peak_blocks_used", "mean_blocks_used", "preemptions", "block_ops",
+               "block_ops_per_s", "wall_s"}
+
+
+def _json_run(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert main(["replay", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_json_has_the_issue_names(capsys: pytest.CaptureFixture[str], mooncake: list[TraceRequest]
+                                      ) -> None:
+    report = _json_run(capsys, "--block-size", "512", "--max-requests", "300")
+    assert report.keys() >= ISSUE_NAMES
+    hits, blocks, _ = unbounded_oracle(mooncake[:300], 512)
+    assert (report["hit_blocks"], report["prompt_blocks"]) == (hits, blocks)
+    assert report["requests_completed"] == 300
+
+
+def test_cli_human_output_and_azure(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", "--format", "azure", "--max-requests", "50", "--num-blocks", "4000"]) == 0
+    out = capsys.readouterr().out
+    assert "AzureLLMInferenceTrace_code.csv" in out and "requests_completed   50" in out
+    assert "hit_blocks           0" in out
+
+
+def test_cli_num_blocks_from_model_config(capsys: pytest.CaptureFixture[str]) -> None:
+    # Qwen2.5-0.5B: 12 KiB per token (DESIGN.md), 192 KiB per 16-token block; 1 GiB x 0.5 = 512 MiB.
+    report = _json_run(capsys, "--max-requests", "20", "--model-config", str(CONFIGS / "qwen2.5-0.5b.json"),
+                       "--gpu-memory", "1GiB", "--gpu-memory-utilization", "0.5")
+    assert report["num_blocks"] == 512 * 1024 // 192
+    assert main(["replay", "--model-config", str(CONFIGS / "qwen2.5-0.5b.json")]) == 2
+    assert "--gpu-memory" in capsys.readouterr().err
+
+
+def test_cli_malformed_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "t.jsonl"
+    good = '{"timestamp": 0, "input_length": 600, "output_length": 7, "hash_ids": [1, 2]}\n'
+    path.write_text(good + "{oops\n" + good)
+    assert main(["replay", str(path)]) == 2
+    assert f"{path}:2:" in capsys.readouterr().err
+    report = _json_run(capsys, str(path), "--skip-malformed", "--block-size", "512")
+    assert (report["skipped_rows"], report["requests_completed"], report["hit_blocks"]) == (1, 2, 1)
+
+
+def test_cli_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "replay.png"
+    report = _json_run(capsys, "--block-size", "512", "--max-requests", "200", "--timing", "trace",
+                       "--num-blocks", "400", "--plot", str(png))
+    assert report["plot"] == str(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_bench_replay_suite(capsys: pytest.CaptureFixture[str], mooncake: list[TraceRequest]) -> None:
+    assert main(["bench", "replay", "--json", "--max-requests", "200", "--block-sizes", "512,64"]) == 0
+    rows = json.loads(capsys.readouterr().out)["results"]
+    assert set(rows) == {"block_size_512", "block_size_64"}
+    for block_size in (512, 64):
+        row = rows[f"block_size_{block_size}"]
+        hits, blocks, _ = unbounded_oracle(mooncake[:200], block_size)
+        assert row["block_hit_ratio"] == hits / blocks and row["block_ops"] > 0 and row["block_ops_per_s"] > 0
