@@ -246,7 +246,11 @@ def _pairs_ns(factory: Callable[[], Any], k: int, repeat: int, alloc_one: Callab
         for x in [alloc_one(a) for _ in range(k)]:
             a.free(x)
 
-    return median_ns(pairs, ops=k, repeat=repeat, setup=lambda: state.update(a=factory()))
+    def fresh_and_warm() -> None:  # a new allocator per repetition, its first touch of memory untimed
+        state.update(a=factory())
+        pairs()
+
+    return median_ns(pairs, ops=k, repeat=repeat, setup=fresh_and_warm)
 
 
 # ---- report ---------------------------------------------------------------------------------------------
