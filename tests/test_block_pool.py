@@ -313,3 +313,50 @@ def test_pool_size_does_not_change_behaviour_at_one_million_blocks() -> None:
     pool.free([1, 0])
     assert pool.evictable_blocks() == [1, 0]
     assert pool.num_free_blocks == 1 << 20
+
+
+# ---- regressions: ids that are not exact ints, non-iterables, a NaN hash ---------------------------------
+
+@pytest.mark.parametrize("bad", [
+    [torch.tensor(0), torch.tensor(0)],  # 0-d tensors hash by identity: a repeat must still be caught
+    [torch.tensor(0)],
+    [True],                              # a bool is not a block id (True == 1)
+    [0, True],
+])
+def test_ids_must_be_exact_ints(bad: list) -> None:
+    pool = BlockPool(4)
+    pool.allocate(2)
+    before = snapshot(pool)
+    for call in (pool.free, pool.touch, lambda ids: pool.cache_blocks(ids, ["h"] * len(ids))):
+        with pytest.raises(InvalidIdError):
+            call(bad)
+        assert snapshot(pool) == before
+    pool.check_integrity()
+
+
+def test_free_of_a_tensor_still_works() -> None:
+    pool = BlockPool(4)
+    blocks = pool.allocate(2)
+    pool.free(torch.tensor(blocks[::-1]))
+    assert pool.num_used_blocks == 0
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize("call", ["free", "touch", "lookup"])
+def test_a_non_iterable_argument_is_an_invalid_argument(call: str) -> None:
+    pool = BlockPool(4)
+    pool.allocate(2)
+    before = snapshot(pool)
+    with pytest.raises(InvalidArgumentError):
+        getattr(pool, call)(None)
+    assert snapshot(pool) == before
+
+
+def test_a_nan_hash_keeps_integrity() -> None:
+    pool = BlockPool(4)
+    (block,) = pool.allocate(1)
+    nan = float("nan")
+    pool.cache_blocks([block], [nan])
+    pool.cache_blocks([block], [nan])  # republishing the hash the block holds is a no-op
+    pool.check_integrity()
+    assert pool.lookup([nan]) == [block]

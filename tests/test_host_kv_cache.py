@@ -246,3 +246,14 @@ def test_random_swap_sequences_keep_both_tiers_consistent(ops: list[tuple[str, i
             assert torch.equal(blocks_of(device, ids), data)
         for ids, data in swapped:
             assert torch.equal(blocks_of(host.cache, ids), data)
+
+
+def test_free_takes_a_tensor_and_rejects_a_repeat() -> None:
+    host = HostKVCache(SPEC, 4)
+    host_ids = host.pool.allocate(2)
+    with pytest.raises(InvalidIdError):
+        host.free(torch.tensor([host_ids[0], host_ids[0]]))  # would drive a ref count below zero
+    assert host.num_free_blocks == 2
+    host.free(torch.tensor(host_ids))
+    assert host.num_free_blocks == 4
+    host.pool.check_integrity()

@@ -342,3 +342,33 @@ def test_rows_move_as_raw_words_bit_exact_for_nan_patterns() -> None:
     cache.copy_blocks([(0, 4)])
     k, v = cache.gather(1, [4], 3)
     assert torch.equal(bits(k[1:]), bits(snan)) and torch.equal(bits(v[1:]), bits(snan))
+
+
+# ---- regressions: ids that must not be truncated or overflow, unusable buffers ---------------------------
+
+@pytest.mark.parametrize("pairs", [[(1.9, 2)], [(0.5, 1)], [(0, 1, 2)], [(0, 1), (2,)], [(0, 2**70)], None,
+                                   [("a", "b")]])
+def test_copy_blocks_rejects_what_is_not_int_pairs(pairs) -> None:
+    cache = filled(PagedKVCache(spec(), N))
+    before = bits(cache.buffer).clone()
+    with pytest.raises(InvalidArgumentError):
+        cache.copy_blocks(pairs)
+    assert torch.equal(bits(cache.buffer), before)
+
+
+@pytest.mark.parametrize("table", [[2**70], None, 1])
+def test_gather_with_a_bad_block_table_raises(table) -> None:
+    cache = filled(PagedKVCache(spec(), N))
+    with pytest.raises(InvalidArgumentError):
+        cache.gather(0, table, 2)
+
+
+@pytest.mark.parametrize("kw", [{"dtype": torch.int32}, {"dtype": "float16"}, {"device": "bogus"}])
+def test_unusable_buffer_is_a_config_error(kw) -> None:
+    with pytest.raises(ConfigError):
+        PagedKVCache(spec(), N, **kw)
+
+
+def test_a_buffer_too_large_for_memory_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="cannot allocate"):
+        PagedKVCache(spec(), 2**50)

@@ -346,3 +346,18 @@ def test_bench_replay_suite(capsys: pytest.CaptureFixture[str], mooncake: list[T
         row = rows[f"block_size_{block_size}"]
         hits, blocks, _ = unbounded_oracle(mooncake[:200], block_size)
         assert row["block_hit_ratio"] == hits / blocks and row["block_ops"] > 0 and row["block_ops_per_s"] > 0
+
+
+# ---- regressions: bad input exits 2 with one line before any replay work -------------------------------
+
+@pytest.mark.parametrize("plot", ["replay.txt", "no-such-folder/replay.png"])
+def test_cli_bad_plot_path_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], plot: str) -> None:
+    assert main(["replay", "--max-requests", "5", "--plot", str(tmp_path / plot)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvpool replay: error: --plot") and err.count("\n") == 1
+
+
+def test_pool_too_large_for_memory_is_a_config_error() -> None:
+    requests = [TraceRequest(0.0, 16, 10**14)]  # the unbounded pool would be 6e12 blocks
+    with pytest.raises(ConfigError, match="does not fit in memory"):
+        run_replay(requests, ReplayConfig(block_size=16))

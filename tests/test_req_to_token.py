@@ -147,3 +147,23 @@ class ReqToTokenMachine(RuleBasedStateMachine):
 
 TestReqToTokenStateful = ReqToTokenMachine.TestCase
 TestReqToTokenStateful.settings = settings(max_examples=300, stateful_step_count=30)
+
+
+# ---- regressions ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("start", ["a", None, 1.0])
+def test_write_with_a_non_int_start_is_an_invalid_argument(start):
+    pool = ReqToTokenPool(2, 8)
+    (row,) = pool.alloc()
+    with pytest.raises(InvalidArgumentError):
+        pool.write(row, [1, 2], start=start)
+    assert torch.equal(pool.req_to_token, torch.zeros(2, 8, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("slot", [2**31, -(2**31) - 1, -(2**40)])
+def test_int32_table_never_wraps_a_slot_id(slot):
+    pool = ReqToTokenPool(2, 8)
+    (row,) = pool.alloc()
+    with pytest.raises(InvalidArgumentError):
+        pool.write(row, [slot])
+    assert torch.equal(pool.req_to_token, torch.zeros(2, 8, dtype=torch.int32))

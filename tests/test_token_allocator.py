@@ -379,3 +379,34 @@ def test_restore_after_clear_and_stale_states():
 def test_errors_are_kvpool_errors():
     for cls in (DoubleFreeError, InvalidArgumentError, InvalidIdError, OutOfBlocksError):
         assert issubclass(cls, KVPoolError)
+
+
+# ---- regressions: int64 overflow in alloc_extend, inputs that are not ids, an unusable device ------------
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("seq_lens", [[2**63 - 1], [2**63 - 1, 2**63 - 1], [2**62, 2**62]])
+def test_alloc_extend_of_a_huge_length_is_out_of_blocks(page_size, seq_lens):
+    a = TokenToKVPoolAllocator(64, page_size=page_size)
+    a.alloc(4 * page_size)
+    free = ids(a.free_pages())
+    with pytest.raises(OutOfBlocksError):
+        a.alloc_extend([0] * len(seq_lens), seq_lens, [-1] * len(seq_lens))
+    assert ids(a.free_pages()) == free
+    a.check_integrity()
+
+
+@pytest.mark.parametrize("bad", [None, "ab", [[1], [2, 3]], 2**70, [1, 2**70]])
+def test_free_of_what_is_not_ids_is_an_invalid_argument(bad):
+    a = TokenToKVPoolAllocator(16)
+    a.alloc(4)
+    free = ids(a.free_pages())
+    with pytest.raises(InvalidArgumentError):
+        a.free(bad)
+    assert ids(a.free_pages()) == free
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "bogus"])
+def test_an_unusable_device_fails_at_construction(device):
+    with pytest.raises(InvalidArgumentError):
+        TokenToKVPoolAllocator(16, device=device)

@@ -75,6 +75,7 @@ BAD_MOONCAKE = [
     '{"timestamp": 0, "input_length": 600, "output_length": 7, "hash_ids": [1, 2, 3]}',
     '{"timestamp": 0, "input_length": 600, "output_length": 7, "hash_ids": [1, "x"]}',
     '{"timestamp": 0, "input_length": 600, "output_length": 7, "hash_ids": [3, 3]}',
+    '{"timestamp": Infinity, "input_length": 600, "output_length": 7, "hash_ids": [1, 2]}',
 ]
 
 
@@ -159,3 +160,17 @@ def test_block_hashes_exact_multiple_and_no_ids() -> None:
 def test_block_size_must_divide_512(block_size: int) -> None:
     with pytest.raises(ConfigError, match="divide 512"):
         TraceRequest(0.0, 1024, 0, (3, 5)).block_hashes(block_size)
+
+
+def test_missing_field_is_named(tmp_path: Path) -> None:
+    path = _write(tmp_path, "t.jsonl", '{"timestamp": 0, "input_length": 600, "output_length": 7}\n')
+    with pytest.raises(TraceFormatError, match=r"t.jsonl:1: missing field 'hash_ids'"):
+        load_trace(path)
+
+
+@pytest.mark.parametrize("name", ["t.jsonl", "t.csv"])
+def test_a_file_that_is_not_utf8_is_a_trace_format_error(tmp_path: Path, name: str) -> None:
+    path = tmp_path / name
+    path.write_bytes(b"\xff\xfe\x00garbage\n")
+    with pytest.raises(TraceFormatError, match="not UTF-8"):
+        load_trace(path, skip_malformed=True)

@@ -164,15 +164,15 @@ class BlockPool:
 
     def _refs_of(self, ids: Sequence[int]) -> list[int]:
         """Validate a whole call's ids (ints in range, none repeated) and return their ref counts.
-        O(len(ids)) with C-level min/max/set; a non-int fails the range test or the list indexing."""
+        O(len(ids)) with C-level set/min; an id >= num_blocks fails the list indexing."""
         ref = self._ref
         if len(ids) == 1 and type(ids[0]) is int and 0 <= ids[0] < self._n:
             return [ref[ids[0]]]
         if not ids:
             return []
-        try:
-            refs = [ref[b] for b in ids] if min(ids) >= 0 and max(ids) < self._n else None
-        except TypeError:
+        try:  # exact ints only: a bool, numpy int or 0-d tensor indexes ``ref`` but may hash apart
+            refs = [ref[b] for b in ids] if set(map(type, ids)) == _INT and min(ids) >= 0 else None
+        except IndexError:
             refs = None
         if refs is None:
             raise InvalidIdError(f"block ids must be ints in [0, {self._n}), got {_head(ids)}")
@@ -214,7 +214,7 @@ class BlockPool:
             if h is None or not _hashable(h):
                 raise InvalidArgumentError(f"block hash must be hashable and not None, got {h!r}")
             held = self._hash[block]
-            if held is not None and held != h:
+            if held is not None and held is not h and held != h:
                 raise InvalidIdError(f"block {block} already holds hash {held!r}, cannot publish {h!r}")
 
     def lookup(self, block_hashes: Iterable[Hashable]) -> list[int]:
@@ -224,7 +224,7 @@ class BlockPool:
         Raises:
             InvalidArgumentError: an unhashable hash.
         """
-        hashes = block_hashes if isinstance(block_hashes, (list, tuple)) else list(block_hashes)
+        hashes = block_hashes if isinstance(block_hashes, (list, tuple)) else _as_list(block_hashes)
         hit = self._match(hashes)
         self._hits += len(hit)
         self._misses += len(hashes) - len(hit)
@@ -336,7 +336,7 @@ class BlockPool:
         _require(not set(self._free) & self._lru.keys(), "an id is both in the free stack and the LRU")
         used = sum(1 for r in ref if r > 0)
         _require(used + len(self._free) + len(self._lru) == n, "free + evictable + in use != total")
-        _require(all(0 <= b < n and hashes[b] == h for h, b in self._index.items()),
+        _require(all(0 <= b < n and hashes[b] is h for h, b in self._index.items()),
                  "an index entry names a block that does not hold its hash")
         _require(sum(1 for h in hashes if h is not None) == len(self._index), "a block hash is not indexed")
         _require(self._caching or not self._index, "caching is off but the index is not empty")
@@ -346,9 +346,15 @@ class BlockPool:
                 f"used={self.num_used_blocks}, cached={len(self._index)})")
 
 
+_INT = {int}
+
+
 def _as_list(values: Iterable) -> list:
     """A list of the ids (a tensor or numpy array via ``tolist()``, so its elements are Python ints)."""
-    return values.tolist() if hasattr(values, "tolist") else list(values)
+    try:
+        return values.tolist() if hasattr(values, "tolist") else list(values)
+    except TypeError:
+        raise InvalidArgumentError(f"expected an iterable of ids or hashes, got {values!r}") from None
 
 
 def _hashable(value: object) -> bool:

@@ -45,7 +45,11 @@ class ReqToTokenPool:
         wide = num_slots is not None and num_slots - 1 > _INT32_MAX
         self.max_reqs, self.max_context_len = max_reqs, max_context_len
         dtype = torch.int64 if wide else torch.int32
-        self.req_to_token = torch.zeros((max_reqs, max_context_len), dtype=dtype, device=device)
+        try:
+            self.req_to_token = torch.zeros((max_reqs, max_context_len), dtype=dtype, device=device)
+        except (RuntimeError, AssertionError, TypeError) as exc:  # a bad device, or out of memory
+            raise InvalidArgumentError(f"cannot allocate the [{max_reqs}, {max_context_len}] table on "
+                                       f"{device!r}: {exc}") from None
         self._free: list[int] = []
         self._used: set[int] = set()
         self.clear()
@@ -85,9 +89,9 @@ class ReqToTokenPool:
     def write(self, row: int, slots: IdsLike, start: int = 0) -> None:
         """Store ``slots`` (``[n]`` ints) as the slot ids of tokens ``start .. start + n - 1`` of ``row``."""
         ids = as_ids(slots, "slots", to_host=False)
-        self._check_span(row, start, start + ids.numel())
-        if self.req_to_token.dtype == torch.int32 and ids.numel() and int(ids.max()) > _INT32_MAX:
-            raise InvalidArgumentError("slot id > 2**31 - 1 in an int32 table: pass num_slots")
+        self._check_span(row, start, start + ids.numel() if is_int(start) else None)
+        if self.req_to_token.dtype == torch.int32 and ids.numel() and _outside_int32(ids):
+            raise InvalidArgumentError("slot id outside int32 in an int32 table: pass num_slots")
         self.req_to_token[row, start:start + ids.numel()] = ids
 
     def read(self, row: int, end: int, start: int = 0) -> torch.Tensor:
@@ -115,3 +119,9 @@ class ReqToTokenPool:
             raise InvalidIdError(f"row {row!r} is not an allocated row")
         if not (is_int(start) and is_int(end) and 0 <= start <= end <= self.max_context_len):
             raise InvalidArgumentError(f"token span [{start}, {end}) outside [0, {self.max_context_len}]")
+
+
+def _outside_int32(ids: torch.Tensor) -> bool:
+    """Whether an int64 tensor holds a value that an int32 table would silently wrap."""
+    low, high = (int(x) for x in ids.aminmax())
+    return low < -_INT32_MAX - 1 or high > _INT32_MAX

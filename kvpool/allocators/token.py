@@ -37,12 +37,15 @@ IdsLike = torch.Tensor | Sequence[int] | int
 def as_ids(ids: IdsLike, what: str = "ids", *, to_host: bool = True) -> torch.Tensor:
     """``ids`` as a 1-D int64 tensor, on the host unless ``to_host`` is False (no copy when it already is).
 
-    Raises InvalidArgumentError for a non-integer dtype (float, bool).
+    Raises InvalidArgumentError for a non-integer dtype (float, bool) or what is not ids at all.
     """
     if isinstance(ids, torch.Tensor):
         t = ids
     else:
-        t = torch.as_tensor(ids)
+        try:
+            t = torch.as_tensor(ids)
+        except (TypeError, ValueError, RuntimeError, OverflowError):  # None, str, ragged, > int64
+            raise InvalidArgumentError(f"{what} must be int64 ids, got {ids!r}") from None
         if t.numel() == 0:
             t = t.long()
     if t.dtype is not torch.int64:
@@ -90,7 +93,10 @@ class TokenToKVPoolAllocator:
             raise InvalidArgumentError(
                 f"size must be a multiple of page_size={page_size} holding >= 2 pages, got {size!r}")
         self.size, self.page_size, self.num_pages = size, page_size, size // page_size
-        self.device = torch.device(device)
+        try:
+            self.device = torch.empty(0, device=device).device  # fails now, not at the first alloc
+        except (RuntimeError, AssertionError, TypeError) as exc:
+            raise InvalidArgumentError(f"device {device!r} is not usable here: {exc}") from None
         self._on_host = self.device.type == "cpu"
         self._cap = self.num_pages - 1                       # allocatable pages: 1 .. num_pages - 1
         self._ids = array("q", bytes(8 * self._cap))         # free stack: free pages are _ids[_head:]
@@ -155,6 +161,8 @@ class TokenToKVPoolAllocator:
         if ps > 1:
             bad |= self._bad_last_loc(last, pre - 1, pre % ps != 0)
         _raise_bad_rows(bad, "alloc_extend")
+        if seq.numel() and int(seq.max()) > self.size:  # also keeps the page arithmetic below int64
+            raise OutOfBlocksError(f"a request of {int(seq.max())} tokens exceeds the {self.size} slots")
         ext = seq - pre
         if ps == 1:
             return self.alloc(int(ext.sum()))

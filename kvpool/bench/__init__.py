@@ -1,1 +1,1 @@
-"""Benchmark suites behind ``kvpool bench``. Shared timing and reporting live in :mod:`kvpool.bench.timing`."""
+"""Benchmark suites behind ``kvpool bench``; shared timing and reporting: :mod:`kvpool.bench.timing`."""

@@ -7,8 +7,8 @@ import time
 from collections.abc import Callable, Sequence
 
 
-def median_ns(fn: Callable[[], object], *, ops: int, repeat: int = 5, setup: Callable[[], object] | None = None
-              ) -> float:
+def median_ns(fn: Callable[[], object], *, ops: int, repeat: int = 5,
+              setup: Callable[[], object] | None = None) -> float:
     """Median over ``repeat`` runs of ``fn`` of nanoseconds per operation (``fn`` does ``ops`` operations).
 
     ``setup`` runs before each repetition, outside the timed region.
@@ -35,4 +35,4 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[objec
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     print(title)
     for row in cells:
-        print("  " + "  ".join(cell.rjust(width) for cell, width in zip(row, widths)))
+        print("  " + "  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=False)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from kvpool.cli._args import fraction, non_negative_float, parse_bytes, positive_int
@@ -72,6 +73,9 @@ def _engine_arguments(group: argparse._ArgumentGroup) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # a bad --plot path fails before the replay, not after it
+    if args.plot and (Path(args.plot).suffix.lower() != ".png" or not Path(args.plot).parent.is_dir()):
+        raise ConfigError(f"--plot needs a FILE.png in an existing folder, got {args.plot!r}")
     trace = load_trace(args.trace, args.format, skip_malformed=args.skip_malformed,
                        max_requests=args.max_requests)
     config = ReplayConfig(

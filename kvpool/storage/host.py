@@ -135,10 +135,10 @@ class HostKVCache:
         else:
             cache.write_blocks(dst, self.cache.read_blocks(src))
 
-    def free(self, host_ids: Sequence[int]) -> None:
+    def free(self, host_ids: BlockIds) -> None:
         """Return host blocks to the host pool (after completing a swap-out still landing in them).
         Raises as :meth:`BlockPool.free` does (InvalidIdError, DoubleFreeError); nothing is freed then."""
-        ids = list(host_ids)
+        ids = check_block_ids(host_ids, self.num_blocks).tolist()  # a tensor too, as Python ints
         self._wait_for(ids)
         self.pool.free(ids)
 

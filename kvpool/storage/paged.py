@@ -90,6 +90,8 @@ def check_block_ids(block_ids: BlockIds, num_blocks: int, *, distinct: bool = Fa
             ids = torch.tensor([operator.index(i) for i in block_ids], dtype=torch.int64)
         except TypeError:
             raise InvalidArgumentError(f"block ids must be integers, got {block_ids!r}") from None
+        except (ValueError, RuntimeError, OverflowError):  # past int64
+            raise InvalidIdError(f"block ids must be in [0, {num_blocks}), got {block_ids!r}") from None
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
         raise InvalidIdError(f"block ids must be in [0, {num_blocks}), got {ids.tolist()}")
     if distinct and ids.unique().numel() != ids.numel():
@@ -159,9 +161,15 @@ class BlockStore:
         num_blocks = shape[self.block_dim]
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
             raise ConfigError(f"num_blocks must be a positive integer, got {num_blocks!r}")
-        self._rss_before = _process_rss() if torch.device(device).type == "cpu" else None
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ConfigError(f"the KV cache dtype must be a floating torch.dtype, got {dtype!r}")
         factory = torch.zeros if zero else torch.empty
-        self.buffer = factory(tuple(shape), dtype=dtype, device=device, pin_memory=pin_memory)
+        try:
+            self._rss_before = _process_rss() if torch.device(device).type == "cpu" else None
+            self.buffer = factory(tuple(shape), dtype=dtype, device=device, pin_memory=pin_memory)
+        except (RuntimeError, AssertionError) as exc:  # a bad device, no pinned memory, out of memory
+            raise ConfigError(f"cannot allocate the KV buffer {list(shape)} {dtype} on {device!r}: "
+                              f"{str(exc).splitlines()[0]}") from None
         self.dtype = dtype
         self.device = self.buffer.device
         self.num_blocks = num_blocks
@@ -186,7 +194,15 @@ class BlockStore:
         sources are read before any destination is written. Raises :class:`InvalidIdError` for an id out of
         range or a destination named twice; nothing is copied then.
         """
-        table = pairs if isinstance(pairs, torch.Tensor) else torch.tensor(list(pairs), dtype=torch.int64)
+        if isinstance(pairs, torch.Tensor):
+            table = pairs
+        else:  # never ``torch.tensor(pairs, dtype=int64)``: it truncates a float id to a block
+            try:
+                table = torch.tensor([[operator.index(s), operator.index(d)] for s, d in pairs],
+                                     dtype=torch.int64).reshape(-1, 2)
+            except (TypeError, ValueError, RuntimeError, OverflowError):
+                raise InvalidArgumentError(f"pairs must be (src, dst) pairs of int block ids, got "
+                                           f"{pairs!r}") from None
         if table.numel() == 0:
             return
         if table.dim() != 2 or table.shape[1] != 2:
@@ -256,6 +272,8 @@ class BlockStore:
         if not isinstance(seq_len, int) or seq_len < 0:
             raise InvalidArgumentError(f"seq_len must be a non-negative integer, got {seq_len!r}")
         needed = math.ceil(seq_len / self.block_size)
+        if not isinstance(block_table, torch.Tensor | Sequence):
+            raise InvalidArgumentError(f"block_table must be a list or tensor of ids, got {block_table!r}")
         if len(block_table) < needed:
             raise InvalidArgumentError(f"seq_len {seq_len} needs {needed} blocks, block_table has "
                                        f"{len(block_table)}")

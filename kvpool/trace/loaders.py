@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -123,15 +124,19 @@ def _read_rows(path: str | Path, fmt: str, skip_malformed: bool, max_requests: i
     parsed: list[_Row] = []
     skipped = 0
     with open(path, newline="", encoding="utf-8") as handle:
-        for lineno, raw in rows(handle):
-            if max_requests is not None and len(parsed) >= max_requests:
-                break
-            try:
-                parsed.append(parse(raw))
-            except (ValueError, TypeError, KeyError) as exc:
-                if not skip_malformed:
-                    raise TraceFormatError(f"{path}:{lineno}: {exc}") from None
-                skipped += 1
+        try:
+            for lineno, raw in rows(handle):
+                if max_requests is not None and len(parsed) >= max_requests:
+                    break
+                try:
+                    parsed.append(parse(raw))
+                except (ValueError, TypeError, KeyError) as exc:
+                    if not skip_malformed:
+                        why = f"missing field {exc}" if isinstance(exc, KeyError) else exc
+                        raise TraceFormatError(f"{path}:{lineno}: {why}") from None
+                    skipped += 1
+        except UnicodeDecodeError as exc:
+            raise TraceFormatError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     return parsed, skipped
 
 
@@ -156,8 +161,8 @@ def _mooncake_request(line: str) -> _Row:
     if not isinstance(row, dict):
         raise ValueError("not a JSON object")
     stamp = row["timestamp"]
-    if not isinstance(stamp, int | float) or isinstance(stamp, bool) or not stamp >= 0:
-        raise ValueError(f"timestamp must be a number of ms >= 0, got {stamp!r}")
+    if not isinstance(stamp, int | float) or isinstance(stamp, bool) or not 0 <= stamp < math.inf:
+        raise ValueError(f"timestamp must be a finite number of ms >= 0, got {stamp!r}")
     input_tokens = _count(row["input_length"], "input_length", 1)
     hash_ids = row["hash_ids"]
     if not isinstance(hash_ids, list) or len(hash_ids) != -(-input_tokens // MOONCAKE_BLOCK_SIZE):

@@ -181,7 +181,12 @@ class _Replayer:
         self.requests, self.cfg, self.progress = requests, config, progress
         self.bs = config.block_size
         if pool is None:
-            pool = BlockPool(config.num_blocks or unbounded_num_blocks(requests, self.bs))
+            num_blocks = config.num_blocks or unbounded_num_blocks(requests, self.bs)
+            try:
+                pool = BlockPool(num_blocks)
+            except MemoryError:
+                raise ConfigError(f"a pool of {num_blocks:,} blocks does not fit in memory: give a smaller "
+                                  "num_blocks (--num-blocks)") from None
         self.pool = pool
         self.timeline: list[Sample] | None = [] if record_timeline else None
         span = max((r.arrival_s for r in requests), default=0.0)
