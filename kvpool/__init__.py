@@ -38,6 +38,8 @@ _LAZY = {
     "PagedKVCache": "kvpool.storage.paged",
     "MLAKVCache": "kvpool.storage.mla",
     "HostKVCache": "kvpool.storage.host",
+    "LLMEngine": "kvpool.engine.engine",
+    "SamplingParams": "kvpool.engine.sampling",
 }
 
 __all__ = [

@@ -1,0 +1,116 @@
+"""``kvpool bench engine``: tokens/s of the kvpool engine against transformers' own paged continuous batching
+(``generate_batch``) and padded ``generate``: same model, same prompts (``kvpool generate``'s built-in four),
+same greedy settings (EOS ignored, so every run makes prompts x max_new_tokens tokens), one run each.
+
+transformers' peer uses the settings DESIGN.md names for CPU: ``ContinuousBatchingConfig(page_size=16,
+num_blocks=64, max_batch_tokens=256, auto_switch_to_flash=False, use_cuda_graph=False)``; kvpool runs with
+the same 64 blocks of 16 tokens and 256 tokens per step.
+
+Threads: torch runs on 1 CPU thread by default (``--threads``). On a 2-core machine shared with other work,
+two intra-op threads make every parallel op wait for the busy core; transformers' ``generate_batch`` steps in
+a background thread and suffers less from it than the main-thread loops of kvpool and padded ``generate``,
+so a multi-threaded run there measures the machine's load more than the engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvpool.bench.timing import print_table
+
+NUM_BLOCKS, BLOCK_SIZE, BATCH_TOKENS = 64, 16, 256
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2", help="smollm2 (default), tiny-llama, ... or a folder")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per prompt (32)")
+    parser.add_argument("--skip-padded", action="store_true", help="skip padded generate (the slowest)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads for all three (default 1; 0 keeps torch's own)")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kvpool.engine.models import DEFAULT_PROMPTS, load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(args.model)
+    prompts = [loaded.encode(text) for text in DEFAULT_PROMPTS]
+    runners: dict[str, Callable[[Any, list[list[int]], int], list[list[int]]]] = {
+        "kvpool generate": _kvpool, "transformers generate_batch": _generate_batch}
+    if not args.skip_padded:
+        runners["transformers padded generate"] = _padded
+    results = {name: _timed(fn, loaded.model, prompts, args.max_new_tokens) for name, fn in runners.items()}
+    base, ours = results["transformers generate_batch"]["seconds"], results["kvpool generate"]["tokens"]
+    for result in results.values():
+        result["speedup_vs_generate_batch"] = base / result["seconds"]
+        result["same_tokens_as_kvpool"] = result.pop("tokens") == ours
+    out = {"model": args.model, "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
+           "max_new_tokens": args.max_new_tokens, "num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE,
+           "threads": torch.get_num_threads(), "results": results}
+    if not args.json:
+        rows = [(name, r["seconds"], r["tokens_per_s"], r["speedup_vs_generate_batch"],
+                 r["same_tokens_as_kvpool"]) for name, r in results.items()]
+        title = f"engine: {args.model}, {len(prompts)} prompts x {args.max_new_tokens} greedy tokens, one run"
+        print_table(title, ["method", "seconds", "tokens/s", "x generate_batch", "same tokens"], rows)
+    return out
+
+
+def _timed(fn: Callable[[Any, list[list[int]], int], list[list[int]]], model: Any, prompts: list[list[int]],
+           max_new_tokens: int) -> dict[str, Any]:
+    start = time.perf_counter()
+    tokens = fn(model, prompts, max_new_tokens)
+    seconds = time.perf_counter() - start
+    generated = sum(len(t) for t in tokens)
+    return {"seconds": seconds, "generated_tokens": generated, "tokens_per_s": generated / seconds,
+            "tokens": tokens}
+
+
+def _kvpool(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    from kvpool.engine.engine import LLMEngine
+    from kvpool.engine.sampling import SamplingParams
+
+    engine = LLMEngine(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                       max_num_batched_tokens=BATCH_TOKENS)
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    return [req.output_token_ids for req in engine.generate(prompts, params)]
+
+
+def _greedy_config(model: Any, max_new_tokens: int) -> Any:
+    from transformers import GenerationConfig
+
+    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                            pad_token_id=model.generation_config.pad_token_id or 0)
+
+
+def _generate_batch(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    from transformers import ContinuousBatchingConfig
+
+    model.set_attn_implementation("sdpa")
+    config = ContinuousBatchingConfig(page_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
+                                      max_batch_tokens=BATCH_TOKENS, auto_switch_to_flash=False,
+                                      use_cuda_graph=False)
+    outputs = model.generate_batch(prompts, _greedy_config(model, max_new_tokens),
+                                   continuous_batching_config=config)
+    ordered = sorted(outputs.values(), key=lambda out: _request_index(out.request_id))
+    return [out.generated_tokens for out in ordered]
+
+
+def _request_index(request_id: str) -> int:
+    return int("".join(ch for ch in request_id if ch.isdigit()) or 0)
+
+
+@torch.inference_mode()
+def _padded(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    model.set_attn_implementation("sdpa")
+    config = _greedy_config(model, max_new_tokens)
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[config.pad_token_id] * (width - len(p)) + p for p in prompts])  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(ids, attention_mask=mask, generation_config=config)
+    return out[:, width:].tolist()

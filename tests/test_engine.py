@@ -1,0 +1,257 @@
+"""The reference engine against transformers' own greedy generate (tiny random models, std 0.3 weights).
+
+Every expected token and logit comes from ``model.generate`` with the model's stock ``sdpa`` attention and
+its own DynamicCache (no kvpool code), one prompt at a time; expected counts are worked out by hand.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from kvpool.engine.engine import LLMEngine, RequestStatus  # noqa: E402
+from kvpool.engine.models import TINY_MODELS, load_model, reference_greedy  # noqa: E402
+from kvpool.engine.sampling import SamplingParams, sample  # noqa: E402
+from kvpool.errors import InvalidArgumentError, InvalidIdError, OutOfBlocksError  # noqa: E402
+
+BLOCK = 4
+NEW = 12
+BASE = list(range(7, 47))  # a 40-token prompt (byte ids)
+PROMPTS = [
+    BASE,  # 10 full blocks
+    BASE[:30] + [200, 201, 202, 203, 204],  # shares 30 tokens (7 full blocks) with BASE
+    [99, 98, 97, 96, 95, 94, 93],  # short, unrelated
+    BASE[:17],  # a prefix of BASE ending mid-block
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models run fastest on one thread, and a busy shared machine makes two threads stall."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=TINY_MODELS)
+def tiny(request: pytest.FixtureRequest) -> tuple:
+    """(model, [(reference tokens, reference logits [NEW, V]) per prompt])."""
+    model = load_model(request.param, seed=1).model
+    refs = [reference_greedy(model, p, NEW) for p in PROMPTS]
+    return model, refs
+
+
+def make_engine(model, num_blocks: int = 64, **kwargs) -> LLMEngine:
+    return LLMEngine(model, num_blocks=num_blocks, block_size=BLOCK, keep_logits=True, **kwargs)
+
+
+def run_all(engine: LLMEngine, prompts: list[list[int]], **params) -> list:
+    """Generate, then check the pool is whole again: every block free, invariants intact."""
+    params.setdefault("max_new_tokens", NEW)
+    requests = engine.generate(prompts, SamplingParams(**params))
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    engine.pool.check_integrity()
+    assert not engine.has_unfinished()
+    return requests
+
+
+def assert_matches(requests: list, refs: list) -> None:
+    for req, (tokens, logits) in zip(requests, refs, strict=True):
+        assert req.output_token_ids == tokens
+        torch.testing.assert_close(torch.stack(req.logits), logits, atol=1e-4, rtol=0)
+
+
+def test_reference_is_not_degenerate(tiny: tuple) -> None:
+    # std 0.3 weights: greedy output varies, so token equality below is a real test
+    _, refs = tiny
+    assert all(len(set(tokens)) >= 4 and len(tokens) == NEW for tokens, _ in refs)
+
+
+def test_one_prompt_at_a_time_matches(tiny: tuple) -> None:
+    model, refs = tiny
+    engine = make_engine(model)
+    for prompt, ref in zip(PROMPTS, refs, strict=True):
+        assert_matches(run_all(engine, [prompt]), [ref])
+        reference_greedy(model, prompt, 2)  # switches the model back to sdpa: the engine must switch again
+
+
+def test_batch_of_mixed_lengths_and_shared_prefixes_matches(tiny: tuple) -> None:
+    model, refs = tiny
+    engine = make_engine(model)
+    assert_matches(run_all(engine, PROMPTS), refs)
+    # all four join in step 1 (40+35+7+17 = 99 <= 256 tokens), before any block is published: no hits
+    assert engine.stats.prefix_hit_tokens == 0
+    assert engine.stats.generated_tokens == 4 * NEW
+
+
+def test_chunked_prefill_matches(tiny: tuple) -> None:
+    model, refs = tiny
+    engine = make_engine(model, max_num_batched_tokens=6)  # 40-token prompt: 7 chunks, 6 sample nothing
+    assert_matches(run_all(engine, PROMPTS), refs)
+
+
+def test_preemption_by_recompute_matches(tiny: tuple) -> None:
+    model, refs = tiny
+    # 14 blocks: BASE alone needs ceil((40 + 12 - 1) / 4) = 13, so the four together cannot fit
+    engine = make_engine(model, num_blocks=14)
+    assert_matches(run_all(engine, PROMPTS), refs)
+    assert engine.stats.preemptions > 0
+    assert engine.stats.peak_blocks_used <= 14
+
+
+def test_prefix_hits_after_publication(tiny: tuple) -> None:
+    model, refs = tiny
+    engine = make_engine(model)
+    run_all(engine, [PROMPTS[0]])
+    # BASE computed 40 + 11 tokens (the last sampled token is never written): 12 full blocks published.
+    # PROMPTS[1] shares 30 tokens -> 7 full blocks = 28 tokens hit
+    assert_matches(run_all(engine, [PROMPTS[1]]), [refs[1]])
+    assert engine.stats.prefix_hit_tokens == 28
+    # the same 40-token prompt again: its 10 blocks are cached, but lookup stops at (40 - 1) // 4 = 9 blocks
+    # so that the last prompt token is recomputed for the first logits: 36 more hit tokens
+    assert_matches(run_all(engine, [PROMPTS[0]]), [refs[0]])
+    assert engine.stats.prefix_hit_tokens == 28 + 36
+
+
+def test_running_requests_share_published_prefix_blocks(tiny: tuple) -> None:
+    model, refs = tiny
+    engine = make_engine(model, max_num_batched_tokens=32)
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=NEW)) for p in PROMPTS]
+    engine.step()  # BASE alone: 32 of its 40 tokens; its first 8 blocks are published after the forward
+    assert engine.stats.prefix_hit_tokens == 0 and engine.pool.num_cached_blocks == 8
+    engine.step()
+    # budget 32: BASE's last 8 tokens; PROMPTS[1] hits 7 blocks (28 tokens) and computes 7; PROMPTS[2]
+    # computes 7; PROMPTS[3] (17 tokens) looks up (17 - 1) // 4 = 4 blocks, hits all 4 and computes 1
+    assert engine.stats.prefix_hit_tokens == 28 + 16
+    first_block = engine.requests[ids[0]].block_ids[0]
+    assert engine.pool.ref_count(first_block) == 3  # BASE, PROMPTS[1] and PROMPTS[3] share it
+    while engine.has_unfinished():
+        engine.step()
+    assert_matches([engine.requests[i] for i in ids], refs)
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    engine.pool.check_integrity()
+
+
+def test_prefix_caching_off_gives_same_tokens_and_no_hits(tiny: tuple) -> None:
+    model, refs = tiny
+    engine = make_engine(model, enable_prefix_caching=False)
+    run_all(engine, [PROMPTS[0]])
+    assert_matches(run_all(engine, PROMPTS), refs)
+    assert engine.stats.prefix_hit_tokens == 0 and engine.pool.num_cached_blocks == 0
+
+
+def test_eos_stops_like_transformers(tiny: tuple) -> None:
+    model, refs = tiny
+    tokens = refs[0][0]
+    eos = tokens[5]
+    stop = tokens.index(eos)  # first occurrence: transformers stops there too, EOS included
+    engine = make_engine(model, eos_token_ids=[eos])
+    (req,) = run_all(engine, [PROMPTS[0]])
+    assert req.output_token_ids == tokens[:stop + 1]
+    (req,) = run_all(engine, [PROMPTS[0]], ignore_eos=True)
+    assert req.output_token_ids == tokens
+
+
+def test_abort_frees_everything(tiny: tuple) -> None:
+    model, refs = tiny
+    engine = make_engine(model, max_num_seqs=2)
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=NEW)) for p in PROMPTS]
+    engine.step()
+    engine.step()
+    running, waiting = engine.requests[ids[0]], engine.requests[ids[3]]
+    assert running.status is RequestStatus.RUNNING and running.block_ids
+    assert waiting.status is RequestStatus.WAITING
+    engine.abort(ids[0])
+    engine.abort(ids[3])
+    assert running.status is waiting.status is RequestStatus.ABORTED and not running.block_ids
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    engine.pool.check_integrity()
+    assert len(running.output_token_ids) < NEW and not waiting.output_token_ids
+    for i in (1, 2):  # the others are untouched
+        assert engine.requests[ids[i]].output_token_ids == refs[i][0]
+    engine.abort(ids[1])  # finished: no-op
+    assert engine.requests[ids[1]].status is RequestStatus.FINISHED
+    with pytest.raises(InvalidIdError):
+        engine.abort(12345)
+
+
+def test_request_that_can_never_fit_is_refused(tiny: tuple) -> None:
+    model, _ = tiny
+    engine = make_engine(model, num_blocks=12)
+    # 40 + 12 - 1 = 51 tokens need ceil(51 / 4) = 13 blocks > 12
+    with pytest.raises(OutOfBlocksError, match="13 blocks"):
+        engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=NEW))
+    assert not engine.requests and not engine.has_unfinished()
+    # 40 + 9 - 1 = 48 tokens = exactly 12 blocks: accepted and run alone
+    (req,) = run_all(engine, [PROMPTS[0]], max_new_tokens=9)
+    assert len(req.output_token_ids) == 9
+    with pytest.raises(InvalidArgumentError):
+        engine.add_request([])
+    with pytest.raises(InvalidArgumentError, match="max_position_embeddings"):
+        engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=4096))
+
+
+def test_seeded_sampling_is_reproducible_and_survives_preemption(tiny: tuple) -> None:
+    model, _ = tiny
+    params = dict(temperature=1.0, top_p=0.9, top_k=50, seed=3)
+    first = [r.output_token_ids for r in run_all(make_engine(model), PROMPTS, **params)]
+    small = make_engine(model, num_blocks=14)
+    again = [r.output_token_ids for r in run_all(small, PROMPTS, **params)]
+    assert small.stats.preemptions > 0
+    assert first == again
+
+
+def test_sample_filters() -> None:
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.0])
+    gen = torch.Generator().manual_seed(0)
+    assert sample(logits, SamplingParams(), gen) == 1  # greedy: argmax
+    # top_k=1 keeps only the argmax; top_p=0.5: softmax = [.032, .644, .087, .237], token 1 alone reaches 0.5
+    assert {sample(logits, SamplingParams(temperature=5.0, top_k=1), gen) for _ in range(20)} == {1}
+    assert {sample(logits, SamplingParams(temperature=1.0, top_p=0.5), gen) for _ in range(20)} == {1}
+    # top_p=0.8 keeps tokens 1 and 3 (.644 + .237 = .881 >= .8), never 0 or 2
+    assert {sample(logits, SamplingParams(temperature=1.0, top_p=0.8), gen) for _ in range(200)} == {1, 3}
+    with pytest.raises(InvalidArgumentError):
+        SamplingParams(top_p=0.0)
+
+
+def run_cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    from kvpool.cli import main
+
+    code = main(["generate", "--model", "tiny-llama", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_check_json_and_kv_memory_plan(capsys: pytest.CaptureFixture) -> None:
+    # tiny-llama keeps 2 layers x 2 KV heads x 16 dims x 4 bytes x 2 (K and V) = 512 B per token, 8 KiB per
+    # 16-token block: 2 MiB of KV memory is 256 blocks
+    code, out, _ = run_cli(capsys, "--max-new-tokens", "4", "--check", "--json", "--kv-memory", "2MiB")
+    result = json.loads(out)
+    assert code == 0
+    assert result["stats"]["num_blocks"] == 256 and result["stats"]["pool_bytes"] == 2 * 2**20
+    assert [r["matches_reference"] for r in result["requests"]] == [True] * 4
+    assert all(len(r["output_token_ids"]) == 4 for r in result["requests"])
+    # the first two built-in prompts share a ~1,400-byte document: the second hits the published blocks
+    assert result["stats"]["prefix_hit_tokens"] > 0 and result["stats"]["prefix_hit_tokens"] % 16 == 0
+    assert result["stats"]["generated_tokens"] == 16
+
+
+def test_cli_prompts_and_errors(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first prompt\n\nsecond prompt\n")
+    code, out, _ = run_cli(capsys, "--prompt", "zero", "--prompts-file", str(prompts), "--max-new-tokens=2")
+    assert code == 0 and out.count("] '") == 3 and "preemptions: 0" in out
+    # 'zero' is 4 bytes: 4 + 30 - 1 = 33 tokens need ceil(33 / 16) = 3 blocks; the pool has 2
+    code, _, err = run_cli(capsys, "--prompt", "zero", "--max-new-tokens", "30", "--num-blocks", "2")
+    assert code == 2 and "needs 3 blocks" in err
+    code, _, err = run_cli(capsys, "--check", "--temperature", "0.5")
+    assert code == 2 and "--check" in err
