@@ -221,6 +221,9 @@ def test_sample_filters() -> None:
     assert {sample(logits, SamplingParams(temperature=1.0, top_p=0.8), gen) for _ in range(200)} == {1, 3}
     with pytest.raises(InvalidArgumentError):
         SamplingParams(top_p=0.0)
+    for bad in (-1.0, float("nan"), float("inf")):  # NaN would reach torch.multinomial as NaN weights
+        with pytest.raises(InvalidArgumentError, match="temperature"):
+            SamplingParams(temperature=bad)
 
 
 def run_cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:

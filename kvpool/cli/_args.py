@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable
 from typing import NoReturn
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -33,26 +34,24 @@ def positive_int(text: str) -> int:
     return value
 
 
-def fraction(text: str) -> float:
-    """A number in (0, 1], e.g. ``--gpu-memory-utilization 0.9``."""
+def _number(text: str, in_range: Callable[[float], bool], rule: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be in (0, 1]")
+    if not in_range(value):  # NaN fails every range
+        raise argparse.ArgumentTypeError(f"{text!r} must be {rule}")
     return value
+
+
+def fraction(text: str) -> float:
+    """A number in (0, 1], e.g. ``--gpu-memory-utilization 0.9``."""
+    return _number(text, lambda v: 0 < v <= 1, "in (0, 1]")
 
 
 def non_negative_float(text: str) -> float:
-    """A number >= 0 (seconds, a temperature)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
-    return value
+    """A finite number >= 0 (seconds, a temperature)."""
+    return _number(text, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
 
 
 class OneLineErrorParser(argparse.ArgumentParser):

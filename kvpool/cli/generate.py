@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kvpool.cli._args import parse_bytes, positive_int
+from kvpool.cli._args import non_negative_float, parse_bytes, positive_int
 from kvpool.errors import ConfigError
 
 DEFAULT_KV_MEMORY = 256 * 2**20  # CPU: 256 MiB of KV (SmolLM2 in float32: 364 blocks of 16 tokens)
@@ -33,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     size.add_argument("--kv-memory", type=parse_bytes,
                       help="KV memory budget, e.g. 64MiB (default: 256MiB on CPU, the GPU profile on CUDA)")
     parser.add_argument("--max-batched-tokens", type=positive_int, default=256, help="token budget per step")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (request i uses seed + i)")
     parser.add_argument("--threads", type=positive_int,
                         help="torch CPU threads (default: torch's own; 1 is steadier on a busy machine)")
