@@ -25,7 +25,7 @@ from typing import Any
 
 from kvpool.allocators.block_pool import BlockPool
 from kvpool.allocators.hashing import block_hashes, resolved_algorithm
-from kvpool.bench.timing import median_ns, print_table
+from kvpool.bench.timing import median_ns, print_table, require_at_least
 from kvpool.errors import OutOfBlocksError
 
 PEERS = [  # (peer, op, ns) measured earlier (DESIGN.md), compared with kvpool's row (op, pool size)
@@ -77,6 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Time every row; print the table unless ``args.json``; return the JSON-ready result."""
+    require_at_least(args, {"sizes": 256, "ops": 256, "repeat": 1})  # allocate(256) needs 256 blocks
     gc.collect()
     gc.disable()  # as the peer scripts do: no cycle collection inside timed regions
     try:

@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 
-from kvpool.bench.timing import median_ns, print_table
-from kvpool.errors import ConfigError
+from kvpool.bench.timing import median_ns, print_table, require_at_least
 from kvpool.spec import KVCacheSpec, parse_kv_dtype
 from kvpool.storage.paged import PagedKVCache
 
@@ -79,10 +78,8 @@ COLUMNS = ("pattern", "tokens", "store_kv_us", "store_kv_gb_s", "copy_us", "copy
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    for name in ("tokens", "num_blocks", "block_size", "kv_heads", "head_dim", "repeat"):
-        values = getattr(args, name)
-        if min(values if isinstance(values, list) else [values]) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {values}")
+    require_at_least(args, dict.fromkeys(("tokens", "num_blocks", "block_size", "kv_heads", "head_dim",
+                                          "repeat"), 1))
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

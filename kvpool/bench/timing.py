@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+
+from kvpool.errors import ConfigError
 
 
 def median_ns(fn: Callable[[], object], *, ops: int, repeat: int = 5,
@@ -36,3 +39,12 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[objec
     print(title)
     for row in cells:
         print("  " + "  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=False)))
+
+
+def require_at_least(args: argparse.Namespace, minimum: Mapping[str, int]) -> None:
+    """Raise ConfigError naming the option when an integer option (or any item of a list option) of ``args``
+    is below its ``minimum``."""
+    for name, least in minimum.items():
+        values = getattr(args, name)
+        if min(values if isinstance(values, list) else [values]) < least:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= {least}, got {values}")
