@@ -200,6 +200,24 @@ def test_request_that_can_never_fit_is_refused(tiny: tuple) -> None:
         engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=4096))
 
 
+def test_bad_prompts_are_refused_before_anything_is_queued(tiny: tuple) -> None:
+    model, _ = tiny
+    engine = make_engine(model)
+    # the tiny models' vocabulary is the 256 byte values: 256 and -1 would index outside the embedding
+    for bad in ([1, 256], [1, -1], [1, 2.5], ["a"]):
+        with pytest.raises(InvalidArgumentError, match="token ids"):
+            engine.generate([PROMPTS[2], bad], SamplingParams(max_new_tokens=NEW))
+    with pytest.raises(InvalidArgumentError, match="2 prompts but 1"):
+        engine.generate([PROMPTS[2], PROMPTS[3]], [SamplingParams()])
+    with pytest.raises(InvalidArgumentError, match="empty prompt"):
+        engine.generate([PROMPTS[2], []])
+    # nothing was queued, no block is held, and the engine still runs
+    assert not engine.requests and not engine.has_unfinished()
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    (req,) = run_all(engine, [torch.tensor(PROMPTS[2])])  # a 1-D tensor of ids is a prompt too
+    assert req.request_id == 0 and len(req.output_token_ids) == NEW
+
+
 def test_seeded_sampling_is_reproducible_and_survives_preemption(tiny: tuple) -> None:
     model, _ = tiny
     params = dict(temperature=1.0, top_p=0.9, top_k=50, seed=3)
@@ -256,5 +274,13 @@ def test_cli_prompts_and_errors(capsys: pytest.CaptureFixture, tmp_path: Path) -
     # 'zero' is 4 bytes: 4 + 30 - 1 = 33 tokens need ceil(33 / 16) = 3 blocks; the pool has 2
     code, _, err = run_cli(capsys, "--prompt", "zero", "--max-new-tokens", "30", "--num-blocks", "2")
     assert code == 2 and "needs 3 blocks" in err
+    # stderr is not a terminal here: no progress bar, only the one error line
+    assert err == ("kvpool generate: error: request needs 3 blocks (4 prompt + 30 new tokens at 16 per "
+                   "block) but the pool has 2\n")
     code, _, err = run_cli(capsys, "--check", "--temperature", "0.5")
     assert code == 2 and "--check" in err
+    code, _, err = run_cli(capsys, "--model", str(tmp_path))  # a folder that is not a model
+    assert code == 2 and err.count("\n") == 1 and "no config.json" in err
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')  # a config, but no tokenizer or weights
+    code, _, err = run_cli(capsys, "--model", str(tmp_path))
+    assert code == 2 and err.count("\n") == 1 and f"cannot load a model from {tmp_path}" in err

@@ -53,6 +53,9 @@ def test_shipped_azure_matches_its_readme_and_file_ends() -> None:
 def test_max_requests_keeps_the_first_rows() -> None:
     full = load_trace().requests
     assert load_trace(max_requests=5).requests == full[:5]
+    for bad in (0, -1, 2.5, True):  # -1 used to keep no row, 2.5 three rows
+        with pytest.raises(ConfigError, match="max_requests"):
+            load_trace(max_requests=bad)
 
 
 def _write(tmp_path: Path, name: str, text: str) -> Path:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kvpool.bench.timing import print_table
+from kvpool.bench.timing import print_table, require_at_least
 
 NUM_BLOCKS, BLOCK_SIZE, BATCH_TOKENS = 64, 16, 256
 
@@ -37,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvpool.engine.models import DEFAULT_PROMPTS, load_model
 
+    require_at_least(args, {"max_new_tokens": 1, "threads": 0})  # torch.set_num_threads(-1) would raise
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model)

@@ -108,7 +108,8 @@ def _generate_with_progress(engine: Any, prompts: list[list[int]], params: list[
     from tqdm import tqdm
 
     total = sum(p.max_new_tokens for p in params)
-    with tqdm(total=total, desc="generating", unit="tok", file=sys.stderr, leave=False) as bar:
+    quiet = not sys.stderr.isatty()  # as kvpool replay: a bar only at a terminal, so errors stay one line
+    with tqdm(total=total, desc="generating", unit="tok", file=sys.stderr, leave=False, disable=quiet) as bar:
         return engine.generate(prompts, params, on_step=bar.update)
 
 

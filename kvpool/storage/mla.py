@@ -18,6 +18,7 @@ from kvpool.storage.paged import (
     as_raw,
     check_slot_mapping,
     dequantize,
+    drop_padding,
     encode,
     fp8_scales,
 )
@@ -89,8 +90,7 @@ class MLAKVCache(BlockStore):
         latent = torch.cat([c_kv, k_pe], dim=-1) if self.rope_dim else c_kv
         latent = as_raw(encode(latent, self.dtype, self.scale), self._raw.dtype)
         if pad:
-            keep = (slot_mapping != -1).nonzero().squeeze(1)
-            slot_mapping, latent = slot_mapping[keep], latent.index_select(0, keep)
+            slot_mapping, latent = drop_padding(slot_mapping, latent)
         self._flat_raw[layer].index_copy_(0, slot_mapping, latent)
 
     def gather(self, layer: int, block_table: BlockIds, seq_len: int, *, dtype: torch.dtype | None = None

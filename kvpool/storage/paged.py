@@ -105,6 +105,12 @@ def block_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> tor
     return (block_table.to(torch.int64)[:, None] * block_size + offsets).flatten()[:seq_len]
 
 
+def drop_padding(slot_mapping: torch.Tensor, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``slot_mapping`` and each of ``rows`` (``[T, ...]``) without the tokens whose slot is -1 (skip)."""
+    keep = (slot_mapping != -1).nonzero().squeeze(1)
+    return (slot_mapping[keep], *(r.index_select(0, keep) for r in rows))
+
+
 def encode(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     """``x`` converted to the storage ``dtype``; for fp8, divided by ``scale`` and saturated to the format's
     finite range (as vLLM's scaled fp8 conversion does) instead of turning into NaN."""
@@ -271,7 +277,7 @@ class BlockStore:
         """The first ``ceil(seq_len / block_size)`` ids of ``block_table``, checked, on this device."""
         if not isinstance(seq_len, int) or seq_len < 0:
             raise InvalidArgumentError(f"seq_len must be a non-negative integer, got {seq_len!r}")
-        needed = math.ceil(seq_len / self.block_size)
+        needed = -(-seq_len // self.block_size)  # exact integer ceiling (no float rounding)
         if not isinstance(block_table, torch.Tensor | Sequence):
             raise InvalidArgumentError(f"block_table must be a list or tensor of ids, got {block_table!r}")
         if len(block_table) < needed:
@@ -410,8 +416,7 @@ class PagedKVCache(BlockStore):
             return
         k, v = as_raw(k, self._raw.dtype), as_raw(v, self._raw.dtype)
         if pad:  # drop padding tokens, moving rows as raw words (cheaper than a boolean mask on halves)
-            keep = (slot_mapping != -1).nonzero().squeeze(1)
-            slot_mapping, k, v = slot_mapping[keep], k.index_select(0, keep), v.index_select(0, keep)
+            slot_mapping, k, v = drop_padding(slot_mapping, k, v)
         if self.layout == "NHD":
             self._flat_raw[0][layer].index_copy_(0, slot_mapping, k)
             self._flat_raw[1][layer].index_copy_(0, slot_mapping, v)

@@ -101,12 +101,14 @@ def load_trace(path: str | Path | None = None, fmt: str | None = None, *, skip_m
                max_requests: int | None = None) -> Trace:
     """Load ``path`` (default: the shipped trace of ``fmt``, Mooncake when both are None).
 
-    ``fmt`` defaults to :func:`detect_format`. ``max_requests`` keeps the first N valid rows. Raises
-    :class:`TraceFormatError` for a malformed row (unless skipped), :class:`ConfigError` for a bad format,
-    ``OSError`` for an unreadable file.
+    ``fmt`` defaults to :func:`detect_format`. ``max_requests`` (an int >= 1) keeps the first N valid rows.
+    Raises :class:`TraceFormatError` for a malformed row (unless skipped), :class:`ConfigError` for a bad
+    format or ``max_requests``, ``OSError`` for an unreadable file.
     """
     if fmt is not None and fmt not in FORMATS:
         raise ConfigError(f"unknown trace format {fmt!r}; accepted: {', '.join(FORMATS)}")
+    if max_requests is not None and (type(max_requests) is not int or max_requests < 1):
+        raise ConfigError(f"max_requests must be an integer >= 1 or None, got {max_requests!r}")
     if path is None:
         path = shipped_trace_path(fmt or "mooncake")
     fmt = fmt or detect_format(path)
