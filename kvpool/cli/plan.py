@@ -22,16 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("plan", help="how much KV cache a model gets on a GPU",
                                    description=__doc__.splitlines()[0])
     parser.add_argument("config", metavar="CONFIG", help="a Hugging Face config.json or a folder holding one")
-    parser.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel ranks (default 1)")
-    parser.add_argument("--kv-cache-dtype", default="auto",
-                        help="auto (the model's dtype), float16, bfloat16, float32, fp8, fp8_e4m3, fp8_e5m2")
     parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per block (default 16)")
-    parser.add_argument("--gpu-memory", type=parse_bytes, metavar="BYTES",
-                        help="device memory per rank, e.g. 80GiB (default: read the local CUDA device)")
-    parser.add_argument("--gpu-memory-utilization", type=fraction, default=0.9, metavar="F",
-                        help="share of the device memory kvpool may plan with (default 0.9)")
-    parser.add_argument("--non-kv-memory", type=parse_bytes, default=0, metavar="BYTES",
-                        help="weights, activations and workspace per rank, e.g. 16GiB (default 0)")
+    add_memory_arguments(parser, gpu_memory_default="read the local CUDA device")
     parser.add_argument("--max-model-len", type=positive_int, metavar="N",
                         help="longest request in tokens; reports how many fit at once")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -39,11 +31,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 
-def run(args: argparse.Namespace) -> int:
-    spec = KVCacheSpec.from_hf_config(args.config, tp_size=args.tp_size, kv_cache_dtype=args.kv_cache_dtype,
+def add_memory_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *,
+                         gpu_memory_default: str) -> None:
+    """The options that size a pool as ``kvpool plan`` does (read back by :func:`plan_from_args`)."""
+    parser.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel ranks (default 1)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="auto (the model's dtype), float16, bfloat16, float32, fp8, fp8_e4m3, fp8_e5m2")
+    parser.add_argument("--gpu-memory", type=parse_bytes, metavar="BYTES",
+                        help=f"device memory per rank, e.g. 80GiB (default: {gpu_memory_default})")
+    parser.add_argument("--gpu-memory-utilization", type=fraction, default=0.9, metavar="F",
+                        help="share of the device memory kvpool may plan with (default 0.9)")
+    parser.add_argument("--non-kv-memory", type=parse_bytes, default=0, metavar="BYTES",
+                        help="weights, activations and workspace per rank, e.g. 16GiB (default 0)")
+
+
+def plan_from_args(config: str, args: argparse.Namespace, *, max_model_len: int | None = None
+                   ) -> tuple[KVCacheSpec, PoolPlan]:
+    """The spec of ``config`` and its plan from the :func:`add_memory_arguments` options and --block-size."""
+    spec = KVCacheSpec.from_hf_config(config, tp_size=args.tp_size, kv_cache_dtype=args.kv_cache_dtype,
                                       block_size=args.block_size)
     plan = plan_pool(spec, _readings(args), gpu_memory_utilization=args.gpu_memory_utilization,
-                     max_model_len=args.max_model_len)
+                     max_model_len=max_model_len)
+    return spec, plan
+
+
+def run(args: argparse.Namespace) -> int:
+    spec, plan = plan_from_args(args.config, args, max_model_len=args.max_model_len)
     report = plan_report(spec, plan)
     print(json.dumps(report) if args.json else _human(report))
     return 0

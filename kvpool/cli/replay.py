@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvpool.cli._args import fraction, non_negative_float, parse_bytes, positive_int
+from kvpool.cli._args import non_negative_float, positive_int
+from kvpool.cli.plan import add_memory_arguments, plan_from_args
 from kvpool.errors import ConfigError
-from kvpool.spec import KVCacheSpec
 from kvpool.trace.loaders import FORMATS, load_trace
 from kvpool.trace.replay import TIMINGS, ReplayConfig, run_replay
 
@@ -47,13 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _capacity_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--num-blocks", type=positive_int, metavar="N", help="pool size in blocks")
     group.add_argument("--model-config", metavar="PATH", help="size the pool as `kvpool plan` does")
-    group.add_argument("--gpu-memory", type=parse_bytes, metavar="BYTES", help="device memory, e.g. 80GiB")
-    group.add_argument("--gpu-memory-utilization", type=fraction, default=0.9, metavar="F",
-                       help="share of the device memory to plan with (default 0.9)")
-    group.add_argument("--non-kv-memory", type=parse_bytes, default=0, metavar="BYTES",
-                       help="weights, activations and workspace, e.g. 16GiB (default 0)")
-    group.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype (default: the model's)")
-    group.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel ranks (default 1)")
+    add_memory_arguments(group, gpu_memory_default="none; required with --model-config")
 
 
 def _engine_arguments(group: argparse._ArgumentGroup) -> None:
@@ -108,12 +102,7 @@ def num_blocks_from_args(args: argparse.Namespace) -> int | None:
         raise ConfigError("give either --num-blocks or --model-config, not both")
     if args.gpu_memory is None:
         raise ConfigError("--model-config needs --gpu-memory BYTES (the device memory per rank)")
-    from kvpool.planner import MemoryReadings, plan_pool
-
-    spec = KVCacheSpec.from_hf_config(args.model_config, tp_size=args.tp_size,
-                                      kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size)
-    readings = MemoryReadings(total_bytes=args.gpu_memory, non_kv_bytes=args.non_kv_memory)
-    return plan_pool(spec, readings, gpu_memory_utilization=args.gpu_memory_utilization).num_blocks
+    return plan_from_args(args.model_config, args)[1].num_blocks
 
 
 def _progress_bar(total: int, *, off: bool) -> Any:
