@@ -149,21 +149,24 @@ def bad_store_cases() -> list[tuple[str, dict, type]]:
     return [(name, {**good, **change}, error) for name, change, error in cases]
 
 
+@pytest.mark.parametrize("check", [True, False])  # check=False skips the range check on CUDA only
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize(("name", "args", "error"), bad_store_cases(), ids=[c[0] for c in bad_store_cases()])
-def test_bad_store_raises_and_writes_nothing(layout: str, name: str, args: dict, error: type) -> None:
+def test_bad_store_raises_and_writes_nothing(layout: str, name: str, args: dict, error: type,
+                                             check: bool) -> None:
     cache = filled(PagedKVCache(spec(), N, layout=layout), seed=4)
     before = bits(cache.buffer).clone()
     with pytest.raises(error):
-        cache.store_kv(**args)
+        cache.store_kv(**args, check=check)
     assert torch.equal(bits(cache.buffer), before)
 
 
-def test_all_padding_and_empty_store_write_nothing() -> None:
+@pytest.mark.parametrize("check", [True, False])
+def test_all_padding_and_empty_store_write_nothing(check: bool) -> None:
     cache = filled(PagedKVCache(spec(), N), seed=5)
     before = bits(cache.buffer).clone()
     cache.store_kv(torch.ones(2, H, D, dtype=torch.float16), torch.ones(2, H, D, dtype=torch.float16),
-                   torch.tensor([-1, -1]), 0)
+                   torch.tensor([-1, -1]), 0, check=check)
     cache.store_kv(torch.ones(0, H, D, dtype=torch.float16), torch.ones(0, H, D, dtype=torch.float16),
                    torch.zeros(0, dtype=torch.int64), 0)
     assert torch.equal(bits(cache.buffer), before)

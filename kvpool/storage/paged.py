@@ -398,8 +398,9 @@ class PagedKVCache(BlockStore):
             k, v: ``[T, H, D]``, on the cache's device, in the cache dtype (an fp8 cache also takes a float
                 dtype, divided by ``k_scale`` / ``v_scale`` and converted).
             slot_mapping: int64 ``[T]``, each ``block_id * block_size + offset`` or -1.
-            check: False skips only the slot range check (no host sync on CUDA; a bad slot is then undefined
-                behaviour). Shape, dtype, device and layer are always checked.
+            check: False skips the slot range check on CUDA (no host sync; a bad slot is then undefined
+                behaviour). On the host the check always runs: it costs what finding -1 slots would.
+                Shape, dtype, device and layer are always checked.
 
         Raises:
             InvalidArgumentError: wrong shape, dtype, device, layer, or k and v of different lengths.
@@ -409,7 +410,10 @@ class PagedKVCache(BlockStore):
         tail = (self.num_heads, self.head_dim)
         num_tokens = self._check_rows(k, "k", tail, None)
         self._check_rows(v, "v", tail, num_tokens)
-        pad = check_slot_mapping(slot_mapping, num_tokens, self.num_slots, self.device) if check else True
+        if check or self.device.type != "cuda":
+            pad = check_slot_mapping(slot_mapping, num_tokens, self.num_slots, self.device)
+        else:
+            pad = True  # unknown without a sync: drop -1 slots on device (the Triton kernel skips them)
         k, v = encode(k, self.dtype, self.k_scale), encode(v, self.dtype, self.v_scale)
         if self._triton is not None:
             self._triton(k, v, slot_mapping, self.flat_k_cache(layer), self.flat_v_cache(layer))
