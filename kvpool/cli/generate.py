@@ -19,6 +19,7 @@ from kvpool.errors import ConfigError
 
 DEFAULT_KV_MEMORY = 256 * 2**20  # CPU: 256 MiB of KV (SmolLM2 in float32: 364 blocks of 16 tokens)
 
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("generate", help="generate text with a model whose KV lives in kvpool")
     parser.add_argument("--model", default="smollm2",

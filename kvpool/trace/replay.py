@@ -118,9 +118,14 @@ class ReplayResult:
         return out
 
 
+def request_blocks(req: TraceRequest, block_size: int) -> int:
+    """Blocks a request holds at its end: ``ceil((input + output) / block_size)``."""
+    return -(-(req.input_tokens + req.output_tokens) // block_size)
+
+
 def unbounded_num_blocks(requests: Sequence[TraceRequest], block_size: int) -> int:
-    """Blocks to hold every request of the trace at once: sum of ``ceil((input + output) / block_size)``."""
-    return max(1, sum(-(-(r.input_tokens + r.output_tokens) // block_size) for r in requests))
+    """Blocks to hold every request of the trace at once: the sum of :func:`request_blocks`."""
+    return max(1, sum(request_blocks(r, block_size) for r in requests))
 
 
 def run_replay(requests: Sequence[TraceRequest], config: ReplayConfig = ReplayConfig(), *,
@@ -166,7 +171,7 @@ class _Seq:
         self.blocks: list[int] = []
         self.generated = 0  # output tokens produced so far (kept across a preemption)
         self.hits = 0  # cached prefix blocks found at the latest admission
-        self.total_blocks = -(-(req.input_tokens + req.output_tokens) // block_size)
+        self.total_blocks = request_blocks(req, block_size)
         self.admitted = False
 
     @property
@@ -262,7 +267,7 @@ class _Replayer:
 
     def _reject(self, req: TraceRequest) -> bool:
         """Count and drop a request that needs more blocks than the whole pool has."""
-        if -(-(req.input_tokens + req.output_tokens) // self.bs) <= self.pool.num_blocks:
+        if request_blocks(req, self.bs) <= self.pool.num_blocks:
             return False
         self.rejected += 1
         if self.progress is not None:
