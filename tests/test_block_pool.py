@@ -17,6 +17,7 @@ from kvpool import (
     KVPoolError,
     OutOfBlocksError,
 )
+from kvpool.allocators import BlockPoolStats
 
 
 def snapshot(pool: BlockPool) -> tuple:
@@ -236,6 +237,10 @@ BAD_CALLS = [
     ("cache duplicate id", lambda p: p.cache_blocks([2, 2], ["x", "y"]), InvalidIdError),
     ("lookup unhashable", lambda p: p.lookup(["h0", ["list"]]), InvalidArgumentError),
     ("ref_count out of range", lambda p: p.ref_count(10), InvalidIdError),
+    ("evict_blocks out of range", lambda p: p.evict_blocks([0, 10]), InvalidIdError),
+    ("evict_blocks duplicate", lambda p: p.evict_blocks([4, 4]), InvalidIdError),
+    ("evict_blocks non-int", lambda p: p.evict_blocks([0, "1"]), InvalidIdError),
+    ("evict_blocks bool", lambda p: p.evict_blocks([True]), InvalidIdError),
 ]
 
 
@@ -360,3 +365,141 @@ def test_a_nan_hash_keeps_integrity() -> None:
     pool.cache_blocks([block], [nan])  # republishing the hash the block holds is a no-op
     pool.check_integrity()
     assert pool.lookup([nan]) == [block]
+
+
+# ---- vLLM parity: reset_prefix_cache, evict_blocks, the null block ---------------------------------------
+# Expected behaviour from vLLM's BlockPool (vllm/v1/core/block_pool.py): reset_prefix_cache refuses while a
+# block other than the null block is in use; evict_blocks drops hashes of in-use and free blocks alike and
+# leaves ref counts alone; the null block (id 0) is never handed out and usage excludes it.
+
+
+def test_reset_prefix_cache_refuses_while_a_block_is_in_use(busy_pool: BlockPool) -> None:
+    before = snapshot(busy_pool)
+    assert busy_pool.reset_prefix_cache() is False  # blocks 0..3 are in use
+    assert snapshot(busy_pool) == before
+
+
+def test_reset_prefix_cache_drops_every_hash_and_keeps_the_free_order() -> None:
+    pool = BlockPool(8)
+    a = run_request(pool, ["a0", "a1", "a2"])  # blocks 0, 1, 2, published
+    scratch = pool.allocate(2)                  # blocks 3, 4, never published
+    pool.free(reversed(a))                      # LRU: 2, 1, 0
+    pool.free(scratch)                          # free stack (pop order): 4, 3, then the untouched 5, 6, 7
+    pool.lookup(["a0"])                         # 1 hit
+    assert pool.reset_prefix_cache() is True
+    assert pool.lookup(["a0", "a1", "a2"]) == []  # 3 misses
+    assert (pool.num_cached_blocks, pool.num_evictable_blocks, pool.num_free_blocks) == (0, 0, 8)
+    assert all(pool.block_hash(b) is None for b in range(8))
+    assert pool.stats == BlockPoolStats(hits=1, misses=6, evictions=0)  # counters are cumulative
+    pool.check_integrity()
+    # Same order as before the reset: the stack (4, 3, 5, 6, 7), then the former LRU head first (2, 1, 0);
+    # none of them is an eviction any more.
+    assert pool.allocate(8) == [4, 3, 5, 6, 7, 2, 1, 0]
+    assert pool.stats.evictions == 0
+
+
+def test_reset_prefix_cache_on_an_empty_or_uncached_pool_succeeds() -> None:
+    assert BlockPool(4).reset_prefix_cache() is True
+    assert BlockPool(4, enable_caching=False).reset_prefix_cache() is True
+    assert BlockPool(4, reserve_null_block=True).reset_prefix_cache() is True  # the null block: not in use
+
+
+def test_evict_blocks_unpublishes_an_in_use_block_and_keeps_its_ref_count() -> None:
+    pool = BlockPool(8)
+    blocks = run_request(pool, ["h0", "h1"])  # 0, 1 in use, published
+    pool.evict_blocks({1})
+    assert pool.ref_count(1) == 1 and pool.block_hash(1) is None
+    assert pool.lookup(["h0", "h1"]) == [0]
+    pool.free(reversed(blocks))  # block 1 has no hash now: free stack, not the LRU
+    assert pool.evictable_blocks() == [0]
+    assert pool.allocate(1) == [1]
+    pool.check_integrity()
+
+
+def test_evict_blocks_turns_cached_free_blocks_into_uncached_free_ones() -> None:
+    pool = BlockPool(6)
+    pool.free(reversed(run_request(pool, ["h0", "h1", "h2", "h3"])))  # LRU: 3, 2, 1, 0; stack: 4, 5
+    pool.evict_blocks([0, 1])
+    assert pool.evictable_blocks() == [3, 2]
+    assert pool.lookup(["h0"]) == [] and pool.lookup(["h2", "h3"]) == [2, 3]
+    assert (pool.num_free_blocks, pool.num_cached_blocks, pool.stats.evictions) == (6, 2, 0)
+    # The stack pops 1 and 0 (pushed in that order), then 4, 5; only then the LRU head, 3.
+    assert pool.allocate(5) == [1, 0, 4, 5, 3]
+    assert pool.stats.evictions == 1
+    pool.check_integrity()
+
+
+def test_evict_blocks_leaves_unhashed_blocks_alone() -> None:
+    pool = BlockPool(4)
+    pool.allocate(1)  # block 0 in use, no hash; 1..3 free
+    before = snapshot(pool)
+    pool.evict_blocks([0, 2, 3])
+    pool.evict_blocks([])
+    assert snapshot(pool) == before
+    assert pool.allocate(3) == [1, 2, 3]
+
+
+def test_null_block_is_never_handed_out_and_usage_excludes_it() -> None:
+    pool = BlockPool(11, reserve_null_block=True)  # vLLM: 11 blocks, 10 usable
+    assert (pool.null_block, pool.num_blocks, pool.num_free_blocks, pool.num_used_blocks) == (0, 11, 10, 0)
+    assert pool.usage == 0.0
+    assert pool.allocate(5) == [1, 2, 3, 4, 5]
+    assert pool.usage == pytest.approx(0.5)      # 5 / 10
+    assert pool.allocate(5) == [6, 7, 8, 9, 10]
+    assert pool.usage == pytest.approx(1.0)      # 10 / 10
+    with pytest.raises(OutOfBlocksError):
+        pool.allocate(1)
+    pool.check_integrity()
+    assert BlockPool(3).null_block is None and BlockPool(3).allocate(1) == [0]
+
+
+def test_null_block_is_skipped_by_free_touch_cache_and_evict() -> None:
+    pool = BlockPool(6, reserve_null_block=True)
+    blocks = pool.allocate(2)                    # [1, 2]
+    table = [0, 0, 0] + blocks                   # a sliding-window table: three skipped blocks, then 1, 2
+    pool.cache_blocks(table, ["n0", "n1", "n2", "h1", "h2"])
+    assert pool.lookup(["n0"]) == [] and pool.lookup(["h1", "h2"]) == [1, 2]
+    pool.touch(table)                            # 1, 2 -> ref 2; the null block stays at 0
+    pool.touch([0])
+    assert [pool.ref_count(b) for b in range(3)] == [0, 2, 2]
+    pool.free(reversed(table))
+    pool.free([0])
+    pool.evict_blocks([0])
+    assert [pool.ref_count(b) for b in range(3)] == [0, 1, 1]
+    pool.free(reversed(table))                   # 2, 1 reach 0 and join the LRU; the null block never does
+    assert pool.evictable_blocks() == [2, 1] and pool.num_free_blocks == 5 and pool.block_hash(0) is None
+    assert sorted(pool.allocate(5)) == [1, 2, 3, 4, 5]
+    pool.check_integrity()
+
+
+def test_null_block_is_only_zero_and_other_errors_still_raise() -> None:
+    pool = BlockPool(4, reserve_null_block=True)
+    pool.allocate(1)  # block 1
+    before = snapshot(pool)
+    for call, ids, error in [(pool.free, [0, 2], DoubleFreeError), (pool.free, [0, False], InvalidIdError),
+                             (pool.touch, [0, 0.0], InvalidIdError), (pool.free, [1, 1, 0], InvalidIdError),
+                             (pool.evict_blocks, [0, 4], InvalidIdError)]:
+        with pytest.raises(error):
+            call(ids)
+        assert snapshot(pool) == before
+    with pytest.raises(InvalidIdError):
+        pool.cache_blocks([0, 2], ["a", "b"])  # block 2 is not allocated
+    assert snapshot(pool) == before
+
+
+@pytest.mark.parametrize("num_blocks", [1, 0])
+def test_a_null_block_pool_needs_two_blocks(num_blocks: int) -> None:
+    with pytest.raises(InvalidArgumentError):
+        BlockPool(num_blocks, reserve_null_block=True)
+
+
+@pytest.mark.parametrize(("name", "corrupt"), [
+    ("null block in the free stack", lambda p: p._free.append(0)),
+    ("null block referenced", lambda p: p._ref.__setitem__(0, 1)),
+])
+def test_check_integrity_guards_the_null_block(name: str, corrupt) -> None:
+    pool = BlockPool(4, reserve_null_block=True)
+    pool.check_integrity()
+    corrupt(pool)
+    with pytest.raises(IntegrityError, match="null block"):
+        pool.check_integrity()

@@ -4,7 +4,8 @@ error paths included, with ``check_integrity()`` and a full comparison of observ
 The model keeps per-block ref counts, hashes and the time each block last became free, and answers every
 question by scanning all blocks: LRU order is "sorted by free time", the index is "which block holds h".
 It never predicts which uncached block ``allocate`` picks, only the rules: uncached blocks first, then the
-oldest cached free blocks.
+oldest cached free blocks. With a null block (block 0) the model never frees, hands out or hashes it, and
+the machine slips it (repeated) into the ids of free, touch, cache_blocks and evict_blocks.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ HASHES = st.integers(0, 11)  # a small universe, so hash collisions and re-publi
 class Model:
     """Brute force: every query scans all blocks."""
 
-    def __init__(self, n: int, caching: bool) -> None:
+    def __init__(self, n: int, caching: bool, null: bool) -> None:
         self.n, self.caching = n, caching
+        self.first = 1 if null else 0  # the first id allocate may hand out
         self.ref = [0] * n
         self.hash: list[int | None] = [None] * n
         self.freed_at = [0] * n  # a clock value; only meaningful for cached free blocks
@@ -35,7 +37,7 @@ class Model:
         return found[0] if found else None
 
     def uncached_free(self) -> set[int]:
-        return {b for b in range(self.n) if self.ref[b] == 0 and self.hash[b] is None}
+        return {b for b in range(self.first, self.n) if self.ref[b] == 0 and self.hash[b] is None}
 
     def lru(self) -> list[int]:
         cached = [b for b in range(self.n) if self.ref[b] == 0 and self.hash[b] is not None]
@@ -53,14 +55,23 @@ class Model:
 
 class BlockPoolMachine(RuleBasedStateMachine):
     caching = True
+    null = False
 
-    @initialize(n=st.integers(1, 9))
+    @initialize(n=st.integers(2, 9))
     def setup(self, n: int) -> None:
-        self.pool = BlockPool(n, enable_caching=self.caching)
-        self.model = Model(n, self.caching)
+        self.pool = BlockPool(n, enable_caching=self.caching, reserve_null_block=self.null)
+        self.model = Model(n, self.caching, self.null)
 
     def used(self) -> list[int]:
         return [b for b in range(self.model.n) if self.model.ref[b] > 0]
+
+    def with_nulls(self, data: st.DataObject, ids: list, null: object = 0) -> list:
+        """``ids`` in their order with 0-2 copies of ``null`` slipped in at random places (none without a
+        null block)."""
+        out = list(ids)
+        for _ in range(data.draw(st.integers(0, 2)) if self.null else 0):
+            out.insert(data.draw(st.integers(0, len(out))), null)
+        return out
 
     def expect_error(self, error: type[Exception], call, *args: object) -> None:
         with pytest.raises(error):
@@ -96,7 +107,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
         ids = data.draw(st.lists(st.sampled_from(self.used()), unique=True, min_size=1))
-        self.pool.free(ids)
+        self.pool.free(self.with_nulls(data, ids))
         m = self.model
         for b in ids:
             m.ref[b] -= 1
@@ -109,8 +120,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
         m, used = self.model, self.used()
         kind = data.draw(st.sampled_from(["not-allocated", "out-of-range", "duplicate", "negative"]))
         good = data.draw(st.lists(st.sampled_from(used), unique=True, max_size=3)) if used else []
-        if kind == "not-allocated" and len(used) < m.n:
-            free_ids = [b for b in range(m.n) if m.ref[b] == 0]
+        if kind == "not-allocated" and len(used) < m.n - m.first:
+            free_ids = [b for b in range(m.first, m.n) if m.ref[b] == 0]
             bad, error = [data.draw(st.sampled_from(free_ids))], DoubleFreeError
         elif kind == "duplicate" and good:
             bad, error = [good[0]], InvalidIdError
@@ -124,7 +135,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         m = self.model
         candidates = [b for b in range(m.n) if m.ref[b] > 0 or m.hash[b] is not None]
         ids = data.draw(st.lists(st.sampled_from(candidates), unique=True)) if candidates else []
-        self.pool.touch(ids)
+        self.pool.touch(self.with_nulls(data, ids))
         for b in ids:
             m.ref[b] += 1
 
@@ -142,10 +153,12 @@ class BlockPoolMachine(RuleBasedStateMachine):
         m = self.model
         ids = data.draw(st.lists(st.sampled_from(self.used()), unique=True, min_size=1))
         hashes = data.draw(st.lists(HASHES, min_size=len(ids), max_size=len(ids)))
+        pairs = self.with_nulls(data, list(zip(ids, hashes, strict=True)), null=(0, 99))
+        call_ids, call_hashes = [p[0] for p in pairs], [p[1] for p in pairs]
         if any(m.hash[b] is not None and m.hash[b] != h for b, h in zip(ids, hashes, strict=True)):
-            self.expect_error(InvalidIdError, self.pool.cache_blocks, ids, hashes)
+            self.expect_error(InvalidIdError, self.pool.cache_blocks, call_ids, call_hashes)
             return
-        self.pool.cache_blocks(ids, hashes)
+        self.pool.cache_blocks(call_ids, call_hashes)
         for b, h in zip(ids, hashes, strict=True):
             if m.caching and m.hash[b] is None and m.holder(h) is None:
                 m.hash[b] = h
@@ -153,8 +166,31 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(r == 0 for r in self.model.ref))
     @rule(data=st.data(), h=HASHES)
     def cache_free_block(self, data: st.DataObject, h: int) -> None:
-        block = data.draw(st.sampled_from([b for b in range(self.model.n) if self.model.ref[b] == 0]))
+        m = self.model
+        block = data.draw(st.sampled_from([b for b in range(m.first, m.n) if m.ref[b] == 0] or [m.n]))
         self.expect_error(InvalidIdError, self.pool.cache_blocks, [block], [h])
+
+    @rule(data=st.data())
+    def evict_blocks(self, data: st.DataObject) -> None:
+        m = self.model
+        ids = data.draw(st.lists(st.integers(m.first, m.n - 1), unique=True, max_size=4))
+        self.pool.evict_blocks(self.with_nulls(data, ids))
+        for b in ids:
+            m.hash[b] = None
+
+    @rule(data=st.data())
+    def evict_blocks_bad(self, data: st.DataObject) -> None:
+        m = self.model
+        bad = data.draw(st.sampled_from([[m.n], [-1], [m.n - 1, m.n - 1], [True], [1.0]]))
+        self.expect_error(InvalidIdError, self.pool.evict_blocks, bad)
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        m = self.model
+        ok = not any(m.ref)
+        assert self.pool.reset_prefix_cache() is ok
+        if ok:
+            m.hash = [None] * m.n
 
     @rule(hashes=st.lists(HASHES, max_size=6))
     def lookup(self, hashes: list[int]) -> None:
@@ -192,7 +228,13 @@ class BlockPoolNoCachingMachine(BlockPoolMachine):
     caching = False
 
 
+class BlockPoolNullBlockMachine(BlockPoolMachine):
+    null = True
+
+
 TestBlockPoolStateful = BlockPoolMachine.TestCase
 TestBlockPoolStateful.settings = settings(max_examples=1000, stateful_step_count=30)
 TestBlockPoolNoCachingStateful = BlockPoolNoCachingMachine.TestCase
 TestBlockPoolNoCachingStateful.settings = settings(max_examples=200, stateful_step_count=30)
+TestBlockPoolNullBlockStateful = BlockPoolNullBlockMachine.TestCase
+TestBlockPoolNullBlockStateful.settings = settings(max_examples=200, stateful_step_count=30)

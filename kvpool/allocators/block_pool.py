@@ -8,6 +8,11 @@ block it names, independent of the pool size. Every block is in exactly one of t
   (``free`` appends to the tail, eviction pops from the head, ``touch`` revives in place);
 * **in use**: ref count > 0, with or without a published hash.
 
+With ``reserve_null_block=True`` block 0 is the **null block**, in none of the three: the id that stands for
+"no block" in a block table (a sliding-window table's skipped blocks, vLLM's ``null_block``). It is never
+handed out, never counted free, holds no hash, reports ref count 0, and is skipped wherever it appears in
+``free``, ``touch``, ``cache_blocks`` or ``evict_blocks`` (repeats of it included).
+
 A block's hash is in the prefix index (hash -> block id) exactly while the block holds it. Every method
 validates its whole argument before it changes anything, so a call that raises leaves the pool as it was.
 """
@@ -52,18 +57,25 @@ class BlockPool:
     **tail first** (see :meth:`free`). With ``enable_caching=False`` ``cache_blocks`` and ``lookup`` do
     nothing (``lookup`` returns ``[]``) and freed blocks go straight back to the free stack.
 
+    ``reserve_null_block=True`` reserves block 0 as the null block (see the module docstring):
+    ``num_blocks`` still counts it, ``num_free_blocks`` and ``num_used_blocks`` never do, and ``usage`` is
+    over the ``num_blocks - 1`` others (as vLLM's ``get_usage``).
+
     Raises:
-        InvalidArgumentError: ``num_blocks`` < 1 or not an int.
+        InvalidArgumentError: ``num_blocks`` not an int, < 1, or < 2 with a null block.
     """
 
-    def __init__(self, num_blocks: int, *, enable_caching: bool = True) -> None:
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
-            raise InvalidArgumentError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+    def __init__(self, num_blocks: int, *, enable_caching: bool = True, reserve_null_block: bool = False
+                 ) -> None:
+        least = 2 if reserve_null_block else 1
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < least:
+            raise InvalidArgumentError(f"num_blocks must be an int >= {least}, got {num_blocks!r}")
         self._n = num_blocks
         self._caching = enable_caching
+        self._reserved = 1 if reserve_null_block else 0  # 1: block 0 is the null block
         self._ref = [0] * num_blocks
         self._hash: list[Hashable | None] = [None] * num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))  # stack: pop() hands out 0, 1, 2, ...
+        self._free = list(range(num_blocks - 1, self._reserved - 1, -1))  # stack: pop() hands out 0, 1, ...
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached free blocks, head = evict first
         self._index: dict[Hashable, int] = {}
         self._hits = self._misses = self._evictions = 0
@@ -123,13 +135,15 @@ class BlockPool:
         Blocks without a hash go to the free stack (reused first); hashed ones join the LRU tail.
 
         Raises:
-            InvalidIdError: an id out of range, not an int, or repeated in the call.
+            InvalidIdError: an id out of range, not an int, or repeated in the call (the null block aside).
             DoubleFreeError: an id whose ref count is already 0.
         """
         ids = block_ids if type(block_ids) is list else _as_list(block_ids)
         ref = self._ref
         if len(ids) != 1 or type(ids[0]) is not int or not 0 <= ids[0] < self._n or ref[ids[0]] <= 0:
-            refs = self._refs_of(ids)  # general path; a single valid id skips it
+            if self._reserved:  # general path; a single valid id skips it (the null block never does)
+                ids = _without_null(ids)
+            refs = self._refs_of(ids)
             if refs and min(refs) <= 0:
                 raise DoubleFreeError(f"block {ids[refs.index(min(refs))]} is not allocated (ref count 0)")
         free, lru, hashes = self._free, self._lru, self._hash
@@ -147,20 +161,30 @@ class BlockPool:
         revived in place with its hash; an in-use block is simply shared.
 
         Raises:
-            InvalidIdError: an id out of range, not an int, repeated, or free without a cached hash.
+            InvalidIdError: an id out of range, not an int, repeated (the null block aside), or free without
+                a cached hash.
         """
         ids = block_ids if type(block_ids) is list else _as_list(block_ids)
         ref, lru, hashes = self._ref, self._lru, self._hash
         single_ok = len(ids) == 1 and type(ids[0]) is int and 0 <= ids[0] < self._n and (
             ref[ids[0]] > 0 or hashes[ids[0]] is not None)
-        if not single_ok and 0 in self._refs_of(ids):  # general path; a single valid id skips it
-            for block in ids:
-                if hashes[block] is None and ref[block] == 0:
-                    raise InvalidIdError(f"block {block} is free and holds no cached hash: allocate it")
+        if not single_ok:  # general path; a single valid id skips it (the null block never does)
+            ids = self._checked_touch(ids)
         for block in ids:
             if ref[block] == 0:
                 del lru[block]
             ref[block] += 1
+
+    def _checked_touch(self, ids: list[int]) -> list[int]:
+        """The ids of a touch call without the null block, once every one of them is valid."""
+        if self._reserved:
+            ids = _without_null(ids)
+        ref, hashes = self._ref, self._hash
+        if 0 in self._refs_of(ids):
+            for block in ids:
+                if hashes[block] is None and ref[block] == 0:
+                    raise InvalidIdError(f"block {block} is free and holds no cached hash: allocate it")
+        return ids
 
     def _refs_of(self, ids: Sequence[int]) -> list[int]:
         """Validate a whole call's ids (ints in range, none repeated) and return their ref counts.
@@ -189,12 +213,19 @@ class BlockPool:
         the first one stays published and this block stays private (it is freed to the free stack, not
         the LRU): the index maps each hash to one block. Never publish a partial block.
 
+        The null block is skipped with its hash (as vLLM's ``cache_full_blocks`` skips it).
+
         Raises:
             InvalidArgumentError: lengths differ, or a hash is None or unhashable.
             InvalidIdError: a bad or repeated id, a block that is not allocated, or a block that already
                 holds a different hash.
         """
         ids = block_ids if type(block_ids) is list else _as_list(block_ids)
+        if len(ids) != len(block_hashes):
+            raise InvalidArgumentError(f"{len(ids)} block ids but {len(block_hashes)} hashes")
+        if self._reserved and 0 in ids:
+            keep = [i for i, b in enumerate(ids) if b != 0 or type(b) is not int]
+            ids, block_hashes = [ids[i] for i in keep], [block_hashes[i] for i in keep]
         self._check_publish(ids, block_hashes)
         if not self._caching:
             return
@@ -205,8 +236,6 @@ class BlockPool:
                 hashes[block] = h
 
     def _check_publish(self, block_ids: Sequence[int], block_hashes: Sequence[Hashable]) -> None:
-        if len(block_ids) != len(block_hashes):
-            raise InvalidArgumentError(f"{len(block_ids)} block ids but {len(block_hashes)} hashes")
         refs = self._refs_of(block_ids)
         for block, h, r in zip(block_ids, block_hashes, refs, strict=True):
             if r == 0:
@@ -243,6 +272,49 @@ class BlockPool:
         except TypeError:
             raise InvalidArgumentError("block hashes must be hashable") from None
         return hit
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Unpublish the named blocks: each one's hash leaves the prefix index, so it never matches again.
+        What a KV connector or a tier calls when the KV stored in those blocks is invalidated (vLLM's
+        ``evict_blocks``). An in-use block keeps its ref count and stays in use, now private; a cached free
+        block becomes uncached free (it joins the free stack, handed out before any cached block); a block
+        without a hash, and the null block, are left alone. ``stats.evictions`` does not count these.
+
+        Raises:
+            InvalidIdError: an id out of range, not an int, or repeated in the call (nothing is unpublished).
+        """
+        ids = block_ids if type(block_ids) is list else _as_list(block_ids)
+        if self._reserved:
+            ids = _without_null(ids)
+        refs = self._refs_of(ids)
+        index, hashes, lru, free = self._index, self._hash, self._lru, self._free
+        for block, r in zip(ids, refs, strict=True):
+            h = hashes[block]
+            if h is not None:
+                del index[h]
+                hashes[block] = None
+                if r == 0:
+                    del lru[block]
+                    free.append(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every published hash, when no block is in use (the null block aside); vLLM's contract.
+
+        Returns True after dropping the whole prefix index: every cached free block becomes uncached free
+        and the free order is kept (``allocate`` hands out the same ids in the same order as it would have
+        before the reset). Returns False, changing nothing, while any block is in use. Use it after the
+        weights change (RLHF), or to start a benchmark cold. The stats counters keep counting (they are
+        cumulative).
+        """
+        if self.num_used_blocks:
+            return False
+        lru, hashes = self._lru, self._hash
+        for block in lru:  # nothing is in use, so every hashed block is in the LRU
+            hashes[block] = None
+        self._free[:0] = reversed(lru)  # the LRU head is popped right after the current stack
+        lru.clear()
+        self._index.clear()
+        return True
 
     # ---- admission --------------------------------------------------------------------------------------
 
@@ -283,8 +355,13 @@ class BlockPool:
 
     @property
     def num_blocks(self) -> int:
-        """Total blocks in the pool."""
+        """Total blocks in the pool, the null block included."""
         return self._n
+
+    @property
+    def null_block(self) -> int | None:
+        """The null block's id (0) with ``reserve_null_block=True``, else None."""
+        return 0 if self._reserved else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -303,13 +380,13 @@ class BlockPool:
 
     @property
     def num_used_blocks(self) -> int:
-        """Blocks with ref count > 0."""
-        return self._n - self.num_free_blocks
+        """Blocks with ref count > 0 (never the null block)."""
+        return self._n - self._reserved - len(self._free) - len(self._lru)
 
     @property
     def usage(self) -> float:
-        """num_used_blocks / num_blocks, in [0, 1]."""
-        return self.num_used_blocks / self._n
+        """num_used_blocks / (num_blocks - 1 if a null block is reserved, else num_blocks), in [0, 1]."""
+        return self.num_used_blocks / (self._n - self._reserved)
 
     @property
     def stats(self) -> BlockPoolStats:
@@ -323,10 +400,13 @@ class BlockPool:
     def check_integrity(self) -> None:
         """Verify the DESIGN.md invariants in O(num_blocks); raises IntegrityError naming the broken one.
 
-        Free stack, LRU and in-use set partition the ids with no id twice; ref counts >= 0; free-stack
-        blocks hold no hash; LRU blocks have ref 0 and a hash; the index and the per-block hashes agree.
+        Free stack, LRU, in-use set and the null block partition the ids with no id twice; ref counts >= 0;
+        free-stack blocks hold no hash; LRU blocks have ref 0 and a hash; the index and the per-block hashes
+        agree; the null block has ref 0 and no hash.
         """
         n, ref, hashes = self._n, self._ref, self._hash
+        null_ok = ref[0] == 0 and hashes[0] is None and 0 not in self._lru and 0 not in self._free
+        _require(not self._reserved or null_ok, "the null block is referenced, hashed or free")
         _require(all(type(r) is int and r >= 0 for r in ref), "a ref count is negative")
         _require(len(set(self._free)) == len(self._free), "an id is twice in the free stack")
         _require(all(0 <= b < n and ref[b] == 0 and hashes[b] is None for b in self._free),
@@ -335,15 +415,17 @@ class BlockPool:
                  "an evictable id is out of range, referenced, or unhashed")
         _require(not set(self._free) & self._lru.keys(), "an id is both in the free stack and the LRU")
         used = sum(1 for r in ref if r > 0)
-        _require(used + len(self._free) + len(self._lru) == n, "free + evictable + in use != total")
+        _require(used + len(self._free) + len(self._lru) + self._reserved == n,
+                 "free + evictable + in use (+ the null block) != total")
         _require(all(0 <= b < n and hashes[b] is h for h, b in self._index.items()),
                  "an index entry names a block that does not hold its hash")
         _require(sum(1 for h in hashes if h is not None) == len(self._index), "a block hash is not indexed")
         _require(self._caching or not self._index, "caching is off but the index is not empty")
 
     def __repr__(self) -> str:
+        null = ", null_block=0" if self._reserved else ""
         return (f"BlockPool(num_blocks={self._n}, free={len(self._free)}, evictable={len(self._lru)}, "
-                f"used={self.num_used_blocks}, cached={len(self._index)})")
+                f"used={self.num_used_blocks}, cached={len(self._index)}{null})")
 
 
 _INT = {int}
@@ -355,6 +437,13 @@ def _as_list(values: Iterable) -> list:
         return values.tolist() if hasattr(values, "tolist") else list(values)
     except TypeError:
         raise InvalidArgumentError(f"expected an iterable of ids or hashes, got {values!r}") from None
+
+
+def _without_null(ids: list[int]) -> list[int]:
+    """``ids`` without the null block (id 0); what only equals 0 (False, 0.0) stays, to be refused."""
+    if 0 not in ids:
+        return ids
+    return [b for b in ids if b != 0 or type(b) is not int]
 
 
 def _hashable(value: object) -> bool:
