@@ -13,7 +13,7 @@ import sys
 from kvpool.cli._args import OneLineErrorParser
 from kvpool.errors import KVPoolError
 
-SUBCOMMANDS = ("plan", "generate", "replay", "bench")
+SUBCOMMANDS = ("plan", "generate", "replay", "events", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

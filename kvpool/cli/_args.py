@@ -49,6 +49,11 @@ def fraction(text: str) -> float:
     return _number(text, lambda v: 0 < v <= 1, "in (0, 1]")
 
 
+def positive_float(text: str) -> float:
+    """A finite number > 0 (seconds)."""
+    return _number(text, lambda v: 0 < v < float("inf"), "a finite number > 0")
+
+
 def non_negative_float(text: str) -> float:
     """A finite number >= 0 (seconds, a temperature)."""
     return _number(text, lambda v: 0 <= v < float("inf"), "a finite number >= 0")

@@ -1,0 +1,87 @@
+"""``kvpool events ENDPOINT``: subscribe to a KV event stream (kvpool's or vLLM's), one line per event.
+
+Lines come in sequence order; with ``--replay`` missed batches are fetched from the publisher's replay
+socket. ``--json`` prints one JSON object per event: ``seq``, ``ts``, ``data_parallel_rank``, ``type`` and
+the event's fields (hashes as lowercase hex strings when they are bytes, integers otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from kvpool.cli._args import positive_float, positive_int
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("events", help="print the KV cache events a publisher sends",
+                                   description=__doc__.splitlines()[0])
+    parser.add_argument("endpoint", metavar="ENDPOINT",
+                        help="the publisher's PUB address, e.g. tcp://127.0.0.1:5557")
+    parser.add_argument("--replay", metavar="ENDPOINT",
+                        help="its replay (ROUTER) address: fetch missed batches from it")
+    parser.add_argument("--topic", default="", help="topic to subscribe to (default: all)")
+    parser.add_argument("--max-events", type=positive_int, metavar="N", help="exit after N events")
+    parser.add_argument("--timeout", type=positive_float, metavar="S",
+                        help="exit after S seconds without a batch (default: run until interrupted)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per event")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvpool.events import KVEventSubscriber
+
+    printed = 0
+    with KVEventSubscriber(args.endpoint, replay_endpoint=args.replay, topic=args.topic) as sub:
+        try:
+            while args.max_events is None or printed < args.max_events:
+                got = sub.recv(timeout=args.timeout)
+                if got is None:
+                    break
+                seq, batch = got
+                for event in batch.events:
+                    row = event_dict(seq, batch.ts, batch.data_parallel_rank, event)
+                    print(json.dumps(row) if args.json else event_line(row), flush=True)
+                    printed += 1
+        except KeyboardInterrupt:
+            pass
+        if sub.missed or sub.malformed:
+            print(f"kvpool events: {sub.missed} batches missed, {sub.malformed} malformed", file=sys.stderr)
+    return 0
+
+
+def event_dict(seq: int, ts: float, rank: int | None, event: Any) -> dict[str, Any]:
+    """One event as JSON-ready fields (bytes as hex)."""
+    import msgspec
+
+    fields = {name: _plain(value) for name, value in msgspec.structs.asdict(event).items()}
+    return {"seq": seq, "ts": ts, "data_parallel_rank": rank, "type": type(event).__name__, **fields}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def event_line(row: dict[str, Any]) -> str:
+    """The human line: sequence number, type, and what changed."""
+    head = f"#{row['seq']} {row['type']}"
+    if row["type"] == "AllBlocksCleared":
+        return head
+    where = f"group {row['group_idx']} {row['medium']}"
+    hashes = " ".join(_short(h) for h in row["block_hashes"])
+    if row["type"] == "BlockRemoved":
+        return f"{head} {where}: {len(row['block_hashes'])} blocks [{hashes}]"
+    lora = f" lora {row['lora_name']}" if row["lora_name"] is not None else ""
+    parent = "-" if row["parent_block_hash"] is None else _short(row["parent_block_hash"])
+    return (f"{head} {where}: {len(row['block_hashes'])} blocks x {row['block_size']} tokens "
+            f"({len(row['token_ids'])} token ids){lora} parent {parent} [{hashes}]")
+
+
+def _short(h: str | int) -> str:
+    return h[:12] if isinstance(h, str) else str(h)

@@ -1,0 +1,643 @@
+"""KV cache events in vLLM's wire format: the event types, the sink a pool records into, and publishers.
+
+KV-aware routers (Dynamo's KV router, llm-d's KV indexer) learn which engine holds which prefix from the
+event stream vLLM publishes; an engine on kvpool joins such a fleet by publishing the same stream.
+
+**Event types.** Declared as vLLM 0.33 declares them (``vllm/distributed/kv_events.py``), so a consumer
+decodes kvpool's messages with its own vLLM structs: :class:`KVEventBatch` is an ``array_like`` msgspec
+Struct ``[ts, events, data_parallel_rank]``; each event is a tagged msgspec Struct (``tag=True``: a map whose
+``"type"`` key is the class name), ``omit_defaults=True``: :class:`BlockStored` when hashes enter a pool's
+prefix index, :class:`BlockRemoved` when they leave it, :class:`AllBlocksCleared` when it is reset.
+
+**Block hashes on the wire** (vLLM consumers take ``bytes | int``; see :func:`wire_hash`): kvpool's block
+hashes are 16-byte ``bytes`` (``kvpool.allocators.hashing``) and go out as those 16 bytes (msgpack ``bin``),
+as vLLM's default (SHA-256 ``bytes``) does. ``hash_format="int64"`` sends ``int.from_bytes(h, "big") &
+(2**64 - 1)`` instead, vLLM's mapping under ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` (the last 8 bytes as a
+big-endian unsigned integer), for consumers that key on 64-bit integers. Integer hashes (trace hash ids) go
+out unchanged in both formats; they must lie in ``[0, 2**64)``. Any other hash type is refused.
+
+**Recording.** A :class:`BlockPool` given a :class:`KVEventSink` calls :meth:`KVEventSink.check_publish`
+before it changes anything and :meth:`~KVEventSink.stored` / :meth:`~KVEventSink.removed` /
+:meth:`~KVEventSink.cleared` after. The sink buffers events; its owner calls :meth:`~KVEventSink.flush` once
+per engine step (as vLLM's scheduler does), which hands one :class:`KVEventBatch` to the publisher. A pool
+without a sink pays nothing: it records nothing.
+
+**Publishers** never block the caller. :class:`NullEventPublisher` drops everything (a pool given it gets no
+sink); :class:`QueueEventPublisher` is a bounded in-process queue; :class:`ZmqEventPublisher` (``pyzmq``)
+sends each batch as vLLM's ZMQ publisher does: multipart ``(topic, seq as 8-byte big-endian, msgpack
+payload)`` on a PUB socket, and keeps the last ``buffer_steps`` batches for vLLM's replay protocol on a
+ROUTER socket. A full queue drops the batch and counts it (``dropped_batches``, ``dropped_events``); its
+sequence number is skipped, so a subscriber sees the gap. :class:`KVEventSubscriber` receives them in order
+and fills gaps from the replay socket.
+
+This module sits on the ground floor beside :mod:`kvpool.errors`: it imports nothing else of kvpool.
+``msgspec`` is needed to import it (``pip install kvpool[events]``), ``pyzmq`` for the ZMQ classes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import msgspec
+
+from kvpool.errors import ConfigError, InvalidArgumentError
+
+# ---- the wire types (vLLM 0.33) -------------------------------------------------------------------------
+
+WireHash = bytes | int
+"""A block hash on the wire (vLLM's ``ExternalBlockHash``)."""
+
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
+FULL_ATTENTION = "full_attention"
+"""vLLM's ``kv_cache_spec_kind`` of a full-attention KV cache group."""
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One message's payload: ``[ts, events, data_parallel_rank]`` (seconds since the epoch)."""
+
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of the events: a map tagged ``"type": <class name>``, fields at their default left out."""
+
+
+class BlockStored(KVCacheEvent):
+    """Blocks entered the prefix index: ``block_hashes`` in chain order, each one's parent the one before
+    it and the first one's ``parent_block_hash`` (None: the first block of a sequence); ``token_ids`` the
+    tokens of all of them (``len(block_hashes) * block_size``; empty where the caller gave none);
+    ``extra_keys`` one entry per block (None: no key), untagged as vLLM publishes them."""
+
+    block_hashes: list[WireHash]
+    parent_block_hash: WireHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    """Hashes left the prefix index (evicted, or unpublished by ``evict_blocks``)."""
+
+    block_hashes: list[WireHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    """The prefix index was emptied (``reset_prefix_cache``): forget every hash of this publisher."""
+
+
+class KVEventBatch(EventBatch):
+    """The payload of every message: a timestamp, the events of one step, the data-parallel rank."""
+
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+# ---- block hashes on the wire ---------------------------------------------------------------------------
+
+HASH_FORMATS = ("bytes", "int64")
+_U64 = (1 << 64) - 1
+
+
+def wire_hash(block_hash: Hashable, hash_format: str = "bytes") -> WireHash:
+    """The wire form of a kvpool block hash (see the module docstring): ``bytes`` unchanged, or (``int64``)
+    the last 8 bytes as a big-endian unsigned integer; an int in ``[0, 2**64)`` unchanged.
+
+    Raises:
+        InvalidArgumentError: a hash that is neither bytes nor such an int, or an unknown format.
+    """
+    if type(block_hash) is bytes:
+        if hash_format == "bytes":
+            return block_hash
+        if hash_format == "int64":
+            return int.from_bytes(block_hash, "big") & _U64
+        raise InvalidArgumentError(f"hash_format must be one of {HASH_FORMATS}, got {hash_format!r}")
+    if type(block_hash) is int and 0 <= block_hash <= _U64:
+        return block_hash
+    raise InvalidArgumentError(
+        f"a block hash sent as a KV event must be bytes or an int in [0, 2**64), got {block_hash!r}")
+
+
+def wire_extra_keys(keys: tuple | None) -> tuple[Any, ...] | None:
+    """One block's extra keys (``kvpool.allocators.hashing.block_extra_keys``) as vLLM publishes them:
+    untagged, ``("mm", content_hash, offset)`` -> ``(content_hash, offset)``, any other ``(tag, ..., value)``
+    -> its last value (the LoRA name, the cache salt); kvpool's order."""
+    if keys is None:
+        return None
+    return tuple(tuple(k[1:]) if k[0] == "mm" else k[-1] for k in keys)
+
+
+# ---- publishers -----------------------------------------------------------------------------------------
+
+
+class EventPublisher:
+    """Takes :class:`KVEventBatch` es and sends them somewhere; :meth:`publish` never blocks.
+
+    Counters: ``published_batches`` (accepted), ``dropped_batches`` / ``dropped_events`` (refused because a
+    bounded buffer was full). ``enabled`` is False only for the null publisher: an engine given it records
+    nothing. Use as a context manager, or call :meth:`close`.
+    """
+
+    enabled = True
+
+    def __init__(self) -> None:
+        self.published_batches = self.dropped_batches = self.dropped_events = 0
+        self._closed = False
+
+    def publish(self, batch: KVEventBatch) -> None:
+        """Hand one batch over (or drop and count it).
+
+        Raises:
+            InvalidArgumentError: the publisher is closed.
+        """
+        if self._closed:
+            raise InvalidArgumentError(f"{type(self).__name__} is closed")
+        if self._offer(batch):
+            self.published_batches += 1
+        else:
+            self.dropped_batches += 1
+            self.dropped_events += len(batch.events)
+
+    def _offer(self, batch: KVEventBatch) -> bool:
+        """Take the batch; False when it had to be dropped."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop; batches already accepted are delivered first. Idempotent."""
+        self._closed = True
+
+    def __enter__(self) -> EventPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class NullEventPublisher(EventPublisher):
+    """Publishes nothing (the default): an engine given it attaches no sink, so recording costs nothing."""
+
+    enabled = False
+
+    def _offer(self, batch: KVEventBatch) -> bool:
+        return True
+
+
+class QueueEventPublisher(EventPublisher):
+    """A bounded in-process queue of batches (a router in the same process, tests).
+
+    ``maxsize`` batches at most; a batch that finds it full is dropped and counted. :meth:`get` and
+    :meth:`drain` take batches out, from any thread.
+    """
+
+    def __init__(self, maxsize: int = 10_000) -> None:
+        super().__init__()
+        if type(maxsize) is not int or maxsize < 1:
+            raise InvalidArgumentError(f"maxsize must be an int >= 1, got {maxsize!r}")
+        self._queue: queue.Queue[KVEventBatch] = queue.Queue(maxsize)
+
+    def _offer(self, batch: KVEventBatch) -> bool:
+        try:
+            self._queue.put_nowait(batch)
+        except queue.Full:
+            return False
+        return True
+
+    def get(self, timeout: float | None = None) -> KVEventBatch | None:
+        """The oldest batch, waiting up to ``timeout`` seconds (None: forever); None if none came."""
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def drain(self) -> list[KVEventBatch]:
+        """Every batch queued now, oldest first."""
+        out = []
+        while True:
+            try:
+                out.append(self._queue.get_nowait())
+            except queue.Empty:
+                return out
+
+
+# ---- the sink a pool records into -----------------------------------------------------------------------
+
+
+class KVEventSink:
+    """What a :class:`~kvpool.allocators.block_pool.BlockPool` calls when its prefix index changes.
+
+    It turns each change into a vLLM event (hashes in their wire form, see :func:`wire_hash`) and buffers
+    it; :meth:`flush` publishes the buffer as one :class:`KVEventBatch` (the owner calls it once per engine
+    step), and so does recording the ``max_batch_events``-th buffered event.
+
+    Args:
+        publisher: where batches go.
+        block_size: tokens per block of the pool (``BlockStored.block_size``).
+        medium: where the KV lives: ``"GPU"`` (device memory), ``"CPU"``, ``"STORAGE"``.
+        group_idx: the KV cache group of the pool (0 for a model with one group).
+        kv_cache_spec_kind, sliding_window: the group's kind (vLLM's names, e.g. ``"full_attention"``) and
+            sliding window in tokens, sent with each ``BlockStored``.
+        hash_format: ``"bytes"`` or ``"int64"`` (see :func:`wire_hash`).
+
+    Raises:
+        InvalidArgumentError: a bad block size, group index, batch bound or hash format.
+    """
+
+    def __init__(self, publisher: EventPublisher, *, block_size: int, medium: str = MEDIUM_GPU,
+                 group_idx: int | None = 0, kv_cache_spec_kind: str | None = FULL_ATTENTION,
+                 sliding_window: int | None = None, hash_format: str = "bytes",
+                 max_batch_events: int = 4096) -> None:
+        for name, value, least in (("block_size", block_size, 1), ("max_batch_events", max_batch_events, 1),
+                                   ("group_idx", 0 if group_idx is None else group_idx, 0)):
+            if type(value) is not int or value < least:
+                raise InvalidArgumentError(f"{name} must be an int >= {least}, got {value!r}")
+        if hash_format not in HASH_FORMATS:
+            raise InvalidArgumentError(f"hash_format must be one of {HASH_FORMATS}, got {hash_format!r}")
+        self.publisher, self.block_size, self.medium = publisher, block_size, medium
+        self.group_idx, self.kind, self.sliding_window = group_idx, kv_cache_spec_kind, sliding_window
+        self.hash_format, self.max_batch_events = hash_format, max_batch_events
+        self.recorded_events = 0
+        self._events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
+
+    # ---- called by the pool
+    def check_publish(self, block_hashes: Sequence[Hashable], token_ids: Sequence[int] | None,
+                      extra_keys: Sequence[tuple | None] | None) -> None:
+        """Refuse, before the pool changes anything, what :meth:`stored` could not send.
+
+        Raises:
+            InvalidArgumentError: a hash with no wire form, ``token_ids`` not ``block_size`` per block, or
+                ``extra_keys`` not one entry per block.
+        """
+        for h in block_hashes:
+            wire_hash(h, self.hash_format)
+        n = len(block_hashes)
+        if token_ids is not None and len(token_ids) != n * self.block_size:
+            raise InvalidArgumentError(f"token_ids must hold {n} blocks x {self.block_size} = "
+                                       f"{n * self.block_size} tokens, got {len(token_ids)}")
+        if extra_keys is not None and len(extra_keys) != n:
+            raise InvalidArgumentError(f"extra_keys needs one entry per block ({n}), got {len(extra_keys)}")
+
+    def stored(self, block_hashes: Sequence[Hashable], new: Sequence[int], parent_hash: Hashable | None,
+               token_ids: Sequence[int] | None, extra_keys: Sequence[tuple | None] | None,
+               lora: tuple[int, str] | None) -> None:
+        """Record that ``block_hashes[i]`` entered the index for each position ``i`` in ``new`` (ascending):
+        one ``BlockStored`` per run of consecutive positions. ``block_hashes``, ``token_ids`` and
+        ``extra_keys`` describe the whole call; ``parent_hash`` is the hash before ``block_hashes[0]``."""
+        start = 0
+        for k in range(1, len(new) + 1):
+            if k == len(new) or new[k] != new[k - 1] + 1:
+                first, last = new[start], new[k - 1] + 1
+                parent = parent_hash if first == 0 else block_hashes[first - 1]
+                self._record(self._block_stored(block_hashes[first:last], parent, first, last, token_ids,
+                                                extra_keys, lora))
+                start = k
+
+    def _block_stored(self, hashes: Sequence[Hashable], parent: Hashable | None, first: int, last: int,
+                      token_ids: Sequence[int] | None, extra_keys: Sequence[tuple | None] | None,
+                      lora: tuple[int, str] | None) -> BlockStored:
+        fmt, bs = self.hash_format, self.block_size
+        tokens = [] if token_ids is None else list(token_ids[first * bs:last * bs])
+        keys = extra_keys[first:last] if extra_keys is not None else [None] * (last - first)
+        return BlockStored(
+            block_hashes=[wire_hash(h, fmt) for h in hashes],
+            parent_block_hash=None if parent is None else wire_hash(parent, fmt),
+            token_ids=tokens, block_size=bs, lora_id=None if lora is None else lora[0], medium=self.medium,
+            lora_name=None if lora is None else lora[1], extra_keys=[wire_extra_keys(k) for k in keys],
+            group_idx=self.group_idx, kv_cache_spec_kind=self.kind,
+            kv_cache_spec_sliding_window=self.sliding_window)
+
+    def removed(self, block_hashes: Sequence[Hashable]) -> None:
+        """Record that ``block_hashes`` left the index (one ``BlockRemoved``)."""
+        if block_hashes:
+            fmt = self.hash_format
+            self._record(BlockRemoved([wire_hash(h, fmt) for h in block_hashes], self.medium, self.group_idx))
+
+    def cleared(self) -> None:
+        """Record that the index was emptied (``AllBlocksCleared``)."""
+        self._record(AllBlocksCleared())
+
+    def _record(self, event: BlockStored | BlockRemoved | AllBlocksCleared) -> None:
+        self._events.append(event)
+        self.recorded_events += 1
+        if len(self._events) >= self.max_batch_events:
+            self.flush()
+
+    # ---- called by the pool's owner
+    @property
+    def pending_events(self) -> int:
+        """Events recorded since the last flush."""
+        return len(self._events)
+
+    def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
+        """The buffered events (oldest first), leaving the buffer empty, without publishing them."""
+        events, self._events = self._events, []
+        return events
+
+    def flush(self, ts: float | None = None) -> int:
+        """Publish the buffered events as one batch stamped ``ts`` (default: now); returns how many."""
+        events = self.take_events()
+        if events:
+            self.publisher.publish(KVEventBatch(time.time() if ts is None else ts, events))
+        return len(events)
+
+
+# ---- ZMQ transport (vLLM's ZmqEventPublisher protocol) --------------------------------------------------
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""The sequence frame of the replay socket's end-of-replay marker."""
+
+_TCP = re.compile(r"^tcp://(\*|[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})$")
+
+
+def check_endpoint(endpoint: str) -> str:
+    """``endpoint`` if ZMQ can use it: ``tcp://HOST:PORT`` (HOST a name, an IPv4 address, ``[IPv6]`` or
+    ``*``; PORT 1-65535), ``ipc://PATH`` or ``inproc://NAME``.
+
+    Raises:
+        ConfigError: anything else, naming the endpoint.
+    """
+    match = _TCP.match(endpoint) if isinstance(endpoint, str) else None
+    if match and 1 <= int(match.group(2)) <= 65535:
+        return endpoint
+    if isinstance(endpoint, str) and re.match(r"^(ipc|inproc)://.+$", endpoint):
+        return endpoint
+    raise ConfigError(f"malformed ZMQ endpoint {endpoint!r}: expected tcp://HOST:PORT (port 1-65535), "
+                      "ipc://PATH or inproc://NAME")
+
+
+def _zmq() -> Any:
+    try:
+        import zmq
+    except ImportError:
+        raise ImportError("ZMQ KV events need pyzmq: pip install kvpool[events]") from None
+    return zmq
+
+
+def _open(ctx: Any, kind: int, endpoint: str, bind: bool) -> Any:
+    """A socket of ``kind`` bound (or connected) to ``endpoint``; ConfigError for an address in use."""
+    zmq = _zmq()
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.bind(endpoint) if bind else sock.connect(endpoint)
+    except zmq.ZMQError as exc:
+        sock.close()
+        why = zmq.strerror(exc.errno).lower()
+        raise ConfigError(f"cannot {'bind' if bind else 'connect'} {endpoint}: {why}") from None
+    return sock
+
+
+class ZmqEventPublisher(EventPublisher):
+    """Publishes batches as vLLM's ``ZmqEventPublisher`` does (byte for byte), from a background thread.
+
+    Each batch gets the next sequence number (0, 1, ...) when :meth:`publish` takes it and goes into a
+    bounded queue of ``max_queue_size`` batches (full: dropped, counted, its number skipped); the thread
+    encodes it (msgpack) and sends ``(topic, seq.to_bytes(8, "big"), payload)`` on a PUB socket (high-water
+    mark ``hwm`` messages per subscriber: past it ZMQ drops for that subscriber, the sender never blocks)
+    and keeps the last ``buffer_steps`` for replay.
+
+    ``endpoint`` is bound (kvpool binds every address; a subscriber connects), or connected with
+    ``connect=True`` (to a subscriber or proxy that binds; vLLM connects unless the address holds ``*``,
+    ``::``, ``ipc://`` or ``inproc://``). ``replay_endpoint``: a ROUTER socket (always bound) answering
+    vLLM's replay request ``(identity, b"", start_seq as 8 bytes)`` with ``(identity, b"", topic, seq,
+    payload)`` for each kept batch from ``start_seq`` on, then ``(identity, b"", b"", END_SEQ, b"")``.
+    ``data_parallel_rank`` is written into batches that carry none (vLLM writes its rank, 0 by default).
+
+    Raises:
+        ConfigError: a malformed endpoint, or one that cannot be bound (an address in use).
+        ImportError: pyzmq is not installed.
+    """
+
+    def __init__(self, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "",
+                 connect: bool = False, buffer_steps: int = 10_000, hwm: int = 100_000,
+                 max_queue_size: int = 100_000, data_parallel_rank: int = 0) -> None:
+        super().__init__()
+        zmq = _zmq()
+        check_endpoint(endpoint)
+        if replay_endpoint is not None:
+            check_endpoint(replay_endpoint)
+        for name, value in (("buffer_steps", buffer_steps), ("hwm", hwm), ("max_queue_size", max_queue_size)):
+            if type(value) is not int or value < 1:
+                raise InvalidArgumentError(f"{name} must be an int >= 1, got {value!r}")
+        self.endpoint, self.replay_endpoint, self.topic = endpoint, replay_endpoint, topic
+        self._topic, self._rank = topic.encode(), data_parallel_rank
+        self._ctx = zmq.Context()
+        self._replay = None
+        try:
+            self._pub = _open(self._ctx, zmq.PUB, endpoint, bind=not connect)
+            self._pub.setsockopt(zmq.SNDHWM, hwm)
+            if replay_endpoint is not None:
+                self._replay = _open(self._ctx, zmq.ROUTER, replay_endpoint, bind=True)
+                self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))  # a whole replay + its marker
+        except BaseException:
+            self._pub_close()
+            raise
+        self._seq = itertools.count()
+        self._queue: queue.Queue[tuple[int, KVEventBatch] | None] = queue.Queue(max_queue_size)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvpool-kv-events", daemon=True)
+        self._thread.start()
+
+    @property
+    def last_seq(self) -> int:
+        """The sequence number of the latest batch taken (-1 before the first)."""
+        return self.published_batches + self.dropped_batches - 1
+
+    def _offer(self, batch: KVEventBatch) -> bool:
+        seq = next(self._seq)
+        if batch.data_parallel_rank is None:
+            batch.data_parallel_rank = self._rank
+        try:
+            self._queue.put_nowait((seq, batch))
+        except queue.Full:
+            return False
+        return True
+
+    def _run(self) -> None:
+        encode = msgspec.msgpack.Encoder().encode
+        while True:
+            if self._replay is not None:
+                while self._replay.poll(0):
+                    self._serve_replay()
+            try:
+                item = self._queue.get(timeout=0.02)
+            except queue.Empty:
+                if self._stop.is_set():
+                    return
+                continue
+            if item is None:
+                return
+            seq, batch = item
+            payload = encode(batch)
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+            self._buffer.append((seq, payload))
+
+    def _serve_replay(self) -> None:
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            return  # not a replay request: ignored, as vLLM does
+        identity, start = frames[0], int.from_bytes(frames[2], "big")
+        for seq, payload in list(self._buffer):
+            if seq >= start:
+                self._replay.send_multipart((identity, b"", self._topic, seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((identity, b"", b"", END_SEQ, b""))
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued (waiting up to ``timeout`` seconds), then close the sockets. Idempotent."""
+        if self._closed:
+            return
+        super().close()
+        self._stop.set()
+        self._thread.join(timeout)
+        self._pub_close(linger_ms=1000)  # let the last messages leave
+
+    def _pub_close(self, linger_ms: int = 0) -> None:
+        for sock in (getattr(self, "_pub", None), self._replay):
+            if sock is not None:
+                sock.close(linger=linger_ms)
+        self._ctx.term()
+
+
+class KVEventSubscriber:
+    """Receives a :class:`ZmqEventPublisher`'s (or vLLM's) batches in sequence order.
+
+    Connects a SUB socket to ``endpoint`` (subscribed to ``topic``). With ``replay_endpoint`` it also
+    connects a DEALER to the publisher's replay socket and asks for what it missed: every batch from 0
+    before the first it receives, every gap, and (after ``idle_s`` without a message) anything published
+    since the last one, so a subscriber that joins late or drops messages still gets every batch the
+    publisher keeps. Batches it could not get are counted in ``missed``; undecodable ones in ``malformed``.
+
+    Raises:
+        ConfigError: a malformed endpoint.
+        ImportError: pyzmq is not installed.
+    """
+
+    def __init__(self, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "",
+                 idle_s: float = 0.2) -> None:
+        zmq = _zmq()
+        check_endpoint(endpoint)
+        if replay_endpoint is not None:
+            check_endpoint(replay_endpoint)
+        self._ctx = zmq.Context()
+        self._sub = _open(self._ctx, zmq.SUB, endpoint, bind=False)
+        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._replay = (None if replay_endpoint is None
+                        else _open(self._ctx, zmq.DEALER, replay_endpoint, bind=False))
+        self._poller = zmq.Poller()
+        for sock in (self._sub, self._replay):
+            if sock is not None:
+                self._poller.register(sock, zmq.POLLIN)
+        self._decode = msgspec.msgpack.Decoder(KVEventBatch).decode
+        self._next: int | None = 0 if self._replay is not None else None  # next seq to hand out
+        self._pending: dict[int, bytes] = {}
+        self._asked = False  # a replay request is outstanding
+        self._idle_s, self._last_heard = idle_s, time.monotonic()
+        self.missed = self.malformed = 0
+
+    def recv(self, timeout: float | None = None) -> tuple[int, KVEventBatch] | None:
+        """The next batch in sequence order as ``(seq, batch)``, waiting up to ``timeout`` seconds (None:
+        forever); None when none came in time."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            ready = self._ready()
+            if ready is not None:
+                return ready
+            wait = self._idle_s if deadline is None else min(self._idle_s, deadline - time.monotonic())
+            if wait <= 0:
+                return None
+            events = dict(self._poller.poll(max(1, int(wait * 1000))))
+            if self._sub in events:
+                self._take_live()
+            if self._replay is not None and self._replay in events:
+                self._take_replay()
+            if not events and time.monotonic() - self._last_heard >= self._idle_s:
+                self._ask()  # idle: catch up with whatever was published meanwhile
+
+    def _ready(self) -> tuple[int, KVEventBatch] | None:
+        while self._next is not None and self._next in self._pending:
+            seq, payload = self._next, self._pending.pop(self._next)
+            self._next += 1
+            try:
+                return seq, self._decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self.malformed += 1
+        return None
+
+    def _take_live(self) -> None:
+        frames = self._sub.recv_multipart()
+        self._last_heard = time.monotonic()
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.malformed += 1
+            return
+        seq = int.from_bytes(frames[1], "big")
+        if self._next is None:
+            self._next = seq
+        if seq >= self._next:
+            self._pending[seq] = frames[2]
+        if seq > self._next and self._next not in self._pending:
+            if self._replay is None:
+                self._skip_to(seq)
+            else:
+                self._ask()
+
+    def _take_replay(self) -> None:
+        frames = self._replay.recv_multipart()
+        self._last_heard = time.monotonic()
+        if len(frames) != 4:
+            self.malformed += 1
+            return
+        seq_bytes, payload = frames[2], frames[3]
+        if seq_bytes == END_SEQ:
+            self._asked = False
+            if self._next not in self._pending and self._pending:  # the publisher no longer has it
+                self._skip_to(min(self._pending))
+            return
+        seq = int.from_bytes(seq_bytes, "big")
+        if self._next is not None and seq >= self._next:
+            self._pending[seq] = payload
+
+    def _skip_to(self, seq: int) -> None:
+        assert self._next is not None
+        self.missed += seq - self._next
+        self._next = seq
+
+    def _ask(self) -> None:
+        if self._replay is not None and not self._asked and self._next is not None:
+            self._replay.send_multipart((b"", self._next.to_bytes(8, "big")))
+            self._asked = True
+            self._last_heard = time.monotonic()
+
+    def close(self) -> None:
+        for sock in (self._sub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> KVEventSubscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

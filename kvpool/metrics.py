@@ -1,0 +1,198 @@
+"""Prometheus metrics of the pool: a ``prometheus-client`` collector that reads the pools' counters when
+scraped, and a small HTTP server for ``/metrics``.
+
+Contract: the collector holds no counters of its own and costs the pool nothing between scrapes; each
+scrape reads the pool's O(1) properties (and, where given, the consumer's callables). Every pool metric
+carries the labels ``tier`` (``device`` for the pool the engine allocates from, a tier's name otherwise)
+and ``group`` (the KV cache group index; ``0`` for a model with one group). Names follow Prometheus
+conventions (``kvpool_`` prefix, counters end in ``_total``, the unit in the name):
+
+======================================  =======  ==========================================================
+name                                    type     what
+======================================  =======  ==========================================================
+``kvpool_blocks``                       gauge    blocks by ``state``: ``used`` (ref count > 0), ``evictable``
+                                                 (cached free), ``free`` (uncached free); they sum to the
+                                                 capacity
+``kvpool_blocks_capacity``              gauge    blocks the pool can hand out
+``kvpool_cached_blocks``                gauge    blocks in the prefix index (in use or evictable)
+``kvpool_block_usage_ratio``            gauge    used / capacity (what vLLM calls KV cache usage)
+``kvpool_token_slots_capacity``         gauge    capacity x block_size
+``kvpool_token_slots_used``             gauge    token slots holding KV (given by the consumer: a partly
+                                                 filled block counts its tokens, not its size)
+``kvpool_token_slot_usage_ratio``       gauge    token_slots_used / token_slots_capacity
+``kvpool_prefix_cache_queried_blocks``  counter  full blocks looked up in the prefix cache
+``kvpool_prefix_cache_hit_blocks``      counter  of those, blocks found (the cached prefix)
+``kvpool_prefix_cache_queried_tokens``  counter  queried blocks x block_size
+``kvpool_prefix_cache_hit_tokens``      counter  hit blocks x block_size
+``kvpool_evicted_blocks``               counter  cached blocks recycled by allocation (their hash dropped)
+``kvpool_preemptions``                  counter  requests preempted by the consumer (no tier/group label)
+``kvpool_kv_event_batches_published``   counter  event batches a publisher accepted
+``kvpool_kv_event_batches_dropped``     counter  event batches dropped on a full buffer
+``kvpool_kv_events_dropped``            counter  events in those dropped batches
+======================================  =======  ==========================================================
+
+(Counters are exposed with the ``_total`` suffix, e.g. ``kvpool_evicted_blocks_total``.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvpool.errors import ConfigError, InvalidArgumentError
+
+if TYPE_CHECKING:
+    from kvpool.allocators.block_pool import BlockPool
+    from kvpool.events import EventPublisher
+
+POOL_LABELS = ("tier", "group")
+
+
+@dataclass(frozen=True)
+class _Source:
+    pool: BlockPool
+    block_size: int
+    labels: tuple[str, str]
+    token_slots_used: Callable[[], int] | None
+
+
+class KVPoolCollector:
+    """A collector over one or more pools (tiers, KV cache groups), registered with a prometheus-client
+    ``CollectorRegistry``: ``registry.register(KVPoolCollector().add_pool(pool, block_size=16))``.
+
+    Args:
+        preemptions: returns the consumer's preemption count (``kvpool_preemptions_total``).
+        publisher: the KV event publisher whose counters to export.
+    """
+
+    def __init__(self, *, preemptions: Callable[[], int] | None = None,
+                 publisher: EventPublisher | None = None) -> None:
+        self._sources: list[_Source] = []
+        self._preemptions, self._publisher = preemptions, publisher
+
+    def add_pool(self, pool: BlockPool, *, block_size: int, tier: str = "device", group: int = 0,
+                 token_slots_used: Callable[[], int] | None = None) -> KVPoolCollector:
+        """Export ``pool`` (blocks of ``block_size`` tokens) under ``tier``/``group``; returns self.
+
+        Raises:
+            InvalidArgumentError: a bad block size, or a tier/group already added.
+        """
+        if type(block_size) is not int or block_size < 1:
+            raise InvalidArgumentError(f"block_size must be an int >= 1, got {block_size!r}")
+        labels = (str(tier), str(group))
+        if any(s.labels == labels for s in self._sources):
+            raise InvalidArgumentError(f"a pool for tier={labels[0]} group={labels[1]} is already added")
+        self._sources.append(_Source(pool, block_size, labels, token_slots_used))
+        return self
+
+    def describe(self) -> Iterator[Metric]:
+        """The metric families, without samples (lets a registry refuse duplicate names)."""
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        """Read every source now."""
+        families = {f.name: f for f in self._families()}
+
+        def put(name: str, labels: tuple[str, ...], value: float) -> None:
+            families[name].add_metric(labels, value)
+
+        for s in self._sources:
+            self._collect_pool(s, put)
+        if self._preemptions is not None:
+            put("kvpool_preemptions", (), self._preemptions())
+        pub = self._publisher
+        if pub is not None:
+            put("kvpool_kv_event_batches_published", (), pub.published_batches)
+            put("kvpool_kv_event_batches_dropped", (), pub.dropped_batches)
+            put("kvpool_kv_events_dropped", (), pub.dropped_events)
+        yield from families.values()
+
+    @staticmethod
+    def _collect_pool(s: _Source, put: Callable[[str, tuple[str, ...], float], None]) -> None:
+        pool, bs, labels = s.pool, s.block_size, s.labels
+        used, evictable = pool.num_used_blocks, pool.num_evictable_blocks
+        free = pool.num_free_blocks - evictable
+        capacity = used + evictable + free
+        for state, value in (("used", used), ("evictable", evictable), ("free", free)):
+            put("kvpool_blocks", (*labels, state), value)
+        put("kvpool_blocks_capacity", labels, capacity)
+        put("kvpool_cached_blocks", labels, pool.num_cached_blocks)
+        put("kvpool_block_usage_ratio", labels, used / capacity if capacity else 0.0)
+        put("kvpool_token_slots_capacity", labels, capacity * bs)
+        if s.token_slots_used is not None:
+            slots = s.token_slots_used()
+            put("kvpool_token_slots_used", labels, slots)
+            put("kvpool_token_slot_usage_ratio", labels, slots / (capacity * bs) if capacity else 0.0)
+        stats = pool.stats
+        queried = stats.hits + stats.misses
+        put("kvpool_prefix_cache_queried_blocks", labels, queried)
+        put("kvpool_prefix_cache_hit_blocks", labels, stats.hits)
+        put("kvpool_prefix_cache_queried_tokens", labels, queried * bs)
+        put("kvpool_prefix_cache_hit_tokens", labels, stats.hits * bs)
+        put("kvpool_evicted_blocks", labels, stats.evictions)
+
+    def _families(self) -> list[Metric]:
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        pool = list(POOL_LABELS)
+        out: list[Metric] = [
+            g("kvpool_blocks", "Blocks by state: used (ref count > 0), evictable (cached free), "
+              "free (uncached)", labels=[*pool, "state"]),
+            g("kvpool_blocks_capacity", "Blocks the pool can hand out", labels=pool),
+            g("kvpool_cached_blocks", "Blocks in the prefix index (in use or evictable)", labels=pool),
+            g("kvpool_block_usage_ratio", "Used blocks / capacity", labels=pool),
+            g("kvpool_token_slots_capacity", "Token slots: capacity x block size", labels=pool),
+            g("kvpool_token_slots_used", "Token slots holding KV", labels=pool),
+            g("kvpool_token_slot_usage_ratio", "Token slots used / token slot capacity", labels=pool),
+            c("kvpool_prefix_cache_queried_blocks", "Full blocks looked up in the prefix cache", labels=pool),
+            c("kvpool_prefix_cache_hit_blocks", "Looked-up blocks found in the prefix cache", labels=pool),
+            c("kvpool_prefix_cache_queried_tokens", "Queried blocks x block size", labels=pool),
+            c("kvpool_prefix_cache_hit_tokens", "Hit blocks x block size", labels=pool),
+            c("kvpool_evicted_blocks", "Cached blocks recycled by allocation", labels=pool),
+        ]
+        if self._preemptions is not None:
+            out.append(c("kvpool_preemptions", "Requests preempted (by recompute)", labels=[]))
+        if self._publisher is not None:
+            out += [c("kvpool_kv_event_batches_published", "KV event batches accepted", labels=[]),
+                    c("kvpool_kv_event_batches_dropped", "KV event batches dropped, buffer full", labels=[]),
+                    c("kvpool_kv_events_dropped", "KV events in dropped batches", labels=[])]
+        return out
+
+
+class MetricsServer:
+    """``/metrics`` over HTTP for ``collector`` on ``host:port``, from a daemon thread, until :meth:`close`.
+
+    Raises:
+        ConfigError: the port is not in 1-65535 or cannot be bound (in use, or a host that is not local).
+    """
+
+    def __init__(self, collector: KVPoolCollector, port: int, host: str = "127.0.0.1") -> None:
+        from prometheus_client import start_http_server
+
+        if type(port) is not int or not 1 <= port <= 65535:
+            raise ConfigError(f"metrics port must be in 1-65535, got {port!r}")
+        self.registry = CollectorRegistry()
+        self.registry.register(collector)
+        try:
+            self._server, self._thread = start_http_server(port, host, registry=self.registry)
+        except OSError as exc:
+            why = (exc.strerror or str(exc)).lower()
+            raise ConfigError(f"cannot serve metrics on {host}:{port}: {why}") from None
+        self.host, self.port = host, port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5)
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
