@@ -71,8 +71,10 @@ class _MissingField(ConfigError):
 
 def read_kv_fields(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
     """The KV cache fields of a config: num_layers, num_kv_heads, head_dim, attention ('mha' | 'mla'),
-    kv_lora_rank, qk_rope_head_dim, sliding_window (tokens or None) and model_dtype (the config's
-    torch_dtype / dtype string, the language model's own before the wrapper's; None when neither names one).
+    kv_lora_rank, qk_rope_head_dim, sliding_window (tokens or None), layer_types (one Hugging Face layer
+    type name per layer, or None when every layer attends alike; see :func:`_attention_layers`),
+    attention_chunk_size (Llama 4's chunk, or None) and model_dtype (the config's torch_dtype / dtype
+    string, the language model's own before the wrapper's; None when neither names one).
 
     ``path_or_dict``: a config.json, a folder holding one, or the parsed dict. MLA: head_dim is the latent
     width ``kv_lora_rank + qk_rope_head_dim`` (vLLM's head size for MLA). Raises :class:`ConfigError` for an
@@ -126,7 +128,8 @@ def _read(lm: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
                       head_dim=kv_lora_rank + qk_rope_head_dim)
     else:
         fields["head_dim"] = _head_dim(pick, layout, num_heads)
-    return {**fields, "sliding_window": _sliding_window(lm),
+    window = _sliding_window(lm)
+    return {**fields, "sliding_window": window, **_attention_layers(lm, model_type, num_layers, window),
             "model_dtype": _dtype_name(lm) or _dtype_name(top)}
 
 
@@ -165,6 +168,53 @@ def _sliding_window(lm: dict[str, Any]) -> int | None:
     if lm.get("use_sliding_window") is False:
         return None
     return lm.get("sliding_window") or None
+
+
+#: Model types whose config class computes ``layer_types`` from a repeating pattern when the file has none:
+#: ``(i + 1) % pattern`` nonzero means layer i slides. Defaults are the config classes' own: Gemma2Config
+#: alternates starting with sliding (pattern 2), Gemma3TextConfig's ``sliding_window_pattern`` is 6,
+#: Cohere2Config's is 4, GptOssConfig alternates (2).
+_PATTERN_DEFAULTS = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6, "cohere2": 4, "gpt_oss": 2}
+#: Llama4TextConfig's ``no_rope_layer_interval`` default: every 4th layer is NoPE (full attention).
+_LLAMA4_NOPE_INTERVAL = 4
+
+
+def _attention_layers(lm: dict[str, Any], model_type: str | None, num_layers: Any, window: int | None
+                      ) -> dict[str, Any]:
+    """``layer_types`` (a list of Hugging Face layer type names, or None = every layer alike) and
+    ``attention_chunk_size``, as transformers' config class of ``model_type`` computes them.
+
+    The file's own ``layer_types`` wins. Otherwise: Gemma 2/3, Cohere2 and gpt-oss repeat a pattern of
+    sliding layers and one full layer (:data:`_PATTERN_DEFAULTS`; the file's ``sliding_window_pattern``,
+    or ``_sliding_window_pattern`` as newer transformers save it); Llama 4 makes RoPE layers chunked and
+    NoPE layers full (``no_rope_layers``: 1 = RoPE; empty = every 4th layer NoPE); Qwen2-style configs with
+    ``use_sliding_window: true`` slide layers ``i >= max_window_layers``. Checked by :class:`KVCacheSpec`.
+    """
+    chunk = lm.get("attention_chunk_size") if model_type in ("llama4", "llama4_text") else None
+    types = lm.get("layer_types")
+    if types is None and isinstance(num_layers, int) and num_layers > 0:
+        types = _computed_layer_types(lm, model_type, num_layers, window, chunk)
+    return {"layer_types": None if types is None else list(types), "attention_chunk_size": chunk}
+
+
+def _computed_layer_types(lm: dict[str, Any], model_type: str | None, num_layers: int,
+                          window: int | None, chunk: int | None) -> list[str] | None:
+    if model_type in ("llama4", "llama4_text"):
+        rope = lm.get("no_rope_layers") or [int((i + 1) % _LLAMA4_NOPE_INTERVAL != 0)
+                                            for i in range(num_layers)]
+        return ["chunked_attention" if r and chunk is not None else "full_attention" for r in rope]
+    if window is None:
+        return None
+    if model_type in _PATTERN_DEFAULTS:
+        pattern = lm.get("sliding_window_pattern") or lm.get("_sliding_window_pattern") \
+            or _PATTERN_DEFAULTS[model_type]
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    if lm.get("use_sliding_window") is True:
+        first = lm.get("max_window_layers", 28)  # Qwen2Config / Qwen3Config default
+        if not isinstance(first, int) or isinstance(first, bool):
+            raise ConfigError(f"max_window_layers must be an integer, got {first!r}")
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    return None
 
 
 def _dtype_name(config: dict[str, Any]) -> str | None:

@@ -6,7 +6,14 @@ The arithmetic is vLLM's (``gpu_memory_utilization``, ``num_gpu_blocks_override`
     available_kv_bytes = min(budget_bytes - non_kv_bytes, free_bytes)      (free_bytes when known)
     num_blocks         = available_kv_bytes // spec.bytes_per_block         (the smallest over the ranks)
     max_num_tokens     = num_blocks x block_size
-    max_concurrency    = max_num_tokens / max_model_len
+    blocks_per_request = sum over KV cache groups of group.max_blocks(max_model_len)
+    max_concurrency    = num_blocks / blocks_per_request
+
+A full-attention group needs ``cdiv(max_model_len, B)`` blocks per request, a sliding one
+``min(cdiv(max_model_len, B), cdiv(W - 1, B) + 1)`` (vLLM's SlidingWindowSpec), a chunked one
+``min(cdiv(max_model_len, B), cdiv(C, B))``; a uniform model has one group, so ``max_concurrency`` is
+``num_blocks / cdiv(max_model_len, B)``. The plan also gives what the windows save against the same model
+with every layer full, and the bytes of padding layer slots (:func:`kvpool.spec.kv_cache_groups`).
 
 :func:`plan_pool` is pure. :func:`profile_cuda_memory` takes the readings on a live CUDA device.
 """
@@ -23,7 +30,7 @@ from typing import Any
 import torch
 
 from kvpool.errors import InsufficientMemoryError, InvalidArgumentError
-from kvpool.spec import KVCacheSpec
+from kvpool.spec import KVCacheGroup, KVCacheSpec, LayerKind, cdiv
 
 
 def _check_bytes(**values: int) -> None:
@@ -54,13 +61,39 @@ class MemoryReadings:
 
 
 @dataclass(frozen=True)
+class GroupPlan:
+    """One KV cache group in a plan: its kind, window, layers and padding, and (with a ``max_model_len``)
+    the blocks one request of that length holds in it (:meth:`kvpool.spec.KVCacheGroup.max_blocks`)."""
+
+    index: int
+    kind: str
+    window: int | None
+    layers: tuple[int, ...]
+    num_layers: int
+    num_padding_layers: int
+    bytes_per_block: int
+    blocks_per_request: int | None
+
+    @classmethod
+    def of(cls, group: KVCacheGroup, spec: KVCacheSpec, max_model_len: int | None) -> GroupPlan:
+        blocks = None if max_model_len is None else group.max_blocks(max_model_len)
+        return cls(group.index, group.kind.value, group.window, group.layers, len(group.layers),
+                   group.num_padding_layers, spec.bytes_per_block, blocks)
+
+
+@dataclass(frozen=True)
 class PoolPlan:
     """How many KV blocks to allocate on each rank, with every term of the breakdown (bytes are per rank).
 
     ``limited_by`` says which bound set num_blocks: ``"budget"`` (total x utilization - non-KV), ``"free"``
     (the memory actually free) or ``"override"`` (``num_blocks_override``). ``rank`` is the tensor-parallel
-    rank whose readings set the plan (the one with the least room). ``max_concurrency`` is None without a
-    ``max_model_len``.
+    rank whose readings set the plan (the one with the least room). ``groups`` are the KV cache groups; a
+    block holds ``layers_per_block`` layers of one group. Per request of ``max_model_len`` tokens (None
+    without one): ``blocks_per_request`` (all groups), ``bytes_per_request``, ``all_full_bytes_per_request``
+    (every layer full attention, no padding: ``cdiv(max_model_len, B) x bytes_per_token x B``),
+    ``window_saving`` (``1 - bytes_per_request / all_full_bytes_per_request``), ``padding_bytes_per_request``
+    (padding layer slots), ``max_concurrency`` and ``all_full_max_concurrency`` (the same memory sized for
+    an all-full pool).
     """
 
     num_blocks: int
@@ -76,9 +109,17 @@ class PoolPlan:
     kv_cache_bytes: int
     max_num_tokens: int
     max_model_len: int | None
-    max_concurrency: float | None
     limited_by: str
     rank: int
+    max_concurrency: float | None = None
+    layers_per_block: int = 0
+    groups: tuple[GroupPlan, ...] = ()
+    blocks_per_request: int | None = None
+    bytes_per_request: int | None = None
+    all_full_bytes_per_request: int | None = None
+    padding_bytes_per_request: int | None = None
+    window_saving: float | None = None
+    all_full_max_concurrency: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, JSON-ready (bytes as ints)."""
@@ -116,18 +157,35 @@ def plan_pool(
         num_blocks, limited_by = num_blocks_override, "override"
         _check_override_fits(num_blocks, spec, ranks)
     _check_minimum(spec, num_blocks, available, max_model_len, overridden=limited_by == "override")
-    max_num_tokens = num_blocks * spec.block_size
     least = ranks[rank]
     return PoolPlan(
         num_blocks=num_blocks, block_size=spec.block_size, bytes_per_token=spec.bytes_per_token,
         bytes_per_block=spec.bytes_per_block, total_bytes=least.total_bytes,
         gpu_memory_utilization=gpu_memory_utilization, budget_bytes=budget,
         non_kv_bytes=least.non_kv_bytes, free_bytes=least.free_bytes, available_kv_bytes=available,
-        kv_cache_bytes=num_blocks * spec.bytes_per_block, max_num_tokens=max_num_tokens,
-        max_model_len=max_model_len,
-        max_concurrency=None if max_model_len is None else max_num_tokens / max_model_len,
-        limited_by=limited_by, rank=rank,
+        kv_cache_bytes=num_blocks * spec.bytes_per_block, max_num_tokens=num_blocks * spec.block_size,
+        max_model_len=max_model_len, limited_by=limited_by, rank=rank, layers_per_block=spec.layers_per_block,
+        groups=tuple(GroupPlan.of(g, spec, max_model_len) for g in spec.groups),
+        **_per_request(spec, num_blocks, available, max_model_len),
     )
+
+
+def _per_request(spec: KVCacheSpec, num_blocks: int, available: int, max_model_len: int | None
+                 ) -> dict[str, Any]:
+    """The per-request terms of :class:`PoolPlan` (empty without a ``max_model_len``)."""
+    if max_model_len is None:
+        return {"max_concurrency": None}
+    blocks = sum(g.max_blocks(max_model_len) for g in spec.groups)
+    page = spec.bytes_per_layer_token * spec.block_size  # one layer's share of a block
+    full_blocks = cdiv(max_model_len, spec.block_size)
+    all_full = full_blocks * spec.num_layers * page
+    padding = sum(g.max_blocks(max_model_len) * g.num_padding_layers for g in spec.groups) * page
+    all_full_blocks = max(available, 0) // (spec.num_layers * page)
+    return {"max_concurrency": num_blocks / blocks, "blocks_per_request": blocks,
+            "bytes_per_request": blocks * spec.bytes_per_block, "all_full_bytes_per_request": all_full,
+            "padding_bytes_per_request": padding,
+            "window_saving": 1 - blocks * spec.bytes_per_block / all_full,
+            "all_full_max_concurrency": all_full_blocks / full_blocks}
 
 
 def _per_rank(readings: MemoryReadings | Sequence[MemoryReadings], tp_size: int) -> list[MemoryReadings]:
@@ -168,14 +226,16 @@ def _check_override_fits(num_blocks: int, spec: KVCacheSpec, ranks: list[MemoryR
 
 def _check_minimum(spec: KVCacheSpec, num_blocks: int, available: int, max_model_len: int | None,
                    *, overridden: bool) -> None:
-    """The pool must hold one block, the sliding window plus one block, and one request of max_model_len."""
+    """The pool must hold one block, and one request of max_model_len in every group (without one: a
+    request decoding past its windows, which holds :meth:`KVCacheGroup.max_blocks` in each group)."""
     bs = spec.block_size
     needs = [(1, "one block")]
-    if spec.sliding_window is not None:
-        needs.append((-(-spec.sliding_window // bs) + 1, f"the sliding window of {spec.sliding_window} "
-                                                         f"tokens plus one block"))
     if max_model_len is not None:
-        needs.append((-(-max_model_len // bs), f"one request of max_model_len {max_model_len} tokens"))
+        needs.append((sum(g.max_blocks(max_model_len) for g in spec.groups),
+                      f"one request of max_model_len {max_model_len} tokens"))
+    elif spec.has_windows:
+        needs.append((sum(g.max_blocks(2**62) if g.kind is not LayerKind.FULL else 1 for g in spec.groups),
+                      f"one request decoding past the {_windows(spec)}"))
     blocks, what = max(needs)
     if num_blocks >= blocks:
         return
@@ -188,6 +248,13 @@ def _check_minimum(spec: KVCacheSpec, num_blocks: int, available: int, max_model
         f"{available} B are available ({need - available} B missing); lower the non-KV memory, raise "
         f"gpu_memory_utilization, use a smaller KV dtype (fp8) or more tensor-parallel ranks"
         + (", or a smaller max_model_len" if max_model_len is not None else ""))
+
+
+def _windows(spec: KVCacheSpec) -> str:
+    """``"sliding window of 4096 tokens"`` (and ``"chunk of 8192 tokens"``) for the windowed groups."""
+    kinds = {(g.kind, g.window) for g in spec.groups if g.kind is not LayerKind.FULL}
+    names = {LayerKind.SLIDING: "sliding window", LayerKind.CHUNKED: "chunk"}
+    return " and ".join(f"{names[k]} of {w} tokens" for k, w in sorted(kinds, key=lambda kw: kw[0].value))
 
 
 def readings_from_cuda_stats(total_bytes: int, free_bytes: int, peak_allocated_bytes: int,

@@ -6,12 +6,20 @@ Formulas (per tensor-parallel rank):
   dtype_bytes``. GQA counts KV heads, never query heads (Qwen2.5-0.5B: 24 x 2 x 2 x 64 x 2 B = 12 KiB).
 * MLA (DeepSeek-V2/V3): one compressed latent per token per layer, ``num_layers x (kv_lora_rank +
   qk_rope_head_dim) x dtype_bytes``; the latent is not split by tensor parallelism.
-* ``bytes_per_block = bytes_per_token x block_size``.
+* ``bytes_per_block = bytes_per_token x block_size`` for a model whose layers all attend alike.
+
+Hybrid attention (Gemma 2/3, gpt-oss, Llama 4, Cohere2): each layer has a :class:`LayerKind` (full,
+sliding window of W tokens, chunked local of C tokens). Layers of one kind and window form **KV cache
+groups** of equal size (:func:`kv_cache_groups`, vLLM's uniform-page rule), each with its own block table
+over one shared pool.
+A pool block then holds one group's layers, ``layers_per_block`` of them, so ``bytes_per_block =
+layers_per_block x bytes per layer-token x block_size``; ``bytes_per_token`` still counts every layer.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +68,115 @@ class AttentionKind(str, enum.Enum):
     MLA = "mla"
 
 
+class LayerKind(str, enum.Enum):
+    """Which keys a layer's query at position q reads (values are Hugging Face ``layer_types`` names).
+
+    ``FULL``: keys ``0 .. q``. ``SLIDING``: keys in ``(q - W, q]`` for a window of W tokens
+    (transformers' ``sliding_window_overlay``: ``kv_idx > q_idx - W``). ``CHUNKED``: keys from the start of
+    q's chunk of C tokens, ``C * (q // C) .. q`` (Llama 4's ``chunked_overlay``).
+    """
+
+    FULL = "full_attention"
+    SLIDING = "sliding_attention"
+    CHUNKED = "chunked_attention"
+
+
+def cdiv(a: int, b: int) -> int:
+    """Integer ceiling of ``a / b`` (no float rounding)."""
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """One KV cache group: layers of one kind and window that share a block table per request.
+
+    Attributes:
+        index: the group's index (vLLM's ``kv_cache_group_id``; events and tiers name groups by it).
+        kind: the layers' :class:`LayerKind`.
+        window: W tokens (sliding) or C tokens (chunked); None for full attention.
+        layers: the model's layer indices in the group, in order.
+        slots: layer slots in one pool block (the same for every group of a spec); ``slots - len(layers)``
+            of them are padding.
+        block_size: tokens per block.
+    """
+
+    index: int
+    kind: LayerKind
+    window: int | None
+    layers: tuple[int, ...]
+    slots: int
+    block_size: int
+
+    @property
+    def num_padding_layers(self) -> int:
+        """Layer slots of each block of this group that hold no layer (vLLM's padding layers)."""
+        return self.slots - len(self.layers)
+
+    def skipped_blocks(self, num_tokens: int) -> int:
+        """Leading blocks that no query at position ``>= num_tokens`` reads again (they can be freed).
+
+        Full: 0. Sliding: the blocks wholly before token ``num_tokens - W + 1``, i.e.
+        ``max(0, (num_tokens - W + 1) // B)`` (vLLM's ``remove_skipped_blocks``). Chunked: the blocks before
+        the start of the chunk holding token ``num_tokens``, ``(C * (num_tokens // C)) // B``.
+        """
+        if self.kind is LayerKind.FULL or self.window is None:
+            return 0
+        if self.kind is LayerKind.SLIDING:
+            return max(0, (num_tokens - self.window + 1) // self.block_size)
+        return self.window * (num_tokens // self.window) // self.block_size
+
+    def max_blocks(self, num_tokens: int, chunk_tokens: int = 1) -> int:
+        """Most blocks a request of ``num_tokens`` tokens holds in this group at once, when it computes
+        ``chunk_tokens`` tokens per step and frees :meth:`skipped_blocks` before each step.
+
+        Full: ``cdiv(n, B)``. Sliding: ``min(cdiv(n, B), cdiv(W + c - 2, B) + 1)`` (the keys of c queries
+        span W - 1 + c tokens at any offset in a block; c = 1 gives vLLM's SlidingWindowSpec bound
+        ``cdiv(W - 1, B) + 1``). Chunked (C a multiple of B): ``min(cdiv(n, B), cdiv(C - 1 + c, B))``
+        (c = 1: ``C / B``).
+        """
+        full = cdiv(num_tokens, self.block_size)
+        if self.kind is LayerKind.FULL or self.window is None:
+            return full
+        if self.kind is LayerKind.SLIDING:
+            return min(full, cdiv(self.window + chunk_tokens - 2, self.block_size) + 1)
+        return min(full, cdiv(self.window - 1 + chunk_tokens, self.block_size))
+
+    def describe(self) -> str:
+        """``"sliding_attention (window 1024)"``, ``"chunked_attention (chunk 8192)"`` or
+        ``"full_attention"``."""
+        if self.kind is LayerKind.SLIDING:
+            return f"{self.kind.value} (window {self.window})"
+        if self.kind is LayerKind.CHUNKED:
+            return f"{self.kind.value} (chunk {self.window})"
+        return self.kind.value
+
+
+def kv_cache_groups(layer_kinds: Sequence[LayerKind], windows: dict[LayerKind, int | None],
+                    block_size: int) -> tuple[KVCacheGroup, ...]:
+    """Split layers into KV cache groups of one size (vLLM's ``_get_kv_cache_groups_uniform_page_size``).
+
+    Layers of one kind are split into groups of ``size`` slots: ``size`` is the fewest layers of any kind
+    (the "1" of an n:1 pattern, e.g. Gemma 3's 5:1), or the most when that is under 1.5x the fewest (fewer
+    groups, little padding). A kind of ``n`` layers gets ``cdiv(n, size)`` groups; group ``i`` of it holds
+    layers ``layers[i::cdiv(n, size)]`` (vLLM's strided split). Kinds are ordered by their first layer,
+    so group indices match vLLM's. A model whose layers all attend alike has one group of every layer.
+    Example: Gemma-3-27B (52 sliding, 10 full) gives size 10: groups 0-5 sliding (9, 9, 9, 9, 8 and 8
+    layers, 8 padding slots in all) and group 6 full.
+    """
+    by_kind: dict[LayerKind, list[int]] = {}
+    for layer, kind in enumerate(layer_kinds):
+        by_kind.setdefault(kind, []).append(layer)
+    counts = [len(layers) for layers in by_kind.values()]
+    size = max(counts) if max(counts) < 1.5 * min(counts) else min(counts)
+    groups: list[KVCacheGroup] = []
+    for kind, layers in by_kind.items():
+        n = cdiv(len(layers), size)
+        for i in range(n):
+            groups.append(KVCacheGroup(len(groups), kind, windows.get(kind), tuple(layers[i::n]), size,
+                                       block_size))
+    return tuple(groups)
+
+
 def _require_int(minimum: int = 1, **values: int | None) -> None:
     for field, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
@@ -78,12 +195,17 @@ class KVCacheSpec:
         block_size: tokens per block (vLLM's block_size, SGLang's page_size).
         attention: :class:`AttentionKind` (``"mha"`` or ``"mla"``).
         kv_lora_rank, qk_rope_head_dim: the MLA latent's two parts (MLA only).
-        sliding_window: attention window in tokens, or None.
+        sliding_window: attention window W in tokens of the sliding layers, or None.
         tp_size: tensor-parallel ranks.
+        layer_types: one :class:`LayerKind` (or its Hugging Face name) per layer; None means every layer
+            slides when ``sliding_window`` is set (Mistral) and attends fully otherwise.
+        attention_chunk_size: C tokens of the chunked layers (Llama 4), a multiple of ``block_size``.
 
     Raises:
-        ConfigError: a non-positive size, an MLA spec without a latent size, or KV heads and ``tp_size`` that
-            cannot be split (``tp_size`` must divide the heads, or be a multiple of them).
+        ConfigError: a non-positive size, an MLA spec without a latent size, KV heads and ``tp_size`` that
+            cannot be split (``tp_size`` must divide the heads, or be a multiple of them), ``layer_types`` of
+            the wrong length or with an unknown name, sliding layers without ``sliding_window``, chunked
+            layers without ``attention_chunk_size`` or with one that is not a multiple of ``block_size``.
     """
 
     num_layers: int
@@ -96,6 +218,8 @@ class KVCacheSpec:
     qk_rope_head_dim: int = 0
     sliding_window: int | None = None
     tp_size: int = 1
+    layer_types: tuple[LayerKind, ...] | None = None
+    attention_chunk_size: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", parse_kv_dtype(self.dtype))
@@ -112,6 +236,38 @@ class KVCacheSpec:
             _require_int(0, qk_rope_head_dim=self.qk_rope_head_dim)
         else:
             self._check_tp_split()
+        object.__setattr__(self, "layer_types", self._checked_layer_types())
+        windows = {LayerKind.SLIDING: self.sliding_window, LayerKind.CHUNKED: self.attention_chunk_size}
+        object.__setattr__(self, "_groups", kv_cache_groups(self.layer_types, windows, self.block_size))
+
+    def _checked_layer_types(self) -> tuple[LayerKind, ...]:
+        if self.layer_types is None:
+            kind = LayerKind.FULL if self.sliding_window is None else LayerKind.SLIDING
+            return (kind,) * self.num_layers
+        if isinstance(self.layer_types, str) or not isinstance(self.layer_types, Sequence):
+            raise ConfigError(f"layer_types must be a list of layer type names, got {self.layer_types!r}")
+        if len(self.layer_types) != self.num_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries but num_layers is "
+                              f"{self.num_layers}")
+        known = ", ".join(k.value for k in LayerKind)
+        try:
+            kinds = tuple(LayerKind(k) for k in self.layer_types)
+        except ValueError:
+            bad = next(k for k in self.layer_types if k not in {m.value for m in LayerKind})
+            raise ConfigError(f"unknown layer type {bad!r} in layer_types; known: {known}") from None
+        if LayerKind.SLIDING in kinds and self.sliding_window is None:
+            raise ConfigError("layer_types has sliding_attention layers but sliding_window is not set")
+        if LayerKind.CHUNKED in kinds:
+            self._check_chunk()
+        return kinds
+
+    def _check_chunk(self) -> None:
+        if self.attention_chunk_size is None:
+            raise ConfigError("layer_types has chunked_attention layers but attention_chunk_size is not set")
+        _require_int(attention_chunk_size=self.attention_chunk_size)
+        if self.attention_chunk_size % self.block_size:
+            raise ConfigError(f"attention_chunk_size {self.attention_chunk_size} must be a multiple of "
+                              f"block_size {self.block_size} (a chunk's blocks are freed whole)")
 
     def _check_tp_split(self) -> None:
         heads, tp = self.num_kv_heads, self.tp_size
@@ -138,16 +294,38 @@ class KVCacheSpec:
         return self.kv_lora_rank + self.qk_rope_head_dim if self.attention is AttentionKind.MLA else 0
 
     @property
-    def bytes_per_token(self) -> int:
-        """KV bytes one token takes on one rank, all layers (formulas in the module docstring)."""
+    def bytes_per_layer_token(self) -> int:
+        """KV bytes one token takes in one layer on one rank: ``2 x heads x head_dim x dtype`` (MLA: the
+        latent ``latent_dim x dtype``)."""
         if self.attention is AttentionKind.MLA:
-            return self.num_layers * self.latent_dim * self.dtype_bytes
-        return 2 * self.num_layers * self.num_kv_heads_per_rank * self.head_dim * self.dtype_bytes
+            return self.latent_dim * self.dtype_bytes
+        return 2 * self.num_kv_heads_per_rank * self.head_dim * self.dtype_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token takes on one rank in every layer (formulas in the module docstring)."""
+        return self.num_layers * self.bytes_per_layer_token
+
+    @property
+    def groups(self) -> tuple[KVCacheGroup, ...]:
+        """The KV cache groups (:func:`kv_cache_groups`); one group of every layer for a uniform model."""
+        return self._groups  # type: ignore[attr-defined]
+
+    @property
+    def layers_per_block(self) -> int:
+        """Layer slots of one pool block: every layer for a uniform model, one group's size for a hybrid."""
+        return self.groups[0].slots
+
+    @property
+    def has_windows(self) -> bool:
+        """Whether any layer slides or attends in chunks (blocks can be freed before a request ends)."""
+        return any(g.kind is not LayerKind.FULL for g in self.groups)
 
     @property
     def bytes_per_block(self) -> int:
-        """KV bytes one block of ``block_size`` tokens takes on one rank, all layers."""
-        return self.bytes_per_token * self.block_size
+        """KV bytes one pool block takes on one rank: ``layers_per_block x bytes_per_layer_token x
+        block_size`` (``bytes_per_token x block_size`` for a uniform model)."""
+        return self.layers_per_block * self.bytes_per_layer_token * self.block_size
 
     @classmethod
     def from_hf_config(
@@ -167,5 +345,7 @@ class KVCacheSpec:
 
         fields = read_kv_fields(path_or_dict)
         model_dtype = fields.pop("model_dtype")
+        if fields["layer_types"] is not None:
+            fields["layer_types"] = tuple(fields["layer_types"])
         return cls(**fields, dtype=parse_kv_dtype(kv_cache_dtype, model_dtype),
                    block_size=block_size, tp_size=tp_size)

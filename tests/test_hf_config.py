@@ -64,6 +64,14 @@ COMPLETE = {
     "qwen2-vl-7b-instruct": (28, 4, 128, None, "bfloat16", 2 * 28 * 4 * 128 * 2),
     # 2 x 30 x 3 x (576 / 9 = 64) x 2 B = 23040
     "smollm2-135m": (30, 3, 64, None, "bfloat16", 2 * 30 * 3 * 64 * 2),
+    # hybrid (layer kinds in tests/test_hybrid_spec.py): gemma3 text_config: 2 x 62 x 16 x 128 x 2 B = 507904
+    "gemma-3-27b-it": (62, 16, 128, 1024, "bfloat16", 2 * 62 * 16 * 128 * 2),
+    # gpt_oss names no dtype -> float32: 2 x 24 x 8 x 64 x 4 B = 98304
+    "gpt-oss-20b": (24, 8, 64, 128, None, 2 * 24 * 8 * 64 * 4),
+    # llama4 text_config, chunked layers but no sliding window: 2 x 48 x 8 x 128 x 2 B = 196608
+    "llama-4-scout-17b-16e": (48, 8, 128, None, "bfloat16", 2 * 48 * 8 * 128 * 2),
+    # cohere2: 2 x 32 x 8 x 128 x 2 B = 131072
+    "c4ai-command-r7b-12-2024": (32, 8, 128, 4096, "bfloat16", 2 * 32 * 8 * 128 * 2),
 }
 
 # Configs that leave sizes out (transformers' defaults fill them): (missing field, expected as above)

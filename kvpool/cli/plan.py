@@ -82,8 +82,17 @@ def plan_report(spec: KVCacheSpec, plan: PoolPlan) -> dict[str, Any]:
         **plan.to_dict(),
     }
     if plan.max_model_len is None:
-        del report["max_model_len"], report["max_concurrency"]
+        for key in _PER_REQUEST_KEYS:
+            del report[key]
+        for group in report["groups"]:
+            del group["blocks_per_request"]
     return report
+
+
+#: ``--json`` keys that exist only with ``--max-model-len``.
+_PER_REQUEST_KEYS = ("max_model_len", "max_concurrency", "blocks_per_request", "bytes_per_request",
+                     "all_full_bytes_per_request", "padding_bytes_per_request", "window_saving",
+                     "all_full_max_concurrency")
 
 
 def _human(r: dict[str, Any]) -> str:
@@ -104,6 +113,46 @@ def _human(r: dict[str, Any]) -> str:
     ]
     if r["free_bytes"] is not None:
         lines.insert(6, f"  free now       {r['free_bytes']:,} B")
+    lines[3:3] = _group_lines(r)
     if "max_concurrency" in r:
-        lines.append(f"concurrency      {r['max_concurrency']:.2f} requests of {r['max_model_len']:,} tokens")
+        lines += _per_request_lines(r)
     return "\n".join(lines)
+
+
+def _group_lines(r: dict[str, Any]) -> list[str]:
+    """One line per KV cache group (kind, window, layers, padding, blocks per request)."""
+    groups = r["groups"]
+    padding = sum(g["num_padding_layers"] for g in groups)
+    head = (f"KV cache groups  {len(groups)} group{'s' if len(groups) > 1 else ''} of "
+            f"{r['layers_per_block']} layer slots per block")
+    head += f", {padding} of them padding" if padding else ""
+    lines = [head]
+    for g in groups:
+        kind = g["kind"] + (f" (window {g['window']})" if g["kind"] == "sliding_attention" else
+                            f" (chunk {g['window']})" if g["kind"] == "chunked_attention" else "")
+        line = f"  group {g['index']:<8} {kind}, {g['num_layers']} layers {_layer_list(g['layers'])}"
+        if g["num_padding_layers"]:
+            line += f" + {g['num_padding_layers']} padding"
+        if "blocks_per_request" in g:
+            line += f", {g['blocks_per_request']:,} blocks per request"
+        lines.append(line)
+    return lines
+
+
+def _layer_list(layers: list[int]) -> str:
+    shown = ",".join(map(str, layers[:6]))
+    return f"[{shown}{',...' if len(layers) > 6 else ''}]"
+
+
+def _per_request_lines(r: dict[str, Any]) -> list[str]:
+    line = f"per request      {r['bytes_per_request']:,} B in {r['blocks_per_request']:,} blocks"
+    if r["window_saving"]:
+        line += (f" (every layer full: {r['all_full_bytes_per_request']:,} B; windows save "
+                 f"{100 * r['window_saving']:.1f}%)")
+    lines = [line]
+    if r["padding_bytes_per_request"]:
+        lines.append(f"  padding        {r['padding_bytes_per_request']:,} B per request")
+    line = f"concurrency      {r['max_concurrency']:.2f} requests of {r['max_model_len']:,} tokens"
+    line += f" (every layer full: {r['all_full_max_concurrency']:.2f})" if r["window_saving"] else ""
+    lines.append(line)
+    return lines

@@ -102,7 +102,11 @@ def num_blocks_from_args(args: argparse.Namespace) -> int | None:
         raise ConfigError("give either --num-blocks or --model-config, not both")
     if args.gpu_memory is None:
         raise ConfigError("--model-config needs --gpu-memory BYTES (the device memory per rank)")
-    return plan_from_args(args.model_config, args)[1].num_blocks
+    spec, plan = plan_from_args(args.model_config, args)
+    if spec.has_windows or len(spec.groups) > 1:  # never replay a hybrid model as if it were all full
+        raise ConfigError(f"{args.model_config} has sliding-window or chunked layers; replay counts one "
+                          "full-attention group only (give --num-blocks for a uniform model)")
+    return plan.num_blocks
 
 
 def _progress_bar(total: int, *, off: bool) -> Any:

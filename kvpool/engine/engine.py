@@ -32,7 +32,7 @@ from kvpool.allocators.hashing import block_hashes
 from kvpool.engine.attention import StepMetadata, build_step_metadata, register_paged_attention
 from kvpool.engine.models import kv_spec
 from kvpool.engine.sampling import SamplingParams, sample
-from kvpool.errors import InvalidArgumentError, InvalidIdError, OutOfBlocksError
+from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError, OutOfBlocksError
 from kvpool.storage.paged import PagedKVCache
 
 
@@ -118,6 +118,9 @@ class LLMEngine:
             raise InvalidArgumentError("max_num_batched_tokens and max_num_seqs must be >= 1")
         self.model, self.block_size, self.device = model, block_size, model.device
         spec = kv_spec(model, block_size=block_size, dtype=kv_dtype)
+        if spec.has_windows or len(spec.groups) > 1:  # never run a windowed model as if it were all full
+            raise ConfigError("this engine runs full-attention models only; the model has sliding-window "
+                              "or chunked layers")
         self.cache = PagedKVCache(spec, num_blocks, device=self.device, dtype=spec.dtype)
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.caching, self.keep_logits = enable_prefix_caching, keep_logits

@@ -1,0 +1,266 @@
+"""Hybrid attention in the spec, the config reader and the planner, on real published configs.
+
+Every expected number is worked out by hand in the comments from the config's own values and the rules of
+issue 10: per request of L tokens at block size B a full layer holds cdiv(L, B) blocks, a sliding one
+min(cdiv(L, B), cdiv(W - 1, B) + 1), a chunked one min(cdiv(L, B), C / B); layers of one kind form KV cache
+groups of vLLM's uniform size (the fewest layers of any kind, or the most when under 1.5x the fewest).
+Layer kinds are also checked against transformers' own config classes (an independent reader).
+
+Config provenance: gemma-3-27b-it (google/gemma-3-27b-it, whose text_config leaves sliding_window_pattern
+out), gpt-oss-20b (openai/gpt-oss-20b), llama-4-scout-17b-16e (meta-llama/Llama-4-Scout-17B-16E, text
+config; its vision_config is left out), c4ai-command-r7b-12-2024 (Cohere2, as saved from
+CohereForAI/c4ai-command-r7b-12-2024); gemma-2-9b-it, gemma-3-1b-it, mistral-7b-v0.1, phi-3-mini-4k-instruct
+and qwen2.5-7b were already here.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpool.errors import ConfigError
+from kvpool.hf_config import load_config, read_kv_fields
+from kvpool.planner import MemoryReadings, plan_pool
+from kvpool.spec import KVCacheGroup, KVCacheSpec, LayerKind, kv_cache_groups
+
+CONFIGS = Path(__file__).parent / "configs"
+GiB = 2**30
+F, S, C = LayerKind.FULL, LayerKind.SLIDING, LayerKind.CHUNKED
+
+
+def spec_of(name: str, **kwargs) -> KVCacheSpec:
+    return KVCacheSpec.from_hf_config(CONFIGS / f"{name}.json", **kwargs)
+
+
+def kinds(spec: KVCacheSpec) -> list[tuple[str, int | None, int, int]]:
+    """(kind, window, layers, padding) per group."""
+    return [(g.kind.value, g.window, len(g.layers), g.num_padding_layers) for g in spec.groups]
+
+
+# name: (full layer indices, window or chunk, groups as (kind, number of groups))
+LAYOUTS = {
+    # text_config has no sliding_window_pattern: Gemma3TextConfig's default 6, (i + 1) % 6 == 0 is full
+    "gemma-3-27b-it": (list(range(5, 62, 6)), 1024),
+    # sliding_window_pattern 6 given: 26 layers, full at 5, 11, 17, 23
+    "gemma-3-1b-it": ([5, 11, 17, 23], 512),
+    # Gemma2Config alternates starting with sliding: odd layers full
+    "gemma-2-9b-it": (list(range(1, 42, 2)), 4096),
+    # layer_types in the file: sliding, full, sliding, ...
+    "gpt-oss-20b": (list(range(1, 24, 2)), 128),
+    # no_rope_layers [] -> every 4th layer NoPE (full), the RoPE layers chunked
+    "llama-4-scout-17b-16e": (list(range(3, 48, 4)), 8192),
+    # sliding_window_pattern 4: layers 3, 7, ... full
+    "c4ai-command-r7b-12-2024": (list(range(3, 32, 4)), 4096),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_layer_kinds_from_real_configs(name):
+    full, window = LAYOUTS[name]
+    spec = spec_of(name)
+    windowed = C if name.startswith("llama-4") else S
+    assert spec.layer_types == tuple(F if i in full else windowed for i in range(spec.num_layers))
+    assert {g.window for g in spec.groups if g.kind is not F} == {window}
+
+
+UNIFORM = ["mistral-7b-v0.1", "qwen2.5-7b", "phi-3-mini-4k-instruct"]
+
+
+@pytest.mark.parametrize("name", [*sorted(LAYOUTS), *UNIFORM])
+def test_layer_kinds_agree_with_transformers(name):
+    transformers = pytest.importorskip("transformers")
+    config = load_config(CONFIGS / f"{name}.json")
+    kwargs = {k: v for k, v in config.items() if k != "model_type"}
+    try:
+        hf = transformers.AutoConfig.for_model(config["model_type"], **kwargs).get_text_config(decoder=True)
+    except Exception as exc:  # a config class that rejects an old file's field
+        pytest.skip(f"transformers cannot build {name}: {exc}")
+    ours = read_kv_fields(CONFIGS / f"{name}.json")["layer_types"]
+    theirs = getattr(hf, "layer_types", None)
+    if ours is None:  # every layer alike: transformers has no list, or one of a single kind
+        assert theirs is None or len(set(theirs)) == 1
+    else:
+        assert list(theirs) == ours
+
+
+def test_gemma_3_27b_groups_and_padding():
+    # 52 sliding, 10 full: size min(52, 10) = 10 (52 >= 1.5 x 10); sliding cdiv(52, 10) = 6 groups of
+    # layers[i::6]: 9, 9, 9, 9, 8, 8 layers (8 padding slots), then one full group of 10
+    spec = spec_of("gemma-3-27b-it")
+    assert kinds(spec) == [("sliding_attention", 1024, 9, 1)] * 4 + [("sliding_attention", 1024, 8, 2)] * 2 \
+        + [("full_attention", None, 10, 0)]
+    sliding = [i for i in range(62) if (i + 1) % 6]
+    assert spec.groups[0].layers == tuple(sliding[0::6])
+    assert spec.layers_per_block == 10 and spec.has_windows
+    # 2 (K, V) x 16 heads x 128 x 2 B = 8192 B per layer-token; a block: 10 x 8192 x 16 = 1310720 B
+    assert spec.bytes_per_token == 62 * 8192 and spec.bytes_per_block == 1310720
+
+
+def test_group_sizes_of_other_models():
+    # gpt-oss 12 + 12: size 12, no padding; Scout 36 chunked + 12 full: size 12, 3 chunked groups;
+    # Cohere2 24 + 8: size 8; Gemma 2 21 + 21: size 21; Mistral: one sliding group of 32
+    assert kinds(spec_of("gpt-oss-20b")) == [("sliding_attention", 128, 12, 0),
+                                             ("full_attention", None, 12, 0)]
+    assert kinds(spec_of("llama-4-scout-17b-16e")) == [("chunked_attention", 8192, 12, 0)] * 3 + [
+        ("full_attention", None, 12, 0)]
+    assert kinds(spec_of("c4ai-command-r7b-12-2024")) == [("sliding_attention", 4096, 8, 0)] * 3 + [
+        ("full_attention", None, 8, 0)]
+    assert kinds(spec_of("gemma-2-9b-it")) == [("sliding_attention", 4096, 21, 0),
+                                               ("full_attention", None, 21, 0)]
+    assert kinds(spec_of("mistral-7b-v0.1")) == [("sliding_attention", 4096, 32, 0)]
+    assert kinds(spec_of("qwen2.5-7b")) == [("full_attention", None, 28, 0)]  # use_sliding_window false
+
+
+def test_uniform_spec_block_bytes_unchanged():
+    spec = spec_of("llama-3.1-8b")
+    assert (spec.layers_per_block, spec.has_windows) == (32, False)
+    assert spec.bytes_per_block == spec.bytes_per_token * 16 == 2 * 1024 * 1024
+
+
+def test_vllm_size_rule_takes_the_larger_count_under_1_5x():
+    # 12 sliding + 13 full (gpt-oss + a drafter layer, vLLM's example): 13 < 1.5 x 12, so size 13
+    groups = kv_cache_groups([S, F] * 12 + [F], {S: 128}, 16)
+    assert [(g.kind, len(g.layers), g.slots) for g in groups] == [(S, 12, 13), (F, 13, 13)]
+
+
+# name, kwargs, max_model_len: blocks per request of each group (hand arithmetic in the comments)
+@pytest.mark.parametrize(("name", "kwargs", "length", "per_group"), [
+    # W 1024: cdiv(1023, 16) + 1 = 65 per sliding group; full cdiv(131072, 16) = 8192
+    ("gemma-3-27b-it", {}, 131072, [65] * 6 + [8192]),
+    # W 128: cdiv(127, 16) + 1 = 9
+    ("gpt-oss-20b", {"kv_cache_dtype": "bfloat16"}, 131072, [9, 8192]),
+    # W 4096: cdiv(4095, 16) + 1 = 257 against cdiv(32768, 16) = 2048
+    ("mistral-7b-v0.1", {}, 32768, [257]),
+    # a request shorter than the window holds all its blocks: min(cdiv(1000, 16) = 63, 257)
+    ("mistral-7b-v0.1", {}, 1000, [63]),
+    # C 8192: 8192 / 16 = 512 per chunked group
+    ("llama-4-scout-17b-16e", {}, 131072, [512] * 3 + [8192]),
+    # W 2047 at B 32: cdiv(2046, 32) + 1 = 65 against cdiv(4096, 32) = 128
+    ("phi-3-mini-4k-instruct", {"block_size": 32}, 4096, [65]),
+    ("qwen2.5-7b", {}, 32768, [2048]),
+])
+def test_blocks_per_request(name, kwargs, length, per_group):
+    spec = spec_of(name, **kwargs)
+    plan = plan_pool(spec, MemoryReadings(80 * GiB, 0), max_model_len=length)
+    assert [g.blocks_per_request for g in plan.groups] == per_group
+    assert plan.blocks_per_request == sum(per_group)
+    assert plan.max_concurrency == pytest.approx(plan.num_blocks / sum(per_group))
+
+
+def test_gemma_3_27b_plan_the_issue_example():
+    # 80 GiB x 0.9 = 77309411328 B; - 54 GiB of weights = 19327352832 B; // 1310720 = 14745 blocks
+    plan = plan_pool(spec_of("gemma-3-27b-it"), MemoryReadings(80 * GiB, 54 * GiB), max_model_len=131072)
+    assert (plan.available_kv_bytes, plan.num_blocks) == (19327352832, 14745)
+    # 8192 + 6 x 65 = 8582 blocks per request: 14745 / 8582 = 1.718 requests
+    assert plan.blocks_per_request == 8582 and plan.max_concurrency == pytest.approx(1.7181, abs=1e-4)
+    # all full: 8192 blocks x 62 layers x (8192 x 16 = 131072 B) = 66571993088 B (the issue's 66.6 GB)
+    assert plan.all_full_bytes_per_request == 66571993088
+    assert plan.bytes_per_request == 8582 * 1310720
+    # 19327352832 // (62 x 131072) = 2378 all-full blocks / 8192 = 0.29: one request does not fit
+    assert plan.all_full_max_concurrency == pytest.approx(2378 / 8192)
+    assert plan.window_saving == pytest.approx(1 - 8582 * 1310720 / 66571993088)
+    # 8 padding slots over the 6 sliding groups, 65 blocks each: 520 layer-pages of 131072 B
+    assert plan.padding_bytes_per_request == 520 * 131072
+
+
+def test_gpt_oss_gets_twice_the_requests():
+    # bf16: 2 x 8 x 64 x 2 = 2048 B per layer-token, block 12 x 2048 x 16 = 393216 B;
+    # 58 GiB // 393216 = 158378 blocks; / (8192 + 9) = 19.31; all full: 58 GiB // (24 x 32768) / 8192 = 9.67
+    plan = plan_pool(spec_of("gpt-oss-20b", kv_cache_dtype="bfloat16"), MemoryReadings(80 * GiB, 14 * GiB),
+                     max_model_len=131072)
+    assert plan.num_blocks == 158378
+    assert plan.max_concurrency == pytest.approx(158378 / 8201)
+    assert plan.all_full_max_concurrency == pytest.approx((58 * GiB // (24 * 32768)) / 8192)
+
+
+def test_minimum_counts_every_group():
+    # Gemma-3-27B needs 8582 blocks of 1310720 B for one 128K request; 10 GiB holds 8192
+    spec = spec_of("gemma-3-27b-it")
+    with pytest.raises(Exception, match="one request of max_model_len 131072 tokens") as info:
+        plan_pool(spec, MemoryReadings(10 * GiB, 0), gpu_memory_utilization=1.0, max_model_len=131072)
+    assert f"{8582 * 1310720 - 10 * GiB} B missing" in str(info.value)
+    # without max_model_len: one request past the windows, 6 x 65 sliding blocks + 1 full block = 391
+    with pytest.raises(Exception, match="sliding window of 1024 tokens"):
+        plan_pool(spec, MemoryReadings(390 * 1310720, 0), gpu_memory_utilization=1.0)
+    assert plan_pool(spec, MemoryReadings(391 * 1310720, 0), gpu_memory_utilization=1.0).num_blocks == 391
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"layer_types": ["full_attention"] * 3}, "layer_types has 3 entries but num_layers is 4"),
+    ({"layer_types": ["full_attention"] * 3 + ["linear_attention"]}, "unknown layer type 'linear_attention'"),
+    ({"layer_types": "full_attention"}, "layer_types must be a list"),
+    ({"layer_types": ["sliding_attention"] * 4}, "sliding_window is not set"),
+    ({"layer_types": ["sliding_attention"] * 4, "sliding_window": 0}, "sliding_window must be an integer"),
+    ({"layer_types": ["sliding_attention"] * 4, "sliding_window": -16}, "sliding_window must be"),
+    ({"layer_types": ["chunked_attention"] * 4}, "attention_chunk_size is not set"),
+    ({"layer_types": ["chunked_attention"] * 4, "attention_chunk_size": 0}, "attention_chunk_size must be"),
+    ({"layer_types": ["chunked_attention"] * 4, "attention_chunk_size": 100},
+     "attention_chunk_size 100 must be a multiple of block_size 16"),
+])
+def test_bad_layer_types_name_the_field(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        KVCacheSpec(num_layers=4, num_kv_heads=1, head_dim=8, **kwargs)
+
+
+def test_hf_config_with_bad_layer_types(tmp_path):
+    config = json.loads((CONFIGS / "gpt-oss-20b.json").read_text())
+    config["layer_types"] = config["layer_types"][:-1]
+    with pytest.raises(ConfigError, match="layer_types has 23 entries but num_layers is 24"):
+        KVCacheSpec.from_hf_config(config)
+    config["layer_types"] = ["sliding_attention"] * 23 + ["mamba"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    result = subprocess.run([sys.executable, "-m", "kvpool", "plan", str(path), "--gpu-memory", "80GiB"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "unknown layer type 'mamba'" in result.stderr
+
+
+def test_group_rules_by_hand():
+    sliding = KVCacheGroup(0, S, 16, (0,), 1, 4)
+    # W 16, B 4: a query at q sees (q - 16, q]; before computing token 40, blocks wholly before token
+    # 40 - 16 + 1 = 25 are dead: 25 // 4 = 6
+    assert sliding.skipped_blocks(40) == 6 and sliding.skipped_blocks(15) == 0
+    # decode: cdiv(15, 4) + 1 = 5 blocks; a chunk of 8 queries: cdiv(16 + 8 - 2, 4) + 1 = 7
+    assert (sliding.max_blocks(10**6), sliding.max_blocks(10**6, 8), sliding.max_blocks(9)) == (5, 7, 3)
+    chunked = KVCacheGroup(1, C, 8, (1,), 1, 4)
+    # C 8: before token 13 the chunk starts at 8, so blocks 0 and 1 are dead; decode holds 8 / 4 = 2
+    assert (chunked.skipped_blocks(13), chunked.skipped_blocks(16), chunked.max_blocks(100)) == (2, 4, 2)
+    # a chunk of 3 queries: cdiv(8 - 1 + 3, 4) = 3
+    assert chunked.max_blocks(100, 3) == 3
+    full = KVCacheGroup(2, F, None, (2,), 1, 4)
+    assert (full.skipped_blocks(100), full.max_blocks(10)) == (0, 3)
+
+
+def test_cli_plan_json_and_text_show_the_groups(capsys):
+    from kvpool.cli import main
+
+    args = ["plan", str(CONFIGS / "gemma-3-27b-it.json"), "--gpu-memory", "80GiB", "--non-kv-memory",
+            "54GiB", "--max-model-len", "131072"]
+    assert main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["layers_per_block"], data["blocks_per_request"], data["num_blocks"]) == (10, 8582, 14745)
+    assert [g["blocks_per_request"] for g in data["groups"]] == [65] * 6 + [8192]
+    assert data["groups"][6] == {"index": 6, "kind": "full_attention", "window": None,
+                                 "layers": list(range(5, 62, 6)), "num_layers": 10, "num_padding_layers": 0,
+                                 "bytes_per_block": 1310720, "blocks_per_request": 8192}
+    assert data["padding_bytes_per_request"] == 520 * 131072
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "7 groups of 10 layer slots per block, 8 of them padding" in text
+    assert "group 6        full_attention, 10 layers [5,11,17,23,29,35,...], 8,192 blocks per request" in text
+    assert "windows save 83.1%" in text and "1.72 requests of 131,072 tokens (every layer full: 0.29)" in text
+    # without --max-model-len there is nothing per request
+    assert main([*args[:-2], "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert "blocks_per_request" not in data and "blocks_per_request" not in data["groups"][0]
+
+
+def test_replay_refuses_a_hybrid_model_config(capsys):
+    from kvpool.cli import main
+
+    code = main(["replay", "--max-requests", "5", "--model-config", str(CONFIGS / "gpt-oss-20b.json"),
+                 "--gpu-memory", "80GiB", "--json"])
+    assert code == 2 and "sliding-window or chunked layers" in capsys.readouterr().err
