@@ -34,6 +34,7 @@ _LAZY = {
     "BlockPool": "kvpool.allocators.block_pool",
     "block_hashes": "kvpool.allocators.hashing",
     "hash_block": "kvpool.allocators.hashing",
+    "BlockHasher": "kvpool.allocators.hashing",
     "TokenToKVPoolAllocator": "kvpool.allocators.token",
     "ReqToTokenPool": "kvpool.allocators.req_to_token",
     "PagedKVCache": "kvpool.storage.paged",

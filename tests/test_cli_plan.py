@@ -144,3 +144,26 @@ def test_module_entry_point():
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+
+
+def test_json_and_human_output_report_the_block_hasher_never_the_seed(capsys, monkeypatch):
+    seed = "fleet secret that must not leak"
+    monkeypatch.setenv("KVPOOL_HASH_SEED", seed)
+    data = run_json(capsys, LLAMA_8B, "--gpu-memory", "80GiB", "--hash-shared")
+    assert data["hashing"] == {"algorithm": "sha256", "cryptographic": True, "seeded": True,
+                               "seed_source": "KVPOOL_HASH_SEED", "shared": True}
+    code, out, _ = run(capsys, LLAMA_8B, "--gpu-memory", "80GiB", "--hash-algorithm", "blake2b")
+    assert code == 0 and "block hashes     blake2b, root seeded (KVPOOL_HASH_SEED), process-local" in out
+    assert seed not in out
+    monkeypatch.delenv("KVPOOL_HASH_SEED")
+    data = run_json(capsys, LLAMA_8B, "--gpu-memory", "80GiB", "--hash-shared", "--hash-algorithm", "blake2b")
+    assert (data["hashing"]["seeded"], data["hashing"]["seed_source"]) == (False, "none")
+    data = run_json(capsys, LLAMA_8B, "--gpu-memory", "80GiB")  # process-local: a random root
+    assert (data["hashing"]["seeded"], data["hashing"]["seed_source"], data["hashing"]["shared"]) == (
+        True, "random", False)
+
+
+def test_bad_hash_seed_is_a_one_line_error(capsys, monkeypatch):
+    monkeypatch.setenv("KVPOOL_HASH_SEED", "too short")
+    err = one_line_error(capsys, LLAMA_8B, "--gpu-memory", "80GiB")
+    assert "KVPOOL_HASH_SEED" in err and "16 bytes" in err and "too short" not in err

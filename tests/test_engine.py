@@ -120,6 +120,21 @@ def test_prefix_hits_after_publication(tiny: tuple) -> None:
     assert engine.stats.prefix_hit_tokens == 28 + 36
 
 
+def test_the_engine_publishes_the_hashes_of_its_hasher(tiny: tuple) -> None:
+    from kvpool.allocators.hashing import BlockHasher
+
+    model, refs = tiny
+    hasher = BlockHasher("blake2b", seed="engine test seed, 16+ bytes", shared=True)
+    engine = make_engine(model, hasher=hasher)
+    (req,) = run_all(engine, [PROMPTS[0]])
+    assert req.output_token_ids == refs[0][0]
+    expected = hasher.block_hashes(req.token_ids, BLOCK)
+    assert req.block_hashes == expected and len(expected) == (40 + NEW) // BLOCK
+    # 40 + 11 tokens were computed (the last sampled one is never written): 12 full blocks published
+    assert len(engine.pool.lookup(expected)) == 12
+    assert engine.pool.lookup(BlockHasher("blake2b").block_hashes(req.token_ids, BLOCK)) == []  # other root
+
+
 def test_running_requests_share_published_prefix_blocks(tiny: tuple) -> None:
     model, refs = tiny
     engine = make_engine(model, max_num_batched_tokens=32)
@@ -264,6 +279,7 @@ def test_cli_check_json_and_kv_memory_plan(capsys: pytest.CaptureFixture) -> Non
     # the first two built-in prompts share a ~1,400-byte document: the second hits the published blocks
     assert result["stats"]["prefix_hit_tokens"] > 0 and result["stats"]["prefix_hit_tokens"] % 16 == 0
     assert result["stats"]["generated_tokens"] == 16
+    assert result["stats"]["hashing"]["seeded"] and not result["stats"]["hashing"]["shared"]
 
 
 def test_cli_prompts_and_errors(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:

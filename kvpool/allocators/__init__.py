@@ -1,8 +1,9 @@
 """Allocators: bookkeeping of blocks, pages and slots (no KV tensors).
 
-``BlockPool`` (block tables with prefix caching, vLLM / nano-vllm style), ``block_hashes`` / ``hash_block``
-(chained prefix hashes), ``TokenToKVPoolAllocator`` (token slots or pages, SGLang style) and
-``ReqToTokenPool`` (request -> slot table). Imported lazily, like the package root.
+``BlockPool`` (block tables with prefix caching, vLLM / nano-vllm style), ``BlockHasher`` /
+``block_hashes`` / ``hash_block`` (chained prefix hashes from a secret root), ``TokenToKVPoolAllocator``
+(token slots or pages, SGLang style) and ``ReqToTokenPool`` (request -> slot table). Imported lazily, like
+the package root.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ _LAZY = {
     "BlockPoolStats": "kvpool.allocators.block_pool",
     "block_hashes": "kvpool.allocators.hashing",
     "hash_block": "kvpool.allocators.hashing",
+    "BlockHasher": "kvpool.allocators.hashing",
     "block_extra_keys": "kvpool.allocators.hashing",
+    "LoRAIdentity": "kvpool.allocators.hashing",
     "TokenToKVPoolAllocator": "kvpool.allocators.token",
     "ReqToTokenPool": "kvpool.allocators.req_to_token",
 }

@@ -1,22 +1,38 @@
-"""Chained block hashes for prefix caching, deterministic across processes (never Python's ``hash()``).
+"""Chained block hashes for prefix caching, and :class:`BlockHasher`, the one place that decides how they
+are keyed: the digest algorithm, the secret root every chain starts from, whether the hashes leave the
+process.
 
 The hash of block ``i`` covers blocks ``0..i``: it digests its parent's hash, so two sequences share block
 ``i``'s hash only if they share every token (and extra key) up to the end of block ``i``. Format, stable:
 
-    digest( parent (16 bytes; ROOT_HASH for the first block)
+    digest( parent (16 bytes; the hasher's root for the first block)
             || int64 little-endian token count || each token id as int64 little-endian
             || canonical encoding of the block's extra keys, if any )
 
-``digest`` is XXH3-128 (``algorithm="xxh3_128"``, the optional ``xxhash`` package: ~2x faster here, not
-cryptographic) or BLAKE2b with a 16-byte digest (``"blake2b"``, stdlib). The default ``"auto"`` picks
-XXH3-128 when ``xxhash`` is importable, else BLAKE2b: deterministic for one installation (every process
-and run agree), but two installations that differ in ``xxhash`` produce different hashes. Pass an explicit
-algorithm when hashes are stored or shared across machines. Both give 16-byte ``bytes``; hashes of the two
-algorithms never match each other (a mix only loses hits, never makes a false one).
+``digest`` is the first 16 bytes of SHA-256 (``"sha256"``), BLAKE2b with a 16-byte digest (``"blake2b"``),
+or XXH3-128 (``"xxh3_128"``, the optional ``xxhash`` package; fast, not cryptographic). Never Python's
+``hash()``.
 
-Extra keys separate blocks whose tokens are equal but whose KV differs: a LoRA adapter (id and name), a
-cache salt (tenant isolation), multimodal items (content hash + offset). :func:`block_extra_keys` builds
-them per block. An extra key is None, a bool, int, str or bytes, or a tuple of those (nested).
+**Why the root is secret.** A prefix cache hands the KV of one request to another whose block hashes match.
+With a public root and a non-cryptographic hash, anyone who can send prompts can compute block hashes
+offline and search for token blocks whose hash equals another tenant's (then read or poison that tenant's
+cached KV); with any hash and a public root, anyone who sees hashes (a shared store's keys, a KV event
+stream) can confirm a guessed prompt by hashing it. A secret root defeats both: no hash can be computed
+without it. So:
+
+* a process-local pool (``shared=False``, the default) gets a fresh random root per process unless a seed
+  is configured, and may use the fast XXH3-128;
+* hashes that leave the process (``shared=True``: tiers, events, a store shared by a fleet) must agree
+  across processes, so their root comes from a configured seed, the same secret in every process of the
+  fleet (``seed=`` or the ``KVPOOL_HASH_SEED`` environment variable), and the default algorithm is a
+  cryptographic one (SHA-256). A shared hasher with no seed uses the public root ``PUBLIC_ROOT`` (16 zero
+  bytes) and must then be cryptographic: still collision-safe, but its hashes confirm guesses;
+  ``describe()`` says ``seeded: False``.
+
+Extra keys separate blocks whose tokens are equal but whose KV differs: a LoRA adapter
+(:class:`LoRAIdentity`), a cache salt (tenant isolation), multimodal items (content hash + offset), prompt
+embeddings (a digest of each block's embedding rows). :func:`block_extra_keys` builds them per block. An
+extra key is None, a bool, int, str or bytes, or a tuple of those (nested).
 """
 
 from __future__ import annotations
@@ -24,102 +40,342 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import os
 import struct
 import sys
 from array import array
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from kvpool.errors import InvalidArgumentError
+from kvpool.errors import ConfigError, InvalidArgumentError
 
-ROOT_HASH = bytes(16)
-"""Parent of a sequence's first block."""
+PUBLIC_ROOT = bytes(16)
+"""Root of a shared hasher with no seed configured (16 zero bytes)."""
 
-ALGORITHMS = ("auto", "blake2b", "xxh3_128")
+SEED_ENV = "KVPOOL_HASH_SEED"
+"""Environment variable holding the root seed (the same secret in every process of a fleet)."""
+
+MIN_SEED_BYTES = 16
+ALGORITHMS = ("auto", "sha256", "blake2b", "xxh3_128")
+CRYPTOGRAPHIC = frozenset({"sha256", "blake2b"})
+_ROOT_DOMAIN = b"kvpool block-hash root v1\x00"
 
 ExtraKeys = tuple | None
 MMItem = tuple[object, int, int]  # (content hash, start token, length in tokens)
 
 
-def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: ExtraKeys = None, *,
-               algorithm: str = "auto") -> bytes:
-    """The 16-byte hash of one block of ``token_ids`` (any length) following ``parent`` (None = first).
+class BlockHasher:
+    """Computes chained block hashes with one algorithm and one root; immutable (read-only properties).
+
+    ``BlockHasher(algorithm="auto", *, seed=None, shared=False)``:
+
+    * ``algorithm``: ``"sha256"``, ``"blake2b"``, ``"xxh3_128"`` or ``"auto"``: SHA-256 when ``shared``,
+      else XXH3-128 when ``xxhash`` is installed, else SHA-256.
+    * ``seed``: the secret the root is derived from (str or bytes, at least 16 bytes; the root is
+      ``sha256(b"kvpool block-hash root v1\\0" + seed)[:16]``). None: ``$KVPOOL_HASH_SEED`` if set, else a
+      random root (``os.urandom``) for a process-local hasher, or ``PUBLIC_ROOT`` for a shared one.
+    * ``shared``: whether the hashes leave this process (a tier, an event stream). Tiers and events build
+      their hasher with ``shared=True``; the engine's default is process-local.
+
+    Two hashers agree exactly when their algorithms and roots agree. ``repr`` and :meth:`describe` show the
+    choice and where the seed came from, never the seed or the root. Pickling one carries its root (that
+    is how a worker process gets the same hashes); treat a pickled hasher as a secret.
 
     Raises:
-        InvalidArgumentError: a token id that is not an int64, a parent that is not 16 bytes, a bad extra
-            key or an unknown algorithm.
+        ConfigError: an unknown algorithm, ``xxh3_128`` without ``xxhash`` or shared without a seed (a
+            public root and a non-cryptographic hash: the configuration an attacker can aim at), or a seed
+            (argument or environment) that is not str/bytes or shorter than 16 bytes.
     """
-    digest = _digest_fn(algorithm)
-    tokens = _pack(token_ids)
-    data = _parent(parent) + struct.pack("<q", len(tokens) // 8) + tokens
-    return digest(data + _encode(extra_keys) if extra_keys is not None else data)
+
+    __slots__ = ("_algorithm", "_digest", "_root", "_seed_source", "_shared")
+
+    def __init__(self, algorithm: str = "auto", *, seed: str | bytes | None = None, shared: bool = False
+                 ) -> None:
+        if type(shared) is not bool:
+            raise ConfigError(f"shared must be a bool, got {shared!r}")
+        self._shared = shared
+        self._algorithm = _resolve_algorithm(algorithm, shared)
+        self._digest = _digest_fn(self._algorithm)
+        self._root, self._seed_source = _make_root(seed, shared)
+        _check_unseeded(self._algorithm, self._seed_source)
+
+    @property
+    def algorithm(self) -> str:
+        """The digest algorithm in use (``"auto"`` resolved)."""
+        return self._algorithm
+
+    @property
+    def shared(self) -> bool:
+        """Whether the hashes are meant to leave this process."""
+        return self._shared
+
+    @property
+    def seeded(self) -> bool:
+        """Whether the root is secret (a configured seed or a random root), i.e. not ``PUBLIC_ROOT``."""
+        return self._seed_source != "none"
+
+    @property
+    def seed_source(self) -> str:
+        """Where the root came from: ``"argument"``, ``"KVPOOL_HASH_SEED"``, ``"random"`` (per process) or
+        ``"none"`` (the public root)."""
+        return self._seed_source
+
+    @property
+    def cryptographic(self) -> bool:
+        """Whether the algorithm is collision-resistant against an attacker (SHA-256, BLAKE2b)."""
+        return self._algorithm in CRYPTOGRAPHIC
+
+    def describe(self) -> dict[str, Any]:
+        """``{"algorithm", "cryptographic", "seeded", "seed_source", "shared"}`` (JSON-ready; no secret)."""
+        return {"algorithm": self._algorithm, "cryptographic": self.cryptographic, "seeded": self.seeded,
+                "seed_source": self._seed_source, "shared": self._shared}
+
+    def hash_block(self, parent: bytes | None, token_ids: Sequence[int], extra_keys: ExtraKeys = None
+                   ) -> bytes:
+        """The 16-byte hash of one block of ``token_ids`` (any length) following ``parent`` (None = first).
+
+        Raises:
+            InvalidArgumentError: a token id that is not an int64, a parent that is not 16 bytes, or a bad
+                extra key.
+        """
+        tokens = _pack(token_ids)
+        data = self._parent(parent) + struct.pack("<q", len(tokens) // 8) + tokens
+        return self._digest(data + _encode(extra_keys) if extra_keys is not None else data)
+
+    def block_hashes(self, token_ids: Sequence[int], block_size: int, *,
+                     extra_keys: Sequence[ExtraKeys] | None = None, parent: bytes | None = None
+                     ) -> list[bytes]:
+        """One chained hash per **full** block of ``token_ids`` (a partial tail block gets none).
+
+        ``extra_keys``: one entry per block of ``token_ids`` (full blocks, optionally plus the partial tail,
+        whose entry is ignored), e.g. from :func:`block_extra_keys`. ``parent``: the hash of the block just
+        before ``token_ids`` when hashing a continuation. Equals :meth:`hash_block` applied block by block.
+
+        Raises:
+            InvalidArgumentError: ``block_size`` < 1, ``extra_keys`` of the wrong length, or as hash_block.
+        """
+        if type(block_size) is not int or block_size < 1:
+            raise InvalidArgumentError(f"block_size must be an int >= 1, got {block_size!r}")
+        digest, buf, prev = self._digest, _pack(token_ids), self._parent(parent)
+        num_full, step = len(buf) // 8 // block_size, 8 * block_size
+        extras = _extras_per_block(extra_keys, num_full, -(-len(buf) // step))
+        head = struct.pack("<q", block_size)
+        out = []
+        for i in range(num_full):
+            data = prev + head + buf[i * step:(i + 1) * step]
+            prev = digest(data + extras[i] if extras else data)
+            out.append(prev)
+        return out
+
+    def _parent(self, parent: bytes | None) -> bytes:
+        if parent is None:
+            return self._root
+        if type(parent) is not bytes or len(parent) != 16:
+            raise InvalidArgumentError(f"parent must be a 16-byte block hash or None, got {parent!r}")
+        return parent
+
+    def __repr__(self) -> str:
+        return (f"BlockHasher(algorithm={self._algorithm!r}, seeded={self.seeded}, "
+                f"seed_source={self._seed_source!r}, shared={self._shared})")
+
+    def __getstate__(self) -> tuple[str, bytes, str, bool]:
+        return self._algorithm, self._root, self._seed_source, self._shared
+
+    def __setstate__(self, state: tuple[str, bytes, str, bool]) -> None:
+        self._algorithm, self._root, self._seed_source, self._shared = state
+        self._digest = _digest_fn(self._algorithm)
+
+
+@functools.cache
+def default_hasher() -> BlockHasher:
+    """The process-local hasher used when none is given: ``BlockHasher()``, built on first use (so it reads
+    ``$KVPOOL_HASH_SEED`` then) and kept for the life of the process."""
+    return BlockHasher()
+
+
+def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: ExtraKeys = None, *,
+               hasher: BlockHasher | None = None) -> bytes:
+    """:meth:`BlockHasher.hash_block` of ``hasher`` (default: :func:`default_hasher`)."""
+    return (hasher or default_hasher()).hash_block(parent, token_ids, extra_keys)
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, *, extra_keys: Sequence[ExtraKeys] | None = None,
-                 parent: bytes | None = None, algorithm: str = "auto") -> list[bytes]:
-    """One chained hash per **full** block of ``token_ids`` (a partial tail block gets none).
+                 parent: bytes | None = None, hasher: BlockHasher | None = None) -> list[bytes]:
+    """:meth:`BlockHasher.block_hashes` of ``hasher`` (default: :func:`default_hasher`)."""
+    hasher = hasher or default_hasher()
+    return hasher.block_hashes(token_ids, block_size, extra_keys=extra_keys, parent=parent)
 
-    ``extra_keys``: one entry per block of ``token_ids`` (full blocks, optionally plus the partial tail,
-    whose entry is ignored), e.g. from :func:`block_extra_keys`. ``parent``: the hash of the block just
-    before ``token_ids`` when hashing a continuation. Equals ``hash_block`` applied block by block.
+
+# ---- extra keys -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoRAIdentity:
+    """The LoRA adapter a request runs with, as it enters its blocks' hashes: ``("lora", name, path,
+    digest)`` (an absent field as ``""``). The name alone is a label: re-pointing it at other weights must
+    never reuse KV, so ``path`` (where the weights were loaded from) or ``digest`` (of their content) is
+    required. A path identifies the weights only on one machine and only while the files there do not
+    change; for a shared tier or adapters rewritten in place, use :meth:`from_files` (a content digest).
+    vLLM keys a LoRA on its name.
 
     Raises:
-        InvalidArgumentError: ``block_size`` < 1, ``extra_keys`` of the wrong length, or as hash_block.
+        InvalidArgumentError: an empty or non-str name, or neither a path nor a digest.
     """
-    if type(block_size) is not int or block_size < 1:
-        raise InvalidArgumentError(f"block_size must be an int >= 1, got {block_size!r}")
-    digest, buf, prev = _digest_fn(algorithm), _pack(token_ids), _parent(parent)
-    num_full, step = len(buf) // 8 // block_size, 8 * block_size
-    extras = _extras_per_block(extra_keys, num_full, -(-len(buf) // step))
-    head = struct.pack("<q", block_size)
-    out = []
-    for i in range(num_full):
-        data = prev + head + buf[i * step:(i + 1) * step]
-        prev = digest(data + extras[i] if extras else data)
-        out.append(prev)
-    return out
+
+    name: str
+    path: str | None = None
+    digest: str | None = None
+
+    def __post_init__(self) -> None:
+        if type(self.name) is not str or not self.name:
+            raise InvalidArgumentError(f"LoRA name must be a non-empty str, got {self.name!r}")
+        given = [f for f in (self.path, self.digest) if f is not None]
+        if not given or any(type(f) is not str or not f for f in given):
+            raise InvalidArgumentError(
+                f"LoRA {self.name!r} needs a path or a content digest (a non-empty str) for its weights")
+
+    @classmethod
+    def from_files(cls, name: str, path: str | os.PathLike[str]) -> LoRAIdentity:
+        """The identity of the adapter in file or folder ``path`` by content (:func:`adapter_digest`), so
+        the same weights match wherever they lie. Raises OSError when ``path`` cannot be read."""
+        return cls(name, digest=adapter_digest(path))
+
+    def key(self) -> tuple[str, str, str, str]:
+        """The extra key every block of the request carries."""
+        return ("lora", self.name, self.path or "", self.digest or "")
 
 
-def block_extra_keys(num_tokens: int, block_size: int, *, lora: tuple[int, str] | None = None,
+def adapter_digest(path: str | os.PathLike[str]) -> str:
+    """``"sha256:<hex>"`` of a file, or of a folder's regular files (recursively: each one's relative path,
+    size and bytes, in sorted order). Raises OSError (FileNotFoundError, ...) when ``path`` cannot be read."""
+    root = Path(path)
+    if not root.exists():
+        raise FileNotFoundError(f"no adapter at {os.fspath(path)!r}")
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    h = hashlib.sha256()
+    for file in files:
+        rel = b"" if file == root else file.relative_to(root).as_posix().encode("utf-8")
+        h.update(struct.pack("<q", len(rel)) + rel + struct.pack("<q", file.stat().st_size))
+        with file.open("rb") as f:
+            for chunk in iter(lambda f=f: f.read(1 << 20), b""):
+                h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def embedding_digest(embeds: Any) -> bytes:
+    """SHA-256 (32 bytes) of a tensor of prompt embeddings: its dtype, shape and raw bytes (moved to the CPU
+    and made contiguous first), so equal values in another dtype or shape digest apart."""
+    import torch  # the allocators otherwise need no torch here
+
+    if not isinstance(embeds, torch.Tensor):
+        raise InvalidArgumentError(f"prompt embeddings must be a torch.Tensor, got {type(embeds).__name__}")
+    t = embeds.detach().to("cpu").contiguous()
+    h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, not a copy
+    return h.digest()
+
+
+def block_extra_keys(num_tokens: int, block_size: int, *, lora: LoRAIdentity | None = None,
                      cache_salt: str | bytes | None = None, mm_items: Sequence[MMItem] = (),
-                     start_block: int = 0) -> list[ExtraKeys]:
+                     prompt_embeds: Any = None, start_block: int = 0) -> list[ExtraKeys]:
     """Extra keys for each full block of a ``num_tokens``-token sequence, for :func:`block_hashes`.
 
-    ``lora`` ``(lora_id, lora_name)`` goes into every block; ``cache_salt`` into block 0 only (the chain
+    ``lora`` (:class:`LoRAIdentity`) goes into every block; ``cache_salt`` into block 0 only (the chain
     carries it on); each multimodal item ``(content_hash, start, length)`` (token positions) adds
     ``("mm", content_hash, block_start - start)`` to every block its span overlaps, the offset saying which
-    part of the item the block holds. ``start_block``: index of the first block when hashing a continuation
-    (token positions stay absolute). Blocks with no key get None.
+    part of the item the block holds. ``prompt_embeds``: a tensor ``[P, hidden]`` standing for tokens
+    ``0..P-1`` (a prompt given as embeddings, whose token ids are placeholders): every block that overlaps
+    it adds ``("embeds", embedding_digest(prompt_embeds[block_start:min(block_end, P)]))``, as vLLM does.
+    ``start_block``: index of the first block when hashing a continuation (token positions stay absolute).
+    Blocks with no key get None. Key order in a block: lora, salt, mm items, embeds.
+
+    Raises:
+        InvalidArgumentError: ``lora`` that is not a LoRAIdentity, or prompt embeddings that are not a
+            tensor with at least one dimension.
     """
+    if lora is not None and not isinstance(lora, LoRAIdentity):
+        raise InvalidArgumentError(f"lora must be a LoRAIdentity (name plus path or digest), got {lora!r}")
+    num_embeds = _num_embeds(prompt_embeds)
+    lora_key = lora.key() if lora is not None else None
+    lora_only = (lora_key,)  # one object for every block that holds only the LoRA key: encoded once
     out: list[ExtraKeys] = []
     for i in range(start_block, start_block + num_tokens // block_size):
         lo, hi = i * block_size, (i + 1) * block_size
         keys: list[object] = []
-        if lora is not None:
-            keys.append(("lora", *lora))
         if cache_salt is not None and i == 0:
             keys.append(("salt", cache_salt))
         keys += [("mm", h, lo - start) for h, start, length in mm_items if start < hi and lo < start + length]
-        out.append(tuple(keys) if keys else None)
+        if lo < num_embeds:
+            keys.append(("embeds", embedding_digest(prompt_embeds[lo:min(hi, num_embeds)])))
+        if lora_key is None:
+            out.append(tuple(keys) if keys else None)
+        else:
+            out.append((lora_key, *keys) if keys else lora_only)
     return out
 
 
-@functools.cache
+def _num_embeds(prompt_embeds: Any) -> int:
+    if prompt_embeds is None:
+        return 0
+    shape = getattr(prompt_embeds, "shape", None)
+    if shape is None or len(shape) < 1:
+        raise InvalidArgumentError("prompt_embeds must be a tensor [num_tokens, hidden_size]")
+    return int(shape[0])
+
+
+# ---- internals --------------------------------------------------------------------------------------------
+
+
+def _resolve_algorithm(algorithm: str, shared: bool) -> str:
+    if algorithm not in ALGORITHMS:
+        raise ConfigError(f"unknown hash algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+    if algorithm != "auto":
+        return algorithm
+    return "xxh3_128" if not shared and importlib.util.find_spec("xxhash") else "sha256"
+
+
+def _make_root(seed: str | bytes | None, shared: bool) -> tuple[bytes, str]:
+    if seed is not None:
+        return _derive_root(seed, "the hash seed"), "argument"
+    env = os.environ.get(SEED_ENV)
+    if env is not None:
+        return _derive_root(env, f"${SEED_ENV}"), SEED_ENV
+    return (PUBLIC_ROOT, "none") if shared else (os.urandom(16), "random")
+
+
+def _check_unseeded(algorithm: str, seed_source: str) -> None:
+    if seed_source == "none" and algorithm not in CRYPTOGRAPHIC:
+        raise ConfigError(f"shared {algorithm} hashes need a secret seed (set ${SEED_ENV} or pass seed=): "
+                          "with a public root anyone can aim a collision at them; or use sha256 / blake2b")
+
+
+def _derive_root(seed: str | bytes, what: str) -> bytes:
+    raw = seed.encode("utf-8") if isinstance(seed, str) else seed
+    if type(raw) is not bytes:
+        raise ConfigError(f"{what} must be str or bytes, got {type(seed).__name__}")
+    if len(raw) < MIN_SEED_BYTES:
+        raise ConfigError(f"{what} must be at least {MIN_SEED_BYTES} bytes of secret, got {len(raw)} "
+                          "(e.g. python3 -c 'import secrets; print(secrets.token_hex(32))')")
+    return hashlib.sha256(_ROOT_DOMAIN + raw).digest()[:16]
+
+
 def _digest_fn(algorithm: str) -> Callable[[bytes], bytes]:
-    if algorithm == "auto":
-        return _digest_fn("xxh3_128") if importlib.util.find_spec("xxhash") else _blake2b
+    if algorithm == "sha256":
+        return _sha256
     if algorithm == "blake2b":
         return _blake2b
-    if algorithm == "xxh3_128":
+    try:
         import xxhash  # optional dependency (extra "fasthash"), imported only when asked for
+    except ImportError:
+        raise ConfigError("hash algorithm 'xxh3_128' needs the xxhash package (pip install kvpool[fasthash])"
+                          ) from None
+    return xxhash.xxh3_128_digest
 
-        return xxhash.xxh3_128_digest
-    raise InvalidArgumentError(f"unknown hash algorithm {algorithm!r}; choose one of {ALGORITHMS}")
 
-
-def resolved_algorithm(algorithm: str = "auto") -> str:
-    """The algorithm ``algorithm`` stands for in this installation (``"auto"`` -> ``"xxh3_128"`` or
-    ``"blake2b"``)."""
-    return "blake2b" if _digest_fn(algorithm) is _blake2b else "xxh3_128"
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()[:16]
 
 
 def _blake2b(data: bytes) -> bytes:
@@ -139,14 +395,6 @@ def _pack(token_ids: Sequence[int]) -> bytes:
     return arr.tobytes()
 
 
-def _parent(parent: bytes | None) -> bytes:
-    if parent is None:
-        return ROOT_HASH
-    if type(parent) is not bytes or len(parent) != 16:
-        raise InvalidArgumentError(f"parent must be a 16-byte block hash or None, got {parent!r}")
-    return parent
-
-
 def _extras_per_block(extra_keys: Sequence[ExtraKeys] | None, num_full: int, num_blocks: int) -> list[bytes]:
     if extra_keys is None:
         return []
@@ -154,11 +402,13 @@ def _extras_per_block(extra_keys: Sequence[ExtraKeys] | None, num_full: int, num
         raise InvalidArgumentError(
             f"extra_keys needs one entry per block ({num_full} full, {num_blocks} in all), "
             f"got {len(extra_keys)}")
-    return [_encode(k) if k is not None else b"" for k in extra_keys[:num_full]]
+    memo: dict[int, bytes] = {}  # tuples by identity: a LoRA key shared by every block is encoded once
+    return [_encode(k, memo) if k is not None else b"" for k in extra_keys[:num_full]]
 
 
-def _encode(value: object) -> bytes:
-    """Canonical, type-tagged, length-prefixed bytes of an extra key (so ("a", "bc") != ("ab", "c"))."""
+def _encode(value: object, memo: dict[int, bytes] | None = None) -> bytes:
+    """Canonical, type-tagged, length-prefixed bytes of an extra key (so ("a", "bc") != ("ab", "c")).
+    ``memo`` caches tuples by ``id`` (never by equality: ``(1,) == (True,)``) while the caller holds them."""
     if value is None:
         return b"N"
     if isinstance(value, bool):
@@ -171,5 +421,10 @@ def _encode(value: object) -> bytes:
     if isinstance(value, bytes):
         return b"b%d:" % len(value) + value
     if isinstance(value, tuple):
-        return b"(" + b"".join(_encode(v) for v in value) + b")"
+        if memo is None:
+            return b"(" + b"".join(_encode(v) for v in value) + b")"
+        out = memo.get(id(value))
+        if out is None:
+            out = memo[id(value)] = b"(" + b"".join(_encode(v, memo) for v in value) + b")"
+        return out
     raise InvalidArgumentError(f"extra keys must be None, bool, int, str, bytes or tuples, got {value!r}")

@@ -5,7 +5,9 @@ The naive baseline is a ``collections.deque`` free list plus a dict of ref count
 attempt looks like). Op pattern, as in ``../shared/peer-bench/vllm_block_pool.py``: allocate ``n`` blocks per
 call until ``--ops`` blocks are out (capped at the pool size), then free each chunk tail first; allocation
 and freeing are timed separately. Pool sizes 1K, 32K and 1M blocks show the cost per block is flat.
-Hashing is timed per 16-token block over a 4,096-token sequence, against SHA-256 of a pickled
+Hashing is timed per 16-token block over a 4,096-token sequence, for each algorithm with a seeded root (the
+root is derived once per hasher, so a seed costs nothing per block: the public-root row shows it), with a
+LoRA extra key, and for the prompt-embeddings digest of one block, against SHA-256 of a pickled
 ``(parent, tokens)`` tuple (vLLM's default block hash style). Peer figures from DESIGN.md are printed as
 references measured earlier on a similar machine, not in this run; ``benchmarks/compare_peers.sh`` runs the
 peers beside this suite. Targets: allocate+free <= 500 ns single, <= 200 ns per block batched; hashing
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
+import os
 import pickle
 import random
 from collections import deque
@@ -24,19 +27,26 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool.allocators.block_pool import BlockPool
-from kvpool.allocators.hashing import block_hashes, resolved_algorithm
+from kvpool.allocators.hashing import (
+    SEED_ENV,
+    BlockHasher,
+    LoRAIdentity,
+    block_extra_keys,
+    embedding_digest,
+)
 from kvpool.bench.timing import median_ns, print_table, require_at_least
-from kvpool.errors import OutOfBlocksError
+from kvpool.errors import ConfigError, OutOfBlocksError
 
 PEERS = [  # (peer, op, ns) measured earlier (DESIGN.md), compared with kvpool's row (op, pool size)
     ("vLLM 0.33 BlockPool", "allocate(1)+free", 1550.0, ("allocate(1)+free", 32768)),
     ("vLLM 0.33 BlockPool", "allocate(256)+free", 580.0, ("allocate(256)+free", 32768)),
     ("vLLM 0.33 BlockPool", "evicting allocate", 1000.0, ("evicting allocate(1)", 32768)),
-    ("vLLM 0.33 sha256 block hash", "hash 16 tokens", 3300.0, ("hash (default algorithm)", 0)),
+    ("vLLM 0.33 sha256 block hash", "hash 16 tokens", 3300.0, ("hash sha256", 0)),
     ("SGLang 0.5.23 TokenToKVPoolAllocator", "alloc(1)+free(1)", 21600.0, ("token alloc(1)+free(1)", 32768)),
 ]
-TARGETS_NS = {"allocate(1)+free": 500, "allocate(256)+free": 200, "hash blake2b": 500, "hash xxh3_128": 500,
-              "token alloc(1)+free(1)": 4000}
+TARGETS_NS = {"allocate(1)+free": 500, "allocate(256)+free": 200, "hash sha256": 500, "hash blake2b": 500,
+              "hash xxh3_128": 500, "token alloc(1)+free(1)": 4000}
+BENCH_SEED = "kvpool bench seed, not a secret"  # a fixed seed: the rows time a seeded root
 
 
 class NaiveAllocator:
@@ -206,15 +216,41 @@ def _hash_rows(repeat: int, num_tokens: int = 4096, block_size: int = 16) -> lis
     tokens = [rng.randrange(152_000) for _ in range(num_tokens)]
     blocks = num_tokens // block_size
     naive = median_ns(lambda: _sha256_pickle(tokens, block_size), ops=blocks, repeat=repeat)
+    baseline = "sha256(pickle(parent, tokens))"
+
+    def per_block(hasher: BlockHasher, extra: list | None = None) -> float:
+        return median_ns(lambda: hasher.block_hashes(tokens, block_size, extra_keys=extra), ops=blocks,
+                         repeat=repeat)
+
     rows = []
-    for algorithm in ("blake2b", "xxh3_128"):
+    for algorithm in ("sha256", "blake2b", "xxh3_128"):
         try:
-            ns = median_ns(lambda a=algorithm: block_hashes(tokens, block_size, algorithm=a), ops=blocks,
-                           repeat=repeat)
-        except ImportError:
+            hasher = BlockHasher(algorithm, seed=BENCH_SEED, shared=True)
+        except ConfigError:
             continue  # xxhash not installed: the row is left out
-        rows.append(_row(f"hash {algorithm}", 0, ns, naive, "sha256(pickle(parent, tokens))"))
+        rows.append(_row(f"hash {algorithm}", 0, per_block(hasher), naive, baseline))
+    if SEED_ENV not in os.environ:  # the environment's seed would replace the public root
+        public = BlockHasher("sha256", shared=True)
+        rows.append(_row("hash sha256, public root", 0, per_block(public), naive, baseline))
+    lora = block_extra_keys(num_tokens, block_size, lora=LoRAIdentity("adapter", digest="sha256:" + "0" * 64))
+    rows.append(_row("hash sha256 + LoRA extra key", 0,
+                     per_block(BlockHasher("sha256", seed=BENCH_SEED, shared=True), lora), naive, baseline))
+    rows.append(_embeds_row(repeat, block_size))
     return rows
+
+
+def _embeds_row(repeat: int, block_size: int, hidden: int = 896) -> dict[str, Any]:
+    """embedding_digest of one block of prompt embeddings ``[block_size, hidden]`` float32 (Qwen2.5-0.5B's
+    hidden size), against SHA-256 of the same bytes already in hand."""
+    import torch
+
+    block = torch.randn(block_size, hidden, generator=torch.Generator().manual_seed(0))
+    raw = block.numpy().tobytes()
+    k = 200
+    ours = median_ns(lambda: [embedding_digest(block) for _ in range(k)], ops=k, repeat=repeat)
+    naive = median_ns(lambda: [hashlib.sha256(raw).digest() for _ in range(k)], ops=k, repeat=repeat)
+    return _row(f"prompt-embeds digest ({block_size} x {hidden} float32)", 0, ours, naive,
+                "sha256 of the raw bytes")
 
 
 def _sha256_pickle(tokens: list[int], block_size: int) -> list[bytes]:
@@ -260,7 +296,6 @@ def _pairs_ns(factory: Callable[[], Any], k: int, repeat: int, alloc_one: Callab
 
 def _peer_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ours = {(r["op"], r["pool_blocks"]): r["kvpool_ns"] for r in rows if "kvpool_ns" in r}
-    ours["hash (default algorithm)", 0] = ours.get((f"hash {resolved_algorithm()}", 0))
     out = []
     for peer, op, ns, key in PEERS:
         mine = ours.get(key)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
@@ -57,6 +57,30 @@ def positive_float(text: str) -> float:
 def non_negative_float(text: str) -> float:
     """A finite number >= 0 (seconds, a temperature)."""
     return _number(text, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
+
+
+def add_hash_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--hash-algorithm`` and ``--hash-shared``, read back by :func:`hasher_from_args`. The root seed is
+    never an option (it would show in the process list and the shell history): ``$KVPOOL_HASH_SEED``."""
+    from kvpool.allocators.hashing import ALGORITHMS
+
+    parser.add_argument("--hash-algorithm", choices=ALGORITHMS, default="auto",
+                        help="block hash digest (auto: sha256 when shared, else xxh3_128 if installed)")
+    parser.add_argument("--hash-shared", action="store_true",
+                        help="hashes leave the process (a shared tier, events): root from $KVPOOL_HASH_SEED")
+
+
+def hasher_from_args(args: argparse.Namespace) -> Any:
+    """The :class:`~kvpool.allocators.hashing.BlockHasher` the :func:`add_hash_arguments` options ask for."""
+    from kvpool.allocators.hashing import BlockHasher
+
+    return BlockHasher(args.hash_algorithm, shared=args.hash_shared)
+
+
+def describe_hasher(info: dict[str, Any]) -> str:
+    """One line for a human: ``sha256, root seeded (KVPOOL_HASH_SEED), shared``."""
+    seeded = f"root seeded ({info['seed_source']})" if info["seeded"] else "public root (no seed)"
+    return f"{info['algorithm']}, {seeded}, {'shared' if info['shared'] else 'process-local'}"
 
 
 class OneLineErrorParser(argparse.ArgumentParser):

@@ -14,7 +14,14 @@ from typing import Any
 
 import torch
 
-from kvpool.cli._args import non_negative_float, parse_bytes, positive_int
+from kvpool.cli._args import (
+    add_hash_arguments,
+    describe_hasher,
+    hasher_from_args,
+    non_negative_float,
+    parse_bytes,
+    positive_int,
+)
 from kvpool.errors import ConfigError
 
 DEFAULT_KV_MEMORY = 256 * 2**20  # CPU: 256 MiB of KV (SmolLM2 in float32: 364 blocks of 16 tokens)
@@ -39,6 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--threads", type=positive_int,
                         help="torch CPU threads (default: torch's own; 1 is steadier on a busy machine)")
     parser.add_argument("--check", action="store_true", help="compare with transformers' greedy generate")
+    add_hash_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
@@ -82,11 +90,13 @@ def run(args: argparse.Namespace) -> int:
     if args.check and args.temperature != 0:
         raise ConfigError("--check compares greedy outputs: use it with --temperature 0")
     texts = read_prompts(args)
+    hasher = hasher_from_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model, device="cuda" if torch.cuda.is_available() else "cpu")
     engine = LLMEngine(loaded.model, num_blocks=pool_blocks(loaded, args), block_size=args.block_size,
-                       max_num_batched_tokens=args.max_batched_tokens, eos_token_ids=loaded.eos_token_ids)
+                       max_num_batched_tokens=args.max_batched_tokens, eos_token_ids=loaded.eos_token_ids,
+                       hasher=hasher)
     prompts = [loaded.encode(text) for text in texts]
     params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              seed=args.seed + i) for i in range(len(prompts))]
@@ -120,7 +130,8 @@ def _stats(engine: Any) -> dict[str, Any]:
             "peak_blocks_used": s.peak_blocks_used,
             "prefix_hit_tokens": s.prefix_hit_tokens, "preemptions": s.preemptions,
             "generated_tokens": s.generated_tokens, "steps": s.steps, "elapsed_s": round(s.elapsed_s, 3),
-            "tokens_per_s": round(s.tokens_per_s, 2), "pool_bytes": engine.cache.nbytes}
+            "tokens_per_s": round(s.tokens_per_s, 2), "pool_bytes": engine.cache.nbytes,
+            "hashing": engine.hasher.describe()}
 
 
 def _print_human(results: list[dict[str, Any]], stats: dict[str, Any]) -> None:
@@ -134,5 +145,6 @@ def _print_human(results: list[dict[str, Any]], stats: dict[str, Any]) -> None:
           f"({stats['pool_bytes']:,} bytes), "
           f"peak used {stats['peak_blocks_used']}")
     print(f"prefix-hit tokens: {stats['prefix_hit_tokens']}, preemptions: {stats['preemptions']}")
+    print(f"block hashes: {describe_hasher(stats['hashing'])}")
     print(f"generated {stats['generated_tokens']} tokens in {stats['elapsed_s']:.2f} s "
           f"({stats['tokens_per_s']:.1f} tokens/s, {stats['steps']} steps)")

@@ -12,7 +12,14 @@ from typing import Any
 
 import torch
 
-from kvpool.cli._args import fraction, parse_bytes, positive_int
+from kvpool.cli._args import (
+    add_hash_arguments,
+    describe_hasher,
+    fraction,
+    hasher_from_args,
+    parse_bytes,
+    positive_int,
+)
 from kvpool.errors import ConfigError
 from kvpool.planner import MemoryReadings, PoolPlan, plan_pool, profile_cuda_memory
 from kvpool.spec import KVCacheSpec
@@ -26,6 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_memory_arguments(parser, gpu_memory_default="read the local CUDA device")
     parser.add_argument("--max-model-len", type=positive_int, metavar="N",
                         help="longest request in tokens; reports how many fit at once")
+    add_hash_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
@@ -57,7 +65,7 @@ def plan_from_args(config: str, args: argparse.Namespace, *, max_model_len: int 
 
 def run(args: argparse.Namespace) -> int:
     spec, plan = plan_from_args(args.config, args, max_model_len=args.max_model_len)
-    report = plan_report(spec, plan)
+    report = {**plan_report(spec, plan), "hashing": hasher_from_args(args).describe()}
     print(json.dumps(report) if args.json else _human(report))
     return 0
 
@@ -110,6 +118,7 @@ def _human(r: dict[str, Any]) -> str:
         f"limited by {r['limited_by']})",
         f"blocks           {r['num_blocks']:,} ({r['kv_cache_bytes']:,} B)",
         f"tokens           {r['max_num_tokens']:,}",
+        f"block hashes     {describe_hasher(r['hashing'])}",
     ]
     if r["free_bytes"] is not None:
         lines.insert(6, f"  free now       {r['free_bytes']:,} B")

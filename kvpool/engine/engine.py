@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from kvpool.allocators.block_pool import BlockPool
-from kvpool.allocators.hashing import block_hashes
+from kvpool.allocators.hashing import BlockHasher, default_hasher
 from kvpool.engine.attention import StepMetadata, build_step_metadata, register_paged_attention
 from kvpool.engine.models import kv_spec
 from kvpool.engine.sampling import SamplingParams, sample
@@ -108,12 +108,14 @@ class LLMEngine:
         eos_token_ids: tokens that end a request (unless its ``ignore_eos``).
         kv_dtype: KV storage dtype (default: the model's dtype).
         keep_logits: store each sampled row of logits ``[V]`` in ``Request.logits`` (for tests).
+        hasher: the block hasher (default: the process-local ``kvpool.allocators.hashing.default_hasher()``,
+            a random root per process unless ``$KVPOOL_HASH_SEED`` is set).
     """
 
     def __init__(self, model: Any, *, num_blocks: int, block_size: int = 16,
                  max_num_batched_tokens: int = 256, max_num_seqs: int = 64, eos_token_ids: Sequence[int] = (),
                  enable_prefix_caching: bool = True, kv_dtype: torch.dtype | None = None,
-                 keep_logits: bool = False) -> None:
+                 keep_logits: bool = False, hasher: BlockHasher | None = None) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise InvalidArgumentError("max_num_batched_tokens and max_num_seqs must be >= 1")
         self.model, self.block_size, self.device = model, block_size, model.device
@@ -124,6 +126,7 @@ class LLMEngine:
         self.cache = PagedKVCache(spec, num_blocks, device=self.device, dtype=spec.dtype)
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.caching, self.keep_logits = enable_prefix_caching, keep_logits
+        self.hasher = hasher or default_hasher()
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
@@ -319,7 +322,7 @@ class LLMEngine:
         done = len(req.block_hashes) * self.block_size
         if self.caching and req.num_tokens - done >= self.block_size:
             parent = req.block_hashes[-1] if req.block_hashes else None
-            req.block_hashes += block_hashes(req.token_ids[done:], self.block_size, parent=parent)
+            req.block_hashes += self.hasher.block_hashes(req.token_ids[done:], self.block_size, parent=parent)
 
     def _publish(self, req: Request) -> None:
         """Publish the full blocks whose KV is now written (the forward has run)."""
