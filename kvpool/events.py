@@ -143,11 +143,12 @@ def wire_hash(block_hash: Hashable, hash_format: str = "bytes") -> WireHash:
 
 def wire_extra_keys(keys: tuple | None) -> tuple[Any, ...] | None:
     """One block's extra keys (``kvpool.allocators.hashing.block_extra_keys``) as vLLM publishes them:
-    untagged, ``("mm", content_hash, offset)`` -> ``(content_hash, offset)``, any other ``(tag, ..., value)``
-    -> its last value (the LoRA name, the cache salt); kvpool's order."""
+    untagged, ``("mm", content_hash, offset)`` -> ``(content_hash, offset)``, ``("lora", name, path, digest)``
+    -> the LoRA name, any other ``(tag, ..., value)`` -> its last value (the cache salt, an embeddings
+    digest); kvpool's order."""
     if keys is None:
         return None
-    return tuple(tuple(k[1:]) if k[0] == "mm" else k[-1] for k in keys)
+    return tuple(tuple(k[1:]) if k[0] == "mm" else k[1] if k[0] == "lora" else k[-1] for k in keys)
 
 
 # ---- publishers -----------------------------------------------------------------------------------------

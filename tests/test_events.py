@@ -108,7 +108,7 @@ def test_sink_splits_runs_and_slices_tokens() -> None:
     pub = QueueEventPublisher()
     sink = KVEventSink(pub, block_size=2, medium="CPU", group_idx=3)
     tokens = [10, 11, 20, 21, 30, 31, 40, 41]
-    keys = [(("lora", 7, "sql"),), None, (("mm", "img", 4), ("salt", "t")), None]
+    keys = [(("lora", "sql", "/adapters/sql", ""),), None, (("mm", "img", 4), ("salt", "t")), None]
     sink.check_publish(H[:4], tokens, keys)
     sink.stored(H[:4], [0, 2, 3], H[7], tokens, keys, (7, "sql"))  # block 1's hash was held elsewhere
     assert sink.pending_events == 2 and sink.flush(ts=12.5) == 2
