@@ -20,7 +20,7 @@ validates its whole argument before it changes anything, so a call that raises l
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvpool.errors import (
@@ -30,6 +30,9 @@ from kvpool.errors import (
     InvalidIdError,
     OutOfBlocksError,
 )
+
+#: ``listener(block_ids, block_hashes)``: see :meth:`BlockPool.set_eviction_listener`.
+EvictionListener = Callable[[list[int], list[Hashable]], None]
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,22 @@ class BlockPool:
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached free blocks, head = evict first
         self._index: dict[Hashable, int] = {}
         self._hits = self._misses = self._evictions = 0
+        self._on_evict: EvictionListener | None = None
+
+    def set_eviction_listener(self, listener: EvictionListener | None) -> None:
+        """Call ``listener(block_ids, block_hashes)`` each time ``allocate`` evicts cached free blocks: the
+        ids and the hashes they held, in eviction order, after the hashes left the index and before the
+        blocks are handed out (their KV is still intact until the caller writes them). The offload manager
+        (:mod:`kvpool.tiers.manager`) copies that KV to a lower tier here. The listener must not call this
+        pool and must not raise. None removes it.
+
+        Raises:
+            InvalidArgumentError: a listener is set already (remove it first), or ``listener`` is not
+                callable.
+        """
+        if listener is not None and (self._on_evict is not None or not callable(listener)):
+            raise InvalidArgumentError("this pool has an eviction listener already, or it is not callable")
+        self._on_evict = listener
 
     # ---- allocation -------------------------------------------------------------------------------------
 
@@ -118,6 +137,8 @@ class BlockPool:
 
     def _evict(self, m: int) -> list[int]:
         """Take ``m`` blocks from the LRU head, dropping their hashes from the index first."""
+        if self._on_evict is not None:
+            return self._evict_and_tell(m, self._on_evict)
         popitem, index, hashes, out = self._lru.popitem, self._index, self._hash, []
         for _ in range(m):
             block = popitem(False)[0]
@@ -125,6 +146,18 @@ class BlockPool:
             hashes[block] = None
             out.append(block)
         self._evictions += m
+        return out
+
+    def _evict_and_tell(self, m: int, listener: EvictionListener) -> list[int]:
+        """:meth:`_evict`, then ``listener(ids, the hashes they held)``."""
+        popitem, index, hashes = self._lru.popitem, self._index, self._hash
+        out = [popitem(False)[0] for _ in range(m)]
+        gone = [hashes[block] for block in out]
+        for block, h in zip(out, gone, strict=True):
+            del index[h]
+            hashes[block] = None
+        self._evictions += m
+        listener(out, gone)
         return out
 
     def free(self, block_ids: Iterable[int]) -> None:
@@ -315,6 +348,14 @@ class BlockPool:
         lru.clear()
         self._index.clear()
         return True
+
+    def get_cached_block(self, block_hash: Hashable) -> int | None:
+        """The block holding ``block_hash`` (in use or cached free), or None; counts no stats (vLLM's
+        ``get_cached_block``). Raises InvalidArgumentError for an unhashable hash."""
+        try:
+            return self._index.get(block_hash) if self._caching else None
+        except TypeError:
+            raise InvalidArgumentError("block hashes must be hashable") from None
 
     # ---- admission --------------------------------------------------------------------------------------
 
