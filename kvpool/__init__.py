@@ -22,7 +22,7 @@ from kvpool.errors import (
     OutOfBlocksError,
     TraceFormatError,
 )
-from kvpool.spec import AttentionKind, KVCacheSpec, parse_kv_dtype
+from kvpool.spec import AttentionKind, KVCacheGroup, KVCacheSpec, LayerKind, parse_kv_dtype
 
 __version__ = "0.1.0"
 
@@ -37,6 +37,8 @@ _LAZY = {
     "BlockHasher": "kvpool.allocators.hashing",
     "TokenToKVPoolAllocator": "kvpool.allocators.token",
     "ReqToTokenPool": "kvpool.allocators.req_to_token",
+    "KVCacheCoordinator": "kvpool.allocators.groups",
+    "SWATokenToKVPoolAllocator": "kvpool.allocators.swa_token",
     "PagedKVCache": "kvpool.storage.paged",
     "MLAKVCache": "kvpool.storage.mla",
     "HostKVCache": "kvpool.storage.host",
@@ -46,7 +48,8 @@ _LAZY = {
 
 __all__ = [
     "AttentionKind", "ConfigError", "DoubleFreeError", "InsufficientMemoryError", "IntegrityError",
-    "InvalidArgumentError", "InvalidIdError", "KVCacheSpec", "KVPoolError", "OutOfBlocksError",
+    "InvalidArgumentError", "InvalidIdError", "KVCacheGroup", "KVCacheSpec", "KVPoolError", "LayerKind",
+    "OutOfBlocksError",
     "TraceFormatError", "parse_kv_dtype", *_LAZY,
 ]
 

@@ -223,6 +223,8 @@ def test_group_rules_by_hand():
     # W 16, B 4: a query at q sees (q - 16, q]; before computing token 40, blocks wholly before token
     # 40 - 16 + 1 = 25 are dead: 25 // 4 = 6
     assert sliding.skipped_blocks(40) == 6 and sliding.skipped_blocks(15) == 0
+    # before token 42 the window starts at 27, inside block 6 (tokens 24..27): still 6 dead blocks
+    assert sliding.skipped_blocks(42) == 6 and sliding.skipped_blocks(43) == 7
     # decode: cdiv(15, 4) + 1 = 5 blocks; a chunk of 8 queries: cdiv(16 + 8 - 2, 4) + 1 = 7
     assert (sliding.max_blocks(10**6), sliding.max_blocks(10**6, 8), sliding.max_blocks(9)) == (5, 7, 3)
     chunked = KVCacheGroup(1, C, 8, (1,), 1, 4)

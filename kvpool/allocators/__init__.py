@@ -2,8 +2,9 @@
 
 ``BlockPool`` (block tables with prefix caching, vLLM / nano-vllm style), ``BlockHasher`` /
 ``block_hashes`` / ``hash_block`` (chained prefix hashes from a secret root), ``TokenToKVPoolAllocator``
-(token slots or pages, SGLang style) and ``ReqToTokenPool`` (request -> slot table). Imported lazily, like
-the package root.
+(token slots or pages, SGLang style), ``ReqToTokenPool`` (request -> slot table), ``KVCacheCoordinator`` (a
+block table per KV cache group of a hybrid model over one ``BlockPool``) and ``SWATokenToKVPoolAllocator``
+(full and sliding-window token slots). Imported lazily, like the package root.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ _LAZY = {
     "LoRAIdentity": "kvpool.allocators.hashing",
     "TokenToKVPoolAllocator": "kvpool.allocators.token",
     "ReqToTokenPool": "kvpool.allocators.req_to_token",
+    "KVCacheCoordinator": "kvpool.allocators.groups",
+    "CacheHit": "kvpool.allocators.groups",
+    "group_key": "kvpool.allocators.groups",
+    "SWATokenToKVPoolAllocator": "kvpool.allocators.swa_token",
 }
 
 __all__ = list(_LAZY)

@@ -1,0 +1,341 @@
+"""KV cache groups over one :class:`BlockPool`: a block table per group per request (vLLM's hybrid manager).
+
+A model's layers form KV cache groups (:func:`kvpool.spec.kv_cache_groups`); every group of a request has
+its own block table, and all of them draw blocks from one pool (a block holds one group's layers). The
+contract, per request:
+
+* **Tables.** ``block_tables(r)[g][i]`` is the block holding tokens ``i*B .. i*B + B - 1`` of group g, or
+  the pool's null block where the group will never read those tokens again. Full groups never hold the
+  null block; in a sliding or chunked group the null entries are a prefix of the table.
+* **Freeing out of the window.** ``remove_skipped_blocks(r, n)`` frees, in every windowed group, the blocks
+  that no query at position ``>= n`` reads (:meth:`KVCacheGroup.skipped_blocks`) and puts the null block in
+  their place. Call it before allocating a step's blocks, with the tokens already computed.
+* **Prefix caching.** A block is keyed by its chained hash *and* its group: group 0 uses the hash itself (so
+  a uniform model keys exactly as a plain ``BlockPool``), group ``g > 0`` the tuple ``(g, hash)``
+  (:func:`group_key`). A prefix of k blocks is a hit when every group can restore it: full groups need
+  all k blocks cached, a windowed group only the blocks from ``skipped_blocks(k * B)`` to k (sliding: the
+  blocks covering the last W - 1 tokens). :meth:`find_longest_cache_hit` returns the longest such prefix.
+* **Atomicity.** ``allocate`` checks every group before it changes anything: it raises and hands out
+  nothing when the pool is short. ``free`` releases every group's blocks, tail first across groups.
+
+Bookkeeping only, like the pool below it: block ids, no tensors. ``check_integrity()`` checks the pool and
+every group's tables against it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from kvpool.allocators.block_pool import BlockPool, BlockPoolStats
+from kvpool.errors import IntegrityError, InvalidArgumentError, InvalidIdError, OutOfBlocksError
+from kvpool.spec import KVCacheGroup, LayerKind, cdiv
+
+
+def group_key(group: int, block_hash: Hashable) -> Hashable:
+    """The prefix-index key of ``block_hash`` in KV cache group ``group``: the hash for group 0, else
+    ``(group, hash)`` (a tuple never equals a 16-byte hash, so groups never share a key)."""
+    return block_hash if group == 0 else (group, block_hash)
+
+
+@dataclass(frozen=True)
+class CacheHit:
+    """The longest cached prefix of a request, per group. ``num_blocks``: k, the prompt blocks every group
+    can restore; ``blocks[g]``: group g's first k table entries (the null block where g needs none)."""
+
+    num_blocks: int
+    blocks: tuple[list[int], ...]
+
+
+class KVCacheCoordinator:
+    """Block tables of every KV cache group of ``groups`` over one :class:`BlockPool` of ``num_blocks``.
+
+    Typical request life: ``hit = find_longest_cache_hit(hashes[:max_hit])``, ``allocate(r, tokens, hit)``;
+    then each step ``remove_skipped_blocks(r, computed)``, ``allocate(r, computed + new)``, run the
+    model, ``cache_blocks(r, hashes, computed + new)``; at the end (or on preemption) ``free(r)``.
+
+    Args:
+        groups: the model's groups (``KVCacheSpec.groups``), indexed 0, 1, ... with one block size.
+        num_blocks: pool blocks, the null block included (reserved when a group has a window).
+        enable_caching: prefix caching (as ``BlockPool``).
+
+    Raises:
+        InvalidArgumentError: no groups, groups not indexed in order, or mixed block sizes.
+    """
+
+    def __init__(self, groups: Sequence[KVCacheGroup], num_blocks: int, *,
+                 enable_caching: bool = True) -> None:
+        groups = tuple(groups)
+        if not groups or [g.index for g in groups] != list(range(len(groups))):
+            raise InvalidArgumentError("groups must be a non-empty sequence indexed 0, 1, ...")
+        if len({g.block_size for g in groups}) != 1:
+            raise InvalidArgumentError("every KV cache group must have the same block size")
+        self.groups = groups
+        self.block_size = groups[0].block_size
+        windowed = any(g.kind is not LayerKind.FULL for g in groups)
+        self.pool = BlockPool(num_blocks, enable_caching=enable_caching, reserve_null_block=windowed)
+        self.null_block: int = self.pool.null_block if windowed else -1  # type: ignore[assignment]
+        # full groups first: their hit is a prefix scan, and it bounds the windowed groups' scans
+        self._hit_order = sorted(groups, key=lambda g: g.kind is not LayerKind.FULL)
+        self._windowed = [g for g in groups if g.kind is not LayerKind.FULL]
+        self._tables: dict[Hashable, list[list[int]]] = {}
+        self._skipped: dict[Hashable, list[int]] = {}  # per request, per group: leading null entries
+        self._published: dict[Hashable, int] = {}
+        self._hits = self._misses = 0
+
+    # ---- prefix cache -----------------------------------------------------------------------------------
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[Hashable], max_blocks: int | None = None
+                               ) -> CacheHit:
+        """The longest prefix of ``block_hashes`` (at most ``max_blocks`` blocks) every group can restore.
+
+        Each group's hit is the longest prefix not longer than the current bound that the group can restore
+        (full: a prefix scan; windowed: a scan down from the bound, skipping past each miss, O(bound)); the
+        bound shrinks to the minimum until no group lowers it. Every group's hit set is closed under that
+        scan, so the fixed point is the longest common hit. Counts ``stats`` (hits = k, misses = bound - k).
+        Changes no ref count: pass the hit to :meth:`allocate` at once.
+        """
+        limit = len(block_hashes) if max_blocks is None else max(0, min(max_blocks, len(block_hashes)))
+        probes: list[dict[int, int | None]] = [{} for _ in self.groups]
+        k = limit if self.pool.enable_caching else 0
+        changed = True
+        while changed and k:
+            changed = False
+            for group in self._hit_order:
+                hit = self._group_hit(group, block_hashes, k, probes[group.index])
+                if hit < k:
+                    k, changed = hit, True
+        self._hits += k
+        self._misses += limit - k
+        return CacheHit(k, tuple(self._hit_table(g, k, probes[g.index]) for g in self.groups))
+
+    def _probe(self, group: KVCacheGroup, hashes: Sequence[Hashable], i: int, memo: dict[int, int | None]
+               ) -> int | None:
+        if i not in memo:
+            memo[i] = self.pool.get_cached_block(group_key(group.index, hashes[i]))
+        return memo[i]
+
+    def _group_hit(self, group: KVCacheGroup, hashes: Sequence[Hashable], bound: int,
+                   memo: dict[int, int | None]) -> int:
+        """The longest k <= bound whose blocks ``skipped_blocks(k * B) .. k - 1`` are cached in ``group``."""
+        if group.kind is LayerKind.FULL:
+            k = 0
+            while k < bound and self._probe(group, hashes, k, memo) is not None:
+                k += 1
+            return k
+        k, i = bound, bound - 1
+        while k > 0:
+            start = group.skipped_blocks(k * self.block_size)
+            while i >= start and self._probe(group, hashes, i, memo) is not None:
+                i -= 1
+            if i < start:
+                return k
+            k, i = i, i - 1  # block i is missing: no prefix longer than i can be restored
+        return 0
+
+    def _hit_table(self, group: KVCacheGroup, k: int, memo: dict[int, int | None]) -> list[int]:
+        start = group.skipped_blocks(k * self.block_size) if k else 0
+        return [self.null_block] * start + [memo[i] for i in range(start, k)]  # type: ignore[misc]
+
+    # ---- allocation -------------------------------------------------------------------------------------
+
+    def num_blocks_to_allocate(self, request_id: Hashable, num_tokens: int, hit: CacheHit | None = None
+                               ) -> int:
+        """Free blocks that :meth:`allocate` would consume: new blocks for every group to cover
+        ``num_tokens`` tokens, plus hit blocks that are cached free (touching them takes them off the free
+        list; as ``BlockPool.num_blocks_to_allocate``)."""
+        tables = self._tables.get(request_id)
+        target = cdiv(num_tokens, self.block_size)
+        if tables is not None:
+            return sum(max(0, target - len(t)) for t in tables)
+        if hit is None:
+            return target * len(self.groups)
+        ref, null = self.pool.ref_count, self.null_block
+        revived = sum(1 for blocks in hit.blocks for b in blocks if b != null and ref(b) == 0)
+        return max(0, target - hit.num_blocks) * len(self.groups) + revived
+
+    def allocate(self, request_id: Hashable, num_tokens: int, hit: CacheHit | None = None) -> None:
+        """Give every group of ``request_id`` blocks for its first ``num_tokens`` tokens.
+
+        A new request may start from ``hit`` (from :meth:`find_longest_cache_hit`, just before): its blocks
+        are touched and its k blocks count as computed and published. A running request only grows.
+
+        Raises:
+            InvalidArgumentError: ``num_tokens`` not an int >= 0, a hit for a running request, or a stale
+                hit (one of its blocks lost its hash since).
+            OutOfBlocksError: the pool has fewer free blocks than :meth:`num_blocks_to_allocate`; nothing
+                changed.
+        """
+        if type(num_tokens) is not int or num_tokens < 0:
+            raise InvalidArgumentError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        tables = self._tables.get(request_id)
+        if hit is not None:
+            if tables is not None:
+                raise InvalidArgumentError(f"request {request_id!r} is running: a cache hit is for a new one")
+            self._check_hit(hit)
+        need = self.num_blocks_to_allocate(request_id, num_tokens, hit)
+        if need > self.pool.num_free_blocks:
+            raise OutOfBlocksError(f"request {request_id!r} needs {need} blocks for {num_tokens} tokens over "
+                                   f"{len(self.groups)} groups, {self.pool.num_free_blocks} are free")
+        if tables is None:
+            tables = self._admit(request_id, hit)
+        target, allocate = cdiv(num_tokens, self.block_size), self.pool.allocate
+        for table in tables:
+            if len(table) < target:
+                table += allocate(target - len(table))
+
+    def _check_hit(self, hit: CacheHit) -> None:
+        if len(hit.blocks) != len(self.groups) or any(len(b) != hit.num_blocks for b in hit.blocks):
+            raise InvalidArgumentError("the cache hit does not match these groups")
+        pool, null = self.pool, self.null_block
+        for blocks in hit.blocks:
+            for b in blocks:
+                if b != null and pool.ref_count(b) == 0 and pool.block_hash(b) is None:
+                    raise InvalidArgumentError(f"stale cache hit: block {b} lost its hash; look it up again")
+
+    def _admit(self, request_id: Hashable, hit: CacheHit | None) -> list[list[int]]:
+        if hit is None:
+            tables: list[list[int]] = [[] for _ in self.groups]
+            skipped = [0] * len(self.groups)
+        else:
+            tables = [list(blocks) for blocks in hit.blocks]
+            skipped = [b.count(self.null_block) for b in tables]
+            null = self.null_block
+            for table in tables:
+                self.pool.touch([b for b in table if b != null])
+        self._tables[request_id] = tables
+        self._skipped[request_id] = skipped
+        self._published[request_id] = hit.num_blocks if hit is not None else 0
+        return tables
+
+    def remove_skipped_blocks(self, request_id: Hashable, num_computed_tokens: int) -> int:
+        """Free, in every windowed group, the blocks no query at position ``>= num_computed_tokens`` reads,
+        oldest first (they were published when full, so they stay cached until evicted), and put the null
+        block in their place. Returns how many blocks were freed. O(blocks freed) per group.
+
+        Raises:
+            InvalidIdError: an unknown request.
+        """
+        tables = self._tables_of(request_id)
+        skipped, freed = self._skipped[request_id], 0
+        for group in self._windowed:
+            g = group.index
+            table = tables[g]
+            end = min(group.skipped_blocks(num_computed_tokens), len(table))
+            if end > skipped[g]:
+                self.pool.free(table[skipped[g]:end])
+                table[skipped[g]:end] = [self.null_block] * (end - skipped[g])
+                freed += end - skipped[g]
+                skipped[g] = end
+        return freed
+
+    def cache_blocks(self, request_id: Hashable, block_hashes: Sequence[Hashable], num_tokens: int) -> None:
+        """Publish, in every group, the full blocks of the first ``num_tokens`` tokens whose KV is now
+        written (the blocks not published yet; ``block_hashes`` are the request's chained hashes, one per
+        full block). Null entries are skipped.
+
+        Raises:
+            InvalidIdError: an unknown request.
+            InvalidArgumentError: fewer hashes than full blocks, or a table that does not cover them.
+        """
+        tables = self._tables_of(request_id)
+        full, start = num_tokens // self.block_size, self._published[request_id]
+        if full <= start:
+            return
+        if len(block_hashes) < full or any(len(t) < full for t in tables):
+            raise InvalidArgumentError(f"{num_tokens} tokens need {full} hashes and blocks in every group, "
+                                       f"got {len(block_hashes)} hashes")
+        hashes = block_hashes[start:full]
+        for g, table in enumerate(tables):
+            keys = hashes if g == 0 else [(g, h) for h in hashes]
+            self.pool.cache_blocks(table[start:full], keys)
+        self._published[request_id] = full
+
+    def free(self, request_id: Hashable) -> None:
+        """Release every block of ``request_id``: position by position from the tail, every group's block at
+        a position together, so a prefix's head is evicted last in all groups. No-op for an unknown id."""
+        tables = self._tables.pop(request_id, None)
+        if tables is None:
+            return
+        del self._skipped[request_id], self._published[request_id]
+        longest, null = max(len(t) for t in tables), self.null_block
+        if len(tables) == 1:
+            order = tables[0][::-1]
+        else:
+            order = [t[i] for i in range(longest - 1, -1, -1) for t in tables if i < len(t)]
+        self.pool.free([b for b in order if b != null] if self._windowed else order)
+
+    # ---- state ------------------------------------------------------------------------------------------
+
+    def _tables_of(self, request_id: Hashable) -> list[list[int]]:
+        tables = self._tables.get(request_id)
+        if tables is None:
+            raise InvalidIdError(f"no request {request_id!r} holds blocks")
+        return tables
+
+    def block_tables(self, request_id: Hashable) -> tuple[list[int], ...]:
+        """Every group's block table of ``request_id`` (copies). Raises InvalidIdError for an unknown id."""
+        return tuple(list(t) for t in self._tables_of(request_id))
+
+    def num_blocks_held(self, request_id: Hashable) -> int:
+        """Blocks ``request_id`` holds over all groups (null entries not counted)."""
+        skipped = self._skipped.get(request_id)
+        return 0 if skipped is None else sum(map(len, self._tables[request_id])) - sum(skipped)
+
+    @property
+    def requests(self) -> list[Hashable]:
+        """Ids of the requests that hold blocks."""
+        return list(self._tables)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used_blocks
+
+    @property
+    def stats(self) -> BlockPoolStats:
+        """Hits and misses of :meth:`find_longest_cache_hit` (in blocks of the common prefix), and the
+        pool's evictions."""
+        return BlockPoolStats(self._hits, self._misses, self.pool.stats.evictions)
+
+    def check_integrity(self) -> None:
+        """The pool's invariants, and every group's tables against it: ref counts equal the table entries
+        naming each block; a block appears in one group only; full groups hold no null entry and windowed
+        groups only a prefix of them; a published block holds its own group's key. O(blocks in tables +
+        num_blocks). Raises IntegrityError naming what broke."""
+        self.pool.check_integrity()
+        owners: dict[int, int] = {}
+        counts: dict[int, int] = {}
+        null = self.null_block
+        for request_id, tables in self._tables.items():
+            for g, table in enumerate(tables):
+                skipped = self._skipped[request_id][g]
+                _require(all(b == null for b in table[:skipped]) and null not in table[skipped:],
+                         f"request {request_id!r} group {g}: null entries are not exactly its skipped prefix")
+                _require(skipped == 0 or self.groups[g].kind is not LayerKind.FULL,
+                         f"request {request_id!r}: full group {g} holds the null block")
+                for b in table[skipped:]:
+                    _require(owners.setdefault(b, g) == g, f"block {b} is in the tables of two groups")
+                    counts[b] = counts.get(b, 0) + 1
+        for b, n in counts.items():
+            _require(self.pool.ref_count(b) == n, f"block {b} has ref count {self.pool.ref_count(b)} but "
+                                                  f"{n} table entries")
+            h = self.pool.block_hash(b)
+            _require(h is None or _key_group(h) == owners[b], f"block {b} holds another group's key")
+        _require(len(counts) == self.pool.num_used_blocks, "a block is in use outside every table")
+
+    def __repr__(self) -> str:
+        return (f"KVCacheCoordinator(groups={len(self.groups)}, requests={len(self._tables)}, "
+                f"pool={self.pool!r})")
+
+
+def _key_group(key: Hashable) -> int:
+    return key[0] if type(key) is tuple and len(key) == 2 and type(key[0]) is int else 0
+
+
+def _require(ok: bool, invariant: str) -> None:
+    if not ok:
+        raise IntegrityError(f"KVCacheCoordinator invariant broken: {invariant}")

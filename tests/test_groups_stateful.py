@@ -1,0 +1,168 @@
+"""KVCacheCoordinator against a brute-force model, driven by hypothesis.
+
+Random request lives (admission with a prefix-cache hit, chunked prefill, decode steps, preemption, finish)
+over four group layouts. After every step ``check_integrity()`` runs, and the model checks what each
+request holds per group: a table of ``cdiv(tokens allocated, B)`` entries whose null entries are exactly
+the ``skipped_blocks`` prefix of the last ``remove_skipped_blocks`` (or of the hit). Every lookup is checked
+against a brute-force hit: the longest k for which every group has a cached block under its own key at each
+position ``skipped_blocks(k * B) .. k - 1``, tried for every k (O(k^2), independent of the coordinator's
+fixed-point scan); the hit's blocks must be those cached blocks. Allocation must raise exactly when the
+pool has fewer free blocks than the model's count, and change nothing then.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvpool.allocators.groups import KVCacheCoordinator, group_key
+from kvpool.allocators.hashing import block_hashes
+from kvpool.errors import OutOfBlocksError
+from kvpool.spec import LayerKind, cdiv, kv_cache_groups
+
+S, F, C = LayerKind.SLIDING, LayerKind.FULL, LayerKind.CHUNKED
+B = 4
+LAYOUTS = {
+    "sliding+full": ((S, F), {S: 8}),
+    "full": ((F, F), {}),
+    "2 sliding groups + full": ((S, S, F), {S: 6}),
+    "chunked+full": ((C, F), {C: 8}),
+    "sliding only": ((S,), {S: 5}),
+}
+PREFIXES = [list(range(100, 140)), list(range(200, 240))]  # two shared documents
+
+
+class Req:
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self.hashes = block_hashes(tokens, B)
+        self.computed = 0  # tokens whose KV is written and published
+        self.allocated = 0  # tokens the tables cover
+        self.removed_at = 0  # num_computed of the last remove_skipped_blocks
+
+
+class CoordinatorMachine(RuleBasedStateMachine):
+    @initialize(layout=st.sampled_from(sorted(LAYOUTS)), n=st.integers(6, 40))
+    def setup(self, layout: str, n: int) -> None:
+        kinds, windows = LAYOUTS[layout]
+        self.groups = kv_cache_groups(kinds, windows, B)
+        self.coord = KVCacheCoordinator(self.groups, n)
+        self.null = self.coord.null_block  # 0, or -1 (none) for a model without windows
+        self.reqs: dict[int, Req] = {}
+        self.next_id = 0
+
+    # ---- brute force ------------------------------------------------------------------------------------
+
+    def cached(self, g: int, h: object) -> int | None:
+        return self.coord.pool.get_cached_block(group_key(g, h))
+
+    def brute_hit(self, hashes: list) -> int:
+        best = 0
+        for k in range(len(hashes) + 1):
+            if all(self.cached(g.index, hashes[i]) is not None
+                   for g in self.groups for i in range(g.skipped_blocks(k * B), k)):
+                best = k
+        return best
+
+    def expected_nulls(self, req: Req, g: int) -> int:
+        return min(self.groups[g].skipped_blocks(req.removed_at), cdiv(req.allocated, B))
+
+    # ---- rules --------------------------------------------------------------------------------------------
+
+    @rule(data=st.data(), prefix=st.integers(0, 2), tail=st.lists(st.integers(0, 9), max_size=14),
+          cut=st.integers(0, 40), chunk=st.integers(1, 24))
+    def admit(self, data: st.DataObject, prefix: int, tail: list[int], cut: int, chunk: int) -> None:
+        tokens = (PREFIXES[prefix][:cut] if prefix < 2 else []) + tail
+        if not tokens:
+            return
+        req = Req(tokens)
+        max_hit = (len(tokens) - 1) // B  # the last token is always computed
+        hit = self.coord.find_longest_cache_hit(req.hashes, max_hit)
+        assert hit.num_blocks == self.brute_hit(req.hashes[:max_hit])
+        for g in self.groups:
+            start = g.skipped_blocks(hit.num_blocks * B) if hit.num_blocks else 0
+            assert hit.blocks[g.index] == [self.null] * start + [self.cached(g.index, h)
+                                                         for h in req.hashes[start:hit.num_blocks]]
+        computed = hit.num_blocks * B
+        target = min(len(tokens), computed + chunk)
+        revived = sum(1 for blocks in hit.blocks for b in blocks
+                      if b != self.null and self.coord.pool.ref_count(b) == 0)
+        need = (cdiv(target, B) - hit.num_blocks) * len(self.groups) + revived
+        rid = self.next_id
+        self.next_id += 1
+        free_before = self.coord.num_free_blocks
+        if need > free_before:
+            with pytest.raises(OutOfBlocksError):
+                self.coord.allocate(rid, target, hit)
+            assert self.coord.num_free_blocks == free_before and rid not in self.coord.requests
+            return
+        self.coord.allocate(rid, target, hit)
+        req.computed = req.removed_at = computed
+        req.allocated = target
+        self.coord.cache_blocks(rid, req.hashes, target)  # the forward pass wrote the chunk
+        req.computed = target
+        self.reqs[rid] = req
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data(), chunk=st.integers(1, 12))
+    def step(self, data: st.DataObject, chunk: int) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.reqs)))
+        req = self.reqs[rid]
+        if req.computed == len(req.tokens):
+            req.tokens.append(data.draw(st.integers(0, 9)))  # decode: the sampled token joins the sequence
+            req.hashes = block_hashes(req.tokens, B)
+        target = min(len(req.tokens), req.computed + chunk)
+        self.coord.remove_skipped_blocks(rid, req.computed)
+        req.removed_at = req.computed
+        need = sum(max(0, cdiv(target, B) - cdiv(req.allocated, B)) for _ in self.groups)
+        if need > self.coord.num_free_blocks:
+            tables = self.coord.block_tables(rid)
+            with pytest.raises(OutOfBlocksError):
+                self.coord.allocate(rid, target)
+            assert self.coord.block_tables(rid) == tables
+            self.finish(rid)  # preempted by recompute
+            return
+        self.coord.allocate(rid, target)
+        req.allocated = max(req.allocated, target)
+        self.coord.cache_blocks(rid, req.hashes, target)
+        req.computed = target
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data())
+    def finish_one(self, data: st.DataObject) -> None:
+        self.finish(data.draw(st.sampled_from(sorted(self.reqs))))
+
+    def finish(self, rid: int) -> None:
+        self.coord.free(rid)
+        del self.reqs[rid]
+
+    # ---- checks -------------------------------------------------------------------------------------------
+
+    @invariant()
+    def consistent(self) -> None:
+        if not hasattr(self, "coord"):
+            return
+        self.coord.check_integrity()
+        assert sorted(self.coord.requests) == sorted(self.reqs)
+        held = 0
+        for rid, req in self.reqs.items():
+            tables = self.coord.block_tables(rid)
+            for g, table in enumerate(tables):
+                nulls = self.expected_nulls(req, g)
+                assert len(table) == cdiv(req.allocated, B)
+                assert table[:nulls] == [self.null] * nulls and self.null not in table[nulls:]
+                held += len(table) - nulls
+        assert self.coord.num_used_blocks <= held  # shared hit blocks count once
+
+    def teardown(self) -> None:
+        if hasattr(self, "coord"):
+            for rid in list(self.reqs):
+                self.finish(rid)
+            assert self.coord.num_used_blocks == 0
+            self.coord.check_integrity()
+
+
+TestCoordinator = CoordinatorMachine.TestCase
+TestCoordinator.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
