@@ -306,21 +306,6 @@ class BlockPool:
             raise InvalidArgumentError("block hashes must be hashable") from None
         return hit
 
-    def get_cached_block(self, block_hash: Hashable) -> int | None:
-        """The block holding ``block_hash`` (in use or cached free), or None. No stats, no ref change: a
-        probe for hit rules that test blocks one by one (vLLM's ``get_cached_block``; a KV cache group's
-        sliding-window hit in :mod:`kvpool.allocators.groups`).
-
-        Raises:
-            InvalidArgumentError: an unhashable hash.
-        """
-        if not self._caching:
-            return None
-        try:
-            return self._index.get(block_hash)
-        except TypeError:
-            raise InvalidArgumentError("block hashes must be hashable") from None
-
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Unpublish the named blocks: each one's hash leaves the prefix index, so it never matches again.
         What a KV connector or a tier calls when the KV stored in those blocks is invalidated (vLLM's
