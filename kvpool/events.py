@@ -141,6 +141,31 @@ def wire_hash(block_hash: Hashable, hash_format: str = "bytes") -> WireHash:
         f"a block hash sent as a KV event must be bytes or an int in [0, 2**64), got {block_hash!r}")
 
 
+def _wire_or_none(block_hash: Hashable, hash_format: str) -> WireHash | None:
+    try:
+        return wire_hash(block_hash, hash_format)
+    except InvalidArgumentError:
+        return None
+
+
+def _runs(positions: Sequence[int]) -> list[tuple[int, int]]:
+    """``[first, last)`` of each run of consecutive ascending ``positions``."""
+    runs: list[tuple[int, int]] = []
+    for p in positions:
+        if runs and runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], p + 1)
+        else:
+            runs.append((p, p + 1))
+    return runs
+
+
+def _int_list(values: Sequence[int]) -> list[int]:
+    """Token ids as a list of Python ints (a tensor or array through ``tolist()``)."""
+    if type(values) is list:
+        return values
+    return values.tolist() if hasattr(values, "tolist") else list(values)  # type: ignore[union-attr]
+
+
 def wire_extra_keys(keys: tuple | None) -> tuple[Any, ...] | None:
     """One block's extra keys (``kvpool.allocators.hashing.block_extra_keys``) as vLLM publishes them:
     untagged, ``("mm", content_hash, offset)`` -> ``(content_hash, offset)``, ``("lora", name, path, digest)``
@@ -279,21 +304,23 @@ class KVEventSink:
         self.publisher, self.block_size, self.medium = publisher, block_size, medium
         self.group_idx, self.kind, self.sliding_window = group_idx, kv_cache_spec_kind, sliding_window
         self.hash_format, self.max_batch_events = hash_format, max_batch_events
-        self.recorded_events = 0
         self._events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
 
     # ---- called by the pool
-    def check_publish(self, block_hashes: Sequence[Hashable], token_ids: Sequence[int] | None,
-                      extra_keys: Sequence[tuple | None] | None) -> None:
-        """Refuse, before the pool changes anything, what :meth:`stored` could not send.
+    def check_publish(self, block_hashes: Sequence[Hashable], parent_hash: Hashable | None, num_blocks: int,
+                      token_ids: Sequence[int] | None, extra_keys: Sequence[tuple | None] | None) -> None:
+        """Refuse, before the pool changes anything, what :meth:`stored` could not send: ``block_hashes``
+        are those that may enter the index, of a call naming ``num_blocks`` blocks.
 
         Raises:
-            InvalidArgumentError: a hash with no wire form, ``token_ids`` not ``block_size`` per block, or
-                ``extra_keys`` not one entry per block.
+            InvalidArgumentError: a hash (or the parent hash) with no wire form, ``token_ids`` not
+                ``block_size`` per block, or ``extra_keys`` not one entry per block.
         """
         for h in block_hashes:
             wire_hash(h, self.hash_format)
-        n = len(block_hashes)
+        if parent_hash is not None:
+            wire_hash(parent_hash, self.hash_format)
+        n = num_blocks
         if token_ids is not None and len(token_ids) != n * self.block_size:
             raise InvalidArgumentError(f"token_ids must hold {n} blocks x {self.block_size} = "
                                        f"{n * self.block_size} tokens, got {len(token_ids)}")
@@ -302,38 +329,48 @@ class KVEventSink:
 
     def stored(self, block_hashes: Sequence[Hashable], new: Sequence[int], parent_hash: Hashable | None,
                token_ids: Sequence[int] | None, extra_keys: Sequence[tuple | None] | None,
-               lora: tuple[int, str] | None) -> None:
+               lora_name: str | None) -> None:
         """Record that ``block_hashes[i]`` entered the index for each position ``i`` in ``new`` (ascending):
         one ``BlockStored`` per run of consecutive positions. ``block_hashes``, ``token_ids`` and
-        ``extra_keys`` describe the whole call; ``parent_hash`` is the hash before ``block_hashes[0]``."""
-        start = 0
-        for k in range(1, len(new) + 1):
-            if k == len(new) or new[k] != new[k - 1] + 1:
-                first, last = new[start], new[k - 1] + 1
-                parent = parent_hash if first == 0 else block_hashes[first - 1]
-                self._record(self._block_stored(block_hashes[first:last], parent, first, last, token_ids,
-                                                extra_keys, lora))
-                start = k
+        ``extra_keys`` describe the whole call; ``parent_hash`` is the hash before ``block_hashes[0]``. A run
+        whose parent is a hash that was not stored and has no wire form (a placeholder beside a null block)
+        goes out with parent None."""
+        n = len(block_hashes)
+        for first, last in [(0, n)] if len(new) == n else _runs(new):
+            before = parent_hash if first == 0 else block_hashes[first - 1]
+            parent = None if before is None else _wire_or_none(before, self.hash_format)
+            event = self._block_stored(block_hashes, parent, first, last, token_ids, extra_keys, lora_name)
+            self._record(event)
 
-    def _block_stored(self, hashes: Sequence[Hashable], parent: Hashable | None, first: int, last: int,
+    def _block_stored(self, block_hashes: Sequence[Hashable], parent: WireHash | None, first: int, last: int,
                       token_ids: Sequence[int] | None, extra_keys: Sequence[tuple | None] | None,
-                      lora: tuple[int, str] | None) -> BlockStored:
-        fmt, bs = self.hash_format, self.block_size
-        tokens = [] if token_ids is None else list(token_ids[first * bs:last * bs])
-        keys = extra_keys[first:last] if extra_keys is not None else [None] * (last - first)
+                      lora_name: str | None) -> BlockStored:
+        bs = self.block_size
+        tokens = [] if token_ids is None else _int_list(token_ids[first * bs:last * bs])
+        keys = ([None] * (last - first) if extra_keys is None
+                else [wire_extra_keys(k) for k in extra_keys[first:last]])
         return BlockStored(
-            block_hashes=[wire_hash(h, fmt) for h in hashes],
-            parent_block_hash=None if parent is None else wire_hash(parent, fmt),
-            token_ids=tokens, block_size=bs, lora_id=None if lora is None else lora[0], medium=self.medium,
-            lora_name=None if lora is None else lora[1], extra_keys=[wire_extra_keys(k) for k in keys],
-            group_idx=self.group_idx, kv_cache_spec_kind=self.kind,
-            kv_cache_spec_sliding_window=self.sliding_window)
+            block_hashes=self._wire_list(block_hashes[first:last]), parent_block_hash=parent,
+            token_ids=tokens, block_size=bs, lora_id=None, medium=self.medium, lora_name=lora_name,
+            extra_keys=keys, group_idx=self.group_idx,
+            kv_cache_spec_kind=self.kind, kv_cache_spec_sliding_window=self.sliding_window)
+
+    def _wire_list(self, hashes: Sequence[Hashable]) -> list[WireHash]:
+        """Checked hashes (see :meth:`check_publish`) in their wire form, as a new list."""
+        if self.hash_format == "bytes":  # bytes and ints go out as they are
+            return list(hashes)  # type: ignore[arg-type]
+        return [wire_hash(h, self.hash_format) for h in hashes]
 
     def removed(self, block_hashes: Sequence[Hashable]) -> None:
-        """Record that ``block_hashes`` left the index (one ``BlockRemoved``)."""
-        if block_hashes:
-            fmt = self.hash_format
-            self._record(BlockRemoved([wire_hash(h, fmt) for h in block_hashes], self.medium, self.group_idx))
+        """Record that ``block_hashes`` left the index: a ``BlockRemoved``, or more hashes for the one just
+        recorded when nothing came between."""
+        if not block_hashes:
+            return
+        last = self._events[-1] if self._events else None
+        if type(last) is BlockRemoved:
+            last.block_hashes += self._wire_list(block_hashes)
+        else:
+            self._record(BlockRemoved(self._wire_list(block_hashes), self.medium, self.group_idx))
 
     def cleared(self) -> None:
         """Record that the index was emptied (``AllBlocksCleared``)."""
@@ -341,7 +378,6 @@ class KVEventSink:
 
     def _record(self, event: BlockStored | BlockRemoved | AllBlocksCleared) -> None:
         self._events.append(event)
-        self.recorded_events += 1
         if len(self._events) >= self.max_batch_events:
             self.flush()
 

@@ -1,5 +1,5 @@
 """KV events: the wire format against structs declared here as vLLM 0.33 declares them, the sink, the
-publishers (queue, ZMQ PUB + replay ROUTER) and the subscriber. Ports 27200-27219."""
+publishers (queue, ZMQ PUB + replay ROUTER) and the subscriber. Servers take free ports of 27200-27299."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import pytest
+from _ports import free_port, tcp
 
 msgspec = pytest.importorskip("msgspec")
 zmq = pytest.importorskip("zmq")
@@ -109,14 +110,15 @@ def test_sink_splits_runs_and_slices_tokens() -> None:
     sink = KVEventSink(pub, block_size=2, medium="CPU", group_idx=3)
     tokens = [10, 11, 20, 21, 30, 31, 40, 41]
     keys = [(("lora", "sql", "/adapters/sql", ""),), None, (("mm", "img", 4), ("salt", "t")), None]
-    sink.check_publish(H[:4], tokens, keys)
-    sink.stored(H[:4], [0, 2, 3], H[7], tokens, keys, (7, "sql"))  # block 1's hash was held elsewhere
+    sink.check_publish(H[:4], H[7], 4, tokens, keys)
+    sink.stored(H[:4], [0, 2, 3], H[7], tokens, keys, "sql")  # block 1's hash was held elsewhere
     assert sink.pending_events == 2 and sink.flush(ts=12.5) == 2
     batch = pub.get(timeout=1)
     assert batch.ts == 12.5 and pub.published_batches == 1
     first, second = batch.events
-    assert first == BlockStored([H[0]], H[7], [10, 11], 2, 7, "CPU", "sql", [("sql",)], 3, "full_attention")
-    assert second == BlockStored([H[2], H[3]], H[1], [30, 31, 40, 41], 2, 7, "CPU", "sql",
+    assert first == BlockStored([H[0]], H[7], [10, 11], 2, None, "CPU", "sql", [("sql",)], 3,
+                                "full_attention")
+    assert second == BlockStored([H[2], H[3]], H[1], [30, 31, 40, 41], 2, None, "CPU", "sql",
                                  [(("img", 4), "t"), None], 3, "full_attention")
     sink.removed([H[0], 5])
     sink.removed([])  # nothing left the index: no event
@@ -129,11 +131,13 @@ def test_sink_splits_runs_and_slices_tokens() -> None:
 def test_sink_refuses_what_it_cannot_send() -> None:
     sink = KVEventSink(QueueEventPublisher(), block_size=4)
     with pytest.raises(InvalidArgumentError, match="bytes or an int"):
-        sink.check_publish([H[0], ("a", 1)], None, None)
+        sink.check_publish([H[0], ("a", 1)], None, 2, None, None)
+    with pytest.raises(InvalidArgumentError, match="bytes or an int"):
+        sink.check_publish([H[0]], -5, 1, None, None)  # the parent hash too
     with pytest.raises(InvalidArgumentError, match="8 tokens"):
-        sink.check_publish(H[:2], [1, 2, 3], None)
+        sink.check_publish(H[:2], None, 2, [1, 2, 3], None)
     with pytest.raises(InvalidArgumentError, match="one entry per block"):
-        sink.check_publish(H[:2], None, [None])
+        sink.check_publish(H[:2], None, 2, None, [None])
     with pytest.raises(InvalidArgumentError):
         KVEventSink(QueueEventPublisher(), block_size=0)
     with pytest.raises(InvalidArgumentError):
@@ -143,9 +147,11 @@ def test_sink_refuses_what_it_cannot_send() -> None:
 def test_sink_flushes_itself_at_its_bound() -> None:
     pub = QueueEventPublisher()
     sink = KVEventSink(pub, block_size=1, max_batch_events=3)
-    for i in range(7):
-        sink.removed([i])
-    assert [len(b.events) for b in pub.drain()] == [3, 3] and sink.pending_events == 1
+    for _ in range(7):
+        sink.cleared()
+    sink.removed([1])
+    sink.removed([2])  # joins the removal before it: no new event
+    assert [len(b.events) for b in pub.drain()] == [3, 3] and sink.pending_events == 2
 
 
 def test_queue_publisher_drops_and_counts_when_full() -> None:
@@ -187,15 +193,16 @@ def _joined(pub: ZmqEventPublisher, sub: Any) -> None:
 
 def test_zmq_stream_decodes_with_vllm_structs_field_by_field() -> None:
     ctx = zmq.Context()
-    pub = ZmqEventPublisher("tcp://127.0.0.1:27200", topic="kv@engine0", data_parallel_rank=2)
-    sub = _sub(ctx, 27200, b"kv@engine0")
+    port = free_port()
+    pub = ZmqEventPublisher(tcp(port), topic="kv@engine0", data_parallel_rank=2)
+    sub = _sub(ctx, port, b"kv@engine0")
     try:
         _joined(pub, sub)
         base = pub.last_seq + 1
         sink = KVEventSink(pub, block_size=4, medium="GPU", group_idx=0)
         tokens = list(range(100, 112))
         keys = [(("salt", "tenant-a"),), None, None]
-        sink.stored([H[1], H[2], 99], range(3), H[0], tokens, keys, (5, "ad"))
+        sink.stored([H[1], H[2], 99], range(3), H[0], tokens, keys, "ad")
         sink.flush(ts=1700000000.25)
         sink.removed([H[2], 99])
         sink.cleared()
@@ -216,7 +223,7 @@ def test_zmq_stream_decodes_with_vllm_structs_field_by_field() -> None:
     assert stored.parent_block_hash == H[0]
     assert stored.token_ids == tokens
     assert stored.block_size == 4
-    assert stored.lora_id == 5 and stored.lora_name == "ad"
+    assert stored.lora_id is None and stored.lora_name == "ad"  # kvpool's LoRA has no int id
     assert stored.medium == "GPU"
     assert stored.extra_keys == [("tenant-a",), None, None]
     assert stored.group_idx == 0
@@ -234,7 +241,7 @@ def test_zmq_stream_decodes_with_vllm_structs_field_by_field() -> None:
 
 
 def test_absent_subscriber_never_blocks_and_drops_are_counted() -> None:
-    pub = ZmqEventPublisher("tcp://127.0.0.1:27201", max_queue_size=4, hwm=8)
+    pub = ZmqEventPublisher(tcp(free_port()), max_queue_size=4, hwm=8)
     try:
         batch = KVEventBatch(0.0, [AllBlocksCleared()])
         start = time.perf_counter()
@@ -249,11 +256,11 @@ def test_absent_subscriber_never_blocks_and_drops_are_counted() -> None:
 
 def test_replay_socket_speaks_vllms_protocol() -> None:
     ctx = zmq.Context()
-    pub = ZmqEventPublisher("tcp://127.0.0.1:27202", replay_endpoint="tcp://127.0.0.1:27203",
-                            topic="t", buffer_steps=3)
+    replay = tcp(free_port())
+    pub = ZmqEventPublisher(tcp(free_port()), replay_endpoint=replay, topic="t", buffer_steps=3)
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.RCVTIMEO, 5000)
-    dealer.connect("tcp://127.0.0.1:27203")
+    dealer.connect(replay)
     try:
         for i in range(5):  # seq 0..4; the buffer keeps 2, 3, 4
             pub.publish(KVEventBatch(float(i), [BlockRemoved([i], "GPU", 0)]))
@@ -272,13 +279,14 @@ def test_replay_socket_speaks_vllms_protocol() -> None:
 
 
 def test_late_subscriber_catches_up_through_replay() -> None:
-    pub = ZmqEventPublisher("tcp://127.0.0.1:27204", replay_endpoint="tcp://127.0.0.1:27205")
+    live, replay = tcp(free_port()), tcp(free_port())
+    pub = ZmqEventPublisher(live, replay_endpoint=replay)
     try:
         sink = KVEventSink(pub, block_size=1)
         for i in range(30):  # all sent before anyone subscribes
             sink.removed([i])
             sink.flush()
-        with KVEventSubscriber("tcp://127.0.0.1:27204", replay_endpoint="tcp://127.0.0.1:27205") as sub:
+        with KVEventSubscriber(live, replay_endpoint=replay) as sub:
             got = [sub.recv(timeout=5) for _ in range(30)]
             for i in range(30, 40):  # then live
                 sink.removed([i])
@@ -294,14 +302,15 @@ def test_late_subscriber_catches_up_through_replay() -> None:
 def test_subscriber_without_replay_counts_gaps() -> None:
     ctx = zmq.Context()
     raw = ctx.socket(zmq.PUB)  # a hand-driven publisher: sequence numbers 0, 1, then 5
-    raw.bind("tcp://127.0.0.1:27206")
+    live = tcp(free_port())
+    raw.bind(live)
 
     def send(seq: int, h: int) -> None:
         payload = msgspec.msgpack.encode(VKVEventBatch(0.0, [VBlockRemoved([h], "GPU")]))
         raw.send_multipart((b"", seq.to_bytes(8, "big"), payload))
 
     try:
-        with KVEventSubscriber("tcp://127.0.0.1:27206") as sub:
+        with KVEventSubscriber(live) as sub:
             first = _wait_for(lambda: send(0, 0) or sub.recv(timeout=0.05))
             send(1, 1)
             send(5, 5)
@@ -325,12 +334,13 @@ def test_endpoints_are_checked() -> None:
 
 def test_port_in_use_is_one_config_error() -> None:
     in_use = pytest.raises(ConfigError, match="address already in use")
-    with ZmqEventPublisher("tcp://127.0.0.1:27207"), in_use:
-        ZmqEventPublisher("tcp://127.0.0.1:27207")
-    with ZmqEventPublisher("tcp://127.0.0.1:27208", replay_endpoint="tcp://127.0.0.1:27209"):
-        with pytest.raises(ConfigError, match="27209: address already in use"):
-            ZmqEventPublisher("tcp://127.0.0.1:27210", replay_endpoint="tcp://127.0.0.1:27209")
-        ZmqEventPublisher("tcp://127.0.0.1:27210").close()  # the failed one released 27210
+    a, b, c, d = (tcp(free_port()) for _ in range(4))
+    with ZmqEventPublisher(a), in_use:
+        ZmqEventPublisher(a)
+    with ZmqEventPublisher(b, replay_endpoint=c):
+        with pytest.raises(ConfigError, match=f"{c}: address already in use"):
+            ZmqEventPublisher(d, replay_endpoint=c)
+        ZmqEventPublisher(d).close()  # the failed one released d
 
 
 # ---- kvpool events (the CLI) ----------------------------------------------------------------------------
@@ -344,7 +354,8 @@ def _kvpool(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 def test_cli_events_prints_one_line_per_event() -> None:
     import json
 
-    pub = ZmqEventPublisher("tcp://127.0.0.1:27211", replay_endpoint="tcp://127.0.0.1:27212")
+    live, replay = tcp(free_port()), tcp(free_port())
+    pub = ZmqEventPublisher(live, replay_endpoint=replay)
     try:
         sink = KVEventSink(pub, block_size=2, medium="CPU")
         sink.stored([H[1], H[2]], range(2), None, [1, 2, 3, 4], None, None)
@@ -352,10 +363,8 @@ def test_cli_events_prints_one_line_per_event() -> None:
         sink.flush()
         sink.cleared()
         sink.flush()
-        human = _kvpool("events", "tcp://127.0.0.1:27211", "--replay", "tcp://127.0.0.1:27212",
-                        "--max-events", "3")
-        as_json = _kvpool("events", "tcp://127.0.0.1:27211", "--replay", "tcp://127.0.0.1:27212",
-                          "--json", "--timeout", "1")
+        human = _kvpool("events", live, "--replay", replay, "--max-events", "3")
+        as_json = _kvpool("events", live, "--replay", replay, "--json", "--timeout", "1")
     finally:
         pub.close()
     assert human.returncode == 0, human.stderr

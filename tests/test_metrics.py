@@ -1,11 +1,12 @@
 """Prometheus metrics: the collector's numbers against pool states worked out by hand, scraped over HTTP.
-Ports 27260-27279."""
+Servers take free ports of 27200-27299."""
 
 from __future__ import annotations
 
 import urllib.request
 
 import pytest
+from _ports import free_port
 
 pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -44,7 +45,7 @@ def test_scraped_numbers_match_a_pool_worked_by_hand() -> None:
     host = BlockPool(4)
     host.allocate(1)
     collector.add_pool(host, block_size=16, tier="host")
-    with MetricsServer(collector, 27260) as server:
+    with MetricsServer(collector, free_port()) as server:
         got = scrape(server.url)
     assert got[key("kvpool_blocks", state="used")] == 10
     assert got[key("kvpool_blocks", state="evictable")] == 0
@@ -87,5 +88,6 @@ def test_bad_input_is_refused() -> None:
     for port in (0, 70000):
         with pytest.raises(ConfigError, match="1-65535"):
             MetricsServer(collector, port)
-    with MetricsServer(collector, 27261), pytest.raises(ConfigError, match="27261: address already in use"):
-        MetricsServer(KVPoolCollector(), 27261)
+    port = free_port()
+    with MetricsServer(collector, port), pytest.raises(ConfigError, match=f"{port}: address already in use"):
+        MetricsServer(KVPoolCollector(), port)

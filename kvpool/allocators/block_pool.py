@@ -15,6 +15,13 @@ handed out, never counted free, holds no hash, reports ref count 0, and is skipp
 
 A block's hash is in the prefix index (hash -> block id) exactly while the block holds it. Every method
 validates its whole argument before it changes anything, so a call that raises leaves the pool as it was.
+
+**KV events.** A pool given an ``event_sink`` (:class:`kvpool.events.KVEventSink`) tells it every change of
+the prefix index: hashes that ``cache_blocks`` adds (``BlockStored``), hashes that eviction or
+``evict_blocks`` drop (``BlockRemoved``), a ``reset_prefix_cache`` (``AllBlocksCleared``); the sink checks a
+call's hashes before anything changes. A pool without a sink records nothing and pays one ``is None`` test
+per ``cache_blocks``, eviction, ``evict_blocks`` or reset; ``allocate`` from the free stack and ``free``
+pay nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvpool.errors import (
     DoubleFreeError,
@@ -33,6 +41,9 @@ from kvpool.errors import (
 
 #: ``listener(block_ids, block_hashes)``: see :meth:`BlockPool.set_eviction_listener`.
 EvictionListener = Callable[[list[int], list[Hashable]], None]
+
+if TYPE_CHECKING:
+    from kvpool.events import KVEventSink
 
 
 @dataclass(frozen=True)
@@ -62,14 +73,15 @@ class BlockPool:
 
     ``reserve_null_block=True`` reserves block 0 as the null block (see the module docstring):
     ``num_blocks`` still counts it, ``num_free_blocks`` and ``num_used_blocks`` never do, and ``usage`` is
-    over the ``num_blocks - 1`` others (as vLLM's ``get_usage``).
+    over the ``num_blocks - 1`` others (as vLLM's ``get_usage``). ``event_sink`` receives the prefix
+    index's changes as KV events (see the module docstring).
 
     Raises:
         InvalidArgumentError: ``num_blocks`` not an int, < 1, or < 2 with a null block.
     """
 
-    def __init__(self, num_blocks: int, *, enable_caching: bool = True, reserve_null_block: bool = False
-                 ) -> None:
+    def __init__(self, num_blocks: int, *, enable_caching: bool = True, reserve_null_block: bool = False,
+                 event_sink: KVEventSink | None = None) -> None:
         least = 2 if reserve_null_block else 1
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < least:
             raise InvalidArgumentError(f"num_blocks must be an int >= {least}, got {num_blocks!r}")
@@ -82,6 +94,7 @@ class BlockPool:
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached free blocks, head = evict first
         self._index: dict[Hashable, int] = {}
         self._hits = self._misses = self._evictions = 0
+        self._sink = event_sink
         self._on_evict: EvictionListener | None = None
 
     def set_eviction_listener(self, listener: EvictionListener | None) -> None:
@@ -137,8 +150,8 @@ class BlockPool:
 
     def _evict(self, m: int) -> list[int]:
         """Take ``m`` blocks from the LRU head, dropping their hashes from the index first."""
-        if self._on_evict is not None:
-            return self._evict_and_tell(m, self._on_evict)
+        if self._on_evict is not None or self._sink is not None:
+            return self._evict_and_tell(m)
         popitem, index, hashes, out = self._lru.popitem, self._index, self._hash, []
         for _ in range(m):
             block = popitem(False)[0]
@@ -148,16 +161,22 @@ class BlockPool:
         self._evictions += m
         return out
 
-    def _evict_and_tell(self, m: int, listener: EvictionListener) -> list[int]:
-        """:meth:`_evict`, then ``listener(ids, the hashes they held)``."""
-        popitem, index, hashes = self._lru.popitem, self._index, self._hash
-        out = [popitem(False)[0] for _ in range(m)]
-        gone = [hashes[block] for block in out]
-        for block, h in zip(out, gone, strict=True):
+    def _evict_and_tell(self, m: int) -> list[int]:
+        """:meth:`_evict`, then tell the event sink the hashes that left the index, and the eviction
+        listener the ids and the hashes they held."""
+        popitem, index, hashes, out, gone = self._lru.popitem, self._index, self._hash, [], []
+        for _ in range(m):
+            block = popitem(False)[0]
+            h = hashes[block]
             del index[h]
             hashes[block] = None
+            out.append(block)
+            gone.append(h)
         self._evictions += m
-        listener(out, gone)
+        if self._sink is not None:
+            self._sink.removed(gone)
+        if self._on_evict is not None:
+            self._on_evict(out, gone)
         return out
 
     def free(self, block_ids: Iterable[int]) -> None:
@@ -239,7 +258,10 @@ class BlockPool:
 
     # ---- prefix cache -----------------------------------------------------------------------------------
 
-    def cache_blocks(self, block_ids: Sequence[int], block_hashes: Sequence[Hashable]) -> None:
+    def cache_blocks(self, block_ids: Sequence[int], block_hashes: Sequence[Hashable], *,
+                     parent_hash: Hashable | None = None, token_ids: Sequence[int] | None = None,
+                     extra_keys: Sequence[tuple | None] | None = None, lora_name: str | None = None
+                     ) -> None:
         """Publish full blocks whose KV has been written: ``block_hashes[i]`` names ``block_ids[i]``.
 
         Publishing the hash a block already holds is a no-op. If a *different* block already holds a hash,
@@ -248,16 +270,26 @@ class BlockPool:
 
         The null block is skipped with its hash (as vLLM's ``cache_full_blocks`` skips it).
 
+        The keyword arguments describe the blocks for KV events (``BlockStored``) and only a pool with an
+        event sink reads them: ``parent_hash``, the hash of the block before ``block_ids[0]`` (None: it is
+        a sequence's first block); ``token_ids``, the tokens of all the blocks (block_size each);
+        ``extra_keys``, one per block (``kvpool.allocators.hashing.block_extra_keys``); ``lora_name``, the
+        LoRA adapter's name. Only the hashes that enter the index are reported.
+
         Raises:
-            InvalidArgumentError: lengths differ, or a hash is None or unhashable.
+            InvalidArgumentError: lengths differ, or a hash is None or unhashable; with an event sink, a
+                hash that cannot be sent, or token ids or extra keys of the wrong length.
             InvalidIdError: a bad or repeated id, a block that is not allocated, or a block that already
                 holds a different hash.
         """
         ids = block_ids if type(block_ids) is list else _as_list(block_ids)
         if len(ids) != len(block_hashes):
             raise InvalidArgumentError(f"{len(ids)} block ids but {len(block_hashes)} hashes")
+        if self._sink is not None and self._caching:
+            self._cache_recorded(ids, block_hashes, self._sink, parent_hash, token_ids, extra_keys, lora_name)
+            return
         if self._reserved and 0 in ids:
-            keep = [i for i, b in enumerate(ids) if b != 0 or type(b) is not int]
+            keep = _non_null_positions(ids)
             ids, block_hashes = [ids[i] for i in keep], [block_hashes[i] for i in keep]
         self._check_publish(ids, block_hashes)
         if not self._caching:
@@ -267,6 +299,26 @@ class BlockPool:
             if hashes[block] is None and h not in index:
                 index[h] = block
                 hashes[block] = h
+
+    def _cache_recorded(self, ids: list[int], block_hashes: Sequence[Hashable], sink: KVEventSink,
+                        parent_hash: Hashable | None, token_ids: Sequence[int] | None,
+                        extra_keys: Sequence[tuple | None] | None, lora_name: str | None) -> None:
+        """:meth:`cache_blocks` telling ``sink`` which positions of the call entered the index."""
+        keep: Sequence[int] = range(len(ids))
+        kept_ids, kept_hashes = ids, block_hashes
+        if self._reserved and 0 in ids:
+            keep = _non_null_positions(ids)
+            kept_ids, kept_hashes = [ids[i] for i in keep], [block_hashes[i] for i in keep]
+        self._check_publish(kept_ids, kept_hashes)
+        sink.check_publish(kept_hashes, parent_hash, len(ids), token_ids, extra_keys)
+        index, hashes, new = self._index, self._hash, []
+        for i, block, h in zip(keep, kept_ids, kept_hashes, strict=True):
+            if hashes[block] is None and h not in index:
+                index[h] = block
+                hashes[block] = h
+                new.append(i)
+        if new:
+            sink.stored(block_hashes, new, parent_hash, token_ids, extra_keys, lora_name)
 
     def _check_publish(self, block_ids: Sequence[int], block_hashes: Sequence[Hashable]) -> None:
         refs = self._refs_of(block_ids)
@@ -320,15 +372,18 @@ class BlockPool:
         if self._reserved:
             ids = _without_null(ids)
         refs = self._refs_of(ids)
-        index, hashes, lru, free = self._index, self._hash, self._lru, self._free
+        index, hashes, lru, free, gone = self._index, self._hash, self._lru, self._free, []
         for block, r in zip(ids, refs, strict=True):
             h = hashes[block]
             if h is not None:
                 del index[h]
                 hashes[block] = None
+                gone.append(h)
                 if r == 0:
                     del lru[block]
                     free.append(block)
+        if self._sink is not None:
+            self._sink.removed(gone)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every published hash, when no block is in use (the null block aside); vLLM's contract.
@@ -347,6 +402,8 @@ class BlockPool:
         self._free[:0] = reversed(lru)  # the LRU head is popped right after the current stack
         lru.clear()
         self._index.clear()
+        if self._sink is not None:
+            self._sink.cleared()
         return True
 
     def get_cached_block(self, block_hash: Hashable) -> int | None:
@@ -393,6 +450,11 @@ class BlockPool:
     def enable_caching(self) -> bool:
         """Whether prefix caching is on (fixed at construction)."""
         return self._caching
+
+    @property
+    def event_sink(self) -> KVEventSink | None:
+        """The KV event sink given at construction, or None (then nothing is recorded)."""
+        return self._sink
 
     @property
     def num_blocks(self) -> int:
@@ -478,6 +540,11 @@ def _as_list(values: Iterable) -> list:
         return values.tolist() if hasattr(values, "tolist") else list(values)
     except TypeError:
         raise InvalidArgumentError(f"expected an iterable of ids or hashes, got {values!r}") from None
+
+
+def _non_null_positions(ids: list[int]) -> list[int]:
+    """Positions of ``ids`` that are not the null block (id 0; what only equals 0 stays, to be refused)."""
+    return [i for i, b in enumerate(ids) if b != 0 or type(b) is not int]
 
 
 def _without_null(ids: list[int]) -> list[int]:

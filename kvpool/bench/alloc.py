@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     gc.disable()  # as the peer scripts do: no cycle collection inside timed regions
     try:
         rows = [row for size in args.sizes for row in _pool_rows(size, args.ops, args.repeat)]
+        rows += [row for size in args.sizes for row in _event_rows(size, args.ops, args.repeat)]
         rows += _hash_rows(args.repeat)
         rows += _token_rows(args.sizes, args.repeat)
     finally:
@@ -189,9 +190,9 @@ def _naive_touch_ns(size: int, k: int, repeat: int) -> float:
     return median_ns(touch, ops=k, repeat=repeat)
 
 
-def _evict_ns(size: int, n: int, k: int, repeat: int) -> float:
+def _evict_ns(size: int, n: int, k: int, repeat: int, sink: Any = None) -> float:
     """allocate(n) x k/n when the only free blocks are k cached ones (the rest of the pool is held)."""
-    pool = BlockPool(size)
+    pool = BlockPool(size, event_sink=sink)
     pool.allocate(size - k)
     state: dict[str, list[list[int]]] = {"chunks": []}
 
@@ -206,6 +207,51 @@ def _evict_ns(size: int, n: int, k: int, repeat: int) -> float:
         state["chunks"] = [pool.allocate(n) for _ in range(k // n)]
 
     return median_ns(allocate, ops=k, repeat=repeat, setup=fill_lru)
+
+
+# ---- KV event recording -------------------------------------------------------------------------------
+
+
+def _event_rows(size: int, ops: int, repeat: int) -> list[dict[str, Any]]:
+    """Each operation that can record, on a pool with a KV event sink against the same pool without one,
+    timed in turn. The sink records into a publisher that discards the batches: what is timed is the
+    pool's hook and the sink's event building (a transport's cost is per batch of up to 4,096 events)."""
+    try:
+        from kvpool.events import KVEventSink, NullEventPublisher
+    except ImportError as exc:
+        return [{"op": "events on", "skipped": f"kvpool.events not importable: {exc}"}]
+
+    def sink() -> KVEventSink:
+        return KVEventSink(NullEventPublisher(), block_size=16)
+
+    k, base = min(size, ops), "same op, no event sink"
+    on = _alloc_free_ns(lambda: BlockPool(size, event_sink=sink()), 1, k, repeat)["allocate+free"]
+    off = _alloc_free_ns(lambda: BlockPool(size), 1, k, repeat)["allocate+free"]
+    return [
+        _row("allocate(1)+free, events on", size, on, off, base),
+        _row("evicting allocate(1), events on", size, _evict_ns(size, 1, k, repeat, sink()),
+             _evict_ns(size, 1, k, repeat), base),
+        _row("cache_blocks(1) + 16 token ids, events on", size, _publish_ns(size, k, repeat, sink),
+             _publish_ns(size, k, repeat, None), base),
+    ]
+
+
+def _publish_ns(size: int, k: int, repeat: int, sink: Callable[[], Any] | None) -> float:
+    """cache_blocks of k blocks, one per call with its 16 token ids (an engine publishing a filled block)."""
+    hashes = [[i.to_bytes(16, "big")] for i in range(k)]
+    tokens = [list(range(16 * i, 16 * i + 16)) for i in range(k)]
+    state: dict[str, Any] = {}
+
+    def fresh() -> None:
+        pool = BlockPool(size, event_sink=None if sink is None else sink())
+        state["pool"], state["singles"] = pool, [[b] for b in pool.allocate(k)]
+
+    def publish() -> None:
+        cache = state["pool"].cache_blocks
+        for ids, h, t in zip(state["singles"], hashes, tokens, strict=True):
+            cache(ids, h, token_ids=t)
+
+    return median_ns(publish, ops=k, repeat=repeat, setup=fresh)
 
 
 # ---- hashing and token allocator ------------------------------------------------------------------------

@@ -1,0 +1,176 @@
+"""BlockPool's KV event hooks: each change of the prefix index, case by case, and a random run whose event
+stream, replayed into a set, equals the pool's index after every operation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("msgspec")
+
+from kvpool.allocators.block_pool import BlockPool  # noqa: E402
+from kvpool.allocators.hashing import LoRAIdentity, block_extra_keys  # noqa: E402
+from kvpool.errors import InvalidArgumentError, InvalidIdError  # noqa: E402
+from kvpool.events import (  # noqa: E402
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventSink,
+    QueueEventPublisher,
+)
+
+H = [bytes([i]) * 16 for i in range(32)]
+
+
+def recorded(num_blocks: int = 8, block_size: int = 2, **pool_kwargs: object
+             ) -> tuple[BlockPool, KVEventSink]:
+    sink = KVEventSink(QueueEventPublisher(), block_size=block_size, medium="CPU", group_idx=0)
+    return BlockPool(num_blocks, event_sink=sink, **pool_kwargs), sink
+
+
+def stored(hashes: list, parent: object, tokens: list[int], block_size: int = 2, lora: str | None = None,
+           keys: list | None = None) -> BlockStored:
+    """The BlockStored a sink of ``recorded()`` must send."""
+    return BlockStored(hashes, parent, tokens, block_size, None, "CPU", lora, keys or [None] * len(hashes), 0,
+                       "full_attention")
+
+
+def test_cache_blocks_reports_new_hashes_with_parent_tokens_and_keys() -> None:
+    pool, sink = recorded()
+    a = pool.allocate(3)
+    lora = LoRAIdentity("sql", path="/adapters/sql")
+    keys = block_extra_keys(4, 2, lora=lora, cache_salt="t")  # block 0: lora + salt, block 1: lora
+    pool.cache_blocks(a[:2], H[:2], token_ids=[1, 2, 3, 4], lora_name=lora.name, extra_keys=keys)
+    pool.cache_blocks(a[1:3], H[1:3], parent_hash=H[0], token_ids=[3, 4, 5, 6])  # a[1] already holds H[1]
+    pool.cache_blocks(a[:1], H[:1])  # re-publishing: nothing new
+    assert sink.take_events() == [
+        stored(H[:2], None, [1, 2, 3, 4], lora="sql", keys=[("sql", "t"), ("sql",)]),
+        stored([H[2]], H[1], [5, 6]),
+    ]
+
+
+def test_a_hash_held_by_another_block_is_not_reported_and_splits_the_run() -> None:
+    pool, sink = recorded()
+    a, b = pool.allocate(1), pool.allocate(3)
+    pool.cache_blocks(a, [H[1]])
+    sink.take_events()
+    pool.cache_blocks(b, H[:3], token_ids=[1, 2, 3, 4, 5, 6])  # b[1]'s H[1] stays a[0]'s: b[1] private
+    assert sink.take_events() == [stored([H[0]], None, [1, 2]), stored([H[2]], H[1], [5, 6])]
+    assert pool.block_hash(b[1]) is None
+
+
+def test_null_block_positions_keep_the_token_slices_in_line() -> None:
+    pool, sink = recorded(reserve_null_block=True)
+    a = pool.allocate(2)
+    pool.cache_blocks([0, a[0], 0, a[1]], H[:4], token_ids=list(range(8)))
+    assert sink.take_events() == [stored([H[1]], H[0], [2, 3]), stored([H[3]], H[2], [6, 7])]
+
+
+def test_eviction_reports_the_hashes_it_drops_in_lru_order() -> None:
+    pool, sink = recorded(num_blocks=5)
+    a = pool.allocate(5)
+    pool.cache_blocks(a, H[:5])
+    pool.free(a[::-1])  # LRU: a[4], a[3], a[2], a[1], a[0]
+    sink.take_events()
+    pool.allocate(1)
+    pool.allocate(2)  # a removal right after a removal joins it
+    assert sink.take_events() == [BlockRemoved([H[4], H[3], H[2]], "CPU", 0)]
+    b = pool.allocate(1)  # evicts H[1]
+    pool.cache_blocks(b, [H[9]])
+    pool.allocate(1)  # evicts H[0]: a new event, after the store
+    assert sink.take_events() == [BlockRemoved([H[1]], "CPU", 0), stored([H[9]], None, []),
+                                  BlockRemoved([H[0]], "CPU", 0)]
+    assert pool.stats.evictions == 5
+
+
+def test_evict_blocks_and_reset_are_reported() -> None:
+    pool, sink = recorded()
+    a = pool.allocate(3)
+    pool.cache_blocks(a, H[:3])
+    sink.take_events()
+    pool.evict_blocks([a[2], a[0]])
+    pool.evict_blocks([a[2]])  # holds no hash now: nothing left the index
+    assert pool.reset_prefix_cache() is False  # blocks in use: no reset, no event
+    pool.free(a[::-1])
+    assert pool.reset_prefix_cache() is True
+    assert sink.take_events() == [BlockRemoved([H[2], H[0]], "CPU", 0), AllBlocksCleared()]
+
+
+def test_a_call_the_sink_refuses_changes_nothing() -> None:
+    pool, sink = recorded()
+    a = pool.allocate(2)
+    before = repr(pool)
+    with pytest.raises(InvalidArgumentError, match="bytes or an int"):
+        pool.cache_blocks(a, [H[0], "not-a-wire-hash"])
+    with pytest.raises(InvalidArgumentError, match="4 tokens"):
+        pool.cache_blocks(a, H[:2], token_ids=[1, 2, 3])
+    with pytest.raises(InvalidIdError):  # the pool's own checks still come first
+        pool.cache_blocks([a[0], 99], H[:2])
+    assert repr(pool) == before and pool.block_hash(a[0]) is None and sink.pending_events == 0
+    pool.check_integrity()
+
+
+def test_no_sink_and_no_caching_record_nothing() -> None:
+    plain = BlockPool(4)
+    plain.cache_blocks(plain.allocate(1), ["any hashable works without a sink"])
+    assert plain.event_sink is None
+    pool, sink = recorded(enable_caching=False)
+    pool.cache_blocks(pool.allocate(2), H[:2], token_ids=[1, 2, 3, 4])
+    assert sink.pending_events == 0
+
+
+def test_events_replayed_into_a_set_equal_the_index_after_every_operation() -> None:
+    """5,000 random operations (seeded): allocate (evicting), touch of hits, publish, free, evict_blocks,
+    reset; after each, the hashes the stream says are cached equal the pool's own index."""
+    rng = random.Random(13)
+    pool, sink = recorded(num_blocks=24, block_size=1)
+    cached: set = set()
+    held: list[list[int]] = []
+    universe = list(range(40))  # int hashes: a small universe so hits, duplicates and evictions happen
+
+    def apply() -> None:
+        for event in sink.take_events():
+            if isinstance(event, BlockStored):
+                assert not cached & set(event.block_hashes), "a hash stored twice without a removal"
+                cached.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                assert set(event.block_hashes) <= cached, "a hash removed that was never stored"
+                cached.difference_update(event.block_hashes)
+            else:
+                cached.clear()
+
+    for _ in range(5000):
+        op = rng.random()
+        if op < 0.35 and pool.num_free_blocks:
+            blocks = pool.allocate(rng.randint(1, min(4, pool.num_free_blocks)))
+            hashes = rng.sample(universe, len(blocks))
+            pool.cache_blocks(blocks, hashes, token_ids=hashes)
+            held.append(blocks)
+        elif op < 0.5:
+            hit = pool.lookup(rng.sample(universe, 3))
+            if hit:
+                pool.touch(hit)
+                held.append(hit)
+        elif op < 0.85 and held:
+            pool.free(held.pop(rng.randrange(len(held)))[::-1])
+        elif op < 0.97:
+            pool.evict_blocks(rng.sample(range(24), rng.randint(0, 3)))
+        elif not held:
+            assert pool.reset_prefix_cache()
+        apply()
+        assert cached == {pool.block_hash(b) for b in range(24)} - {None}
+    pool.check_integrity()
+
+
+def test_an_eviction_listener_and_the_sink_both_hear_an_eviction() -> None:
+    pool, sink = recorded(num_blocks=2)
+    heard: list = []
+    pool.set_eviction_listener(lambda ids, hashes: heard.append((list(ids), list(hashes))))
+    a = pool.allocate(2)
+    pool.cache_blocks(a, H[:2])
+    pool.free(a[::-1])
+    sink.take_events()
+    pool.allocate(2)
+    assert heard == [([a[1], a[0]], [H[1], H[0]])]
+    assert sink.take_events() == [BlockRemoved([H[1], H[0]], "CPU", 0)]
