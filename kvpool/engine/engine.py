@@ -1,7 +1,11 @@
 """``LLMEngine``: continuous batching of a Hugging Face causal LM whose KV lives in kvpool.
 
-One :meth:`LLMEngine.step` = schedule, run one packed forward, sample, publish, finish. Scheduling
-(nano-vllm / vLLM v1 style) under a token budget of ``max_num_batched_tokens`` per step:
+One :meth:`LLMEngine.step` = decide, execute, sample, publish, finish. The engine *decides* (schedules and
+does every block operation) and writes the step's outcome into a :class:`~kvpool.engine.runner.StepBatch`;
+its :class:`~kvpool.engine.runner.ModelRunner` *executes* the batch (one packed forward). Under tensor
+parallelism the same engine decides on rank 0 and ``on_schedule`` ships each batch to the other ranks
+(:mod:`kvpool.engine.distributed`). Scheduling (nano-vllm / vLLM v1 style) under a token budget of
+``max_num_batched_tokens`` per step:
 
 1. Running requests, oldest first, each get their next tokens (a decode token, or the next prefill chunk).
    When the pool has too few free blocks, the newest running request is preempted by recompute: its blocks
@@ -29,11 +33,10 @@ import torch
 
 from kvpool.allocators.block_pool import BlockPool
 from kvpool.allocators.hashing import BlockHasher, default_hasher
-from kvpool.engine.attention import StepMetadata, build_step_metadata, register_paged_attention
 from kvpool.engine.models import kv_spec
+from kvpool.engine.runner import ModelRunner, StepBatch
 from kvpool.engine.sampling import SamplingParams, sample
 from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError, OutOfBlocksError
-from kvpool.storage.paged import PagedKVCache
 
 
 class RequestStatus(enum.Enum):
@@ -110,20 +113,26 @@ class LLMEngine:
         keep_logits: store each sampled row of logits ``[V]`` in ``Request.logits`` (for tests).
         hasher: the block hasher (default: the process-local ``kvpool.allocators.hashing.default_hasher()``,
             a random root per process unless ``$KVPOOL_HASH_SEED`` is set).
+        tp_size: tensor-parallel ranks: ``model`` is this rank's shard and the KV cache holds
+            ``spec.num_kv_heads_per_rank`` heads (see :mod:`kvpool.engine.distributed`).
+        on_schedule: called with each step's :class:`StepBatch` after the decisions, before the forward
+            (tensor parallelism ships it to the other ranks there).
     """
 
     def __init__(self, model: Any, *, num_blocks: int, block_size: int = 16,
                  max_num_batched_tokens: int = 256, max_num_seqs: int = 64, eos_token_ids: Sequence[int] = (),
                  enable_prefix_caching: bool = True, kv_dtype: torch.dtype | None = None,
-                 keep_logits: bool = False, hasher: BlockHasher | None = None) -> None:
+                 keep_logits: bool = False, hasher: BlockHasher | None = None, tp_size: int = 1,
+                 on_schedule: Callable[[StepBatch], None] | None = None) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise InvalidArgumentError("max_num_batched_tokens and max_num_seqs must be >= 1")
         self.model, self.block_size, self.device = model, block_size, model.device
-        spec = kv_spec(model, block_size=block_size, dtype=kv_dtype)
+        spec = kv_spec(model, block_size=block_size, dtype=kv_dtype, tp_size=tp_size)
         if spec.has_windows or len(spec.groups) > 1:  # never run a windowed model as if it were all full
             raise ConfigError("this engine runs full-attention models only; the model has sliding-window "
                               "or chunked layers")
-        self.cache = PagedKVCache(spec, num_blocks, device=self.device, dtype=spec.dtype)
+        self.runner = ModelRunner(model, spec, num_blocks)
+        self.cache, self.on_schedule = self.runner.cache, on_schedule
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.caching, self.keep_logits = enable_prefix_caching, keep_logits
         self.hasher = hasher or default_hasher()
@@ -135,7 +144,6 @@ class LLMEngine:
         self.stats = EngineStats(num_blocks)
         self.max_model_len: int | None = getattr(model.config, "max_position_embeddings", None)
         self.vocab_size: int = model.get_input_embeddings().num_embeddings
-        self.attn_name = register_paged_attention()
 
     # ---- requests
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None) -> int:
@@ -201,18 +209,17 @@ class LLMEngine:
     # ---- one step
     @torch.inference_mode()
     def step(self) -> list[Request]:
-        """Schedule, run one forward, sample; returns the requests that finished in this step."""
+        """Decide (schedule, block operations), execute one forward, sample; returns the requests that
+        finished in this step."""
         scheduled = self._schedule()
         if not scheduled:
             return []
-        if self.model.config._attn_implementation != self.attn_name:  # e.g. a reference generate ran since
-            self.model.set_attn_implementation(self.attn_name)
         self.stats.steps += 1
         self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, self.pool.num_used_blocks)
-        input_ids, positions, rows, meta = self._prepare(scheduled)
-        logits = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
-                            logits_to_keep=rows, kvpool_step=meta).logits[0]
-        return self._postprocess(scheduled, logits)
+        batch = self._prepare(scheduled)
+        if self.on_schedule is not None:
+            self.on_schedule(batch)
+        return self._postprocess(scheduled, self.runner.execute(batch))
 
     def _schedule(self) -> list[tuple[Request, int]]:
         budget, scheduled, i = self.max_num_batched_tokens, [], 0
@@ -274,9 +281,8 @@ class LLMEngine:
         self.pool.free(req.block_ids[::-1])  # tail first: the prefix stays cached longest
         req.block_ids = []
 
-    def _prepare(self, scheduled: list[tuple[Request, int]]
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepMetadata]:
-        """Packed inputs ``[1, T]``, positions ``[1, T]``, rows to sample ``[S]``, the attention metadata."""
+    def _prepare(self, scheduled: list[tuple[Request, int]]) -> StepBatch:
+        """The step's decisions as plain data: packed token ids, positions, rows to sample, block tables."""
         ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []
@@ -286,11 +292,8 @@ class LLMEngine:
             positions += range(start, end)
             if end == req.num_tokens:
                 rows.append(len(ids) - 1)
-        spans = [(r.block_ids, r.num_computed_tokens, r.num_computed_tokens + n) for r, n in scheduled]
-        meta = build_step_metadata(self.cache, spans, self.device)
-        ids_t, positions_t, rows_t = (torch.tensor(v, dtype=torch.int64, device=self.device)
-                                      for v in ([ids], [positions], rows))
-        return ids_t, positions_t, rows_t, meta
+        spans = [(list(r.block_ids), r.num_computed_tokens, r.num_computed_tokens + n) for r, n in scheduled]
+        return StepBatch(ids, positions, rows, spans)
 
     def _postprocess(self, scheduled: list[tuple[Request, int]], logits: torch.Tensor) -> list[Request]:
         finished, row = [], 0

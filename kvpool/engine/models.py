@@ -85,10 +85,13 @@ class LoadedModel:
         return () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
 
 
-def kv_spec(model: Any, *, block_size: int, dtype: torch.dtype | None = None) -> KVCacheSpec:
-    """The model's :class:`KVCacheSpec` from its config; KV dtype = the model's own dtype unless given."""
+def kv_spec(model: Any, *, block_size: int, dtype: torch.dtype | None = None, tp_size: int = 1
+            ) -> KVCacheSpec:
+    """The model's :class:`KVCacheSpec` (one rank's share of ``tp_size``) from its config; KV dtype = the
+    model's own dtype unless given."""
     kv_dtype = str(dtype or model.dtype).removeprefix("torch.")
-    return KVCacheSpec.from_hf_config(model.config.to_dict(), block_size=block_size, kv_cache_dtype=kv_dtype)
+    return KVCacheSpec.from_hf_config(model.config.to_dict(), block_size=block_size, kv_cache_dtype=kv_dtype,
+                                      tp_size=tp_size)
 
 
 def load_model(name: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",
