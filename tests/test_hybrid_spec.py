@@ -266,3 +266,30 @@ def test_replay_refuses_a_hybrid_model_config(capsys):
     code = main(["replay", "--max-requests", "5", "--model-config", str(CONFIGS / "gpt-oss-20b.json"),
                  "--gpu-memory", "80GiB", "--json"])
     assert code == 2 and "sliding-window or chunked layers" in capsys.readouterr().err
+
+
+def test_storage_holds_what_the_plan_says():
+    import torch
+
+    from kvpool.storage.paged import PagedKVCache
+
+    # 6 layers, layers 2 and 5 full (pattern 3), W 16: groups of size 2: sliding {0, 3}, {1, 4}, full {2, 5}
+    spec = KVCacheSpec(num_layers=6, num_kv_heads=2, head_dim=8, dtype=torch.float32, block_size=4,
+                       sliding_window=16, layer_types=["sliding_attention"] * 2 + ["full_attention"] +
+                       ["sliding_attention"] * 2 + ["full_attention"])
+    assert [g.layers for g in spec.groups] == [(0, 3), (1, 4), (2, 5)]
+    cache = PagedKVCache(spec, num_blocks=12)
+    # [2, 2 slots, 12 blocks, 4, 2, 8] float32: 12 x spec.bytes_per_block (2 x 2 x 4 x 2 x 8 x 4 B = 1024)
+    assert cache.buffer.shape == (2, 2, 12, 4, 2, 8) and cache.nbytes == 12 * spec.bytes_per_block == 12288
+    assert cache.layer_group == [0, 1, 2, 0, 1, 2]
+    # layers 0, 1, 2 share slot 0 (each in its own group's blocks); layer 3 is slot 1
+    assert cache.k_cache(1).data_ptr() == cache.k_cache(0).data_ptr() != cache.k_cache(3).data_ptr()
+    k = torch.randn(1, 2, 8)
+    cache.store_kv(k, k, torch.tensor([5]), layer=3)  # block 1, offset 1 of slot 1
+    assert torch.equal(cache.buffer[0, 1, 1, 1], k[0]) and not torch.equal(cache.buffer[0, 0, 1, 1], k[0])
+    # the plan of those bytes gives the same 12 blocks; one block fewer cannot hold a request past the
+    # windows: 2 sliding groups x (cdiv(15, 4) + 1 = 5) + 1 full block = 11
+    plan = plan_pool(spec, MemoryReadings(cache.nbytes, 0), gpu_memory_utilization=1.0)
+    assert plan.num_blocks == 12
+    with pytest.raises(Exception, match="11 x 1024 B blocks"):
+        plan_pool(spec, MemoryReadings(10 * 1024, 0), gpu_memory_utilization=1.0)

@@ -47,6 +47,9 @@ class MLAKVCache(BlockStore):
                  zero: bool = False) -> None:
         if spec.attention is not AttentionKind.MLA:
             raise ConfigError("MLAKVCache needs an MLA spec (attention='mla'); use PagedKVCache for MHA/GQA")
+        if len(spec.groups) > 1:
+            raise ConfigError("MLAKVCache stores one KV cache group; this spec has "
+                              f"{len(spec.groups)} (sliding-window or chunked layers)")
         dtype = dtype or spec.dtype
         self.spec, self.num_layers = spec, spec.num_layers
         self.kv_lora_rank, self.rope_dim = spec.kv_lora_rank, spec.qk_rope_head_dim

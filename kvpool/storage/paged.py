@@ -1,7 +1,9 @@
 """``PagedKVCache``: the physical K/V memory of a paged pool, one tensor with per-layer views.
 
-One buffer ``[2, num_layers, num_blocks, block_size, H, D]`` (K then V; nano-vllm / mini-sglang layout), with
-H = ``spec.num_kv_heads_per_rank``. No per-block tensors: a block is an index into dim 2, a slot is
+One buffer ``[2, S, num_blocks, block_size, H, D]`` (K then V; nano-vllm / mini-sglang layout), with
+H = ``spec.num_kv_heads_per_rank`` and S = ``spec.layers_per_block``: every layer for a uniform model, one KV
+cache group's size for a hybrid one, where layer l lives in slot ``position of l in its group`` and uses
+only its group's blocks (so the buffer is ``num_blocks x spec.bytes_per_block``, what the plan sizes). No per-block tensors: a block is an index into dim 2, a slot is
 ``block_id * block_size + offset`` (int64 everywhere, so pools past 2^31 elements per layer index correctly).
 
 The shared machinery (allocation, raw byte views, slot and block id checks, ``copy_blocks``, memory stats)
@@ -333,16 +335,24 @@ class PagedKVCache(BlockStore):
         self.spec, self.layout = spec, layout
         self.num_layers, self.head_dim = spec.num_layers, spec.head_dim
         self.num_heads = spec.num_kv_heads_per_rank
+        self.layers_per_block = spec.layers_per_block
+        #: per layer: (its KV cache group, its slot in that group's blocks); layer l reads and writes only
+        #: blocks of group ``layer_group[l]``, so layers of different groups share a slot's memory
+        self.layer_group = [0] * self.num_layers
+        self._slot = [0] * self.num_layers
+        for group in spec.groups:
+            for position, layer in enumerate(group.layers):
+                self.layer_group[layer], self._slot[layer] = group.index, position
         dtype = dtype or spec.dtype
         self.k_scale, self.v_scale = fp8_scales(dtype, k_scale, v_scale)
         bhd = (spec.block_size, self.num_heads, self.head_dim)
         page = bhd if layout == "NHD" else (self.num_heads, spec.block_size, self.head_dim)
-        super().__init__((2, self.num_layers, num_blocks, *page), spec.block_size, device=device,
+        super().__init__((2, self.layers_per_block, num_blocks, *page), spec.block_size, device=device,
                          dtype=dtype, pin_memory=pin_memory, zero=zero)
-        layers = range(self.num_layers)
-        self._views = [[self._nhd(self.buffer[kv, layer]) for layer in layers] for kv in (0, 1)]
-        self._raw_views = [[self._nhd(self._raw[kv, layer]) for layer in layers] for kv in (0, 1)]
-        self._flat_raw = [[self._flat(self._raw[kv, layer]) for layer in layers] for kv in (0, 1)]
+        slots = self._slot
+        self._views = [[self._nhd(self.buffer[kv, slot]) for slot in slots] for kv in (0, 1)]
+        self._raw_views = [[self._nhd(self._raw[kv, slot]) for slot in slots] for kv in (0, 1)]
+        self._flat_raw = [[self._flat(self._raw[kv, slot]) for slot in slots] for kv in (0, 1)]
         self._triton = _triton_store(self.device) if layout == "NHD" else None
 
     def _nhd(self, page: torch.Tensor) -> torch.Tensor:
@@ -364,7 +374,7 @@ class PagedKVCache(BlockStore):
     def kv_cache(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s K and V ``[2, N, B, H, D]`` (a view; non-contiguous over dim 0 and in HND)."""
         self._check_layer(layer, self.num_layers)
-        return self._nhd_pair(self.buffer[:, layer])
+        return self._nhd_pair(self.buffer[:, self._slot[layer]])
 
     def _nhd_pair(self, pages: torch.Tensor) -> torch.Tensor:
         return pages if self.layout == "NHD" else pages.permute(0, 1, 3, 2, 4)
@@ -381,14 +391,14 @@ class PagedKVCache(BlockStore):
         self._check_layer(layer, self.num_layers)
         if self.layout != "NHD":
             raise InvalidArgumentError("the flat [N*B, H, D] view exists only in the NHD layout")
-        return self._flat(self.buffer[kv, layer])
+        return self._flat(self.buffer[kv, self._slot[layer]])
 
     def flashinfer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """FlashInfer's paged ``(k_cache, v_cache)`` tuple for ``layer`` in this cache's layout, contiguous
         views: NHD ``[N, B, H, D]`` each, HND ``[N, H, B, D]`` each. (FlashInfer's single-tensor form
         ``[N, 2, B, H, D]`` interleaves K and V per page, which this buffer does not: use the tuple.)"""
         self._check_layer(layer, self.num_layers)
-        return self.buffer[0, layer], self.buffer[1, layer]
+        return self.buffer[0, self._slot[layer]], self.buffer[1, self._slot[layer]]
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, layer: int, *,
                  check: bool = True) -> None:
