@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("transformers")
 
 from kvpool.engine.engine import LLMEngine, RequestStatus  # noqa: E402
-from kvpool.engine.models import TINY_MODELS, load_model, reference_greedy  # noqa: E402
+from kvpool.engine.models import load_model, reference_greedy  # noqa: E402
 from kvpool.engine.sampling import SamplingParams, sample  # noqa: E402
 from kvpool.errors import InvalidArgumentError, InvalidIdError, OutOfBlocksError  # noqa: E402
 
@@ -40,7 +40,10 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module", params=TINY_MODELS)
+FULL_ATTENTION_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-gpt2")  # the windowed ones: test_engine_hybrid.py
+
+
+@pytest.fixture(scope="module", params=FULL_ATTENTION_MODELS)
 def tiny(request: pytest.FixtureRequest) -> tuple:
     """(model, [(reference tokens, reference logits [NEW, V]) per prompt])."""
     model = load_model(request.param, seed=1).model
@@ -145,7 +148,7 @@ def test_running_requests_share_published_prefix_blocks(tiny: tuple) -> None:
     # budget 32: BASE's last 8 tokens; PROMPTS[1] hits 7 blocks (28 tokens) and computes 7; PROMPTS[2]
     # computes 7; PROMPTS[3] (17 tokens) looks up (17 - 1) // 4 = 4 blocks, hits all 4 and computes 1
     assert engine.stats.prefix_hit_tokens == 28 + 16
-    first_block = engine.requests[ids[0]].block_ids[0]
+    first_block = engine.kv.block_tables(ids[0])[0][0]
     assert engine.pool.ref_count(first_block) == 3  # BASE, PROMPTS[1] and PROMPTS[3] share it
     while engine.has_unfinished():
         engine.step()
@@ -181,11 +184,12 @@ def test_abort_frees_everything(tiny: tuple) -> None:
     engine.step()
     engine.step()
     running, waiting = engine.requests[ids[0]], engine.requests[ids[3]]
-    assert running.status is RequestStatus.RUNNING and running.block_ids
+    assert running.status is RequestStatus.RUNNING and engine.kv.num_blocks_held(running.request_id)
     assert waiting.status is RequestStatus.WAITING
     engine.abort(ids[0])
     engine.abort(ids[3])
-    assert running.status is waiting.status is RequestStatus.ABORTED and not running.block_ids
+    assert running.status is waiting.status is RequestStatus.ABORTED
+    assert not engine.kv.num_blocks_held(running.request_id)
     while engine.has_unfinished():
         engine.step()
     assert engine.pool.num_free_blocks == engine.pool.num_blocks

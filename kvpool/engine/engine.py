@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 
-from kvpool.allocators.block_pool import BlockPool
+from kvpool.allocators.groups import KVCacheCoordinator
 from kvpool.allocators.hashing import BlockHasher, default_hasher
 from kvpool.engine.models import kv_spec
 from kvpool.engine.runner import ModelRunner, StepBatch
 from kvpool.engine.sampling import SamplingParams, sample
-from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError, OutOfBlocksError
+from kvpool.errors import InvalidArgumentError, InvalidIdError, OutOfBlocksError
 
 
 class RequestStatus(enum.Enum):
@@ -51,18 +51,16 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """One generation request. ``block_ids`` covers its first ``num_computed_tokens`` tokens (and the chunk
-    being computed); ``block_hashes`` are the chained hashes of its full blocks of ``token_ids``."""
+    """One generation request; its blocks (a table per KV cache group) are in ``LLMEngine.kv`` under its id.
+    ``block_hashes`` are the chained hashes of its full blocks of ``token_ids``."""
 
     request_id: int
     prompt_token_ids: list[int]
     params: SamplingParams
     generator: torch.Generator
     output_token_ids: list[int] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
     block_hashes: list[Any] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_published_blocks: int = 0
     status: RequestStatus = RequestStatus.WAITING
     logits: list[torch.Tensor] | None = None
 
@@ -94,13 +92,10 @@ class EngineStats:
         return self.generated_tokens / self.elapsed_s if self.elapsed_s else 0.0
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class LLMEngine:
     """Runs ``model`` (a transformers causal LM) with a :class:`PagedKVCache` of ``num_blocks`` blocks of
-    ``block_size`` tokens managed by a :class:`BlockPool`.
+    ``block_size`` tokens, a block table per KV cache group managed by a :class:`KVCacheCoordinator`
+    (one group for a full-attention model; sliding and chunked groups free blocks out of their window).
 
     Args:
         model: a Hugging Face causal LM in eval mode; each step switches its attention to
@@ -128,12 +123,10 @@ class LLMEngine:
             raise InvalidArgumentError("max_num_batched_tokens and max_num_seqs must be >= 1")
         self.model, self.block_size, self.device = model, block_size, model.device
         spec = kv_spec(model, block_size=block_size, dtype=kv_dtype, tp_size=tp_size)
-        if spec.has_windows or len(spec.groups) > 1:  # never run a windowed model as if it were all full
-            raise ConfigError("this engine runs full-attention models only; the model has sliding-window "
-                              "or chunked layers")
         self.runner = ModelRunner(model, spec, num_blocks)
         self.cache, self.on_schedule = self.runner.cache, on_schedule
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.kv = KVCacheCoordinator(spec.groups, num_blocks, enable_caching=enable_prefix_caching)
+        self.pool = self.kv.pool
         self.caching, self.keep_logits = enable_prefix_caching, keep_logits
         self.hasher = hasher or default_hasher()
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
@@ -174,11 +167,14 @@ class LLMEngine:
         if self.max_model_len is not None and total > self.max_model_len:
             raise InvalidArgumentError(f"prompt + max_new_tokens = {total} tokens exceed the model's "
                                        f"max_position_embeddings {self.max_model_len}")
-        need = _cdiv(total - 1, self.block_size)
-        if need > self.pool.num_blocks:
+        chunk = self.max_num_batched_tokens  # the last sampled token is never written: total - 1 tokens
+        need = sum(g.max_blocks(total - 1, min(chunk, total - 1)) for g in self.kv.groups)
+        usable = self.pool.num_blocks - (self.pool.null_block is not None)
+        if need > usable:
+            groups = f" over {len(self.kv.groups)} KV cache groups" if len(self.kv.groups) > 1 else ""
             raise OutOfBlocksError(
                 f"request needs {need} blocks ({len(prompt)} prompt + {params.max_new_tokens} new "
-                f"tokens at {self.block_size} per block) but the pool has {self.pool.num_blocks}")
+                f"tokens at {self.block_size} per block{groups}) but the pool has {usable}")
         return prompt, params
 
     def _enqueue(self, prompt: list[int], params: SamplingParams) -> int:
@@ -246,40 +242,39 @@ class LLMEngine:
         return scheduled
 
     def _reserve(self, req: Request, n: int) -> bool:
-        """Give ``req`` the blocks for ``n`` more tokens; False (nothing changed) when the pool is short."""
-        need = _cdiv(req.num_computed_tokens + n, self.block_size) - len(req.block_ids)
-        if need > self.pool.num_free_blocks:
+        """Free what ``req``'s windows left behind, give it the blocks for ``n`` more tokens; False (no
+        block handed out) when the pool is short."""
+        self.kv.remove_skipped_blocks(req.request_id, req.num_computed_tokens)
+        try:
+            self.kv.allocate(req.request_id, req.num_computed_tokens + n)
+        except OutOfBlocksError:
             return False
-        if need > 0:
-            req.block_ids += self.pool.allocate(need)
         return True
 
     def _admit(self, req: Request, budget: int) -> int:
         """Touch ``req``'s cached prefix, allocate its first chunk; returns its tokens (0: no room).
-        Lookup covers the full blocks of the first ``num_tokens - 1`` tokens: the last is always computed."""
-        hashes = req.block_hashes[:(req.num_tokens - 1) // self.block_size]
-        hits = self.pool.lookup(hashes) if self.caching else []
-        computed = len(hits) * self.block_size
+        The hit covers full blocks of the first ``num_tokens - 1`` tokens (the last is always computed) that
+        every KV cache group can restore."""
+        limit = (req.num_tokens - 1) // self.block_size if self.caching else 0
+        hit = self.kv.find_longest_cache_hit(req.block_hashes, limit)
+        computed = hit.num_blocks * self.block_size
         n = min(req.num_tokens - computed, budget)
-        need = _cdiv(computed + n, self.block_size) - len(hits)
-        if not self.pool.can_allocate(req.block_hashes[:len(hits)], len(hits) + need):  # counts revived hits
+        if self.kv.num_blocks_to_allocate(req.request_id, computed + n, hit) > self.pool.num_free_blocks:
             return 0
-        self.pool.touch(hits)
-        req.block_ids = list(hits) + self.pool.allocate(need)
-        req.num_computed_tokens, req.num_published_blocks = computed, len(hits)
+        self.kv.allocate(req.request_id, computed + n, hit)
+        req.num_computed_tokens = computed
         self.stats.prefix_hit_tokens += computed
         return n
 
     def _preempt(self, req: Request) -> None:
         self._release(req)
-        req.num_computed_tokens = req.num_published_blocks = 0
+        req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
         self.stats.preemptions += 1
 
     def _release(self, req: Request) -> None:
-        self.pool.free(req.block_ids[::-1])  # tail first: the prefix stays cached longest
-        req.block_ids = []
+        self.kv.free(req.request_id)  # tail first: the prefix stays cached longest
 
     def _prepare(self, scheduled: list[tuple[Request, int]]) -> StepBatch:
         """The step's decisions as plain data: packed token ids, positions, rows to sample, block tables."""
@@ -292,7 +287,8 @@ class LLMEngine:
             positions += range(start, end)
             if end == req.num_tokens:
                 rows.append(len(ids) - 1)
-        spans = [(list(r.block_ids), r.num_computed_tokens, r.num_computed_tokens + n) for r, n in scheduled]
+        spans = [(self.kv.block_tables(r.request_id), r.num_computed_tokens, r.num_computed_tokens + n)
+                 for r, n in scheduled]
         return StepBatch(ids, positions, rows, spans)
 
     def _postprocess(self, scheduled: list[tuple[Request, int]], logits: torch.Tensor) -> list[Request]:
@@ -328,12 +324,9 @@ class LLMEngine:
             req.block_hashes += self.hasher.block_hashes(req.token_ids[done:], self.block_size, parent=parent)
 
     def _publish(self, req: Request) -> None:
-        """Publish the full blocks whose KV is now written (the forward has run)."""
-        full = req.num_computed_tokens // self.block_size
-        if self.caching and full > req.num_published_blocks:
-            self.pool.cache_blocks(req.block_ids[req.num_published_blocks:full],
-                                   req.block_hashes[req.num_published_blocks:full])
-            req.num_published_blocks = full
+        """Publish the full blocks whose KV is now written (the forward has run), in every group."""
+        if self.caching:
+            self.kv.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
 
     # ---- convenience
     def generate(self, prompts: Sequence[Sequence[int]],

@@ -19,7 +19,9 @@ from kvpool.spec import KVCacheSpec
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TINY_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-gpt2")
+TINY_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-gpt2", "tiny-mistral", "tiny-gemma2", "tiny-gemma3")
+#: The tiny models' sliding window: prompts of 40-120 tokens cross it at block size 4.
+TINY_WINDOW = 16
 TINY_INIT_STD = 0.3  # the default 0.02 makes random models repeat one greedy token (DESIGN.md)
 
 _DOCUMENT = (
@@ -142,17 +144,30 @@ def _load_pretrained(folder: Path, dtype: torch.dtype, **kwargs: Any) -> tuple[A
 
 
 def build_tiny_model(name: str, *, seed: int = 0) -> Any:
-    """A 2-layer random model (vocab 256 = bytes, hidden 64, 4 query heads; Llama and Qwen2 with 2 KV
-    heads), weight matrices drawn from N(0, 0.3^2) under ``torch.manual_seed(seed)``; no EOS token."""
+    """A small random model (vocab 256 = bytes, hidden 64, 4 query heads, 2 KV heads but GPT-2's), weight
+    matrices drawn from N(0, 0.3^2) under ``torch.manual_seed(seed)``; no EOS token. Llama, Qwen2 and GPT-2
+    have 2 layers; the sliding-window ones slide over :data:`TINY_WINDOW` tokens: ``tiny-mistral`` (2
+    layers, every one sliding), ``tiny-gemma2`` (4 layers alternating sliding and full, logit soft-capping
+    50 and 30, scaling ``query_pre_attn_scalar ** -0.5`` with 32), ``tiny-gemma3`` (6 layers, pattern 3:
+    layers 2 and 5 full)."""
     import transformers
 
     common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    gqa = dict(intermediate_size=128, num_key_value_heads=2, max_position_embeddings=4096)
+    gemma = dict(**gqa, head_dim=16, sliding_window=TINY_WINDOW, query_pre_attn_scalar=32)
     if name == "tiny-gpt2":
         config = transformers.GPT2Config(**common, n_positions=4096)
+    elif name == "tiny-mistral":
+        config = transformers.MistralConfig(**common, **gqa, sliding_window=TINY_WINDOW)
+    elif name == "tiny-gemma2":
+        config = transformers.Gemma2Config(**{**common, "num_hidden_layers": 4}, **gemma)
+    elif name == "tiny-gemma3":
+        config = transformers.Gemma3TextConfig(**{**common, "num_hidden_layers": 6}, **gemma,
+                                               sliding_window_pattern=3)
     else:
         cls = transformers.LlamaConfig if name == "tiny-llama" else transformers.Qwen2Config
-        config = cls(**common, intermediate_size=128, num_key_value_heads=2, max_position_embeddings=4096)
+        config = cls(**common, **gqa)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
@@ -166,8 +181,9 @@ def build_tiny_model(name: str, *, seed: int = 0) -> Any:
 def reference_greedy(model: Any, prompt_token_ids: list[int], max_new_tokens: int
                      ) -> tuple[list[int], torch.Tensor]:
     """transformers' own greedy ``generate`` of one prompt with the stock ``sdpa`` attention (no kvpool):
-    the new token ids (stopping at the generation config's EOS, as the engine does) and logits ``[n, V]``."""
-    model.set_attn_implementation("sdpa")
+    the new token ids (stopping at the generation config's EOS, as the engine does) and logits ``[n, V]``.
+    Models without SDPA support (Gemma 2: SDPA cannot soft-cap) use transformers' ``eager`` attention."""
+    model.set_attn_implementation("sdpa" if getattr(model, "_supports_sdpa", True) else "eager")
     config = model.generation_config
     eos = config.eos_token_id
     pad = config.pad_token_id if config.pad_token_id is not None else (eos if isinstance(eos, int) else 0)

@@ -28,14 +28,15 @@ class StepBatch:
         positions: ``[T]`` their positions in their requests.
         sample_rows: ``[S]`` rows of the packed batch whose logits are sampled: the last new token of each
             request whose tokens are all computed after this step (a mid-prefill chunk samples nothing).
-        spans: per request ``(block_ids, start, end)``: it computes tokens ``start .. end - 1`` and
-            ``block_ids`` (its block table) covers its first ``end`` tokens.
+        spans: per request ``(tables, start, end)``: it computes tokens ``start .. end - 1`` and
+            ``tables[g]`` (its block table in KV cache group g) covers its first ``end`` tokens (entries a
+            window left behind hold the null block).
     """
 
     token_ids: list[int]
     positions: list[int]
     sample_rows: list[int]
-    spans: list[tuple[list[int], int, int]]
+    spans: list[tuple[tuple[list[int], ...], int, int]]
 
 
 class ModelRunner:
@@ -60,6 +61,6 @@ class ModelRunner:
             self.model.set_attn_implementation(self.attn_name)
         ids, positions, rows = (torch.tensor(v, dtype=torch.int64, device=self.device)
                                 for v in ([batch.token_ids], [batch.positions], batch.sample_rows))
-        meta = build_step_metadata(self.cache, batch.spans, self.device)
+        meta = build_step_metadata(self.cache, self.spec.groups, batch.spans, self.device)
         return self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=rows,
                           kvpool_step=meta).logits[0]

@@ -3,8 +3,9 @@
 One buffer ``[2, S, num_blocks, block_size, H, D]`` (K then V; nano-vllm / mini-sglang layout), with
 H = ``spec.num_kv_heads_per_rank`` and S = ``spec.layers_per_block``: every layer for a uniform model, one KV
 cache group's size for a hybrid one, where layer l lives in slot ``position of l in its group`` and uses
-only its group's blocks (so the buffer is ``num_blocks x spec.bytes_per_block``, what the plan sizes). No per-block tensors: a block is an index into dim 2, a slot is
-``block_id * block_size + offset`` (int64 everywhere, so pools past 2^31 elements per layer index correctly).
+only its group's blocks (so the buffer is ``num_blocks x spec.bytes_per_block``, what the plan sizes). No
+per-block tensors: a block is an index into dim 2, a slot is ``block_id * block_size + offset`` (int64
+everywhere, so pools past 2^31 elements per layer index correctly).
 
 The shared machinery (allocation, raw byte views, slot and block id checks, ``copy_blocks``, memory stats)
 lives in :class:`BlockStore`, which :class:`kvpool.storage.mla.MLAKVCache` reuses.

@@ -1,0 +1,132 @@
+"""The engine on sliding-window models against transformers' own greedy generate.
+
+tiny-mistral (every layer slides), tiny-gemma2 (alternating sliding and full, logit soft-capping, which
+transformers runs with its eager attention) and tiny-gemma3 (6 layers, 2 full among sliding ones), all with a
+window of 16 tokens, at block size 4, on prompts of 40-120 tokens: well past the window. Expected tokens and
+logits come from ``model.generate`` (no kvpool code); block bounds are worked out by hand from the window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from kvpool.engine.engine import LLMEngine  # noqa: E402
+from kvpool.engine.models import TINY_WINDOW, kv_spec, load_model, reference_greedy  # noqa: E402
+from kvpool.engine.sampling import SamplingParams  # noqa: E402
+from kvpool.spec import LayerKind  # noqa: E402
+
+BLOCK = 4
+NEW = 16
+DOC = [(7 * i + 3) % 251 for i in range(60)]  # a 60-token shared document (byte ids)
+PROMPTS = [
+    DOC + [10, 11, 12, 13, 14],  # 65 tokens
+    DOC[:52] + list(range(150, 190)),  # 92 tokens, shares 52 (13 blocks) with the first
+    [(5 * i + 1) % 256 for i in range(41)],  # 41 tokens, unrelated
+    DOC + DOC[:60],  # 120 tokens
+]
+HYBRID = ("tiny-mistral", "tiny-gemma2", "tiny-gemma3")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=HYBRID)
+def tiny(request: pytest.FixtureRequest) -> tuple:
+    model = load_model(request.param, seed=1).model
+    return request.param, model, [reference_greedy(model, p, NEW) for p in PROMPTS]
+
+
+def run(model, prompts=PROMPTS, num_blocks: int = 400, **kwargs) -> tuple[LLMEngine, list]:
+    engine = LLMEngine(model, num_blocks=num_blocks, block_size=BLOCK, keep_logits=True, **kwargs)
+    requests = engine.generate(prompts, SamplingParams(max_new_tokens=NEW))
+    assert engine.pool.num_used_blocks == 0
+    engine.kv.check_integrity()
+    return engine, requests
+
+
+def assert_matches(requests, refs) -> None:
+    for req, (tokens, logits) in zip(requests, refs, strict=True):
+        assert req.output_token_ids == tokens
+        torch.testing.assert_close(torch.stack(req.logits), logits, atol=1e-4, rtol=0)
+
+
+def test_groups_of_the_tiny_models():
+    kinds = {name: [(g.kind, len(g.layers)) for g in kv_spec(load_model(name).model, block_size=4).groups]
+             for name in HYBRID}
+    assert kinds == {"tiny-mistral": [(LayerKind.SLIDING, 2)],
+                     "tiny-gemma2": [(LayerKind.SLIDING, 2), (LayerKind.FULL, 2)],
+                     "tiny-gemma3": [(LayerKind.SLIDING, 2), (LayerKind.SLIDING, 2), (LayerKind.FULL, 2)]}
+
+
+def test_tokens_and_logits_match_transformers(tiny):
+    _, model, refs = tiny
+    assert_matches(run(model)[1], refs)
+
+
+def test_chunked_prefill_matches(tiny):
+    # 8 tokens per step: every prompt prefills over 6-15 steps, each chunk past the window
+    _, model, refs = tiny
+    engine, requests = run(model, max_num_batched_tokens=8)
+    assert_matches(requests, refs)
+
+
+def test_shared_prefix_hits_every_group(tiny):
+    _, model, refs = tiny
+    # the first prompt alone publishes its 16 full blocks; the second then restores 13 blocks (52 tokens):
+    # full groups hold them all, sliding groups the blocks of the last 15 tokens before token 52
+    engine = LLMEngine(model, num_blocks=400, block_size=BLOCK, keep_logits=True)
+    first = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=NEW))
+    second = engine.generate([PROMPTS[1]], SamplingParams(max_new_tokens=NEW))
+    assert engine.stats.prefix_hit_tokens == 52
+    assert_matches(first + second, refs[:2])
+    engine.kv.check_integrity()
+
+
+def test_preemption_matches(tiny):
+    name, model, refs = tiny
+    # too few blocks for all four at once: tiny-mistral's one sliding group needs up to cdiv(16 + 16 - 2, 4)
+    # + 1 = 9 blocks per request with chunks of 16 (12 blocks, 11 usable); the full groups of the Gemmas
+    # need up to 34 for the 120-token prompt (60 and 90 blocks)
+    blocks = {"tiny-mistral": 12, "tiny-gemma2": 60, "tiny-gemma3": 90}[name]
+    engine, requests = run(model, num_blocks=blocks, max_num_batched_tokens=16)
+    assert engine.stats.preemptions > 0
+    assert_matches(requests, refs)
+
+
+def test_blocks_stay_bounded_by_the_window():
+    # tiny-mistral slides every layer (one group): decoding 150 tokens past a 41-token prompt with chunks of
+    # 8, the request never holds more than cdiv(16 + 8 - 2, 4) + 1 = 7 blocks; all full it would end at
+    # cdiv(41 + 150 - 1, 4) = 48
+    model = load_model("tiny-mistral", seed=1).model
+    engine = LLMEngine(model, num_blocks=64, block_size=BLOCK, max_num_batched_tokens=8)
+    (req,) = engine.generate([PROMPTS[2]], SamplingParams(max_new_tokens=150))
+    group = engine.kv.groups[0]
+    assert group.max_blocks(10**6, 8) == 7 == -(-(TINY_WINDOW + 8 - 2) // BLOCK) + 1
+    assert engine.stats.peak_blocks_used <= 7 < 48
+    assert len(req.output_token_ids) == 150
+    tokens, _ = reference_greedy(model, PROMPTS[2], 150)
+    assert req.output_token_ids == tokens
+
+
+def test_gemma3_full_layers_keep_every_block():
+    # tiny-gemma3's full group holds cdiv(n, 4) blocks, each sliding group at most cdiv(15, 4) + 1 = 5 while
+    # decoding: for one 120-token prompt + 16 new tokens (135 written) the peak is 34 + 2 x 5 plus what a
+    # 256-token prefill step holds (all 30 blocks of each sliding group)
+    model = load_model("tiny-gemma3", seed=1).model
+    engine = LLMEngine(model, num_blocks=200, block_size=BLOCK)
+    engine.generate([PROMPTS[3]], SamplingParams(max_new_tokens=NEW))
+    assert engine.stats.peak_blocks_used == 3 * 30  # the one-step prefill of 120 tokens: 30 blocks x 3 groups
+    engine = LLMEngine(model, num_blocks=200, block_size=BLOCK, max_num_batched_tokens=4)
+    engine.generate([PROMPTS[3]], SamplingParams(max_new_tokens=NEW))
+    # chunks of 4: sliding groups at most cdiv(16 + 4 - 2, 4) + 1 = 6 each; full 34 at the end
+    assert engine.stats.peak_blocks_used <= 34 + 2 * 6
