@@ -16,7 +16,14 @@ class InsufficientMemoryError(KVPoolError):
 
 
 class OutOfBlocksError(KVPoolError):
-    """An allocation asked for more blocks, pages or slots than are available; nothing was handed out."""
+    """An allocation asked for more blocks, pages or slots than are available; nothing was handed out.
+
+    ``blocks_needed``: the pool size in blocks that would hold the request, where the raiser knows it
+    (the engine's "this request can never fit"); None otherwise."""
+
+    def __init__(self, *args: object, blocks_needed: int | None = None) -> None:
+        super().__init__(*args)
+        self.blocks_needed = blocks_needed
 
 
 class InvalidArgumentError(KVPoolError, ValueError):

@@ -5,6 +5,10 @@ maps a model type to where it keeps them. A type not in the table is read with t
 decoder models use. Multimodal wrappers (LLaVA, Qwen2-VL, Gemma 3) keep the language model under
 ``text_config``. A field the config leaves out is taken from the defaults of that model type's transformers
 config class (imported only then); without transformers it is a :class:`ConfigError` naming the field.
+
+Every size read, from the file or from transformers' defaults, must be an integer (never a bool, float or
+string) of at least 1 (``qk_rope_head_dim`` at least 0) and at most 2**31 - 1: a zero, negative or
+non-integer value is a :class:`ConfigError` naming the key, never replaced by another field.
 """
 
 from __future__ import annotations
@@ -16,12 +20,25 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.errors import ConfigError
+from kvpool.numeric import as_int
+
+#: Largest size accepted in a config (a tensor dimension; anything larger is a corrupt file).
+MAX_DIM = 2**31 - 1
+
+
+def config_int(config: dict[str, Any], key: str, minimum: int = 1) -> int | None:
+    """``config[key]`` checked as a size (see the module docstring); None when absent or null."""
+    value = config.get(key)
+    if value is None:
+        return None
+    return as_int(value, f"config.json field {key!r}", minimum=minimum, maximum=MAX_DIM, error=ConfigError)
 
 
 def _falcon_kv_heads(config: dict[str, Any], num_heads: int) -> int:
     """Falcon: ``num_kv_heads`` with the new decoder architecture (40B/180B), else 1 for multi-query (7B)."""
     if config.get("new_decoder_architecture"):
-        return config.get("num_kv_heads") or num_heads
+        heads = config_int(config, "num_kv_heads")
+        return num_heads if heads is None else heads
     return 1 if config.get("multi_query", True) else num_heads
 
 
@@ -43,6 +60,13 @@ class Layout:
     head_dim_from_hidden: bool = True
     mla: bool = False
     kv_heads_rule: Callable[[dict[str, Any], int], int] | None = None
+    rule_keys: tuple[str, ...] = ()  # sizes the kv_heads_rule reads
+
+    def size_keys(self) -> dict[str, int]:
+        """Every size key this layout reads, with its minimum."""
+        keys = (*self.num_layers, *self.num_heads, *self.num_kv_heads, *self.hidden_size, *self.head_dim,
+                *self.rule_keys, "sliding_window", *(("kv_lora_rank",) if self.mla else ()))
+        return {**dict.fromkeys(keys, 1), **({"qk_rope_head_dim": 0} if self.mla else {})}
 
 
 _LLAMA = Layout()
@@ -50,7 +74,8 @@ _GPT2 = Layout(num_layers=("n_layer",), num_heads=("n_head",), num_kv_heads=(), 
 _GEMMA = Layout(head_dim_from_hidden=False)
 _MLA = Layout(mla=True)
 _FALCON = Layout(num_layers=("num_hidden_layers", "n_layer"), num_heads=("num_attention_heads", "n_head"),
-                 num_kv_heads=(), hidden_size=("hidden_size", "n_embed"), kv_heads_rule=_falcon_kv_heads)
+                 num_kv_heads=(), hidden_size=("hidden_size", "n_embed"), kv_heads_rule=_falcon_kv_heads,
+                 rule_keys=("num_kv_heads",))
 
 #: Model types understood, and where each keeps its sizes (any other type is read as ``_LLAMA``).
 LAYOUTS: dict[str, Layout] = {
@@ -70,20 +95,24 @@ class _MissingField(ConfigError):
 
 
 def read_kv_fields(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
-    """The KV cache fields of a config: num_layers, num_kv_heads, head_dim, attention ('mha' | 'mla'),
-    kv_lora_rank, qk_rope_head_dim, sliding_window (tokens or None), layer_types (one Hugging Face layer
-    type name per layer, or None when every layer attends alike; see :func:`_attention_layers`),
-    attention_chunk_size (Llama 4's chunk, or None) and model_dtype (the config's torch_dtype / dtype
-    string, the language model's own before the wrapper's; None when neither names one).
+    """The KV cache fields of a config: num_layers, num_kv_heads, num_attention_heads (query heads),
+    head_dim, attention ('mha' | 'mla'), kv_lora_rank, qk_rope_head_dim, sliding_window (tokens or None),
+    layer_types (one Hugging Face layer type name per layer, or None when every layer attends alike; see
+    :func:`_attention_layers`), attention_chunk_size (Llama 4's chunk, or None) and model_dtype (the config's
+    torch_dtype / dtype string, the language model's own before the wrapper's; None when neither names one).
 
     ``path_or_dict``: a config.json, a folder holding one, or the parsed dict. MLA: head_dim is the latent
     width ``kv_lora_rank + qk_rope_head_dim`` (vLLM's head size for MLA). Raises :class:`ConfigError` for an
-    unreadable file, or a missing field that transformers is not there to fill.
+    unreadable file, a size that is zero, negative or not an integer, or a missing field that transformers
+    is not there (or not able) to fill.
     """
     config = load_config(path_or_dict)
+    lm = _language_model(config)
     try:
-        return _read(_language_model(config), config)
+        return _read(lm, config)
     except _MissingField as missing:
+        for key, minimum in _layout(lm, config).size_keys().items():  # the file's own sizes, named, first
+            config_int(lm, key, minimum)
         return _read(_filled_from_transformers(config, missing), config)
 
 
@@ -97,8 +126,11 @@ def load_config(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
         config = json.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"no config file at {path}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cannot read {path} as JSON: {exc}") from None
+    except (OSError, ValueError) as exc:  # not UTF-8, not JSON, an integer of more than 4,300 digits
+        why = str(exc) if len(str(exc)) <= 200 else f"{str(exc)[:200]}..."
+        raise ConfigError(f"cannot read {path} as JSON: {why}") from None
+    except RecursionError:
+        raise ConfigError(f"cannot read {path} as JSON: nested too deeply") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{path} holds a JSON {type(config).__name__}, not an object")
     return config
@@ -109,21 +141,31 @@ def _language_model(config: dict[str, Any]) -> dict[str, Any]:
     return text if isinstance(text, dict) else config
 
 
-def _read(lm: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+def _model_type(lm: dict[str, Any], top: dict[str, Any]) -> str | None:
     model_type = lm.get("model_type") or top.get("model_type")
-    layout = LAYOUTS.get(model_type, _LLAMA)
+    return model_type if isinstance(model_type, str) else None
+
+
+def _layout(lm: dict[str, Any], top: dict[str, Any]) -> Layout:
+    return LAYOUTS.get(_model_type(lm, top), _LLAMA)
+
+
+def _read(lm: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    model_type = _model_type(lm, top)
+    layout = _layout(lm, top)
     pick = _Picker(lm, model_type)
     num_layers = pick("num_layers", layout.num_layers)
     num_heads = pick("num_attention_heads", layout.num_heads)
     if layout.kv_heads_rule is not None:
         num_kv_heads = layout.kv_heads_rule(lm, num_heads)
     else:
-        num_kv_heads = pick.optional(layout.num_kv_heads) or num_heads
-    fields = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "attention": "mha",
-              "kv_lora_rank": 0, "qk_rope_head_dim": 0}
+        given = pick.optional(layout.num_kv_heads)
+        num_kv_heads = num_heads if given is None else given
+    fields = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "num_attention_heads": num_heads,
+              "attention": "mha", "kv_lora_rank": 0, "qk_rope_head_dim": 0}
     if layout.mla:
         kv_lora_rank = pick("kv_lora_rank", ("kv_lora_rank",))
-        qk_rope_head_dim = pick("qk_rope_head_dim", ("qk_rope_head_dim",))
+        qk_rope_head_dim = pick("qk_rope_head_dim", ("qk_rope_head_dim",), minimum=0)
         fields.update(attention="mla", kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
                       head_dim=kv_lora_rank + qk_rope_head_dim)
     else:
@@ -134,16 +176,18 @@ def _read(lm: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 
 class _Picker:
-    """Reads one field from the first of its keys that the config holds (a None value counts as absent)."""
+    """Reads one size from the first of its keys that the config holds (a None value counts as absent),
+    checked by :func:`config_int`."""
 
     def __init__(self, config: dict[str, Any], model_type: str | None) -> None:
         self.config, self.model_type = config, model_type
 
-    def optional(self, keys: tuple[str, ...]) -> Any:
-        return next((self.config[key] for key in keys if self.config.get(key) is not None), None)
+    def optional(self, keys: tuple[str, ...], minimum: int = 1) -> int | None:
+        key = next((key for key in keys if self.config.get(key) is not None), None)
+        return None if key is None else config_int(self.config, key, minimum)
 
-    def __call__(self, field: str, keys: tuple[str, ...]) -> Any:
-        value = self.optional(keys)
+    def __call__(self, field: str, keys: tuple[str, ...], minimum: int = 1) -> int:
+        value = self.optional(keys, minimum)
         if value is None:
             raise _MissingField(field, keys, self.model_type)
         return value
@@ -156,10 +200,8 @@ def _head_dim(pick: _Picker, layout: Layout, num_heads: int) -> int:
     if not layout.head_dim_from_hidden:
         raise _MissingField("head_dim", layout.head_dim, pick.model_type)
     hidden_size = pick("hidden_size", layout.hidden_size)
-    if not isinstance(hidden_size, int) or not isinstance(num_heads, int) or num_heads <= 0 \
-            or hidden_size % num_heads:
-        raise ConfigError(f"hidden_size {hidden_size!r} is not a multiple of "
-                          f"num_attention_heads {num_heads!r}")
+    if hidden_size % num_heads:
+        raise ConfigError(f"hidden_size {hidden_size} is not a multiple of num_attention_heads {num_heads}")
     return hidden_size // num_heads
 
 
@@ -167,7 +209,7 @@ def _sliding_window(lm: dict[str, Any]) -> int | None:
     """The window in tokens; None when absent, null, or off (Qwen2's ``use_sliding_window: false``)."""
     if lm.get("use_sliding_window") is False:
         return None
-    return lm.get("sliding_window") or None
+    return config_int(lm, "sliding_window")
 
 
 #: Model types whose config class computes ``layer_types`` from a repeating pattern when the file has none:
@@ -190,7 +232,7 @@ def _attention_layers(lm: dict[str, Any], model_type: str | None, num_layers: An
     NoPE layers full (``no_rope_layers``: 1 = RoPE; empty = every 4th layer NoPE); Qwen2-style configs with
     ``use_sliding_window: true`` slide layers ``i >= max_window_layers``. Checked by :class:`KVCacheSpec`.
     """
-    chunk = lm.get("attention_chunk_size") if model_type in ("llama4", "llama4_text") else None
+    chunk = config_int(lm, "attention_chunk_size") if model_type in ("llama4", "llama4_text") else None
     types = lm.get("layer_types")
     if types is None and isinstance(num_layers, int) and num_layers > 0:
         types = _computed_layer_types(lm, model_type, num_layers, window, chunk)
@@ -206,13 +248,12 @@ def _computed_layer_types(lm: dict[str, Any], model_type: str | None, num_layers
     if window is None:
         return None
     if model_type in _PATTERN_DEFAULTS:
-        pattern = lm.get("sliding_window_pattern") or lm.get("_sliding_window_pattern") \
+        pattern = config_int(lm, "sliding_window_pattern") or config_int(lm, "_sliding_window_pattern") \
             or _PATTERN_DEFAULTS[model_type]
         return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
     if lm.get("use_sliding_window") is True:
-        first = lm.get("max_window_layers", 28)  # Qwen2Config / Qwen3Config default
-        if not isinstance(first, int) or isinstance(first, bool):
-            raise ConfigError(f"max_window_layers must be an integer, got {first!r}")
+        first = config_int(lm, "max_window_layers", minimum=0)
+        first = 28 if first is None else first  # Qwen2Config / Qwen3Config default
         return ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
     return None
 
@@ -225,13 +266,16 @@ def _dtype_name(config: dict[str, Any]) -> str | None:
 def _filled_from_transformers(config: dict[str, Any], missing: _MissingField) -> dict[str, Any]:
     """The language model's config with every field the file leaves out set to transformers' default."""
     try:
-        from transformers import AutoConfig
+        from transformers import CONFIG_MAPPING, AutoConfig
     except ImportError:
         raise ConfigError(f"{missing}; install transformers to take the model type's defaults") from None
     model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise ConfigError(f"{missing}, and transformers has no config class for it to fill it")
     kwargs = {key: value for key, value in config.items() if key != "model_type"}
     try:
         full = AutoConfig.for_model(model_type, **kwargs)
-    except (ValueError, KeyError, TypeError):
-        raise ConfigError(f"{missing}, and transformers has no config class for it to fill it") from None
-    return full.get_text_config(decoder=True).to_dict()
+        return full.get_text_config(decoder=True).to_dict()
+    except Exception as exc:  # noqa: BLE001 - any failure of the config class on this file's values
+        why = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise ConfigError(f"{missing}, and transformers cannot fill it from this config: {why}") from None

@@ -30,13 +30,9 @@ from typing import Any
 import torch
 
 from kvpool.errors import InsufficientMemoryError, InvalidArgumentError
+from kvpool.numeric import as_int, as_optional_int, as_real
 from kvpool.spec import KVCacheGroup, KVCacheSpec, LayerKind, cdiv
-
-
-def _check_bytes(**values: int) -> None:
-    for name, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise InvalidArgumentError(f"{name} must be a whole number of bytes >= 0, got {value!r}")
+from kvpool.units import human_bytes, plural
 
 
 @dataclass(frozen=True)
@@ -55,9 +51,9 @@ class MemoryReadings:
     free_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        _check_bytes(total_bytes=self.total_bytes, non_kv_bytes=self.non_kv_bytes)
-        if self.free_bytes is not None:
-            _check_bytes(free_bytes=self.free_bytes)
+        for name in ("total_bytes", "non_kv_bytes", "free_bytes"):  # whole numbers of bytes >= 0
+            check = as_optional_int if name == "free_bytes" else as_int
+            object.__setattr__(self, name, check(getattr(self, name), name, minimum=0))
 
 
 @dataclass(frozen=True)
@@ -147,7 +143,10 @@ def plan_pool(
             change.
     """
     ranks = _per_rank(readings, spec.tp_size)
-    _check_args(gpu_memory_utilization, num_blocks_override, max_model_len)
+    gpu_memory_utilization = as_real(gpu_memory_utilization, "gpu_memory_utilization", minimum=0, maximum=1,
+                                     open_min=True)
+    num_blocks_override = as_optional_int(num_blocks_override, "num_blocks_override", minimum=1)
+    max_model_len = as_optional_int(max_model_len, "max_model_len", minimum=1)
     share = Fraction(str(gpu_memory_utilization))
     terms = [_rank_terms(r, share) for r in ranks]
     rank = min(range(len(terms)), key=lambda i: terms[i][1])
@@ -156,8 +155,9 @@ def plan_pool(
     if num_blocks_override is not None:
         num_blocks, limited_by = num_blocks_override, "override"
         _check_override_fits(num_blocks, spec, ranks)
-    _check_minimum(spec, num_blocks, available, max_model_len, overridden=limited_by == "override")
     least = ranks[rank]
+    _check_minimum(spec, num_blocks, available, max_model_len, overridden=limited_by == "override",
+                   budget=budget, non_kv=least.non_kv_bytes)
     return PoolPlan(
         num_blocks=num_blocks, block_size=spec.block_size, bytes_per_token=spec.bytes_per_token,
         bytes_per_block=spec.bytes_per_block, total_bytes=least.total_bytes,
@@ -198,14 +198,6 @@ def _per_rank(readings: MemoryReadings | Sequence[MemoryReadings], tp_size: int)
     return ranks
 
 
-def _check_args(utilization: float, override: int | None, max_model_len: int | None) -> None:
-    if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
-        raise InvalidArgumentError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
-    for name, value in (("num_blocks_override", override), ("max_model_len", max_model_len)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
-
-
 def _rank_terms(readings: MemoryReadings, share: Fraction) -> tuple[int, int, str]:
     """(budget_bytes, available_kv_bytes, limited_by) of one rank; available may be negative."""
     budget = math.floor(readings.total_bytes * share)
@@ -220,14 +212,16 @@ def _check_override_fits(num_blocks: int, spec: KVCacheSpec, ranks: list[MemoryR
     free = min((r.free_bytes for r in ranks if r.free_bytes is not None), default=None)
     if free is not None and need > free:
         raise InsufficientMemoryError(
-            f"num_blocks_override {num_blocks} needs {need} B but only {free} B are free "
-            f"({need - free} B missing); lower num_blocks_override or free device memory")
+            f"num_blocks_override {num_blocks} needs {human_bytes(need)} but only {human_bytes(free)} are "
+            f"free ({human_bytes(need - free)} missing); lower num_blocks_override or free device memory")
 
 
 def _check_minimum(spec: KVCacheSpec, num_blocks: int, available: int, max_model_len: int | None,
-                   *, overridden: bool) -> None:
+                   *, overridden: bool, budget: int, non_kv: int) -> None:
     """The pool must hold one block, and one request of max_model_len in every group (without one: a
-    request decoding past its windows, which holds :meth:`KVCacheGroup.max_blocks` in each group)."""
+    request decoding past its windows, which holds :meth:`KVCacheGroup.max_blocks` in each group).
+    The error gives sizes in binary units; when the non-KV memory alone exceeds the budget it says so
+    (never a negative "available")."""
     bs = spec.block_size
     needs = [(1, "one block")]
     if max_model_len is not None:
@@ -241,13 +235,18 @@ def _check_minimum(spec: KVCacheSpec, num_blocks: int, available: int, max_model
         return
     need = blocks * spec.bytes_per_block
     if overridden:
-        raise InsufficientMemoryError(f"num_blocks_override {num_blocks} is too small: {what} needs {blocks} "
-                                      f"blocks of {bs} tokens")
+        raise InsufficientMemoryError(f"num_blocks_override {num_blocks} is too small: {what} needs "
+                                      f"{plural(blocks, 'block')} of {bs} tokens")
+    if available >= 0:
+        room = f"only {human_bytes(available)} are available"
+    else:
+        room = (f"none is left: the non-KV memory {human_bytes(non_kv)} exceeds the budget "
+                f"{human_bytes(budget)} (total x gpu_memory_utilization) by {human_bytes(-available)}")
     raise InsufficientMemoryError(
-        f"the KV cache needs {need} B for {what} ({blocks} x {spec.bytes_per_block} B blocks) but only "
-        f"{available} B are available ({need - available} B missing); lower the non-KV memory, raise "
-        f"gpu_memory_utilization, use a smaller KV dtype (fp8) or more tensor-parallel ranks"
-        + (", or a smaller max_model_len" if max_model_len is not None else ""))
+        f"the KV cache needs {human_bytes(need)} for {what} ({plural(blocks, 'block')} of "
+        f"{human_bytes(spec.bytes_per_block)}) but {room} ({human_bytes(need - available)} missing); lower "
+        f"the non-KV memory, raise gpu_memory_utilization, use a smaller KV dtype (fp8) or more "
+        f"tensor-parallel ranks" + (", or a smaller max_model_len" if max_model_len is not None else ""))
 
 
 def _windows(spec: KVCacheSpec) -> str:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from kvpool.errors import ConfigError
+from kvpool.numeric import as_int, as_optional_int
 
 #: KV cache dtype names accepted everywhere (CLI, ``from_hf_config``, ``parse_kv_dtype``).
 KV_DTYPES: dict[str, torch.dtype] = {
@@ -177,12 +178,6 @@ def kv_cache_groups(layer_kinds: Sequence[LayerKind], windows: dict[LayerKind, i
     return tuple(groups)
 
 
-def _require_int(minimum: int = 1, **values: int | None) -> None:
-    for field, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-            raise ConfigError(f"{field} must be an integer >= {minimum}, got {value!r}")
-
-
 @dataclass(frozen=True)
 class KVCacheSpec:
     """The KV cache of one model on one tensor-parallel rank.
@@ -200,12 +195,17 @@ class KVCacheSpec:
         layer_types: one :class:`LayerKind` (or its Hugging Face name) per layer; None means every layer
             slides when ``sliding_window`` is set (Mistral) and attends fully otherwise.
         attention_chunk_size: C tokens of the chunked layers (Llama 4), a multiple of ``block_size``.
+        num_attention_heads: query heads, or None when unknown. It takes no memory; it tells GQA
+            (fewer KV heads than query heads) and MQA (one KV head) from MHA in :attr:`attention_label`.
+
+    Sizes are integers by the rule of :mod:`kvpool.numeric` (numpy ints are converted; never bools).
 
     Raises:
-        ConfigError: a non-positive size, an MLA spec without a latent size, KV heads and ``tp_size`` that
-            cannot be split (``tp_size`` must divide the heads, or be a multiple of them), ``layer_types`` of
-            the wrong length or with an unknown name, sliding layers without ``sliding_window``, chunked
-            layers without ``attention_chunk_size`` or with one that is not a multiple of ``block_size``.
+        ConfigError: a non-positive or non-integer size, an MLA spec without a latent size, KV heads and
+            ``tp_size`` that cannot be split (``tp_size`` must divide the heads, or be a multiple of them),
+            fewer query heads than KV heads, ``layer_types`` of the wrong length or with an unknown name,
+            sliding layers without ``sliding_window``, chunked layers without ``attention_chunk_size`` or
+            with one that is not a multiple of ``block_size``.
     """
 
     num_layers: int
@@ -220,6 +220,7 @@ class KVCacheSpec:
     tp_size: int = 1
     layer_types: tuple[LayerKind, ...] | None = None
     attention_chunk_size: int | None = None
+    num_attention_heads: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", parse_kv_dtype(self.dtype))
@@ -227,15 +228,16 @@ class KVCacheSpec:
             object.__setattr__(self, "attention", AttentionKind(self.attention))
         except ValueError:
             raise ConfigError(f"attention must be 'mha' or 'mla', got {self.attention!r}") from None
-        _require_int(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                     block_size=self.block_size, tp_size=self.tp_size)
-        if self.sliding_window is not None:
-            _require_int(sliding_window=self.sliding_window)
-        if self.attention is AttentionKind.MLA:
-            _require_int(kv_lora_rank=self.kv_lora_rank)
-            _require_int(0, qk_rope_head_dim=self.qk_rope_head_dim)
-        else:
+        mla = self.attention is AttentionKind.MLA
+        self._set_ints(as_int, 1, "num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size")
+        self._set_ints(as_optional_int, 1, "sliding_window", "attention_chunk_size", "num_attention_heads")
+        self._set_ints(as_int, 1 if mla else 0, "kv_lora_rank")
+        self._set_ints(as_int, 0, "qk_rope_head_dim")
+        if not mla:
             self._check_tp_split()
+            if self.num_attention_heads is not None and self.num_attention_heads < self.num_kv_heads:
+                raise ConfigError(f"num_attention_heads {self.num_attention_heads} is fewer than "
+                                  f"num_kv_heads {self.num_kv_heads}")
         object.__setattr__(self, "layer_types", self._checked_layer_types())
         windows = {LayerKind.SLIDING: self.sliding_window, LayerKind.CHUNKED: self.attention_chunk_size}
         object.__setattr__(self, "_groups", kv_cache_groups(self.layer_types, windows, self.block_size))
@@ -264,10 +266,15 @@ class KVCacheSpec:
     def _check_chunk(self) -> None:
         if self.attention_chunk_size is None:
             raise ConfigError("layer_types has chunked_attention layers but attention_chunk_size is not set")
-        _require_int(attention_chunk_size=self.attention_chunk_size)
         if self.attention_chunk_size % self.block_size:
             raise ConfigError(f"attention_chunk_size {self.attention_chunk_size} must be a multiple of "
                               f"block_size {self.block_size} (a chunk's blocks are freed whole)")
+
+    def _set_ints(self, check: Any, minimum: int, *fields: str) -> None:
+        """Each field checked by ``check`` (``as_int`` or ``as_optional_int``) and stored as an int."""
+        for field in fields:
+            value = check(getattr(self, field), field, minimum=minimum, error=ConfigError)
+            object.__setattr__(self, field, value)
 
     def _check_tp_split(self) -> None:
         heads, tp = self.num_kv_heads, self.tp_size
@@ -275,6 +282,17 @@ class KVCacheSpec:
             raise ConfigError(f"tp_size {tp} does not divide num_kv_heads {heads}")
         if heads < tp and tp % heads:
             raise ConfigError(f"tp_size {tp} is not a multiple of num_kv_heads {heads} (needed to replicate)")
+
+    @property
+    def attention_label(self) -> str:
+        """``"MLA"``; ``"MQA"`` (one KV head), ``"GQA"`` (fewer KV heads than query heads) or ``"MHA"`` when
+        the query heads are known; else ``"MHA/GQA"``."""
+        if self.attention is AttentionKind.MLA:
+            return "MLA"
+        q, kv = self.num_attention_heads, self.num_kv_heads
+        if q is None:
+            return "MHA/GQA"
+        return "MHA" if q == kv else "MQA" if kv == 1 else "GQA"
 
     @property
     def dtype_bytes(self) -> int:

@@ -49,6 +49,35 @@ def test_alloc_sizes_too_small_is_one_line_error(capsys: pytest.CaptureFixture) 
 def test_bad_counts_are_one_line_errors(capsys: pytest.CaptureFixture) -> None:
     # checked before any model loads or any row is timed: exit 2, one line on stderr, no traceback
     assert main(["bench", "engine", "--model", "tiny-llama", "--threads", "-1"]) == 2
-    assert capsys.readouterr().err == "kvpool bench: error: --threads must be >= 0, got -1\n"
+    assert capsys.readouterr().err == ("kvpool bench engine: error: argument --threads: '-1' must be an "
+                                       "integer >= 0 (at most 2**63 - 1)\n")
     assert main(["bench", "replay", "--max-requests", "0"]) == 2  # used to time zero requests
     assert "max_requests must be an integer >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "why"), [
+    # 8 blocks x 16 tokens = 128 slots: 256 tokens cannot be distinct slots (was dropped, exit 0, no rows)
+    (["storage", "--num-blocks", "8", "--tokens", "16", "256"],
+     "--tokens 256 is more than the cache's 128 slots"),
+    (["storage", "--seed", str(2**70)], "--seed must be an integer in [0, 18446744073709551615]"),
+    (["engine", "--model", "tiny-llama", "--num-blocks", "10"], "cannot hold the longest prompt"),
+])
+def test_bench_refuses_what_it_cannot_time(capsys: pytest.CaptureFixture, argv: list[str], why: str) -> None:
+    assert main(["bench", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and why in err
+
+
+def test_engine_bench_on_a_tiny_model_sizes_the_pool_from_its_prompts(capsys: pytest.CaptureFixture) -> None:
+    """Issue 9, item 12: tiny-llama's byte-tokenized built-in prompts never fit the peer's 64 blocks."""
+    from kvpool.engine.models import DEFAULT_PROMPTS
+
+    pytest.importorskip("transformers")
+    result = bench(capsys, "engine", "--model", "tiny-llama", "--max-new-tokens", "2", "--skip-padded")
+    longest = max(len(text.encode("utf-8")) for text in DEFAULT_PROMPTS)  # bytes are the tiny models' tokens
+    assert result["prompt_tokens"] == [len(text.encode("utf-8")) for text in DEFAULT_PROMPTS]
+    assert result["num_blocks"] == -(-(longest + 2 - 1) // 16) > 64
+    assert result["threads"] == 1  # the default of every command
+    runs = result["results"]
+    assert runs["kvpool generate"]["generated_tokens"] == 4 * 2
+    assert runs["transformers generate_batch"]["same_tokens_as_kvpool"]  # greedy: the same tokens

@@ -5,6 +5,7 @@ Expected values are worked out by hand in each test's comments (which block goes
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -324,19 +325,65 @@ def test_pool_size_does_not_change_behaviour_at_one_million_blocks() -> None:
 
 @pytest.mark.parametrize("bad", [
     [torch.tensor(0), torch.tensor(0)],  # 0-d tensors hash by identity: a repeat must still be caught
-    [torch.tensor(0)],
+    [np.int64(1), 1],                    # the same id twice, once as a numpy int
     [True],                              # a bool is not a block id (True == 1)
     [0, True],
+    [np.True_],
+    [torch.tensor(True)],
+    [1.0],
+    torch.tensor([True]),
+    torch.tensor(0),                     # a 0-d tensor is one id, not a sequence of them
+    np.int64(0),
+    torch.tensor([0], device="meta"),    # no values to read
 ])
-def test_ids_must_be_exact_ints(bad: list) -> None:
+def test_ids_must_be_integers_never_bools(bad: list) -> None:
     pool = BlockPool(4)
     pool.allocate(2)
     before = snapshot(pool)
-    for call in (pool.free, pool.touch, lambda ids: pool.cache_blocks(ids, ["h"] * len(ids))):
+    hashes = ["h"] * (len(bad) if getattr(bad, "ndim", 1) else 1)   # a scalar: one hash
+    for call in (pool.free, pool.touch, lambda ids: pool.cache_blocks(ids, hashes)):
         with pytest.raises(InvalidIdError):
             call(bad)
         assert snapshot(pool) == before
     pool.check_integrity()
+
+
+@pytest.mark.parametrize("wrap", [np.int64, np.int32, torch.tensor,
+                                  lambda b: torch.tensor(b, dtype=torch.int16)],
+                         ids=["np.int64", "np.int32", "0-d tensor", "0-d int16 tensor"])
+def test_numpy_ints_and_0d_tensors_are_ids(wrap) -> None:
+    """The rule of kvpool.numeric: an integer scalar of any kind is the id it holds (converted, so the LRU
+    and the index see the Python int: the block is evicted and found like any other)."""
+    pool = BlockPool(4)
+    blocks = pool.allocate(2)                      # [0, 1]
+    pool.cache_blocks([wrap(0), wrap(1)], ["a", "b"])
+    pool.touch([wrap(1)])
+    assert pool.ref_count(wrap(1)) == 2 and pool.block_hash(wrap(0)) == "a"
+    pool.free([wrap(1), wrap(0)])
+    pool.free([wrap(1)])
+    assert pool.evictable_blocks() == [0, 1]       # by hand: 0 reached ref 0 first, then 1
+    assert pool.lookup(["a", "b"]) == blocks
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize("count", [torch.tensor([1, 2]), torch.tensor([1]), True, 1.0, "1", None])
+def test_allocate_rejects_what_is_not_one_integer_count(count) -> None:
+    pool = BlockPool(4)
+    with pytest.raises(InvalidArgumentError):
+        pool.allocate(count)
+    assert pool.num_free_blocks == 4
+    with pytest.raises(InvalidArgumentError):
+        pool.num_blocks_to_allocate([], count)
+
+
+def test_allocate_takes_a_0d_tensor_count() -> None:
+    assert BlockPool(4).allocate(torch.tensor(2)) == [0, 1]
+
+
+@pytest.mark.parametrize("n", [2**63, 2**62, 10**19])
+def test_a_pool_too_large_for_memory_is_a_typed_error(n: int) -> None:
+    with pytest.raises(InvalidArgumentError, match="does not fit in memory"):
+        BlockPool(n)
 
 
 def test_free_of_a_tensor_still_works() -> None:

@@ -73,6 +73,29 @@ def test_human_output(capsys):
     assert (code, err) == (0, "")
     for text in ("131,072 B", "2,097,152 B", "60,129,542,144 B", "28,672", "458,752", "56.00 requests"):
         assert text in out
+    # Llama-3.1-8B's config: 32 layers, 32 query heads, 8 KV heads of 128: GQA, no window
+    assert out.splitlines()[0] == ("KV layout        GQA: 32 layers x 2 (K, V) x 8 KV heads x 128 x 2 B "
+                                   "(bfloat16), 32 query heads")
+    assert "sliding window" not in out
+
+
+@pytest.mark.parametrize(("config", "tp", "first_lines"), [
+    # Mistral-7B-v0.1: 32 query / 8 KV heads, window 4096; tp 2 splits the KV heads 4 per rank
+    ("mistral-7b-v0.1", "2", ["KV layout        GQA: 32 layers x 2 (K, V) x 4 KV heads per rank x 128 x 2 B "
+                              "(bfloat16), 32 query heads, tensor parallel 2 (of 8 KV heads)",
+                              "sliding window   4,096 tokens"]),
+    # Falcon-7B: multi-query, 71 query heads and 1 KV head, replicated on both ranks
+    ("falcon-7b", "2", ["KV layout        MQA: 32 layers x 2 (K, V) x 1 KV head per rank x 64 x 2 B "
+                        "(bfloat16), 71 query heads, tensor parallel 2 (replicated)"]),
+    # Phi-3-mini: 32 and 32 heads (MHA), window 2047
+    ("phi-3-mini-4k-instruct", "1", ["KV layout        MHA: 32 layers x 2 (K, V) x 32 KV heads x 96 x 2 B "
+                                     "(bfloat16), 32 query heads", "sliding window   2,047 tokens"]),
+    ("deepseek-v3", "2", ["KV layout        MLA: 61 layers x 1 latent x 576 x 2 B (bfloat16), not split by "
+                          "tensor parallelism"]),
+])
+def test_human_layout_names_the_attention_and_the_window(capsys, config, tp, first_lines):
+    code, out, _ = run(capsys, str(CONFIGS / f"{config}.json"), "--gpu-memory", "80GiB", "--tp-size", tp)
+    assert code == 0 and out.splitlines()[:len(first_lines)] == first_lines
 
 
 def one_line_error(capsys, *argv: str) -> str:
@@ -113,15 +136,18 @@ def test_missing_field(capsys, tmp_path):
 
 def test_too_little_memory(capsys):
     err = one_line_error(capsys, LLAMA_8B, "--gpu-memory", "16GiB", "--non-kv-memory", "16GiB")
-    # floor(16 GiB x 0.9) - 16 GiB = -1717986919 B; one 2 MiB block more: 1720084071 B missing
-    assert "1720084071 B missing" in err
+    # floor(16 GiB x 0.9) = 15461882265 B (14.40 GiB) - 16 GiB = 1717986919 B (1.60 GiB) over the budget;
+    # one 2 MiB block more: 1720084071 B = 1.60 GiB missing
+    assert "exceeds the budget 14.40 GiB (total x gpu_memory_utilization) by 1.60 GiB" in err
+    assert "(1.60 GiB missing)" in err and "available" not in err
 
 
 def test_sliding_window_too_big(capsys):
     # Mistral-7B-v0.1: window 4096 needs 257 blocks of 2 MiB = 538968064 B; 512 MiB x 1.0 holds 256
     err = one_line_error(capsys, str(CONFIGS / "mistral-7b-v0.1.json"), "--gpu-memory", "512MiB",
                          "--gpu-memory-utilization", "1")
-    assert "sliding window of 4096 tokens" in err and "2097152 B missing" in err
+    assert "sliding window of 4096 tokens" in err and "(2.00 MiB missing)" in err
+    assert "needs 514.00 MiB" in err and "257 blocks of 2.00 MiB" in err and "only 512.00 MiB" in err
 
 
 @pytest.mark.parametrize("argv", [("--gpu-memory-utilization", "1.5"), ("--gpu-memory-utilization", "x"),

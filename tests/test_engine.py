@@ -292,11 +292,23 @@ def test_cli_prompts_and_errors(capsys: pytest.CaptureFixture, tmp_path: Path) -
     code, out, _ = run_cli(capsys, "--prompt", "zero", "--prompts-file", str(prompts), "--max-new-tokens=2")
     assert code == 0 and out.count("] '") == 3 and "preemptions: 0" in out
     # 'zero' is 4 bytes: 4 + 30 - 1 = 33 tokens need ceil(33 / 16) = 3 blocks; the pool has 2
-    code, _, err = run_cli(capsys, "--prompt", "zero", "--max-new-tokens", "30", "--num-blocks", "2")
-    assert code == 2 and "needs 3 blocks" in err
-    # stderr is not a terminal here: no progress bar, only the one error line
-    assert err == ("kvpool generate: error: request needs 3 blocks (4 prompt + 30 new tokens at 16 per "
-                   "block) but the pool has 2\n")
+    code, _, err = run_cli(capsys, "--prompt", "ok", "--prompt", "zero", "--max-new-tokens", "30",
+                           "--num-blocks", "2")
+    # stderr is not a terminal here: no progress bar, only the one error line, naming prompt 1 and the fix
+    assert (code, err) == (2, "kvpool generate: error: prompt 1 (4 tokens) + 30 new tokens need 3 blocks of "
+                              "16 tokens, but the pool has 2 blocks ('zero'): pass --num-blocks 3 or more\n")
+    code, _, err = run_cli(capsys, "--prompt", "x", "--max-new-tokens", "1", "--num-blocks", "1")
+    assert code == 0  # 1 + 1 - 1 = 1 token: 1 block; and no "1 new tokens" anywhere
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9\n".encode("latin-1"))
+    code, _, err = run_cli(capsys, "--prompts-file", str(bad))
+    assert (code, err) == (2, f"kvpool generate: error: {bad} is not UTF-8 text (invalid continuation "
+                              "byte at byte 3)\n")
+    for seed in (str(2**70), "-1"):
+        code, _, err = run_cli(capsys, "--seed", seed)
+        assert code == 2 and err.count("\n") == 1 and "--seed" in err
+    code, _, err = run_cli(capsys, "--seed", str(2**64 - 1), "--prompt", "a", "--prompt", "b")
+    assert code == 2 and "seed must be an integer in [0, 18446744073709551615]" in err  # S + 1 is past it
     code, _, err = run_cli(capsys, "--check", "--temperature", "0.5")
     assert code == 2 and "--check" in err
     code, _, err = run_cli(capsys, "--model", str(tmp_path))  # a folder that is not a model
@@ -304,3 +316,97 @@ def test_cli_prompts_and_errors(capsys: pytest.CaptureFixture, tmp_path: Path) -
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')  # a config, but no tokenizer or weights
     code, _, err = run_cli(capsys, "--model", str(tmp_path))
     assert code == 2 and err.count("\n") == 1 and f"cannot load a model from {tmp_path}" in err
+
+
+# ---- issue 9: the reference of --check, the GGUF bar, bad ids and counts, CLI messages ------------------
+
+
+@torch.inference_mode()
+def _argmax_loop(model, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding by brute force: the whole sequence through the stock model each step, no cache,
+    no mask, no generate (so no pad-token handling anywhere)."""
+    model.set_attn_implementation("sdpa")
+    tokens = list(prompt)
+    for _ in range(n):
+        logits = model(torch.tensor([tokens]), use_cache=False).logits[0, -1]
+        tokens.append(int(logits.argmax()))
+    return tokens[len(prompt):]
+
+
+def test_reference_treats_token_zero_as_a_token(tiny: tuple) -> None:
+    """Issue 9, item 3: generate() with pad_token_id=0 and no mask masked prompt tokens equal to 0, so a
+    correct engine was reported as NO. Engine and reference both equal the brute-force argmax loop."""
+    model, _ = tiny
+    prompt = [97, 98, 0, 99, 100, 0, 0, 101]  # 'ab\0cd\0\0e'
+    expected = _argmax_loop(model, prompt, 6)
+    assert reference_greedy(model, prompt, 6)[0] == expected
+    (req,) = run_all(make_engine(model), [prompt], max_new_tokens=6)
+    assert req.output_token_ids == expected
+
+
+def test_cli_check_of_a_prompt_with_a_nul_byte(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    prompts = tmp_path / "p.txt"
+    prompts.write_bytes(b"ab\0cd\n")
+    code, out, _ = run_cli(capsys, "--prompts-file", str(prompts), "--check", "--max-new-tokens", "4")
+    assert code == 0 and "matches transformers generate: yes" in out
+
+
+def test_gguf_progress_bar_is_off_when_stderr_is_not_a_terminal(capsys: pytest.CaptureFixture) -> None:
+    """Issue 9, item 14: the loader's own tqdm wrote carriage-return frames into logs."""
+    gguf_loader = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
+    from kvpool.engine.models import _gguf_bar_only_at_a_terminal
+
+    original = gguf_loader.tqdm
+    list(gguf_loader.tqdm(range(3), desc="Converting"))
+    assert "\r" in capsys.readouterr().err  # the loader's bar, as it is: frames even into a captured stream
+    with _gguf_bar_only_at_a_terminal():
+        list(gguf_loader.tqdm(range(3), desc="Converting"))
+    assert capsys.readouterr().err == "" and gguf_loader.tqdm is original
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"max_new_tokens": "5"}, {"max_new_tokens": None}, {"max_new_tokens": 2.5}, {"max_new_tokens": True},
+    {"top_k": "1"}, {"top_k": True}, {"top_k": 1.0}, {"seed": "1"}, {"seed": 2.5}, {"seed": True},
+    {"seed": -1}, {"seed": 2**64}, {"temperature": "x"}, {"temperature": None}, {"temperature": True},
+    {"top_p": None}, {"top_p": "0.5"}, {"ignore_eos": 1},
+])
+def test_sampling_params_refuse_wrong_types(kwargs: dict) -> None:
+    with pytest.raises(InvalidArgumentError):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_take_numpy_scalars_as_their_values() -> None:
+    import numpy as np
+
+    params = SamplingParams(max_new_tokens=np.int64(4), top_k=np.int32(2), seed=np.uint64(2**64 - 1),
+                            temperature=np.float32(0.5))
+    assert params == SamplingParams(max_new_tokens=4, top_k=2, seed=2**64 - 1, temperature=0.5)
+    assert type(params.max_new_tokens) is int and params.make_generator().initial_seed() == 2**64 - 1
+
+
+def test_abort_of_a_bool_is_not_request_1(tiny: tuple) -> None:
+    """Issue 9, item 10: abort(True) aborted request 1 (True == 1 as a dict key)."""
+    model, _ = tiny
+    engine = make_engine(model)
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=2)) for p in PROMPTS[:2]]
+    for bad in (True, "1", 1.0, None):
+        with pytest.raises(InvalidIdError):
+            engine.abort(bad)
+    assert all(engine.requests[i].status is RequestStatus.WAITING for i in ids)
+    engine.abort(torch.tensor(1))  # a 0-d tensor is the id it holds
+    assert engine.requests[1].status is RequestStatus.ABORTED
+    engine.abort(0)
+    assert not engine.has_unfinished()
+
+
+def test_engine_refuses_bool_tokens_and_bad_counts(tiny: tuple) -> None:
+    model, _ = tiny
+    engine = make_engine(model)
+    with pytest.raises(InvalidArgumentError, match="token ids"):
+        engine.add_request([1, True, 3])
+    with pytest.raises(InvalidArgumentError, match="params must be SamplingParams"):
+        engine.add_request([1, 2], {"max_new_tokens": 2})
+    for kwargs in ({"max_num_batched_tokens": "8"}, {"max_num_seqs": 0}, {"max_num_seqs": True}):
+        with pytest.raises(InvalidArgumentError):
+            make_engine(model, **kwargs)
+    assert not engine.requests

@@ -298,9 +298,14 @@ def test_salt_in_block_zero_separates_every_block_through_the_chain() -> None:
     lambda: LoRAIdentity("sql", digest=b"\x01"),
     lambda: block_extra_keys(16, 16, prompt_embeds=[[0.0]] * 16),
     lambda: embedding_digest([1.0, 2.0]),
+    lambda: block_hashes([1, 2], 2**63),
+    lambda: block_hashes([1, 2], True),
+    lambda: block_hashes(torch.tensor([True, False]), 1),
+    lambda: block_hashes(torch.tensor([1.0, 2.0]), 1),
 ], ids=["block0", "block-float", "token-float", "token-str", "token-overflow", "parent-short", "parent-str",
         "extra-length", "extra-float", "extra-dict", "lora-tuple", "lora-no-weights", "lora-no-name",
-        "lora-empty-path", "lora-bytes-digest", "embeds-list", "digest-list"])
+        "lora-empty-path", "lora-bytes-digest", "embeds-list", "digest-list", "block-past-int64", "block-bool",
+        "token-bool-tensor", "token-float-tensor"])
 def test_bad_input_raises_invalid_argument(call) -> None:
     with pytest.raises(InvalidArgumentError):
         call()

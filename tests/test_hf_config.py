@@ -271,3 +271,72 @@ def test_dict_is_not_modified():
     before = json.dumps(config, sort_keys=True)
     KVCacheSpec.from_hf_config(config)
     assert json.dumps(config, sort_keys=True) == before
+
+
+# ---- a size is an integer >= 1 wherever it comes from (issue 9, item 2) ------------------------------------
+
+
+
+@pytest.mark.parametrize("value", [0, -8, "8", 8.0, True], ids=["zero", "negative", "str", "float", "bool"])
+@pytest.mark.parametrize("config, key", [
+    ({**LLAMA_SMALL, "num_key_value_heads": 2}, "num_key_value_heads"),  # was `x or num_heads`: 4x the KV
+    (LLAMA_SMALL, "num_hidden_layers"),
+    (LLAMA_SMALL, "num_attention_heads"),
+    (LLAMA_SMALL, "hidden_size"),
+    ({**LLAMA_SMALL, "head_dim": 16}, "head_dim"),
+    ({"model_type": "falcon", "num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 64,
+      "new_decoder_architecture": True, "num_kv_heads": 2}, "num_kv_heads"),  # Falcon's own name
+    ({"model_type": "deepseek_v3", "num_hidden_layers": 2, "num_attention_heads": 8, "kv_lora_rank": 512,
+      "qk_rope_head_dim": 64}, "kv_lora_rank"),
+    ({**LLAMA_SMALL, "model_type": "mistral", "sliding_window": 4096}, "sliding_window"),
+], ids=["kv_heads", "layers", "heads", "hidden", "head_dim", "falcon_kv_heads", "kv_lora_rank", "window"])
+def test_zero_negative_or_non_integer_sizes_are_config_errors(config, key, value):
+    with pytest.raises(ConfigError, match=f"'{key}' must be an integer"):
+        read_kv_fields({**config, key: value})
+
+
+@pytest.mark.parametrize("value", [0, "x", -1])
+def test_bad_sizes_are_named_before_transformers_fills_the_rest(value):
+    """The file leaves num_hidden_layers out (transformers would fill it) and has a bad head count: the
+    error names the file's field, not whatever transformers' config class raises on it."""
+    pytest.importorskip("transformers")
+    config = {k: v for k, v in LLAMA_SMALL.items() if k != "num_hidden_layers"}
+    with pytest.raises(ConfigError, match="'num_attention_heads' must be an integer"):
+        read_kv_fields({**config, "num_attention_heads": value})
+
+
+def test_sizes_filled_by_transformers_are_checked_too(monkeypatch):
+    """A default that comes back zero from transformers' config class is refused like a zero in the file."""
+    pytest.importorskip("transformers")
+    import kvpool.hf_config as hf
+
+    monkeypatch.setattr(hf, "_filled_from_transformers", lambda config, missing: {**config,
+                                                                                 "num_hidden_layers": 0})
+    with pytest.raises(ConfigError, match="'num_hidden_layers' must be an integer"):
+        read_kv_fields({k: v for k, v in LLAMA_SMALL.items() if k != "num_hidden_layers"})
+
+
+def test_qk_rope_head_dim_may_be_zero():
+    fields = read_kv_fields({"model_type": "deepseek_v2", "num_hidden_layers": 2, "num_attention_heads": 8,
+                             "kv_lora_rank": 512, "qk_rope_head_dim": 0})
+    assert fields["head_dim"] == 512
+
+
+@pytest.mark.parametrize("text, why", [
+    ('{"num_hidden_layers": ' + "1" * 5000 + "}", "4300 digits"),  # Python's int parsing limit
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    (b"\xff\xfe{}", "cannot read"),
+])
+def test_hostile_json_is_a_config_error(tmp_path, text, why):
+    path = tmp_path / "config.json"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ConfigError, match=why):
+        read_kv_fields(path)
+
+
+def test_query_heads_are_read_and_label_the_attention():
+    # llama-3.1-8b: 32 query heads, 8 KV heads (GQA); phi-3: 32 and 32 (MHA); falcon-7b: 71 and 1 (MQA)
+    labels = {name: KVCacheSpec.from_hf_config(CONFIGS / f"{name}.json").attention_label
+              for name in ("llama-3.1-8b", "phi-3-mini-4k-instruct", "falcon-7b", "deepseek-v3")}
+    assert labels == {"llama-3.1-8b": "GQA", "phi-3-mini-4k-instruct": "MHA", "falcon-7b": "MQA",
+                      "deepseek-v3": "MLA"}

@@ -82,6 +82,37 @@ def test_source_blocks_reference_released_at_once_on_cpu() -> None:
     assert_counters(pool)
 
 
+def test_swapping_out_an_eviction_victim_keeps_its_lru_position() -> None:
+    """Issue 9, item 4: offloading the LRU head (touch then free moved it to the MRU end) made the pool
+    evict another block next. Blocks 0, 1, 2 are published and freed in that order: the LRU is [0, 1, 2]."""
+    device, pool = PagedKVCache(SPEC, 3), BlockPool(3)
+    host = HostKVCache.like(device, 4)
+    blocks = pool.allocate(3)
+    pool.cache_blocks(blocks, ["a", "b", "c"])
+    pool.free(blocks)
+    assert pool.evictable_blocks() == [0, 1, 2]
+    host.swap_out(device, [0], pool=pool)          # the victim goes to the host tier first
+    assert pool.evictable_blocks() == [0, 1, 2] and pool.ref_count(0) == 0
+    assert pool.allocate(1) == [0]                 # by hand: the head of [0, 1, 2] is evicted
+    assert_counters(pool)
+
+
+def test_sources_in_use_are_held_and_cached_free_ones_are_not() -> None:
+    from kvpool.storage.host import _source_states
+
+    pool = BlockPool(4)
+    pool.allocate(2)                               # [0, 1] in use
+    pool.cache_blocks([1], ["h"])
+    cached = pool.allocate(1)                      # [2], published then freed: cached free
+    pool.cache_blocks(cached, ["c"])
+    pool.free(cached)
+    assert _source_states(pool, [0, 2, 1]) == ([0, 1], True)
+    assert _source_states(pool, [1]) == ([1], False) and _source_states(None, [3]) == ([], False)
+    with pytest.raises(InvalidIdError, match="block 3 is free"):  # free and unhashed: no KV in it
+        _source_states(pool, [0, 3])
+    assert [pool.ref_count(b) for b in range(4)] == [1, 1, 0, 0] and pool.evictable_blocks() == [2]
+
+
 class FakeEvent:
     """Stands in for a CUDA event: ``done`` flips when the test says the copy finished."""
 

@@ -72,14 +72,28 @@ def test_rope_free_latent_takes_no_k_pe() -> None:
     ({"slot_mapping": torch.tensor([0, N * B, 1])}, InvalidIdError),
     ({"slot_mapping": torch.tensor([0, 1, -3])}, InvalidIdError),
     ({"layer": L}, InvalidArgumentError),
+    ({"layer": True}, InvalidArgumentError),
+    ({"slot_mapping": torch.tensor([0, 1, 2], dtype=torch.int32)}, InvalidArgumentError),
+    ({"slot_mapping": torch.tensor([0, 1, 2], device="meta")}, InvalidArgumentError),
 ])
-def test_bad_store_latent_writes_nothing(change: dict, error: type) -> None:
+@pytest.mark.parametrize("check", [True, False])  # the store_kv contract: check=False skips it on CUDA only
+def test_bad_store_latent_writes_nothing(change: dict, error: type, check: bool) -> None:
     cache = filled(MLAKVCache(spec(), N), seed=2)
     args = {"c_kv": torch.zeros(3, R, dtype=torch.bfloat16), "k_pe": torch.zeros(3, P, dtype=torch.bfloat16),
             "slot_mapping": torch.tensor([0, 1, 2]), "layer": 0, **change}
     before = bits(cache.buffer).clone()
     with pytest.raises(error):
-        cache.store_latent(**args)
+        cache.store_latent(**args, check=check)
+    assert torch.equal(bits(cache.buffer), before)
+
+
+def test_unchecked_store_on_the_host_still_refuses_a_slot_past_the_end() -> None:
+    """Issue 9, item 1: [0, 16] on a 16-slot cache raised IndexError after writing slot 0."""
+    cache = filled(MLAKVCache(spec(), 4), seed=6)  # 4 blocks x 4 tokens = 16 slots: 0..15
+    before = bits(cache.buffer).clone()
+    with pytest.raises(InvalidIdError, match=r"\[0, 16\)"):
+        cache.store_latent(torch.ones(2, R, dtype=torch.bfloat16), torch.ones(2, P, dtype=torch.bfloat16),
+                           torch.tensor([0, 16]), 0, check=False)
     assert torch.equal(bits(cache.buffer), before)
 
 

@@ -2,6 +2,7 @@
 
 import gc
 import json
+import re
 
 import pytest
 import torch
@@ -75,17 +76,23 @@ def test_max_model_len_past_the_pool():
     # 1 GiB x 0.9 = 966367641 B -> 460 blocks of 2 MiB = 7360 tokens; 8192 tokens need 512 blocks
     with pytest.raises(InsufficientMemoryError) as info:
         plan_pool(LLAMA_8B, MemoryReadings(GiB, 0), max_model_len=8192)
-    # missing: 512 x 2 MiB - 966367641 = 1073741824 - 966367641 = 107374183 B
-    assert "107374183 B missing" in str(info.value) and "max_model_len" in str(info.value)
+    # missing: 512 x 2 MiB - 966367641 = 1073741824 - 966367641 = 107374183 B = 102.40 MiB
+    # (107374183 / 2**20 = 102.4000...); available 966367641 B = 921.60 MiB; need 512 x 2 MiB = 1.00 GiB
+    message = str(info.value)
+    assert "needs 1.00 GiB" in message and "only 921.60 MiB are available (102.40 MiB missing)" in message
+    assert "512 blocks of 2.00 MiB" in message and "max_model_len" in message
 
 
 def test_too_little_memory_says_how_much_is_missing():
     with pytest.raises(InsufficientMemoryError) as info:
         plan_pool(LLAMA_8B, MemoryReadings(total_bytes=16 * GiB, non_kv_bytes=16 * GiB))
-    # 16 GiB x 0.9 - 16 GiB = -1717986919 B available (floor(17179869184 x 0.9) = 15461882265);
-    # one 2 MiB block missing on top: 2097152 + 1717986919 = 1720084071 B
+    # 16 GiB x 0.9 - 16 GiB = -1717986919 B (floor(17179869184 x 0.9) = 15461882265 B = 14.40 GiB);
+    # 1717986919 B = 1.60 GiB over; one 2 MiB block missing on top: 1720084071 B = 1.60 GiB
     message = str(info.value)
-    assert "-1717986919 B are available" in message and "1720084071 B missing" in message
+    assert "available" not in message and not re.search(r"-\d", message)  # never a negative "available"
+    assert ("none is left: the non-KV memory 16.00 GiB exceeds the budget 14.40 GiB (total x "
+            "gpu_memory_utilization) by 1.60 GiB (1.60 GiB missing)") in message
+    assert "needs 2.00 MiB for one block (1 block of 2.00 MiB)" in message
     assert "gpu_memory_utilization" in message and "fp8" in message
 
 
@@ -102,7 +109,7 @@ def test_sliding_window_needs_window_plus_one_block():
     assert ok.num_blocks == 257
     with pytest.raises(InsufficientMemoryError) as info:
         plan_pool(spec, MemoryReadings(256 * BLOCK, 0), gpu_memory_utilization=1.0)
-    assert "sliding window of 4096 tokens" in str(info.value) and f"{BLOCK} B missing" in str(info.value)
+    assert "sliding window of 4096 tokens" in str(info.value) and "(2.00 MiB missing)" in str(info.value)
     # a window that is not a whole number of blocks rounds up: 4100 tokens -> 257 blocks + 1
     odd = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, sliding_window=4100)
     with pytest.raises(InsufficientMemoryError, match="sliding window"):
@@ -113,8 +120,10 @@ def test_num_blocks_override():
     plan = plan_pool(LLAMA_8B, MemoryReadings(80 * GiB, 16 * GiB), num_blocks_override=1000)
     assert (plan.num_blocks, plan.max_num_tokens, plan.limited_by) == (1000, 16000, "override")
     assert plan.available_kv_bytes == 56 * GiB  # the breakdown is still reported
-    # more than is free: 1000 x 2 MiB = 2097152000 B against 1 GiB free
-    with pytest.raises(InsufficientMemoryError, match="1023410176 B missing"):
+    # more than is free: 1000 x 2 MiB = 2097152000 B (1.95 GiB) against 1 GiB free: 1023410176 B missing
+    # = 976.00 MiB (1023410176 / 2**20 = 976 exactly)
+    with pytest.raises(InsufficientMemoryError, match=r"needs 1\.95 GiB but only 1\.00 GiB are free "
+                                                      r"\(976\.00 MiB missing\)"):
         plan_pool(LLAMA_8B, MemoryReadings(80 * GiB, 0, free_bytes=GiB), num_blocks_override=1000)
     window = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, sliding_window=64)
     with pytest.raises(InsufficientMemoryError, match="num_blocks_override 4 is too small"):

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -111,6 +112,7 @@ def test_unknown_dtype_lists_accepted_names(bad):
 @pytest.mark.parametrize(("field", "value"), [
     ("num_layers", 0), ("num_kv_heads", -1), ("head_dim", 0), ("block_size", 0), ("tp_size", 0),
     ("num_layers", 2.0), ("head_dim", True), ("sliding_window", 0), ("num_kv_heads", None),
+    ("num_layers", "32"), ("block_size", np.True_), ("num_attention_heads", 0), ("num_attention_heads", 4),
 ])
 def test_bad_sizes_name_the_field(field, value):
     with pytest.raises(ConfigError, match=field):
@@ -141,3 +143,16 @@ def test_from_hf_config_dict_kv_dtype_block_size_and_tp():
     assert (fp8.bytes_per_token, fp8.bytes_per_block, fp8.tp_size) == (256, 8192, 2)
     with pytest.raises(ConfigError, match="tp_size 3"):
         KVCacheSpec.from_hf_config(config, tp_size=3)
+
+
+def test_numpy_sizes_are_converted_to_ints():
+    """The rule of kvpool.numeric: a numpy integer is the int it holds (so the spec compares equal)."""
+    spec = llama8b(num_layers=np.int64(32), block_size=np.int32(16), num_attention_heads=np.int64(32))
+    assert spec == llama8b(num_attention_heads=32)
+    assert type(spec.num_layers) is int and spec.bytes_per_block == 2 * 32 * 8 * 128 * 2 * 16
+
+
+@pytest.mark.parametrize(("heads", "kv", "label"), [(None, 8, "MHA/GQA"), (32, 8, "GQA"), (8, 8, "MHA"),
+                                                     (32, 1, "MQA")])
+def test_attention_label(heads, kv, label):
+    assert llama8b(num_kv_heads=kv, num_attention_heads=heads).attention_label == label

@@ -262,6 +262,34 @@ def test_alloc_decode_rejects_bad_input_and_out_of_blocks():
     assert ids(a.alloc_decode([5], [7])) == [12]
 
 
+@pytest.mark.parametrize(("pre", "seq", "last"), [
+    ([2, 2], [3, 4], [5, 5]),        # both continue slot 5: both would get slot 6
+    ([2, 3], [4, 4], [5, 6]),        # A after slot 5 (6, 7), B after slot 6 (7): slot 7 twice
+    ([2, 0, 2], [3, 2, 5], [5, -1, 5]),  # a new request between them does not hide it
+])
+def test_alloc_extend_refuses_two_rows_continuing_one_partial_page(pre, seq, last):
+    """Issue 9, item 5: rows that continue the same partial page were handed the same slots."""
+    a = TokenToKVPoolAllocator(64, page_size=4)
+    a.alloc_extend([0], [2], [-1])                   # tokens 0, 1: slots 4, 5 of page 1
+    before = (a.num_free_pages, ids(a.free_pages()))
+    with pytest.raises(InvalidArgumentError, match="both continue page 1"):
+        a.alloc_extend(pre, seq, last)
+    assert (a.num_free_pages, ids(a.free_pages())) == before
+    a.check_integrity()
+
+
+def test_alloc_decode_refuses_two_rows_continuing_one_partial_page():
+    a = TokenToKVPoolAllocator(64, page_size=4)
+    a.alloc_extend([0], [2], [-1])                   # slots 4, 5 (page 1)
+    with pytest.raises(InvalidArgumentError, match="requests 0 and 1 both continue page 1"):
+        a.alloc_decode([3, 3], [5, 5])               # both would get slot 6
+    assert a.num_free_pages == 14
+    # two rows whose new tokens open pages, or continue different pages, are fine
+    a.alloc_extend([0], [2], [-1])                   # slots 8, 9 (page 2)
+    assert ids(a.alloc_decode([3, 3], [5, 9])) == [6, 10]
+    a.check_integrity()
+
+
 def test_page_size_one_ignores_last_loc():
     a = TokenToKVPoolAllocator(16)
     assert ids(a.alloc_extend([3, 0], [5, 1], [99, -7])) == [1, 2, 3]

@@ -38,6 +38,7 @@ from kvpool.errors import (
     InvalidIdError,
     OutOfBlocksError,
 )
+from kvpool.numeric import as_id_list, as_int
 
 #: ``listener(block_ids, block_hashes)``: see :meth:`BlockPool.set_eviction_listener`.
 EvictionListener = Callable[[list[int], list[Hashable]], None]
@@ -76,21 +77,27 @@ class BlockPool:
     over the ``num_blocks - 1`` others (as vLLM's ``get_usage``). ``event_sink`` receives the prefix
     index's changes as KV events (see the module docstring).
 
+    Ids and counts follow :mod:`kvpool.numeric`: Python ints, numpy ints and 0-d int tensors (converted to
+    the int they hold), or a 1-D int tensor / array of ids; never bools.
+
     Raises:
-        InvalidArgumentError: ``num_blocks`` not an int, < 1, or < 2 with a null block.
+        InvalidArgumentError: ``num_blocks`` not an integer, < 1, < 2 with a null block, or too large for
+            this machine's memory (the bookkeeping takes ~60 bytes per block).
     """
 
     def __init__(self, num_blocks: int, *, enable_caching: bool = True, reserve_null_block: bool = False,
                  event_sink: KVEventSink | None = None) -> None:
-        least = 2 if reserve_null_block else 1
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < least:
-            raise InvalidArgumentError(f"num_blocks must be an int >= {least}, got {num_blocks!r}")
+        num_blocks = as_int(num_blocks, "num_blocks", minimum=2 if reserve_null_block else 1)
         self._n = num_blocks
         self._caching = enable_caching
         self._reserved = 1 if reserve_null_block else 0  # 1: block 0 is the null block
-        self._ref = [0] * num_blocks
-        self._hash: list[Hashable | None] = [None] * num_blocks
-        self._free = list(range(num_blocks - 1, self._reserved - 1, -1))  # stack: pop() hands out 0, 1, ...
+        try:
+            self._ref = [0] * num_blocks
+            self._hash: list[Hashable | None] = [None] * num_blocks
+            self._free = list(range(num_blocks - 1, self._reserved - 1, -1))  # stack: pop() hands out 0, 1..
+        except (MemoryError, OverflowError):
+            raise InvalidArgumentError(f"num_blocks={num_blocks:,} does not fit in memory: the pool's "
+                                       "bookkeeping takes ~60 bytes per block") from None
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached free blocks, head = evict first
         self._index: dict[Hashable, int] = {}
         self._hits = self._misses = self._evictions = 0
@@ -119,15 +126,15 @@ class BlockPool:
         from the LRU head (each loses its hash before it is handed out, so a stale entry never matches).
 
         Raises:
-            InvalidArgumentError: ``n`` is negative or not an int.
+            InvalidArgumentError: ``n`` is negative or not an integer.
             OutOfBlocksError: fewer than ``n`` free blocks (cached free included); nothing is handed out.
         """
         free = self._free
-        if n == 1 and type(n) is int and (free or self._lru):  # fast path: one block
+        if type(n) is int and n == 1 and (free or self._lru):  # fast path: one block
             block = free.pop() if free else self._evict(1)[0]
             self._ref[block] = 1
             return [block]
-        self._check_count(n)
+        n = self._check_count(n)
         k = len(free)
         if n <= k:
             ids = free[k - n:]
@@ -142,11 +149,12 @@ class BlockPool:
             ref[block] = 1
         return ids
 
-    def _check_count(self, n: int) -> None:
+    def _check_count(self, n: int) -> int:
         if type(n) is not int or n < 0:
-            raise InvalidArgumentError(f"block count must be an int >= 0, got {n!r}")
+            n = as_int(n, "block count", minimum=0)
         if n > len(self._free) + len(self._lru):
             raise OutOfBlocksError(f"asked for {n} blocks, {self.num_free_blocks} free of {self._n}")
+        return n
 
     def _evict(self, m: int) -> list[int]:
         """Take ``m`` blocks from the LRU head, dropping their hashes from the index first."""
@@ -187,13 +195,15 @@ class BlockPool:
         Blocks without a hash go to the free stack (reused first); hashed ones join the LRU tail.
 
         Raises:
-            InvalidIdError: an id out of range, not an int, or repeated in the call (the null block aside).
+            InvalidIdError: an id out of range, not an integer, or repeated in the call (the null block
+                aside).
             DoubleFreeError: an id whose ref count is already 0.
         """
-        ids = block_ids if type(block_ids) is list else _as_list(block_ids)
+        ids = block_ids if type(block_ids) is list else as_id_list(block_ids, "block ids")
         ref = self._ref
         if len(ids) != 1 or type(ids[0]) is not int or not 0 <= ids[0] < self._n or ref[ids[0]] <= 0:
-            if self._reserved:  # general path; a single valid id skips it (the null block never does)
+            ids = _ints(ids)  # general path; a single valid id skips it (the null block never does)
+            if self._reserved:
                 ids = _without_null(ids)
             refs = self._refs_of(ids)
             if refs and min(refs) <= 0:
@@ -213,10 +223,10 @@ class BlockPool:
         revived in place with its hash; an in-use block is simply shared.
 
         Raises:
-            InvalidIdError: an id out of range, not an int, repeated (the null block aside), or free without
-                a cached hash.
+            InvalidIdError: an id out of range, not an integer, repeated (the null block aside), or free
+                without a cached hash.
         """
-        ids = block_ids if type(block_ids) is list else _as_list(block_ids)
+        ids = block_ids if type(block_ids) is list else as_id_list(block_ids, "block ids")
         ref, lru, hashes = self._ref, self._lru, self._hash
         single_ok = len(ids) == 1 and type(ids[0]) is int and 0 <= ids[0] < self._n and (
             ref[ids[0]] > 0 or hashes[ids[0]] is not None)
@@ -228,7 +238,8 @@ class BlockPool:
             ref[block] += 1
 
     def _checked_touch(self, ids: list[int]) -> list[int]:
-        """The ids of a touch call without the null block, once every one of them is valid."""
+        """The ids of a touch call as Python ints without the null block, once every one of them is valid."""
+        ids = _ints(ids)
         if self._reserved:
             ids = _without_null(ids)
         ref, hashes = self._ref, self._hash
@@ -239,19 +250,20 @@ class BlockPool:
         return ids
 
     def _refs_of(self, ids: Sequence[int]) -> list[int]:
-        """Validate a whole call's ids (ints in range, none repeated) and return their ref counts.
-        O(len(ids)) with C-level set/min; an id >= num_blocks fails the list indexing."""
+        """Validate a whole call's ids (Python ints, as :func:`_ints` makes them; in range; none repeated)
+        and return their ref counts. O(len(ids)) with C-level set/min; an id >= num_blocks fails the list
+        indexing."""
         ref = self._ref
         if len(ids) == 1 and type(ids[0]) is int and 0 <= ids[0] < self._n:
             return [ref[ids[0]]]
         if not ids:
             return []
-        try:  # exact ints only: a bool, numpy int or 0-d tensor indexes ``ref`` but may hash apart
+        try:  # exact ints only: a numpy int or 0-d tensor indexes ``ref`` but may hash apart
             refs = [ref[b] for b in ids] if set(map(type, ids)) == _INT and min(ids) >= 0 else None
         except IndexError:
             refs = None
         if refs is None:
-            raise InvalidIdError(f"block ids must be ints in [0, {self._n}), got {_head(ids)}")
+            raise InvalidIdError(f"block ids must be integers in [0, {self._n}), got {_head(ids)}")
         if len(ids) > 1 and len(set(ids)) != len(ids):
             raise InvalidIdError(f"block ids repeated in one call: {_head(ids)}")
         return refs
@@ -282,9 +294,13 @@ class BlockPool:
             InvalidIdError: a bad or repeated id, a block that is not allocated, or a block that already
                 holds a different hash.
         """
-        ids = block_ids if type(block_ids) is list else _as_list(block_ids)
-        if len(ids) != len(block_hashes):
-            raise InvalidArgumentError(f"{len(ids)} block ids but {len(block_hashes)} hashes")
+        ids = _ints(block_ids if type(block_ids) is list else as_id_list(block_ids, "block ids"))
+        try:
+            num_hashes = len(block_hashes)
+        except TypeError:
+            raise InvalidArgumentError(f"block hashes must be a sequence, got {block_hashes!r}") from None
+        if len(ids) != num_hashes:
+            raise InvalidArgumentError(f"{len(ids)} block ids but {num_hashes} hashes")
         if self._sink is not None and self._caching:
             self._cache_recorded(ids, block_hashes, self._sink, parent_hash, token_ids, extra_keys, lora_name)
             return
@@ -338,7 +354,7 @@ class BlockPool:
         Raises:
             InvalidArgumentError: an unhashable hash.
         """
-        hashes = block_hashes if isinstance(block_hashes, (list, tuple)) else _as_list(block_hashes)
+        hashes = block_hashes if isinstance(block_hashes, (list, tuple)) else _hash_list(block_hashes)
         hit = self._match(hashes)
         self._hits += len(hit)
         self._misses += len(hashes) - len(hit)
@@ -366,9 +382,10 @@ class BlockPool:
         without a hash, and the null block, are left alone. ``stats.evictions`` does not count these.
 
         Raises:
-            InvalidIdError: an id out of range, not an int, or repeated in the call (nothing is unpublished).
+            InvalidIdError: an id out of range, not an integer, or repeated in the call (nothing is
+                unpublished).
         """
-        ids = block_ids if type(block_ids) is list else _as_list(block_ids)
+        ids = _ints(block_ids if type(block_ids) is list else as_id_list(block_ids, "block ids"))
         if self._reserved:
             ids = _without_null(ids)
         refs = self._refs_of(ids)
@@ -425,9 +442,7 @@ class BlockPool:
         Raises:
             InvalidArgumentError: ``num_blocks`` negative, or fewer than ``len(block_hashes)``.
         """
-        if type(num_blocks) is not int or num_blocks < len(block_hashes):
-            raise InvalidArgumentError(
-                f"num_blocks must be an int >= len(block_hashes) = {len(block_hashes)}, got {num_blocks!r}")
+        num_blocks = as_int(num_blocks, "num_blocks", minimum=len(block_hashes))
         ref = self._ref
         return num_blocks - sum(1 for block in self._match(block_hashes) if ref[block] > 0)
 
@@ -439,12 +454,13 @@ class BlockPool:
 
     def ref_count(self, block_id: int) -> int:
         """References held on ``block_id`` (0 = free). Raises InvalidIdError for a bad id."""
-        return self._refs_of([block_id])[0]
+        return self._refs_of(_ints([block_id]))[0]
 
     def block_hash(self, block_id: int) -> Hashable | None:
         """The published hash ``block_id`` holds, or None. Raises InvalidIdError for a bad id."""
-        self._refs_of([block_id])
-        return self._hash[block_id]
+        ids = _ints([block_id])
+        self._refs_of(ids)
+        return self._hash[ids[0]]
 
     @property
     def enable_caching(self) -> bool:
@@ -534,24 +550,30 @@ class BlockPool:
 _INT = {int}
 
 
-def _as_list(values: Iterable) -> list:
-    """A list of the ids (a tensor or numpy array via ``tolist()``, so its elements are Python ints)."""
+def _ints(ids: list) -> list[int]:
+    """``ids`` as Python ints (the same list when they already are): a numpy int or a 0-d tensor is the id
+    it holds, a bool or anything else is an InvalidIdError (:mod:`kvpool.numeric`)."""
+    return ids if set(map(type, ids)) <= _INT else as_id_list(list(ids), "block ids")
+
+
+def _hash_list(values: Iterable) -> list:
+    """A list of block hashes (a tensor or numpy array via ``tolist()``)."""
     try:
         return values.tolist() if hasattr(values, "tolist") else list(values)
-    except TypeError:
-        raise InvalidArgumentError(f"expected an iterable of ids or hashes, got {values!r}") from None
+    except (TypeError, NotImplementedError, RuntimeError):  # not iterable, or a meta tensor
+        raise InvalidArgumentError(f"expected an iterable of block hashes, got {values!r}") from None
 
 
 def _non_null_positions(ids: list[int]) -> list[int]:
-    """Positions of ``ids`` that are not the null block (id 0; what only equals 0 stays, to be refused)."""
-    return [i for i, b in enumerate(ids) if b != 0 or type(b) is not int]
+    """Positions of ``ids`` (Python ints, from :func:`_ints`) that are not the null block (id 0)."""
+    return [i for i, b in enumerate(ids) if b != 0]
 
 
 def _without_null(ids: list[int]) -> list[int]:
-    """``ids`` without the null block (id 0); what only equals 0 (False, 0.0) stays, to be refused."""
+    """``ids`` (Python ints, from :func:`_ints`) without the null block (id 0)."""
     if 0 not in ids:
         return ids
-    return [b for b in ids if b != 0 or type(b) is not int]
+    return [b for b in ids if b != 0]
 
 
 def _hashable(value: object) -> bool:

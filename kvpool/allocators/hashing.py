@@ -49,7 +49,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kvpool.errors import ConfigError, InvalidArgumentError
+from kvpool.numeric import INT64_MAX, INT_DTYPES, as_int
 
 PUBLIC_ROOT = bytes(16)
 """Root of a shared hasher with no seed configured (16 zero bytes)."""
@@ -154,10 +157,11 @@ class BlockHasher:
         before ``token_ids`` when hashing a continuation. Equals :meth:`hash_block` applied block by block.
 
         Raises:
-            InvalidArgumentError: ``block_size`` < 1, ``extra_keys`` of the wrong length, or as hash_block.
+            InvalidArgumentError: ``block_size`` not an integer in ``[1, 2**63 - 1]``, ``extra_keys`` of the
+                wrong length, or as hash_block.
         """
-        if type(block_size) is not int or block_size < 1:
-            raise InvalidArgumentError(f"block_size must be an int >= 1, got {block_size!r}")
+        if type(block_size) is not int or not 1 <= block_size <= INT64_MAX:  # packed as int64 below
+            block_size = as_int(block_size, "block_size", minimum=1, maximum=INT64_MAX)
         digest, buf, prev = self._digest, _pack(token_ids), self._parent(parent)
         num_full, step = len(buf) // 8 // block_size, 8 * block_size
         extras = _extras_per_block(extra_keys, num_full, -(-len(buf) // step))
@@ -383,8 +387,14 @@ def _blake2b(data: bytes) -> bytes:
 
 
 def _pack(token_ids: Sequence[int]) -> bytes:
-    """Token ids as int64 little-endian bytes (a tensor or array is converted with ``tolist()``)."""
+    """Token ids as int64 little-endian bytes (a tensor or array is converted with ``tolist()``; a bool or
+    float tensor is rejected; a list is not scanned for bools, which would cost as much as the packing)."""
     if hasattr(token_ids, "tolist"):
+        dtype = getattr(token_ids, "dtype", None)
+        integral = dtype in INT_DTYPES if isinstance(token_ids, torch.Tensor) else \
+            getattr(dtype, "kind", "i") in ("i", "u")  # numpy's kind; an array.array has no dtype
+        if not integral:
+            raise InvalidArgumentError(f"token ids must be integers, got dtype {dtype}")
         token_ids = token_ids.tolist()
     try:
         arr = array("q", token_ids)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvpool.allocators.token import IdsLike, as_ids, is_int
+from kvpool.allocators.token import IdsLike
 from kvpool.errors import (
     DoubleFreeError,
     IntegrityError,
@@ -22,6 +22,7 @@ from kvpool.errors import (
     InvalidIdError,
     OutOfBlocksError,
 )
+from kvpool.numeric import as_id_tensor, as_int, as_optional_int, index_or_none
 
 _INT32_MAX = 2**31 - 1
 
@@ -37,11 +38,9 @@ class ReqToTokenPool:
 
     def __init__(self, max_reqs: int, max_context_len: int, *, num_slots: int | None = None,
                  device: torch.device | str = "cpu") -> None:
-        for name, value in (("max_reqs", max_reqs), ("max_context_len", max_context_len)):
-            if not is_int(value) or value < 1:
-                raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
-        if num_slots is not None and (not is_int(num_slots) or num_slots < 1):
-            raise InvalidArgumentError(f"num_slots must be a positive int or None, got {num_slots!r}")
+        max_reqs = as_int(max_reqs, "max_reqs", minimum=1)
+        max_context_len = as_int(max_context_len, "max_context_len", minimum=1)
+        num_slots = as_optional_int(num_slots, "num_slots", minimum=1)
         wide = num_slots is not None and num_slots - 1 > _INT32_MAX
         self.max_reqs, self.max_context_len = max_reqs, max_context_len
         dtype = torch.int64 if wide else torch.int32
@@ -63,8 +62,7 @@ class ReqToTokenPool:
         """``n`` free row ids (lowest first on a fresh pool).
 
         Raises InvalidArgumentError for n < 0, OutOfBlocksError when fewer than n rows are free."""
-        if not is_int(n) or n < 0:
-            raise InvalidArgumentError(f"n must be an int >= 0, got {n!r}")
+        n = as_int(n, "n", minimum=0)
         if n > len(self._free):
             raise OutOfBlocksError(f"need {n} request rows, {len(self._free)} free")
         rows = self._free[len(self._free) - n:][::-1]
@@ -74,7 +72,7 @@ class ReqToTokenPool:
 
     def free(self, rows: int | Sequence[int] | torch.Tensor) -> None:
         """Release rows (see the module docstring for the order). Raises InvalidIdError, DoubleFreeError."""
-        rows = as_ids(rows, "rows").tolist()
+        rows = as_id_tensor(rows, "rows", flatten=True).tolist()
         if not rows:
             return
         if min(rows) < 0 or max(rows) >= self.max_reqs:
@@ -88,15 +86,15 @@ class ReqToTokenPool:
 
     def write(self, row: int, slots: IdsLike, start: int = 0) -> None:
         """Store ``slots`` (``[n]`` ints) as the slot ids of tokens ``start .. start + n - 1`` of ``row``."""
-        ids = as_ids(slots, "slots", to_host=False)
-        self._check_span(row, start, start + ids.numel() if is_int(start) else None)
+        ids = as_id_tensor(slots, "slots", flatten=True, to_host=False)
+        row, start, end = self._check_span(row, start, _plus(start, ids.numel()))
         if self.req_to_token.dtype == torch.int32 and ids.numel() and _outside_int32(ids):
             raise InvalidArgumentError("slot id outside int32 in an int32 table: pass num_slots")
-        self.req_to_token[row, start:start + ids.numel()] = ids
+        self.req_to_token[row, start:end] = ids
 
     def read(self, row: int, end: int, start: int = 0) -> torch.Tensor:
         """A copy (int64 ``[end - start]``, on the table's device) of the slot ids of tokens start..end-1."""
-        self._check_span(row, start, end)
+        row, start, end = self._check_span(row, start, end)
         return self.req_to_token[row, start:end].to(torch.int64, copy=True)
 
     def clear(self) -> None:
@@ -114,11 +112,21 @@ class ReqToTokenPool:
         if free | self._used != set(range(self.max_reqs)):
             raise IntegrityError(f"free + used rows != {self.max_reqs}")
 
-    def _check_span(self, row: int, start: int, end: int) -> None:
-        if not is_int(row) or row not in self._used:
+    def _check_span(self, row: int, start: int, end: int | None) -> tuple[int, int, int]:
+        """(row, start, end) as Python ints: an allocated row and ``0 <= start <= end <= max_context_len``."""
+        r = index_or_none(row)
+        if r is None or r not in self._used:
             raise InvalidIdError(f"row {row!r} is not an allocated row")
-        if not (is_int(start) and is_int(end) and 0 <= start <= end <= self.max_context_len):
+        lo, hi = index_or_none(start), index_or_none(end)
+        if lo is None or hi is None or not 0 <= lo <= hi <= self.max_context_len:
             raise InvalidArgumentError(f"token span [{start}, {end}) outside [0, {self.max_context_len}]")
+        return r, lo, hi
+
+
+def _plus(start: object, n: int) -> int | None:
+    """``start + n`` for an integer ``start`` (None otherwise: the span check then names it)."""
+    lo = index_or_none(start)
+    return None if lo is None else lo + n
 
 
 def _outside_int32(ids: torch.Tensor) -> bool:

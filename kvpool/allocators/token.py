@@ -27,34 +27,13 @@ from kvpool.errors import (
     InvalidIdError,
     OutOfBlocksError,
 )
+from kvpool.numeric import as_id_tensor, as_int
 
 _FREE, _USED, _PAD = 0, 1, 2
-_INT_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 
+#: Slot ids, lengths or locations: an int tensor of any shape (any device), a sequence of integers, or one
+#: integer (the rule of :mod:`kvpool.numeric`: never bools).
 IdsLike = torch.Tensor | Sequence[int] | int
-
-
-def as_ids(ids: IdsLike, what: str = "ids", *, to_host: bool = True) -> torch.Tensor:
-    """``ids`` as a 1-D int64 tensor, on the host unless ``to_host`` is False (no copy when it already is).
-
-    Raises InvalidArgumentError for a non-integer dtype (float, bool) or what is not ids at all.
-    """
-    if isinstance(ids, torch.Tensor):
-        t = ids
-    else:
-        try:
-            t = torch.as_tensor(ids)
-        except (TypeError, ValueError, RuntimeError, OverflowError):  # None, str, ragged, > int64
-            raise InvalidArgumentError(f"{what} must be int64 ids, got {ids!r}") from None
-        if t.numel() == 0:
-            t = t.long()
-    if t.dtype is not torch.int64:
-        if t.dtype not in _INT_DTYPES:
-            raise InvalidArgumentError(f"{what} must be integer ids, got dtype {t.dtype}")
-        t = t.long()
-    if to_host and not t.is_cpu:
-        t = t.cpu()
-    return t if t.ndim == 1 else t.reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -87,9 +66,9 @@ class TokenToKVPoolAllocator:
     """
 
     def __init__(self, size: int, *, page_size: int = 1, device: torch.device | str = "cpu") -> None:
-        if not is_int(page_size) or page_size < 1:
-            raise InvalidArgumentError(f"page_size must be a positive int, got {page_size!r}")
-        if not is_int(size) or size % page_size or size // page_size < 2:
+        page_size = as_int(page_size, "page_size", minimum=1)
+        size = as_int(size, "size", minimum=2 * page_size)
+        if size % page_size:
             raise InvalidArgumentError(
                 f"size must be a multiple of page_size={page_size} holding >= 2 pages, got {size!r}")
         self.size, self.page_size, self.num_pages = size, page_size, size // page_size
@@ -140,7 +119,7 @@ class TokenToKVPoolAllocator:
         Raises InvalidArgumentError if n < 0 or (paged) not a multiple of page_size, OutOfBlocksError if
         fewer than n slots are free (nothing is handed out).
         """
-        if n == self.page_size and type(n) is int:
+        if type(n) is int and n == self.page_size:
             return self._alloc_one_page()
         pages = self._take(self._pages_for(n))
         return self._out(pages.clone() if self.page_size == 1 else self._page_slots(pages))
@@ -161,6 +140,8 @@ class TokenToKVPoolAllocator:
         if ps > 1:
             bad |= self._bad_last_loc(last, pre - 1, pre % ps != 0)
         _raise_bad_rows(bad, "alloc_extend")
+        if ps > 1:
+            self._check_own_pages(last, (pre % ps != 0) & (seq > pre), "alloc_extend")
         if seq.numel() and int(seq.max()) > self.size:  # also keeps the page arithmetic below int64
             raise OutOfBlocksError(f"a request of {int(seq.max())} tokens exceeds the {self.size} slots")
         ext = seq - pre
@@ -184,6 +165,7 @@ class TokenToKVPoolAllocator:
             return self.alloc(seq.numel())
         opens = (seq - 1) % ps == 0                      # the new token starts a page
         _raise_bad_rows((seq < 1) | self._bad_last_loc(last, seq - 2, ~opens), "alloc_decode")
+        self._check_own_pages(last, ~opens, "alloc_decode")
         pages = self._take(int(opens.sum()))
         if pages.numel() == 0:
             return self._out(last + 1)
@@ -216,7 +198,7 @@ class TokenToKVPoolAllocator:
         Inside a free group the ids are copied and released at ``free_group_end()``. Raises InvalidIdError,
         DoubleFreeError (see the class docstring); nothing is released then.
         """
-        ids = as_ids(slots, "slots")
+        ids = as_id_tensor(slots, "slots", flatten=True)
         if self._group is not None:
             self._group.append(ids.clone())
             return
@@ -304,9 +286,9 @@ class TokenToKVPoolAllocator:
 
     # ------------------------------------------------------------------------------------- internals
     def _pages_for(self, n: int) -> int:
-        if not is_int(n) or n < 0 or n % self.page_size:
-            raise InvalidArgumentError(f"n must be an int >= 0 and a multiple of page_size={self.page_size}, "
-                                       f"got {n!r}")
+        n = as_int(n, "n", minimum=0)
+        if n % self.page_size:
+            raise InvalidArgumentError(f"n must be a multiple of page_size={self.page_size}, got {n}")
         return n // self.page_size
 
     def _alloc_one_page(self) -> torch.Tensor:
@@ -354,6 +336,23 @@ class TokenToKVPoolAllocator:
         ps = self.page_size
         page = last.div(ps, rounding_mode="floor").clamp_(0, self.num_pages)  # out of range -> a _PAD entry
         return used & ((last % ps != prev_pos % ps) | (self._mask_ext.index_select(0, page) != _USED))
+
+    def _check_own_pages(self, last: torch.Tensor, fills: torch.Tensor, what: str) -> None:
+        """Raise InvalidArgumentError when two rows that write into their partial last page (``fills``)
+        name the same page through ``last``: they would be handed the same slots (aliasing). ``last`` is
+        checked already (its pages are allocated). Two vectorized ops, as the deduplication of a free."""
+        rows = fills.nonzero().squeeze(1)
+        if rows.numel() < 2:
+            return
+        pages = last.index_select(0, rows).div(self.page_size, rounding_mode="floor")
+        order = torch.arange(pages.numel())
+        self._stamp.index_copy_(0, pages, order)
+        repeat = self._stamp.index_select(0, pages) != order  # one more row of the same page
+        if bool(repeat.any()):
+            page = pages[repeat.nonzero()[0]]
+            first, second = rows.masked_select(pages == page)[:2].tolist()
+            raise InvalidArgumentError(f"{what}: requests {first} and {second} both continue page "
+                                       f"{int(page)}: the same slots would be handed out twice")
 
     def _free_one(self, slot: int) -> None:
         if not 0 <= slot < self.size:
@@ -421,13 +420,9 @@ class TokenToKVPoolAllocator:
         return t if self._on_host else t.to(self.device)
 
 
-def is_int(n: object) -> bool:
-    """True for a Python int that is not a bool."""
-    return isinstance(n, int) and not isinstance(n, bool)
-
-
 def _lens(*args: IdsLike) -> tuple[torch.Tensor, ...]:
-    out = tuple(as_ids(a, "lengths and locations") for a in args)
+    out = tuple(as_id_tensor(a, "lengths and locations", flatten=True, error=InvalidArgumentError)
+                for a in args)
     if len({t.numel() for t in out}) > 1:
         raise InvalidArgumentError(f"per-request inputs differ in length: {[t.numel() for t in out]}")
     return out

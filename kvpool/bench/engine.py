@@ -4,12 +4,15 @@ same greedy settings (EOS ignored, so every run makes prompts x max_new_tokens t
 
 transformers' peer uses the settings DESIGN.md names for CPU: ``ContinuousBatchingConfig(page_size=16,
 num_blocks=64, max_batch_tokens=256, auto_switch_to_flash=False, use_cuda_graph=False)``; kvpool runs with
-the same 64 blocks of 16 tokens and 256 tokens per step.
+the same blocks of 16 tokens and 256 tokens per step. ``--num-blocks`` sets both pools; by default 64, or
+what the longest prompt needs when that is more (``ceil((prompt + max_new_tokens - 1) / 16)``: the tiny
+models' byte tokenizer makes the built-in prompts ~1,200 tokens, 79 blocks with 32 new tokens).
 
-Threads: torch runs on 1 CPU thread by default (``--threads``). On a 2-core machine shared with other work,
-two intra-op threads make every parallel op wait for the busy core; transformers' ``generate_batch`` steps in
-a background thread and suffers less from it than the main-thread loops of kvpool and padded ``generate``,
-so a multi-threaded run there measures the machine's load more than the engines.
+Threads: torch runs on 1 CPU thread by default (``--threads``, as every command). On a 2-core machine
+shared with other work, two intra-op threads make every parallel op wait for the busy core; transformers'
+``generate_batch`` steps in a background thread and suffers less from it than the main-thread loops of
+kvpool and padded ``generate``, so a multi-threaded run there measures the machine's load more than the
+engines.
 """
 
 from __future__ import annotations
@@ -22,37 +25,41 @@ from typing import Any
 import torch
 
 from kvpool.bench.timing import print_table, require_at_least
+from kvpool.errors import ConfigError
 
-NUM_BLOCKS, BLOCK_SIZE, BATCH_TOKENS = 64, 16, 256
+NUM_BLOCKS, BLOCK_SIZE, BATCH_TOKENS = 64, 16, 256  # the peer's CPU settings (DESIGN.md)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", help="smollm2 (default), tiny-llama, ... or a folder")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per prompt (32)")
+    parser.add_argument("--num-blocks", type=int, default=None, metavar="N",
+                        help=f"KV blocks of {BLOCK_SIZE} tokens for kvpool and generate_batch (default: "
+                             f"{NUM_BLOCKS}, or what the longest prompt needs)")
     parser.add_argument("--skip-padded", action="store_true", help="skip padded generate (the slowest)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads for all three (default 1; 0 keeps torch's own)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvpool.engine.models import DEFAULT_PROMPTS, load_model
 
-    require_at_least(args, {"max_new_tokens": 1, "threads": 0})  # torch.set_num_threads(-1) would raise
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    require_at_least(args, {"max_new_tokens": 1})
+    if args.num_blocks is not None:
+        require_at_least(args, {"num_blocks": 1})
     loaded = load_model(args.model)
     prompts = [loaded.encode(text) for text in DEFAULT_PROMPTS]
-    runners: dict[str, Callable[[Any, list[list[int]], int], list[list[int]]]] = {
+    num_blocks = pool_blocks(prompts, args.max_new_tokens, args.num_blocks)
+    runners: dict[str, Callable[[Any, list[list[int]], int, int], list[list[int]]]] = {
         "kvpool generate": _kvpool, "transformers generate_batch": _generate_batch}
     if not args.skip_padded:
         runners["transformers padded generate"] = _padded
-    results = {name: _timed(fn, loaded.model, prompts, args.max_new_tokens) for name, fn in runners.items()}
+    results = {name: _timed(fn, loaded.model, prompts, args.max_new_tokens, num_blocks)
+               for name, fn in runners.items()}
     base, ours = results["transformers generate_batch"]["seconds"], results["kvpool generate"]["tokens"]
     for result in results.values():
         result["speedup_vs_generate_batch"] = base / result["seconds"]
         result["same_tokens_as_kvpool"] = result.pop("tokens") == ours
     out = {"model": args.model, "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
-           "max_new_tokens": args.max_new_tokens, "num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE,
+           "max_new_tokens": args.max_new_tokens, "num_blocks": num_blocks, "block_size": BLOCK_SIZE,
            "threads": torch.get_num_threads(), "results": results}
     if not args.json:
         rows = [(name, r["seconds"], r["tokens_per_s"], r["speedup_vs_generate_batch"],
@@ -62,21 +69,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _timed(fn: Callable[[Any, list[list[int]], int], list[list[int]]], model: Any, prompts: list[list[int]],
-           max_new_tokens: int) -> dict[str, Any]:
+def pool_blocks(prompts: list[list[int]], max_new_tokens: int, num_blocks: int | None) -> int:
+    """``num_blocks`` when given (ConfigError when the longest prompt cannot fit it), else the default 64
+    or the blocks the longest prompt needs: ``ceil((prompt + max_new_tokens - 1) / BLOCK_SIZE)``."""
+    need = -(-(max(map(len, prompts)) + max_new_tokens - 1) // BLOCK_SIZE)
+    if num_blocks is None:
+        return max(NUM_BLOCKS, need)
+    if num_blocks < need:
+        raise ConfigError(f"--num-blocks {num_blocks} cannot hold the longest prompt with "
+                          f"{max_new_tokens} new tokens: it needs {need} blocks of {BLOCK_SIZE} tokens")
+    return num_blocks
+
+
+def _timed(fn: Callable[[Any, list[list[int]], int, int], list[list[int]]], model: Any,
+           prompts: list[list[int]], max_new_tokens: int, num_blocks: int) -> dict[str, Any]:
     start = time.perf_counter()
-    tokens = fn(model, prompts, max_new_tokens)
+    tokens = fn(model, prompts, max_new_tokens, num_blocks)
     seconds = time.perf_counter() - start
     generated = sum(len(t) for t in tokens)
     return {"seconds": seconds, "generated_tokens": generated, "tokens_per_s": generated / seconds,
             "tokens": tokens}
 
 
-def _kvpool(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def _kvpool(model: Any, prompts: list[list[int]], max_new_tokens: int, num_blocks: int) -> list[list[int]]:
     from kvpool.engine.engine import LLMEngine
     from kvpool.engine.sampling import SamplingParams
 
-    engine = LLMEngine(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+    engine = LLMEngine(model, num_blocks=num_blocks, block_size=BLOCK_SIZE,
                        max_num_batched_tokens=BATCH_TOKENS)
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
     return [req.output_token_ids for req in engine.generate(prompts, params)]
@@ -89,11 +108,12 @@ def _greedy_config(model: Any, max_new_tokens: int) -> Any:
                             pad_token_id=model.generation_config.pad_token_id or 0)
 
 
-def _generate_batch(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def _generate_batch(model: Any, prompts: list[list[int]], max_new_tokens: int, num_blocks: int
+                    ) -> list[list[int]]:
     from transformers import ContinuousBatchingConfig
 
     model.set_attn_implementation("sdpa")
-    config = ContinuousBatchingConfig(page_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
+    config = ContinuousBatchingConfig(page_size=BLOCK_SIZE, num_blocks=num_blocks,
                                       max_batch_tokens=BATCH_TOKENS, auto_switch_to_flash=False,
                                       use_cuda_graph=False)
     outputs = model.generate_batch(prompts, _greedy_config(model, max_new_tokens),
@@ -107,7 +127,8 @@ def _request_index(request_id: str) -> int:
 
 
 @torch.inference_mode()
-def _padded(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def _padded(model: Any, prompts: list[list[int]], max_new_tokens: int, num_blocks: int) -> list[list[int]]:
+    del num_blocks  # padded generate keeps its own DynamicCache
     model.set_attn_implementation("sdpa")
     config = _greedy_config(model, max_new_tokens)
     width = max(len(p) for p in prompts)

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 
 from kvpool.bench.timing import median_ns, print_table, require_at_least
+from kvpool.errors import ConfigError
+from kvpool.numeric import as_seed
 from kvpool.spec import KVCacheSpec, parse_kv_dtype
 from kvpool.storage.paged import PagedKVCache
 
@@ -32,10 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=int, default=128, help="head dim D")
     parser.add_argument("--dtype", default="float16", help="KV dtype (float16, bfloat16, float32, fp8, ...)")
     parser.add_argument("--repeat", type=int, default=7, help="timed repetitions (median)")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch intra-op threads (default 0: leave torch's setting; 1 is steadier on a "
-                             "busy machine)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random slots and K/V")
 
 
 def _slots(pattern: str, tokens: int, cache: PagedKVCache) -> torch.Tensor:
@@ -80,15 +79,16 @@ COLUMNS = ("pattern", "tokens", "store_kv_us", "store_kv_gb_s", "copy_us", "copy
 def run(args: argparse.Namespace) -> dict[str, Any]:
     require_at_least(args, dict.fromkeys(("tokens", "num_blocks", "block_size", "kv_heads", "head_dim",
                                           "repeat"), 1))
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
+    torch.manual_seed(as_seed(args.seed, "--seed", error=ConfigError))
     dtype = parse_kv_dtype(args.dtype)
+    num_slots = args.num_blocks * args.block_size
+    if max(args.tokens) > num_slots:  # each row writes T distinct slots
+        raise ConfigError(f"--tokens {max(args.tokens)} is more than the cache's {num_slots} slots "
+                          f"(--num-blocks {args.num_blocks} x --block-size {args.block_size})")
     spec = KVCacheSpec(num_layers=1, num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=dtype,
                        block_size=args.block_size)
     cache = PagedKVCache(spec, args.num_blocks, zero=True)
-    tokens = [t for t in args.tokens if t <= cache.num_slots]
-    rows = [_case(cache, pattern, t, args.repeat) for pattern in ("random", "paged") for t in tokens]
+    rows = [_case(cache, pattern, t, args.repeat) for pattern in ("random", "paged") for t in args.tokens]
     config = {"num_blocks": args.num_blocks, "block_size": args.block_size, "kv_heads": args.kv_heads,
               "head_dim": args.head_dim, "dtype": str(dtype), "repeat": args.repeat,
               "torch_threads": torch.get_num_threads()}

@@ -1,36 +1,70 @@
 """The ``kvpool`` command line: one module per subcommand, each with ``register(subparsers)``.
 
 Every subcommand sets ``func(args) -> int``. Bad input (any :class:`KVPoolError`, or a missing optional
-dependency) prints one line on stderr and exits with status 2, without a traceback.
+dependency) prints one line on stderr and exits with status 2, without a traceback. ``kvpool`` alone prints
+the usage and the subcommands; ``kvpool --version`` the version. When stdout is closed early
+(``kvpool ... | head``) the command ends quietly, with the status a pipe-killed program has (141).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
+from kvpool import __version__
 from kvpool.cli._args import OneLineErrorParser
 from kvpool.errors import KVPoolError
 
 SUBCOMMANDS = ("plan", "generate", "replay", "events", "bench")
+#: Exit status after a closed stdout: 128 + SIGPIPE, what the shell reports for a program a pipe killed.
+BROKEN_PIPE_STATUS = 141
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog="kvpool", description="The KV cache memory pool for LLM inference.")
-    subparsers = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"kvpool {__version__}")
+    parser.set_defaults(func=lambda _args: _usage(parser))
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for name in SUBCOMMANDS:
         importlib.import_module(f"kvpool.cli.{name}").register(subparsers)
     return parser
 
 
+def _usage(parser: argparse.ArgumentParser) -> int:
+    """``kvpool`` (or ``kvpool bench``) with no subcommand: the help, on stdout, and status 2."""
+    parser.print_help()
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
-    except (KVPoolError, ImportError, OSError) as exc:
-        print(f"kvpool {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as exc:  # --help, --version, or a bad argument (argparse's one-line error)
+            return exc.code if isinstance(exc.code, int) else 2
+        try:
+            code = args.func(args)
+        except (KVPoolError, ImportError, OSError) as exc:
+            if isinstance(exc, BrokenPipeError):
+                raise
+            print(f"kvpool {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        _silence_stdout()
+        return BROKEN_PIPE_STATUS
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that Python's final flush does not report the broken pipe again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout has no file descriptor (captured by a test)
+        pass
 
 
 if __name__ == "__main__":

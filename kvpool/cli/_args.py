@@ -3,35 +3,47 @@
 from __future__ import annotations
 
 import argparse
-import re
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+from kvpool import units
+from kvpool.numeric import INT64_MAX, SEED_MAX
 
 
 def parse_bytes(text: str) -> int:
-    """``"4GiB"`` -> 4294967296. An integer, or a number with a binary suffix B, KiB, MiB, GiB, TiB."""
-    match = _BYTES.match(text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a byte count (e.g. 80GiB, 512MiB, 1073741824)")
-    value = float(match.group(1)) * _UNITS[unit]
-    if value != int(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of bytes")
-    return int(value)
+    """``"4GiB"`` -> 4294967296: :func:`kvpool.units.parse_bytes` as an argparse type."""
+    try:
+        return units.parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _integer(text: str, minimum: int, maximum: int) -> int:
+    try:
+        value = int(text) if len(text) <= 40 else None  # int() of thousands of digits raises anyway
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value is None or not minimum <= value <= maximum:
+        shown = text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
+        raise argparse.ArgumentTypeError(f"{shown!r} must be an integer in [{minimum}, {maximum}]"
+                                         if maximum < INT64_MAX else f"{shown!r} must be an integer >= "
+                                         f"{minimum} (at most 2**63 - 1)")
+    return value
 
 
 def positive_int(text: str) -> int:
-    """An integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return value
+    """An integer in [1, 2**63 - 1]."""
+    return _integer(text, 1, INT64_MAX)
+
+
+def non_negative_int(text: str) -> int:
+    """An integer in [0, 2**63 - 1]."""
+    return _integer(text, 0, INT64_MAX)
+
+
+def seed(text: str) -> int:
+    """A seed: an integer in [0, 2**64 - 1] (what ``torch.manual_seed`` takes)."""
+    return _integer(text, 0, SEED_MAX)
 
 
 def _number(text: str, in_range: Callable[[float], bool], rule: str) -> float:
@@ -84,7 +96,47 @@ def describe_hasher(info: dict[str, Any]) -> str:
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse without the usage block on errors: bad input gives one line on stderr and exit status 2."""
+    """argparse without the usage block on errors: bad input gives one line on stderr and exit status 2.
+    Its subcommand parsers are OneLineErrorParsers too, and every parser shows defaults in ``--help``."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """``--help`` that shows every option's default: ``(default: X)`` is appended to a help text that does
+    not name its default already, unless the default is None, False or suppressed."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "default" in text or any(default is x for x in (None, False, argparse.SUPPRESS)) \
+                or not action.option_strings:  # identity: 0 and 0.0 are defaults to show, unlike False
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, list) else "%(default)s"
+        return f"{text} (default: {shown})"
+
+
+#: The torch CPU threads every command that runs torch uses unless told otherwise (see add_threads_argument).
+DEFAULT_THREADS = 1
+
+
+def add_threads_argument(parser: argparse.ArgumentParser) -> None:
+    """``--threads N``, the one convention of every command that runs torch: N >= 1 threads, or 0 for
+    torch's own default (one per core). The default is 1: on a small machine busy with other work, more
+    intra-op threads wait for the busy cores and run several times slower (see README)."""
+    parser.add_argument("--threads", type=non_negative_int, default=DEFAULT_THREADS, metavar="N",
+                        help="torch CPU threads; 0 = torch's own (one per core)")
+
+
+def apply_threads(args: argparse.Namespace) -> int:
+    """Set torch's CPU threads from ``--threads`` (0 leaves torch's setting); returns the count in use."""
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return torch.get_num_threads()

@@ -1,6 +1,9 @@
-"""``kvpool bench SUITE [--json]``: benchmarks that print ratios against a baseline timed in the same run.
+"""``kvpool bench SUITE [--json] [--threads N]``: benchmarks that print ratios against a baseline timed in
+the same run.
 
-Each suite lives in ``kvpool.bench.<suite>`` with ``add_arguments(parser)`` and ``run(args) -> dict``.
+Each suite lives in ``kvpool.bench.<suite>`` with ``add_arguments(parser)`` and ``run(args) -> dict``; every
+suite takes ``--json`` and the ``--threads`` convention of :func:`kvpool.cli._args.add_threads_argument`
+(applied before the suite runs).
 """
 
 from __future__ import annotations
@@ -8,6 +11,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+
+from kvpool.cli._args import add_threads_argument, apply_threads
 
 SUITES = {
     "alloc": "BlockPool, hashing and the token allocator against a naive deque allocator",
@@ -18,16 +23,26 @@ SUITES = {
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("bench", help="run a benchmark suite")
-    suites = parser.add_subparsers(dest="suite", required=True)
+    parser = subparsers.add_parser("bench", help="run a benchmark suite",
+                                   description="Benchmarks that print ratios against a baseline timed in the "
+                                               "same run.")
+    parser.set_defaults(func=lambda _args: _usage(parser))
+    suites = parser.add_subparsers(dest="suite", metavar="SUITE", title="suites")
     for name, help_text in SUITES.items():
-        sub = suites.add_parser(name, help=help_text)
+        sub = suites.add_parser(name, help=help_text, description=f"{help_text[0].upper()}{help_text[1:]}.")
         sub.add_argument("--json", action="store_true", help="print one JSON object")
+        add_threads_argument(sub)
         sub.set_defaults(func=_run)
         importlib.import_module(f"kvpool.bench.{name}").add_arguments(sub)
 
 
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 2
+
+
 def _run(args: argparse.Namespace) -> int:
+    apply_threads(args)
     module = importlib.import_module(f"kvpool.bench.{args.suite}")
     result = module.run(args)
     if args.json:

@@ -16,13 +16,16 @@ import torch
 
 from kvpool.cli._args import (
     add_hash_arguments,
+    add_threads_argument,
+    apply_threads,
     describe_hasher,
     hasher_from_args,
     non_negative_float,
     parse_bytes,
     positive_int,
+    seed,
 )
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, OutOfBlocksError
 
 DEFAULT_KV_MEMORY = 256 * 2**20  # CPU: 256 MiB of KV (SmolLM2 in float32: 364 blocks of 16 tokens)
 
@@ -36,17 +39,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "model folder")
     parser.add_argument("--prompt", action="append", help="a prompt (repeatable); default: built-in prompts")
     parser.add_argument("--prompts-file", type=Path, help="a file with one prompt per line")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens per prompt (32)")
-    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (16)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=32, metavar="N",
+                        help="tokens per prompt")
+    parser.add_argument("--block-size", type=positive_int, default=16, metavar="B",
+                        help="tokens per KV block")
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--num-blocks", type=positive_int, help="KV blocks in the pool")
-    size.add_argument("--kv-memory", type=parse_bytes,
+    size.add_argument("--num-blocks", type=positive_int, metavar="N",
+                      help="KV blocks in the pool (default: sized from --kv-memory)")
+    size.add_argument("--kv-memory", type=parse_bytes, metavar="BYTES",
                       help="KV memory budget, e.g. 64MiB (default: 256MiB on CPU, the GPU profile on CUDA)")
-    parser.add_argument("--max-batched-tokens", type=positive_int, default=256, help="token budget per step")
-    parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (request i uses seed + i)")
-    parser.add_argument("--threads", type=positive_int,
-                        help="torch CPU threads (default: torch's own; 1 is steadier on a busy machine)")
+    parser.add_argument("--max-batched-tokens", type=positive_int, default=256, metavar="N",
+                        help="token budget per step")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T",
+                        help="sampling temperature; 0 = greedy")
+    parser.add_argument("--seed", type=seed, default=0, metavar="S",
+                        help="sampling seed (request i uses S + i; S + i must stay below 2**64)")
+    add_threads_argument(parser)
     parser.add_argument("--check", action="store_true", help="compare with transformers' greedy generate")
     add_hash_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -57,7 +65,12 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     """--prompt values, then the lines of --prompts-file; the built-in prompts when neither is given."""
     prompts = list(args.prompt or [])
     if args.prompts_file is not None:
-        prompts += [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
+        try:
+            text = args.prompts_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            why = f"{exc.reason} at byte {exc.start}"
+            raise ConfigError(f"{args.prompts_file} is not UTF-8 text ({why})") from None
+        prompts += [line for line in text.splitlines() if line.strip()]
     if not prompts and args.prompts_file is not None:
         raise ConfigError(f"{args.prompts_file} holds no prompt")
     from kvpool.engine.models import DEFAULT_PROMPTS
@@ -93,16 +106,23 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--check compares greedy outputs: use it with --temperature 0")
     texts = read_prompts(args)
     hasher = hasher_from_args(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             seed=args.seed + i) for i in range(len(texts))]  # bad input fails before loading
+    apply_threads(args)
     loaded = load_model(args.model, device="cuda" if torch.cuda.is_available() else "cpu")
     engine = LLMEngine(loaded.model, num_blocks=pool_blocks(loaded, args), block_size=args.block_size,
                        max_num_batched_tokens=args.max_batched_tokens, eos_token_ids=loaded.eos_token_ids,
                        hasher=hasher)
     prompts = [loaded.encode(text) for text in texts]
-    params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             seed=args.seed + i) for i in range(len(prompts))]
-    requests = _generate_with_progress(engine, prompts, params)
+    try:
+        requests = _generate_with_progress(engine, prompts, params)
+    except OutOfBlocksError as exc:  # a prompt that can never fit: name it and the option that fixes it
+        if exc.blocks_needed is None:
+            raise
+        text = texts[getattr(exc, "prompt_index", 0)]
+        excerpt = text if len(text) <= 40 else f"{text[:37]}..."
+        raise OutOfBlocksError(f"{exc} ({excerpt!r}): pass --num-blocks {exc.blocks_needed} or more"
+                               ) from None
     results = [{"prompt": text, "output_token_ids": r.output_token_ids,
                 "text": loaded.decode(r.output_token_ids)} for text, r in zip(texts, requests, strict=True)]
     if args.check:

@@ -23,11 +23,13 @@ from kvpool.cli._args import (
 from kvpool.errors import ConfigError
 from kvpool.planner import MemoryReadings, PoolPlan, plan_pool, profile_cuda_memory
 from kvpool.spec import KVCacheSpec
+from kvpool.units import plural
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("plan", help="how much KV cache a model gets on a GPU",
-                                   description=__doc__.splitlines()[0])
+                                   description="How much KV cache a model gets on a GPU, per tensor-parallel "
+                                               "rank.")
     parser.add_argument("config", metavar="CONFIG", help="a Hugging Face config.json or a folder holding one")
     parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per block (default 16)")
     add_memory_arguments(parser, gpu_memory_default="read the local CUDA device")
@@ -83,7 +85,8 @@ def _readings(args: argparse.Namespace) -> MemoryReadings:
 def plan_report(spec: KVCacheSpec, plan: PoolPlan) -> dict[str, Any]:
     """The spec's per-rank layout and the plan's breakdown in one flat dict (what ``--json`` prints)."""
     report = {
-        "attention": spec.attention.value, "num_layers": spec.num_layers,
+        "attention": spec.attention.value, "attention_label": spec.attention_label,
+        "num_layers": spec.num_layers, "num_attention_heads": spec.num_attention_heads,
         "num_kv_heads": spec.num_kv_heads, "num_kv_heads_per_rank": spec.num_kv_heads_per_rank,
         "head_dim": spec.head_dim, "kv_dtype": str(spec.dtype).removeprefix("torch."),
         "kv_dtype_bytes": spec.dtype_bytes, "tp_size": spec.tp_size, "sliding_window": spec.sliding_window,
@@ -103,12 +106,26 @@ _PER_REQUEST_KEYS = ("max_model_len", "max_concurrency", "blocks_per_request", "
                      "all_full_max_concurrency")
 
 
+def _layout_line(r: dict[str, Any]) -> str:
+    """``GQA: 32 layers x 2 (K, V) x 8 KV heads x 128 x 2 B (bfloat16), 32 query heads``: per rank."""
+    tp = r["tp_size"]
+    if r["attention"] == "mla":
+        parts, rank = "1 latent", ", not split by tensor parallelism" if tp > 1 else ""
+    else:
+        per_rank = " per rank" if tp > 1 else ""
+        parts = f"2 (K, V) x {plural(r['num_kv_heads_per_rank'], 'KV head')}{per_rank}"
+        query = r["num_attention_heads"]
+        split = "replicated" if r["num_kv_heads"] < tp else f"of {plural(r['num_kv_heads'], 'KV head')}"
+        rank = (f", {plural(query, 'query head')}" if query is not None else "") + (
+            f", tensor parallel {tp} ({split})" if tp > 1 else "")
+    return (f"{r['attention_label']}: {plural(r['num_layers'], 'layer')} x {parts} x {r['head_dim']} x "
+            f"{r['kv_dtype_bytes']} B ({r['kv_dtype']}){rank}")
+
+
 def _human(r: dict[str, Any]) -> str:
     gib = 2**30
-    heads = f"2 (K, V) x {r['num_kv_heads_per_rank']} heads" if r["attention"] == "mha" else "1 latent"
-    layout = f"{r['num_layers']} layers x {heads} x {r['head_dim']} x {r['kv_dtype_bytes']} B"
     lines = [
-        f"KV layout        {r['attention'].upper()}: {layout} ({r['kv_dtype']}), per rank of {r['tp_size']}",
+        f"KV layout        {_layout_line(r)}",
         f"per token        {r['bytes_per_token']:,} B",
         f"per block        {r['bytes_per_block']:,} B ({r['block_size']} tokens)",
         f"device memory    {r['total_bytes']:,} B ({r['total_bytes'] / gib:.2f} GiB)",
@@ -132,14 +149,15 @@ def _group_lines(r: dict[str, Any]) -> list[str]:
     """One line per KV cache group (kind, window, layers, padding, blocks per request)."""
     groups = r["groups"]
     padding = sum(g["num_padding_layers"] for g in groups)
-    head = (f"KV cache groups  {len(groups)} group{'s' if len(groups) > 1 else ''} of "
-            f"{r['layers_per_block']} layer slots per block")
+    head = (f"KV cache groups  {plural(len(groups), 'group')} of "
+            f"{plural(r['layers_per_block'], 'layer slot')} per block")
     head += f", {padding} of them padding" if padding else ""
     lines = [head]
     for g in groups:
         kind = g["kind"] + (f" (window {g['window']})" if g["kind"] == "sliding_attention" else
                             f" (chunk {g['window']})" if g["kind"] == "chunked_attention" else "")
-        line = f"  group {g['index']:<8} {kind}, {g['num_layers']} layers {_layer_list(g['layers'])}"
+        layers = f"{plural(g['num_layers'], 'layer')} {_layer_list(g['layers'])}"
+        line = f"  group {g['index']:<8} {kind}, {layers}"
         if g["num_padding_layers"]:
             line += f" + {g['num_padding_layers']} padding"
         if "blocks_per_request" in g:

@@ -27,7 +27,8 @@ PROGRESS_MIN_REQUESTS = 1000
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("replay", help="replay a serving trace through the block pool",
-                                   description=__doc__.splitlines()[0])
+                                   description="Replay a serving trace through the block pool: hit ratio, "
+                                               "blocks used, preemptions.")
     parser.add_argument("trace", nargs="?", metavar="TRACE", help="trace file (default: the shipped one)")
     parser.add_argument("--format", choices=FORMATS, help="trace format (default: from the file suffix)")
     parser.add_argument("--block-size", type=positive_int, default=16, metavar="B",

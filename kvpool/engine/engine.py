@@ -22,7 +22,6 @@ A full block is published to the prefix cache only after the forward that wrote 
 from __future__ import annotations
 
 import enum
-import operator
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -36,7 +35,9 @@ from kvpool.allocators.hashing import BlockHasher, default_hasher
 from kvpool.engine.models import kv_spec
 from kvpool.engine.runner import ModelRunner, StepBatch
 from kvpool.engine.sampling import SamplingParams, sample
-from kvpool.errors import InvalidArgumentError, InvalidIdError, OutOfBlocksError
+from kvpool.errors import InvalidArgumentError, InvalidIdError, KVPoolError, OutOfBlocksError
+from kvpool.numeric import as_id_list, as_int, index_or_none
+from kvpool.units import plural
 
 
 class RequestStatus(enum.Enum):
@@ -119,8 +120,8 @@ class LLMEngine:
                  enable_prefix_caching: bool = True, kv_dtype: torch.dtype | None = None,
                  keep_logits: bool = False, hasher: BlockHasher | None = None, tp_size: int = 1,
                  on_schedule: Callable[[StepBatch], None] | None = None) -> None:
-        if max_num_batched_tokens < 1 or max_num_seqs < 1:
-            raise InvalidArgumentError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        max_num_batched_tokens = as_int(max_num_batched_tokens, "max_num_batched_tokens", minimum=1)
+        max_num_seqs = as_int(max_num_seqs, "max_num_seqs", minimum=1)
         self.model, self.block_size, self.device = model, block_size, model.device
         spec = kv_spec(model, block_size=block_size, dtype=kv_dtype, tp_size=tp_size)
         self.runner = ModelRunner(model, spec, num_blocks)
@@ -143,21 +144,22 @@ class LLMEngine:
         """Queue a request; returns its id.
 
         Raises:
-            InvalidArgumentError: an empty prompt, a token id that is not an int in ``[0, vocab_size)``, or
-                prompt + max_new_tokens past max_position_embeddings.
+            InvalidArgumentError: an empty prompt, a token id that is not an integer in ``[0, vocab_size)``
+                (never a bool), params that are not :class:`SamplingParams`, or prompt + max_new_tokens
+                past max_position_embeddings.
             OutOfBlocksError: the request could never fit: ``ceil((prompt + max_new_tokens - 1) /
-                block_size)`` blocks (the last sampled token is never written) exceed the pool.
+                block_size)`` blocks (the last sampled token is never written) exceed the pool; its
+                ``blocks_needed`` is the ``num_blocks`` that would hold it.
         """
         return self._enqueue(*self._checked(prompt_token_ids, params))
 
     def _checked(self, prompt_token_ids: Sequence[int], params: SamplingParams | None
                  ) -> tuple[list[int], SamplingParams]:
         """The prompt as a list of ints, and the params, checked as :meth:`add_request` says; no change."""
-        params = params or SamplingParams()
-        try:
-            prompt = [operator.index(t) for t in prompt_token_ids]
-        except TypeError as exc:
-            raise InvalidArgumentError(f"token ids must be ints: {exc}") from None
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise InvalidArgumentError(f"params must be SamplingParams, got {type(params).__name__}")
+        prompt = as_id_list(prompt_token_ids, "token ids", error=InvalidArgumentError)
         if not prompt:
             raise InvalidArgumentError("empty prompt")
         if not 0 <= min(prompt) <= max(prompt) < self.vocab_size:
@@ -169,12 +171,13 @@ class LLMEngine:
                                        f"max_position_embeddings {self.max_model_len}")
         chunk = self.max_num_batched_tokens  # the last sampled token is never written: total - 1 tokens
         need = sum(g.max_blocks(total - 1, min(chunk, total - 1)) for g in self.kv.groups)
-        usable = self.pool.num_blocks - (self.pool.null_block is not None)
-        if need > usable:
+        null = self.pool.null_block is not None
+        if need > self.pool.num_blocks - null:
             groups = f" over {len(self.kv.groups)} KV cache groups" if len(self.kv.groups) > 1 else ""
             raise OutOfBlocksError(
-                f"request needs {need} blocks ({len(prompt)} prompt + {params.max_new_tokens} new "
-                f"tokens at {self.block_size} per block{groups}) but the pool has {usable}")
+                f"the prompt ({plural(len(prompt), 'token')}) + {plural(params.max_new_tokens, 'new token')} "
+                f"need {plural(need, 'block')} of {self.block_size} tokens{groups}, but the pool has "
+                f"{plural(self.pool.num_blocks - null, 'block')}", blocks_needed=need + null)
         return prompt, params
 
     def _enqueue(self, prompt: list[int], params: SamplingParams) -> int:
@@ -186,10 +189,12 @@ class LLMEngine:
         return req.request_id
 
     def abort(self, request_id: int) -> None:
-        """Stop a request and free every block it holds (no-op for a finished one). Raises InvalidIdError."""
-        req = self.requests.get(request_id)
+        """Stop a request and free every block it holds (no-op for a finished one). Raises InvalidIdError
+        for an id that names no request (an integer by :mod:`kvpool.numeric`, never a bool)."""
+        rid = index_or_none(request_id)
+        req = None if rid is None else self.requests.get(rid)
         if req is None:
-            raise InvalidIdError(f"no request {request_id}")
+            raise InvalidIdError(f"no request {request_id!r}")
         if req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         elif req.status is RequestStatus.RUNNING:
@@ -342,7 +347,8 @@ class LLMEngine:
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise InvalidArgumentError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
-        checked = [self._checked(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        checked = [_numbered(i, self._checked, p, sp)
+                   for i, (p, sp) in enumerate(zip(prompts, params_list, strict=True))]
         ids = [self._enqueue(*c) for c in checked]
         start = time.perf_counter()
         while self.has_unfinished():
@@ -352,3 +358,16 @@ class LLMEngine:
                 on_step(self.stats.generated_tokens - before)
         self.stats.elapsed_s += time.perf_counter() - start
         return [self.requests[i] for i in ids]
+
+
+def _numbered(i: int, check: Callable[..., Any], *args: Any) -> Any:
+    """``check(*args)``; its error names prompt ``i`` ("the prompt" becomes "prompt 2") and carries it as
+    ``prompt_index`` (the same exception object, re-raised)."""
+    try:
+        return check(*args)
+    except KVPoolError as exc:
+        text = str(exc)
+        exc.args = (text.replace("the prompt", f"prompt {i}", 1) if "the prompt" in text else
+                    f"prompt {i}: {text}",)
+        exc.prompt_index = i  # type: ignore[attr-defined]
+        raise

@@ -6,8 +6,11 @@ transformers is imported lazily (``pip install kvpool[engine]``).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,10 +140,32 @@ def _load_pretrained(folder: Path, dtype: torch.dtype, **kwargs: Any) -> tuple[A
     logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs), tokenizer
+        with _gguf_bar_only_at_a_terminal():
+            return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs), tokenizer
     except (OSError, ValueError, KeyError) as exc:  # no config/weights/tokenizer, an unknown model type
         why = " ".join(str(exc).split()) or type(exc).__name__
         raise ConfigError(f"cannot load a model from {folder}: {why}") from exc
+
+
+@contextlib.contextmanager
+def _gguf_bar_only_at_a_terminal() -> Iterator[None]:
+    """transformers' GGUF loader draws its own tqdm bar (``disable_progress_bar`` does not reach it), whose
+    carriage-return frames end up in logs: while loading, give it ``disable=None`` (tqdm's "off unless
+    the output is a terminal"), then put the loader's own tqdm back."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_loader
+    except ImportError:  # no GGUF support in this transformers: nothing draws the bar
+        yield
+        return
+    original = getattr(gguf_loader, "tqdm", None)
+    if original is None:
+        yield
+        return
+    gguf_loader.tqdm = functools.partial(original, disable=None)
+    try:
+        yield
+    finally:
+        gguf_loader.tqdm = original
 
 
 def build_tiny_model(name: str, *, seed: int = 0) -> Any:
@@ -182,11 +207,15 @@ def reference_greedy(model: Any, prompt_token_ids: list[int], max_new_tokens: in
                      ) -> tuple[list[int], torch.Tensor]:
     """transformers' own greedy ``generate`` of one prompt with the stock ``sdpa`` attention (no kvpool):
     the new token ids (stopping at the generation config's EOS, as the engine does) and logits ``[n, V]``.
-    Models without SDPA support (Gemma 2: SDPA cannot soft-cap) use transformers' ``eager`` attention."""
+    Models without SDPA support (Gemma 2: SDPA cannot soft-cap) use transformers' ``eager`` attention.
+
+    The prompt is one unpadded row, so it gets an all-ones attention mask: without one, transformers infers
+    the mask from the pad token and would mask every prompt token equal to it (token 0 of a byte model)."""
     model.set_attn_implementation("sdpa" if getattr(model, "_supports_sdpa", True) else "eager")
     config = model.generation_config
     eos = config.eos_token_id
     pad = config.pad_token_id if config.pad_token_id is not None else (eos if isinstance(eos, int) else 0)
-    out = model.generate(torch.tensor([prompt_token_ids], device=model.device), max_new_tokens=max_new_tokens,
+    ids = torch.tensor([prompt_token_ids], device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          do_sample=False, pad_token_id=pad, output_logits=True, return_dict_in_generate=True)
     return out.sequences[0, len(prompt_token_ids):].tolist(), torch.cat(out.logits).float().cpu()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.errors import InvalidArgumentError
+from kvpool.numeric import as_int, as_real, as_seed
 
 
 @dataclass(frozen=True)
@@ -18,12 +19,15 @@ class SamplingParams:
         temperature: 0 means greedy (argmax); > 0 divides the logits before sampling.
         top_k: keep the k most likely tokens (0 keeps all).
         top_p: keep the smallest set of most likely tokens whose probability reaches top_p (1.0 keeps all).
-        seed: seeds the request's own ``torch.Generator`` (None: a fixed default of 0), so a preempted and
-            recomputed request draws the same tokens.
-        ignore_eos: keep generating past an end-of-sequence token.
+        seed: seeds the request's own ``torch.Generator`` (an integer in ``[0, 2**64 - 1]``; None: a fixed
+            default of 0), so a preempted and recomputed request draws the same tokens.
+        ignore_eos: keep generating past an end-of-sequence token (a bool).
+
+    Counts and seeds are integers, temperature and top_p numbers, by the rule of :mod:`kvpool.numeric`
+    (numpy scalars are converted; bools, strings, None and floats for counts are not accepted).
 
     Raises:
-        InvalidArgumentError: a value out of its range.
+        InvalidArgumentError: a value of the wrong type or out of its range.
     """
 
     max_new_tokens: int = 32
@@ -34,14 +38,17 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise InvalidArgumentError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not 0 <= self.temperature < float("inf"):  # also rejects NaN
-            raise InvalidArgumentError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise InvalidArgumentError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
+        checked = {
+            "max_new_tokens": as_int(self.max_new_tokens, "max_new_tokens", minimum=1),
+            "temperature": as_real(self.temperature, "temperature", minimum=0, finite=True),
+            "top_k": as_int(self.top_k, "top_k", minimum=0),
+            "top_p": as_real(self.top_p, "top_p", minimum=0, maximum=1, open_min=True),
+            "seed": None if self.seed is None else as_seed(self.seed),
+        }
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidArgumentError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:

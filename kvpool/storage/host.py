@@ -3,10 +3,12 @@
 Swap out: allocate host blocks, then copy the device blocks (every layer, K and V) into them in one batched
 copy per call. Swap in: copy host blocks back into given device blocks. On CUDA the copies run on a dedicated
 stream per device (an ``index_select`` into a staging tensor, one ``non_blocking`` copy, an event per call);
-on CPU they are synchronous. While a swap-out is in flight its source device blocks hold an extra reference
-in the device ``BlockPool`` (when one is passed), so a request that frees them meanwhile only defers their
-reuse; the reference is dropped when the copy completes (:meth:`HostKVCache.poll` or
-:meth:`HostKVCache.synchronize`; at once on CPU). The CUDA path is untested on the CPU-only build machine.
+on CPU they are synchronous. While a swap-out is in flight its in-use source device blocks hold an extra
+reference in the device ``BlockPool`` (when one is passed), so a request that frees them meanwhile only
+defers their reuse; the reference is dropped when the copy completes (:meth:`HostKVCache.poll` or
+:meth:`HostKVCache.synchronize`). A cached free source block (an eviction victim being offloaded) is never
+referenced, so its LRU position does not change: a swap-out that reads one waits for its copy before it
+returns. The CUDA path is untested on the CPU-only build machine.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 
 from kvpool.allocators.block_pool import BlockPool
-from kvpool.errors import InvalidArgumentError, InvalidIdError, KVPoolError
+from kvpool.errors import InvalidArgumentError, InvalidIdError
 from kvpool.spec import AttentionKind, KVCacheSpec
 from kvpool.storage.mla import MLAKVCache
 from kvpool.storage.paged import BlockIds, BlockStore, PagedKVCache, check_block_ids
@@ -88,29 +90,28 @@ class HostKVCache:
         """Copy device blocks ``block_ids`` (every layer) into newly allocated host blocks; return their ids
         (``host_ids[i]`` holds ``block_ids[i]``).
 
-        ``pool``: the device :class:`BlockPool`; its blocks get an extra reference until the copy completes.
-        Raises :class:`InvalidArgumentError` for a cache of another shape or dtype, :class:`InvalidIdError`
-        for ids out of range or repeated, :class:`OutOfBlocksError` when the host is full; nothing changes
-        then.
+        ``pool``: the device :class:`BlockPool`. Every source block must be in use or cached free there (a
+        free block without a hash holds no KV). On CUDA its in-use source blocks get an extra reference
+        until the copy completes; cached free ones are not touched (their LRU order stays as it was) and
+        the call waits for the copy instead. Raises :class:`InvalidArgumentError` for a cache of another
+        shape or dtype, :class:`InvalidIdError` for ids out of range, repeated or free in ``pool``,
+        :class:`OutOfBlocksError` when the host is full; nothing changes then.
         """
         self._check_peer(cache)
         src = check_block_ids(block_ids, cache.num_blocks, distinct=True)
         ids = src.tolist()
+        in_use, cached_free = _source_states(pool, ids)
         host_ids = self.pool.allocate(len(ids))
-        if pool is not None and ids:
-            try:
-                pool.touch(ids)
-            except KVPoolError:
-                self.pool.free(host_ids)
-                raise
-        release = (lambda: pool.free(ids[::-1])) if pool is not None and ids else None
         dst = torch.tensor(host_ids, dtype=torch.int64)
         if cache.device.type == "cuda":
+            if pool is not None and in_use:
+                pool.touch(in_use)
+            release = (lambda: pool.free(in_use[::-1])) if pool is not None and in_use else None
             self._swap_out_cuda(cache, src, dst, release)
+            if cached_free:  # its block may be handed out as soon as this returns: finish the copy first
+                self._wait_for(host_ids)
         else:
             self.cache.write_blocks(dst, cache.read_blocks(src.to(cache.device)))
-            if release is not None:
-                release()
         return host_ids
 
     def swap_in(self, cache: BlockStore, host_ids: BlockIds, block_ids: BlockIds) -> None:
@@ -164,6 +165,9 @@ class HostKVCache:
 
     def _check_peer(self, cache: BlockStore) -> None:
         """A device cache swaps with this tier only with the same class, dtype and per-block shape."""
+        if not isinstance(cache, BlockStore):
+            raise InvalidArgumentError(f"cache must be a PagedKVCache or MLAKVCache, "
+                                       f"got {type(cache).__name__}")
         mine, theirs = self.cache, cache
         same = (type(theirs) is type(mine) and theirs.dtype == mine.dtype
                 and getattr(theirs, "layout", None) == getattr(mine, "layout", None)
@@ -223,6 +227,24 @@ class HostKVCache:
         dst_dev.record_stream(stream)
         current.wait_event(event)
         self._in_flight.append(_InFlight(event, frozenset(), keep=(staging,)))
+
+
+def _source_states(pool: BlockPool | None, ids: list[int]) -> tuple[list[int], bool]:
+    """The source blocks in use in ``pool``, and whether any is cached free; InvalidIdError (nothing
+    changed) for a block that ``pool`` holds free without a hash, or an id outside it."""
+    if pool is None:
+        return [], False
+    if not isinstance(pool, BlockPool):
+        raise InvalidArgumentError(f"pool must be the device BlockPool or None, got {type(pool).__name__}")
+    in_use, cached_free = [], False
+    for block in ids:
+        if pool.ref_count(block):
+            in_use.append(block)
+        elif pool.block_hash(block) is None:
+            raise InvalidIdError(f"device block {block} is free in the pool and holds no KV to swap out")
+        else:
+            cached_free = True
+    return in_use, cached_free
 
 
 def _block_shape(store: BlockStore) -> tuple[int, ...]:

@@ -16,7 +16,6 @@ from kvpool.storage.paged import (
     BlockIds,
     BlockStore,
     as_raw,
-    check_slot_mapping,
     dequantize,
     drop_padding,
     encode,
@@ -61,7 +60,7 @@ class MLAKVCache(BlockStore):
 
     def kv_cache(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s latent ``[N, B, R + P]`` (a contiguous view)."""
-        self._check_layer(layer, self.num_layers)
+        layer = self._check_layer(layer, self.num_layers)
         return self.buffer[layer]
 
     def flat_kv_cache(self, layer: int) -> torch.Tensor:
@@ -83,13 +82,13 @@ class MLAKVCache(BlockStore):
         ``c_kv`` ``[T, R]``, ``k_pe`` ``[T, P]`` (None when P = 0), dtype and device rules, ``check`` and the
         errors as for :meth:`kvpool.storage.paged.PagedKVCache.store_kv`; nothing is written when it raises.
         """
-        self._check_layer(layer, self.num_layers)
+        layer = self._check_layer(layer, self.num_layers)
         num_tokens = self._check_rows(c_kv, "c_kv", (self.kv_lora_rank,), None)
         if k_pe is not None or self.rope_dim:
             self._check_rows(k_pe, "k_pe", (self.rope_dim,), num_tokens)
             if k_pe.dtype != c_kv.dtype:
                 raise InvalidArgumentError(f"c_kv is {c_kv.dtype} but k_pe is {k_pe.dtype}")
-        pad = check_slot_mapping(slot_mapping, num_tokens, self.num_slots, self.device) if check else True
+        pad = self._padding_after_check(slot_mapping, num_tokens, check)
         latent = torch.cat([c_kv, k_pe], dim=-1) if self.rope_dim else c_kv
         latent = as_raw(encode(latent, self.dtype, self.scale), self._raw.dtype)
         if pad:
@@ -102,7 +101,7 @@ class MLAKVCache(BlockStore):
 
         ``block_table`` and ``dtype`` as for :meth:`kvpool.storage.paged.PagedKVCache.gather`.
         """
-        self._check_layer(layer, self.num_layers)
+        layer = self._check_layer(layer, self.num_layers)
         blocks = self._block_index(block_table, seq_len)
         latent = self.buffer[layer].index_select(0, blocks).reshape(-1, self.latent_dim)[:seq_len]
         return latent if dtype is None else dequantize(latent, self.scale, dtype)

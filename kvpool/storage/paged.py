@@ -14,13 +14,13 @@ lives in :class:`BlockStore`, which :class:`kvpool.storage.mla.MLAKVCache` reuse
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError
+from kvpool.numeric import as_id_tensor, as_int
 from kvpool.spec import AttentionKind, KVCacheSpec
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -46,12 +46,13 @@ def as_raw(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def check_slot_mapping(slot_mapping: torch.Tensor, num_tokens: int, num_slots: int,
-                       device: torch.device) -> bool:
-    """Check a slot mapping and return whether it holds padding (-1) slots.
+                       device: torch.device, *, values: bool = True) -> bool:
+    """Check a slot mapping and return whether it may hold padding (-1) slots.
 
     Requires an int64 1-D tensor of ``num_tokens`` entries on ``device``, each in ``[0, num_slots)`` or -1.
-    One ``aminmax`` pass (plus a host sync on CUDA). Duplicate slots are not checked (a sort would cost more
-    than the store); which write wins for a duplicate is unspecified.
+    ``values``: also check every slot's range, one ``aminmax`` pass (plus a host sync on CUDA); without it
+    only the type, dtype, shape and device are checked and the answer is True (padding unknown). Duplicate
+    slots are not checked (a sort would cost more than the store); which write wins is unspecified.
 
     Raises:
         InvalidArgumentError: wrong type, dtype, rank, length or device.
@@ -64,6 +65,8 @@ def check_slot_mapping(slot_mapping: torch.Tensor, num_tokens: int, num_slots: i
         raise InvalidArgumentError(f"slot_mapping must have shape [{num_tokens}], got {shape}")
     if slot_mapping.device != device:
         raise InvalidArgumentError(f"slot_mapping is on {slot_mapping.device}, the cache on {device}")
+    if not values:
+        return True
     if num_tokens == 0:
         return False
     if num_tokens <= 64 and slot_mapping.device.type == "cpu":  # one tolist beats aminmax + 2 item calls
@@ -77,24 +80,14 @@ def check_slot_mapping(slot_mapping: torch.Tensor, num_tokens: int, num_slots: i
 
 
 def check_block_ids(block_ids: BlockIds, num_blocks: int, *, distinct: bool = False) -> torch.Tensor:
-    """``block_ids`` (a sequence of ints or a 1-D integer tensor) as a CPU int64 tensor, after checking each
-    is in ``[0, num_blocks)`` and, when ``distinct``, that none repeats.
+    """``block_ids`` (a sequence of integers or a 1-D integer tensor, as :mod:`kvpool.numeric` defines
+    them: never bools) as a CPU int64 tensor, after checking each is in ``[0, num_blocks)`` and, when
+    ``distinct``, that none repeats.
 
-    Raises :class:`InvalidArgumentError` for a non-integer or non-1-D input, :class:`InvalidIdError` for an
-    id out of range or repeated.
+    Raises :class:`InvalidIdError` (an :class:`InvalidArgumentError`) for a non-integer, a bool, a meta or
+    non-1-D tensor, or an id out of range or repeated.
     """
-    if isinstance(block_ids, torch.Tensor):
-        if block_ids.is_floating_point() or block_ids.is_complex() or block_ids.dim() != 1:
-            raise InvalidArgumentError(f"block ids must be a 1-D integer tensor, got {block_ids.dtype} "
-                                       f"{list(block_ids.shape)}")
-        ids = block_ids.to(device="cpu", dtype=torch.int64)
-    else:
-        try:
-            ids = torch.tensor([operator.index(i) for i in block_ids], dtype=torch.int64)
-        except TypeError:
-            raise InvalidArgumentError(f"block ids must be integers, got {block_ids!r}") from None
-        except (ValueError, RuntimeError, OverflowError):  # past int64
-            raise InvalidIdError(f"block ids must be in [0, {num_blocks}), got {block_ids!r}") from None
+    ids = as_id_tensor(block_ids, "block ids")
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
         raise InvalidIdError(f"block ids must be in [0, {num_blocks}), got {ids.tolist()}")
     if distinct and ids.unique().numel() != ids.numel():
@@ -167,9 +160,8 @@ class BlockStore:
 
     def __init__(self, shape: Sequence[int], block_size: int, *, device: str | torch.device,
                  dtype: torch.dtype, pin_memory: bool, zero: bool) -> None:
-        num_blocks = shape[self.block_dim]
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
-            raise ConfigError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        num_blocks = as_int(shape[self.block_dim], "num_blocks", minimum=1, error=ConfigError)
+        shape = [*shape[:self.block_dim], num_blocks, *shape[self.block_dim + 1:]]
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ConfigError(f"the KV cache dtype must be a floating torch.dtype, got {dtype!r}")
         factory = torch.zeros if zero else torch.empty
@@ -207,11 +199,11 @@ class BlockStore:
             table = pairs
         else:  # never ``torch.tensor(pairs, dtype=int64)``: it truncates a float id to a block
             try:
-                table = torch.tensor([[operator.index(s), operator.index(d)] for s, d in pairs],
-                                     dtype=torch.int64).reshape(-1, 2)
-            except (TypeError, ValueError, RuntimeError, OverflowError):
-                raise InvalidArgumentError(f"pairs must be (src, dst) pairs of int block ids, got "
+                flat = [block for src, dst in pairs for block in (src, dst)]
+            except (TypeError, ValueError):
+                raise InvalidArgumentError(f"pairs must be (src, dst) pairs of block ids, got "
                                            f"{pairs!r}") from None
+            table = as_id_tensor(flat, "block ids").reshape(-1, 2)
         if table.numel() == 0:
             return
         if table.dim() != 2 or table.shape[1] != 2:
@@ -257,9 +249,18 @@ class BlockStore:
                 "device": str(self.device), "nbytes": self.nbytes, "bytes_per_block": self.bytes_per_block,
                 "rss_bytes": rss, "rss_growth_bytes": growth}
 
-    def _check_layer(self, layer: int, num_layers: int) -> None:
-        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < num_layers:
-            raise InvalidArgumentError(f"layer must be an integer in [0, {num_layers}), got {layer!r}")
+    def _check_layer(self, layer: int, num_layers: int) -> int:
+        """``layer`` as a Python int in ``[0, num_layers)`` (:mod:`kvpool.numeric`); InvalidArgumentError."""
+        if type(layer) is int and 0 <= layer < num_layers:
+            return layer
+        return as_int(layer, "layer", minimum=0, maximum=num_layers - 1)
+
+    def _padding_after_check(self, slot_mapping: torch.Tensor, num_tokens: int, check: bool) -> bool:
+        """Check ``slot_mapping`` for a store of ``num_tokens`` rows; return whether it may hold -1 slots.
+        The slot range is checked on the host always, and on CUDA unless ``check`` is False (a host sync);
+        type, dtype, shape and device always."""
+        values = check or self.device.type != "cuda"
+        return check_slot_mapping(slot_mapping, num_tokens, self.num_slots, self.device, values=values)
 
     def _check_rows(self, x: torch.Tensor, name: str, tail: tuple[int, ...], num_tokens: int | None) -> int:
         """Check ``x`` is ``[T, *tail]`` on this device with a storable dtype; return T."""
@@ -278,8 +279,7 @@ class BlockStore:
 
     def _block_index(self, block_table: BlockIds, seq_len: int) -> torch.Tensor:
         """The first ``ceil(seq_len / block_size)`` ids of ``block_table``, checked, on this device."""
-        if not isinstance(seq_len, int) or seq_len < 0:
-            raise InvalidArgumentError(f"seq_len must be a non-negative integer, got {seq_len!r}")
+        seq_len = as_int(seq_len, "seq_len", minimum=0)
         needed = -(-seq_len // self.block_size)  # exact integer ceiling (no float rounding)
         if not isinstance(block_table, torch.Tensor | Sequence):
             raise InvalidArgumentError(f"block_table must be a list or tensor of ids, got {block_table!r}")
@@ -364,17 +364,17 @@ class PagedKVCache(BlockStore):
 
     def k_cache(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s K ``[N, B, H, D]`` (a view; permuted and non-contiguous in the HND layout)."""
-        self._check_layer(layer, self.num_layers)
+        layer = self._check_layer(layer, self.num_layers)
         return self._views[0][layer]
 
     def v_cache(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s V ``[N, B, H, D]`` (a view; permuted and non-contiguous in the HND layout)."""
-        self._check_layer(layer, self.num_layers)
+        layer = self._check_layer(layer, self.num_layers)
         return self._views[1][layer]
 
     def kv_cache(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s K and V ``[2, N, B, H, D]`` (a view; non-contiguous over dim 0 and in HND)."""
-        self._check_layer(layer, self.num_layers)
+        layer = self._check_layer(layer, self.num_layers)
         return self._nhd_pair(self.buffer[:, self._slot[layer]])
 
     def _nhd_pair(self, pages: torch.Tensor) -> torch.Tensor:
@@ -389,7 +389,7 @@ class PagedKVCache(BlockStore):
         return self._flat_view(1, layer)
 
     def _flat_view(self, kv: int, layer: int) -> torch.Tensor:
-        self._check_layer(layer, self.num_layers)
+        layer = self._check_layer(layer, self.num_layers)
         if self.layout != "NHD":
             raise InvalidArgumentError("the flat [N*B, H, D] view exists only in the NHD layout")
         return self._flat(self.buffer[kv, self._slot[layer]])
@@ -398,7 +398,7 @@ class PagedKVCache(BlockStore):
         """FlashInfer's paged ``(k_cache, v_cache)`` tuple for ``layer`` in this cache's layout, contiguous
         views: NHD ``[N, B, H, D]`` each, HND ``[N, H, B, D]`` each. (FlashInfer's single-tensor form
         ``[N, 2, B, H, D]`` interleaves K and V per page, which this buffer does not: use the tuple.)"""
-        self._check_layer(layer, self.num_layers)
+        layer = self._check_layer(layer, self.num_layers)
         return self.buffer[0, self._slot[layer]], self.buffer[1, self._slot[layer]]
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, layer: int, *,
@@ -417,14 +417,11 @@ class PagedKVCache(BlockStore):
             InvalidArgumentError: wrong shape, dtype, device, layer, or k and v of different lengths.
             InvalidIdError: a slot outside ``[0, N*B)`` other than -1. Nothing is written when it raises.
         """
-        self._check_layer(layer, self.num_layers)
+        layer = self._check_layer(layer, self.num_layers)
         tail = (self.num_heads, self.head_dim)
         num_tokens = self._check_rows(k, "k", tail, None)
         self._check_rows(v, "v", tail, num_tokens)
-        if check or self.device.type != "cuda":
-            pad = check_slot_mapping(slot_mapping, num_tokens, self.num_slots, self.device)
-        else:
-            pad = True  # unknown without a sync: drop -1 slots on device (the Triton kernel skips them)
+        pad = self._padding_after_check(slot_mapping, num_tokens, check)  # the Triton kernel skips -1
         k, v = encode(k, self.dtype, self.k_scale), encode(v, self.dtype, self.v_scale)
         if self._triton is not None:
             self._triton(k, v, slot_mapping, self.flat_k_cache(layer), self.flat_v_cache(layer))
@@ -449,7 +446,7 @@ class PagedKVCache(BlockStore):
         ignored). ``dtype``: None returns the stored values bit for bit; a dtype converts (fp8: dequantized
         with the cache's scales). Raises :class:`InvalidArgumentError` / :class:`InvalidIdError`.
         """
-        self._check_layer(layer, self.num_layers)
+        layer = self._check_layer(layer, self.num_layers)
         blocks = self._block_index(block_table, seq_len)
         k, v = (view.index_select(0, blocks).reshape(-1, self.num_heads, self.head_dim)[:seq_len]
                 for view in (self._views[0][layer], self._views[1][layer]))

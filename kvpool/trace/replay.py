@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from kvpool.allocators.block_pool import BlockPool
-from kvpool.errors import ConfigError, IntegrityError
+from kvpool.errors import ConfigError, IntegrityError, InvalidArgumentError
 from kvpool.trace.loaders import TraceRequest, sub_blocks_per_hash_block
 
 TIMINGS = ("instant", "trace")
@@ -189,9 +189,8 @@ class _Replayer:
             num_blocks = config.num_blocks or unbounded_num_blocks(requests, self.bs)
             try:
                 pool = BlockPool(num_blocks)
-            except MemoryError:
-                raise ConfigError(f"a pool of {num_blocks:,} blocks does not fit in memory: give a smaller "
-                                  "num_blocks (--num-blocks)") from None
+            except InvalidArgumentError as exc:  # too large for memory
+                raise ConfigError(f"{exc}: give a smaller num_blocks (--num-blocks)") from None
         self.pool = pool
         self.timeline: list[Sample] | None = [] if record_timeline else None
         span = max((r.arrival_s for r in requests), default=0.0)

@@ -1,0 +1,83 @@
+"""The command line as a whole (issue 9, items 11 and 13): --version, bare usage, help texts, the --threads
+convention, quiet exits on a closed pipe."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvpool
+from kvpool.cli import BROKEN_PIPE_STATUS, build_parser, main
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_8B = str(ROOT / "tests" / "configs" / "llama-3.1-8b.json")
+
+
+def parsers(parser: argparse.ArgumentParser | None = None, path: tuple[str, ...] = ()):
+    """Every (path, parser) of the CLI, the root first."""
+    parser = parser or build_parser()
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from parsers(sub, (*path, name))
+
+
+def test_version(capsys: pytest.CaptureFixture) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"kvpool {kvpool.__version__}\n"
+
+
+@pytest.mark.parametrize("argv", [[], ["bench"]])
+def test_bare_command_prints_usage_and_subcommands(capsys: pytest.CaptureFixture, argv: list[str]) -> None:
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    names = ("plan", "generate", "replay", "bench") if not argv else ("alloc", "storage", "engine", "replay")
+    assert out.startswith("usage: kvpool") and err == ""
+    assert all(f"    {name} " in out for name in names)
+
+
+@pytest.mark.parametrize("path", [p for p, _ in parsers()], ids=lambda p: " ".join(p) or "kvpool")
+def test_help_has_no_markup_and_names_every_default(path: tuple[str, ...]) -> None:
+    parser = dict(parsers())[path]
+    text = parser.format_help()
+    for markup in ("``", ":func:", ":class:", ":data:", ":meth:"):
+        assert markup not in text
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if action.option_strings and not any(action.default is x for x in (None, False, argparse.SUPPRESS)):
+            line = formatter._expand_help(action)
+            assert "default" in line, f"{path} {action.option_strings}: {line!r}"
+            values = action.default if isinstance(action.default, list) else [action.default]
+            forms = (" ".join(map(str, values)), ",".join(map(str, values)))
+            assert any(form in line for form in forms), line
+
+
+def test_every_command_that_runs_torch_has_one_threads_option() -> None:
+    commands = {p: parser for p, parser in parsers() if p in (("generate",),) or p[:1] == ("bench",)}
+    for path, parser in commands.items():
+        if path == ("bench",):
+            continue
+        (threads,) = [a for a in parser._actions if "--threads" in a.option_strings]
+        assert (threads.default, threads.type("0"), threads.type("3")) == (1, 0, 3), path
+        with pytest.raises(argparse.ArgumentTypeError):
+            threads.type("-1")
+
+
+def test_plan_into_a_closed_pipe_ends_quietly() -> None:
+    """``kvpool plan ... | head -0``: the reader is gone before the first write. No traceback, and the
+    status a pipe-killed program has."""
+    read, write = os.pipe()
+    os.close(read)  # every write now fails with EPIPE
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    try:
+        done = subprocess.run([sys.executable, "-m", "kvpool", "plan", LLAMA_8B, "--gpu-memory", "80GiB"],
+                              stdout=write, stderr=subprocess.PIPE, env=env, timeout=120)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (BROKEN_PIPE_STATUS, b"")
