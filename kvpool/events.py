@@ -48,6 +48,7 @@ from typing import Any
 import msgspec
 
 from kvpool.errors import ConfigError, InvalidArgumentError
+from kvpool.numeric import as_int, as_optional_int
 
 # ---- the wire types (vLLM 0.33) -------------------------------------------------------------------------
 
@@ -240,8 +241,7 @@ class QueueEventPublisher(EventPublisher):
 
     def __init__(self, maxsize: int = 10_000) -> None:
         super().__init__()
-        if type(maxsize) is not int or maxsize < 1:
-            raise InvalidArgumentError(f"maxsize must be an int >= 1, got {maxsize!r}")
+        maxsize = as_int(maxsize, "maxsize", minimum=1)
         self._queue: queue.Queue[KVEventBatch] = queue.Queue(maxsize)
 
     def _offer(self, batch: KVEventBatch) -> bool:
@@ -295,10 +295,9 @@ class KVEventSink:
                  group_idx: int | None = 0, kv_cache_spec_kind: str | None = FULL_ATTENTION,
                  sliding_window: int | None = None, hash_format: str = "bytes",
                  max_batch_events: int = 4096) -> None:
-        for name, value, least in (("block_size", block_size, 1), ("max_batch_events", max_batch_events, 1),
-                                   ("group_idx", 0 if group_idx is None else group_idx, 0)):
-            if type(value) is not int or value < least:
-                raise InvalidArgumentError(f"{name} must be an int >= {least}, got {value!r}")
+        block_size = as_int(block_size, "block_size", minimum=1)
+        max_batch_events = as_int(max_batch_events, "max_batch_events", minimum=1)
+        group_idx = as_optional_int(group_idx, "group_idx", minimum=0)
         if hash_format not in HASH_FORMATS:
             raise InvalidArgumentError(f"hash_format must be one of {HASH_FORMATS}, got {hash_format!r}")
         self.publisher, self.block_size, self.medium = publisher, block_size, medium
@@ -475,9 +474,8 @@ class ZmqEventPublisher(EventPublisher):
         check_endpoint(endpoint)
         if replay_endpoint is not None:
             check_endpoint(replay_endpoint)
-        for name, value in (("buffer_steps", buffer_steps), ("hwm", hwm), ("max_queue_size", max_queue_size)):
-            if type(value) is not int or value < 1:
-                raise InvalidArgumentError(f"{name} must be an int >= 1, got {value!r}")
+        buffer_steps, hwm, max_queue_size = (as_int(value, name, minimum=1) for name, value in (
+            ("buffer_steps", buffer_steps), ("hwm", hwm), ("max_queue_size", max_queue_size)))
         self.endpoint, self.replay_endpoint, self.topic = endpoint, replay_endpoint, topic
         self._topic, self._rank = topic.encode(), data_parallel_rank
         self._ctx = zmq.Context()

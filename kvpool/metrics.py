@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvpool.errors import ConfigError, InvalidArgumentError
+from kvpool.numeric import as_int
 
 if TYPE_CHECKING:
     from kvpool.allocators.block_pool import BlockPool
@@ -80,8 +81,7 @@ class KVPoolCollector:
         Raises:
             InvalidArgumentError: a bad block size, or a tier/group already added.
         """
-        if type(block_size) is not int or block_size < 1:
-            raise InvalidArgumentError(f"block_size must be an int >= 1, got {block_size!r}")
+        block_size = as_int(block_size, "block_size", minimum=1)
         labels = (str(tier), str(group))
         if any(s.labels == labels for s in self._sources):
             raise InvalidArgumentError(f"a pool for tier={labels[0]} group={labels[1]} is already added")
@@ -171,8 +171,7 @@ class MetricsServer:
     def __init__(self, collector: KVPoolCollector, port: int, host: str = "127.0.0.1") -> None:
         from prometheus_client import start_http_server
 
-        if type(port) is not int or not 1 <= port <= 65535:
-            raise ConfigError(f"metrics port must be in 1-65535, got {port!r}")
+        port = as_int(port, "metrics port", minimum=1, maximum=65535, error=ConfigError)
         self.registry = CollectorRegistry()
         self.registry.register(collector)
         try:

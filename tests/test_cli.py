@@ -7,6 +7,7 @@ import argparse
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,56 @@ def test_plan_into_a_closed_pipe_ends_quietly() -> None:
     finally:
         os.close(write)
     assert (done.returncode, done.stderr) == (BROKEN_PIPE_STATUS, b"")
+
+
+# ---- hostile input from the attacker's review: exit 2, one line, nothing else (issue 9, item 9) ----------
+
+AZURE_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+DEEP = "[" * 50_000 + "]" * 50_000
+
+
+def _write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def _plan(config: str) -> Callable[[Path], list[str]]:
+    return lambda tmp: ["plan", _write(tmp, "config.json", config), "--gpu-memory", "80GiB"]
+
+
+def _replay(name: str, trace: str) -> Callable[[Path], list[str]]:
+    return lambda tmp: ["replay", _write(tmp, name, trace)]
+
+
+DEEPSEEK = (ROOT / "tests/configs/deepseek-v3.json").read_text()
+HOSTILE: dict[str, tuple[Callable[[Path], list[str]], str]] = {
+    "5,000-digit integer": (_plan('{"num_hidden_layers": ' + "7" * 5000 + "}"), "4300 digits"),
+    "nested config": (_plan(DEEP), "nested too deeply"),
+    "string kv_lora_rank": (_plan(DEEPSEEK.replace('"kv_lora_rank": 512', '"kv_lora_rank": "512"')),
+                            "'kv_lora_rank' must be an integer"),
+    "zero heads, defaults filled": (_plan('{"model_type": "llama", "num_attention_heads": 0}'),
+                                    "'num_attention_heads' must be an integer"),
+    "string heads, defaults filled": (_plan('{"model_type": "llama", "num_attention_heads": "x"}'),
+                                      "'num_attention_heads' must be an integer"),
+    "400-digit BYTES": (lambda tmp: ["plan", LLAMA_8B, "--gpu-memory", "9" * 400], "more bytes than int64"),
+    "num-blocks 1e19": (lambda tmp: ["replay", "--num-blocks", "1e19"], "is not an integer"),
+    "num-blocks 10**19": (lambda tmp: ["replay", "--num-blocks", str(10**19)], "at most 2**63 - 1"),
+    "num-blocks 2**62": (lambda tmp: ["replay", "--num-blocks", str(2**62), "--max-requests", "1"],
+                         "does not fit in memory"),
+    "output_length 1e21": (_replay("t.jsonl", '{"timestamp": 0, "input_length": 10, "output_length": '
+                                              f'{10**21}, "hash_ids": [1]}}\n'),
+                           "output_length must be an integer in [0, 9223372036854775807]"),
+    "nested trace row": (_replay("t.jsonl", DEEP + "\n"), "nested too deeply"),
+    "huge Azure field": (_replay("t.csv", f"{AZURE_HEADER}2023-11-16 18:15:47.0,{'9' * 140_000},5\n"),
+                         "field larger than"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_hostile_input_is_one_line(capsys: pytest.CaptureFixture, tmp_path: Path, name: str) -> None:
+    make_argv, why = HOSTILE[name]
+    assert main(make_argv(tmp_path)) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert why in err, err

@@ -76,20 +76,27 @@ def test_human_output(capsys):
     # Llama-3.1-8B's config: 32 layers, 32 query heads, 8 KV heads of 128: GQA, no window
     assert out.splitlines()[0] == ("KV layout        GQA: 32 layers x 2 (K, V) x 8 KV heads x 128 x 2 B "
                                    "(bfloat16), 32 query heads")
-    assert "sliding window" not in out
+    assert "sliding" not in out
 
 
 @pytest.mark.parametrize(("config", "tp", "first_lines"), [
     # Mistral-7B-v0.1: 32 query / 8 KV heads, window 4096; tp 2 splits the KV heads 4 per rank
     ("mistral-7b-v0.1", "2", ["KV layout        GQA: 32 layers x 2 (K, V) x 4 KV heads per rank x 128 x 2 B "
                               "(bfloat16), 32 query heads, tensor parallel 2 (of 8 KV heads)",
-                              "sliding window   4,096 tokens"]),
+                              "per token        65,536 B", "per block        1,048,576 B (16 tokens)",
+                              "KV cache groups  1 group of 32 layer slots per block",
+                              "  group 0        sliding_attention (window 4096), 32 layers "
+                              "[0,1,2,3,4,5,...]"]),
     # Falcon-7B: multi-query, 71 query heads and 1 KV head, replicated on both ranks
     ("falcon-7b", "2", ["KV layout        MQA: 32 layers x 2 (K, V) x 1 KV head per rank x 64 x 2 B "
                         "(bfloat16), 71 query heads, tensor parallel 2 (replicated)"]),
     # Phi-3-mini: 32 and 32 heads (MHA), window 2047
     ("phi-3-mini-4k-instruct", "1", ["KV layout        MHA: 32 layers x 2 (K, V) x 32 KV heads x 96 x 2 B "
-                                     "(bfloat16), 32 query heads", "sliding window   2,047 tokens"]),
+                                     "(bfloat16), 32 query heads", "per token        393,216 B",
+                                     "per block        6,291,456 B (16 tokens)",
+                                     "KV cache groups  1 group of 32 layer slots per block",
+                                     "  group 0        sliding_attention (window 2047), 32 layers "
+                                     "[0,1,2,3,4,5,...]"]),
     ("deepseek-v3", "2", ["KV layout        MLA: 61 layers x 1 latent x 576 x 2 B (bfloat16), not split by "
                           "tensor parallelism"]),
 ])

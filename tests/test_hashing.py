@@ -304,8 +304,8 @@ def test_salt_in_block_zero_separates_every_block_through_the_chain() -> None:
     lambda: block_hashes(torch.tensor([1.0, 2.0]), 1),
 ], ids=["block0", "block-float", "token-float", "token-str", "token-overflow", "parent-short", "parent-str",
         "extra-length", "extra-float", "extra-dict", "lora-tuple", "lora-no-weights", "lora-no-name",
-        "lora-empty-path", "lora-bytes-digest", "embeds-list", "digest-list", "block-past-int64", "block-bool",
-        "token-bool-tensor", "token-float-tensor"])
+        "lora-empty-path", "lora-bytes-digest", "embeds-list", "digest-list", "block-past-int64",
+        "block-bool", "token-bool-tensor", "token-float-tensor"])
 def test_bad_input_raises_invalid_argument(call) -> None:
     with pytest.raises(InvalidArgumentError):
         call()

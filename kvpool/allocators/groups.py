@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from kvpool.allocators.block_pool import BlockPool, BlockPoolStats
 from kvpool.errors import IntegrityError, InvalidArgumentError, InvalidIdError, OutOfBlocksError
+from kvpool.numeric import as_int
 from kvpool.spec import KVCacheGroup, LayerKind, cdiv
 
 
@@ -166,8 +167,7 @@ class KVCacheCoordinator:
             OutOfBlocksError: the pool has fewer free blocks than :meth:`num_blocks_to_allocate`; nothing
                 changed.
         """
-        if type(num_tokens) is not int or num_tokens < 0:
-            raise InvalidArgumentError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        num_tokens = as_int(num_tokens, "num_tokens", minimum=0)
         tables = self._tables.get(request_id)
         if hit is not None:
             if tables is not None:

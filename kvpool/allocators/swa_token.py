@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from kvpool.allocators.token import IdsLike, TokenToKVPoolAllocator, as_ids
+from kvpool.allocators.token import IdsLike, TokenToKVPoolAllocator
 from kvpool.errors import IntegrityError, InvalidIdError, OutOfBlocksError
+from kvpool.numeric import as_id_tensor
 
 
 class SWATokenToKVPoolAllocator:
@@ -72,7 +73,7 @@ class SWATokenToKVPoolAllocator:
             InvalidIdError, DoubleFreeError: as ``TokenToKVPoolAllocator.free`` for the full slots (nothing
                 is released then).
         """
-        ids = as_ids(full_slots, "full_slots")
+        ids = as_id_tensor(full_slots, "full_slots", flatten=True)
         self.full.free(ids)  # validates every id before anything changes
         swa = self._full_to_swa[ids]
         self.swa.free(swa[swa > 0])
@@ -100,7 +101,7 @@ class SWATokenToKVPoolAllocator:
         return self._full_to_swa[self._checked(full_slots, low=0)].to(self.device)
 
     def _checked(self, slots: IdsLike, *, low: int = 1) -> torch.Tensor:
-        ids = as_ids(slots, "full_slots")
+        ids = as_id_tensor(slots, "full_slots", flatten=True)
         if ids.numel() and (int(ids.min()) < low or int(ids.max()) >= self.size):
             raise InvalidIdError(f"full slot ids must be in [{low}, {self.size}), got "
                                  f"{int(ids.min())} .. {int(ids.max())}")

@@ -17,7 +17,8 @@ from kvpool.cli._args import positive_float, positive_int
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("events", help="print the KV cache events a publisher sends",
-                                   description=__doc__.splitlines()[0])
+                                   description="Subscribe to a KV event stream (kvpool's or vLLM's), "
+                                               "one line per event.")
     parser.add_argument("endpoint", metavar="ENDPOINT",
                         help="the publisher's PUB address, e.g. tcp://127.0.0.1:5557")
     parser.add_argument("--replay", metavar="ENDPOINT",

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvpool.errors import ConfigError, TraceFormatError
+from kvpool.numeric import INT64_MAX, as_int, as_optional_int
 
 #: Tokens per Mooncake hash block: one ``hash_ids`` entry per 512 prompt tokens.
 MOONCAKE_BLOCK_SIZE = 512
@@ -107,8 +108,7 @@ def load_trace(path: str | Path | None = None, fmt: str | None = None, *, skip_m
     """
     if fmt is not None and fmt not in FORMATS:
         raise ConfigError(f"unknown trace format {fmt!r}; accepted: {', '.join(FORMATS)}")
-    if max_requests is not None and (type(max_requests) is not int or max_requests < 1):
-        raise ConfigError(f"max_requests must be an integer >= 1 or None, got {max_requests!r}")
+    max_requests = as_optional_int(max_requests, "max_requests", minimum=1, error=ConfigError)
     if path is None:
         path = shipped_trace_path(fmt or "mooncake")
     fmt = fmt or detect_format(path)
@@ -143,9 +143,9 @@ def _read_rows(path: str | Path, fmt: str, skip_malformed: bool, max_requests: i
 
 
 def _count(value: object, name: str, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
+    """A token count or id of a row: an integer in ``[minimum, 2**63 - 1]`` (int64, as everything the pool
+    counts); ValueError (the row is malformed) otherwise."""
+    return as_int(value, name, minimum=minimum, maximum=INT64_MAX, error=ValueError)
 
 
 def _mooncake_rows(handle: TextIO) -> Iterator[tuple[int, str]]:
@@ -160,6 +160,8 @@ def _mooncake_request(line: str) -> _Row:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
         raise ValueError(f"not a JSON object ({exc.msg})") from None
+    except RecursionError:
+        raise ValueError("not a JSON object (nested too deeply)") from None
     if not isinstance(row, dict):
         raise ValueError("not a JSON object")
     stamp = row["timestamp"]
@@ -183,12 +185,21 @@ def _azure_rows(handle: TextIO) -> Iterator[tuple[int, list[str]]]:
     if header != _AZURE_HEADER:
         expected = ",".join(_AZURE_HEADER)
         raise TraceFormatError(f"{handle.name}:1: expected the header {expected}, got {header}")
-    for row in reader:
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:  # a field over csv.field_size_limit(), a NUL byte: this row is malformed
+            yield reader.line_num, exc
+            continue
         if row:
             yield reader.line_num, row
 
 
-def _azure_request(row: list[str]) -> _Row:
+def _azure_request(row: list[str] | csv.Error) -> _Row:
+    if isinstance(row, csv.Error):
+        raise ValueError(f"not a CSV row ({row})")
     if len(row) != 3:
         raise ValueError(f"expected 3 fields, got {len(row)}")
     stamp, _, fraction = row[0].strip().partition(".")

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 from kvpool.allocators.block_pool import BlockPool
 from kvpool.errors import ConfigError, IntegrityError, InvalidArgumentError
+from kvpool.numeric import as_int, as_optional_int, as_real
 from kvpool.trace.loaders import TraceRequest, sub_blocks_per_hash_block
 
 TIMINGS = ("instant", "trace")
@@ -71,12 +72,11 @@ class ReplayConfig:
         if self.timing not in TIMINGS:
             raise ConfigError(f"timing must be one of {', '.join(TIMINGS)}, got {self.timing!r}")
         for name in ("block_size", "num_blocks", "max_batched_tokens", "max_running"):
-            value = getattr(self, name)
-            if value is not None and (type(value) is not int or value < 1):
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("step_s", "prefill_token_s", "decode_token_s"):
-            if not getattr(self, name) >= 0:
-                raise ConfigError(f"{name} must be >= 0 seconds, got {getattr(self, name)!r}")
+            check = as_optional_int if name == "num_blocks" else as_int
+            object.__setattr__(self, name, check(getattr(self, name), name, minimum=1, error=ConfigError))
+        for name in ("step_s", "prefill_token_s", "decode_token_s"):  # seconds
+            object.__setattr__(self, name, as_real(getattr(self, name), name, minimum=0, finite=True,
+                                                   error=ConfigError))
 
 
 @dataclass(frozen=True)
