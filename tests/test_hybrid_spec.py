@@ -292,5 +292,5 @@ def test_storage_holds_what_the_plan_says():
     # windows: 2 sliding groups x (cdiv(15, 4) + 1 = 5) + 1 full block = 11
     plan = plan_pool(spec, MemoryReadings(cache.nbytes, 0), gpu_memory_utilization=1.0)
     assert plan.num_blocks == 12
-    with pytest.raises(Exception, match="11 x 1024 B blocks"):
+    with pytest.raises(Exception, match=r"11 blocks of 1\.00 KiB"):  # 1024 B
         plan_pool(spec, MemoryReadings(10 * 1024, 0), gpu_memory_utilization=1.0)
