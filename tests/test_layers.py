@@ -12,7 +12,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvpool"
 RANKS = {
     # numeric (the one rule for ids, counts and numbers) and units (counts and bytes for people): the ground
     "errors": 0, "numeric": 0.5, "units": 0.7, "events": 1, "hf_config": 1, "spec": 2, "planner": 3,
-    "allocators": 4, "storage": 5, "engine": 6, "trace": 6, "metrics": 6, "bench": 7, "cli": 8, "__main__": 9,
+    "allocators": 4, "storage": 5, "tiers": 5.5, "engine": 6, "trace": 6, "metrics": 6, "bench": 7, "cli": 8,
+    "__main__": 9,
 }
 
 

@@ -26,18 +26,22 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvpool.allocators.groups import KVCacheCoordinator
+from kvpool.allocators.groups import CacheHit, KVCacheCoordinator
 from kvpool.allocators.hashing import BlockHasher, default_hasher
 from kvpool.engine.models import kv_spec
 from kvpool.engine.runner import ModelRunner, StepBatch
 from kvpool.engine.sampling import SamplingParams, sample
-from kvpool.errors import InvalidArgumentError, InvalidIdError, KVPoolError, OutOfBlocksError
+from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError, KVPoolError, OutOfBlocksError
 from kvpool.numeric import as_id_list, as_int, index_or_none
 from kvpool.units import plural
+
+if TYPE_CHECKING:  # the tiers need their extra (xxhash, redis): imported when offloading is enabled
+    from kvpool.tiers.backend import TierBackend
+    from kvpool.tiers.manager import OffloadManager
 
 
 class RequestStatus(enum.Enum):
@@ -62,6 +66,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     block_hashes: list[Any] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_offloaded_blocks: int = 0  # full blocks handed to the offload manager's write-through
     status: RequestStatus = RequestStatus.WAITING
     logits: list[torch.Tensor] | None = None
 
@@ -138,6 +143,34 @@ class LLMEngine:
         self.stats = EngineStats(num_blocks)
         self.max_model_len: int | None = getattr(model.config, "max_position_embeddings", None)
         self.vocab_size: int = model.get_input_embeddings().num_embeddings
+        self.offload: OffloadManager | None = None
+
+    def enable_offload(self, tiers: Sequence[TierBackend], *, write_through: bool = False,
+                       asynchronous: bool = True) -> OffloadManager:
+        """Chain ``tiers`` (a :class:`~kvpool.tiers.host.HostTier` built ``like=self.cache`` first, then
+        disk / remote tiers) under this engine's pool: evicted (or, with ``write_through``, published)
+        blocks go down, and admission finds prefixes in every tier and loads them before the request runs.
+        Returns the :class:`~kvpool.tiers.manager.OffloadManager` (``stats()``, ``tier_hits()``; ``close()``
+        it at the end to finish the stores in flight).
+
+        Raises:
+            ConfigError: prefix caching is off, an offload is attached already, the model has more than one
+                KV cache group (sliding or chunked layers: not offloaded yet), or a tier keeps blocks
+                outside this process (disk, remote) while the block hasher is process-local
+                (``hasher=BlockHasher(shared=True)`` and ``$KVPOOL_HASH_SEED``).
+            InvalidArgumentError: as :class:`~kvpool.tiers.manager.OffloadManager`.
+        """
+        if not self.caching or self.offload is not None or len(self.kv.groups) > 1:
+            raise ConfigError("offloading needs prefix caching, one KV cache group (a full-attention model) "
+                              "and no offload attached already")
+        if not self.hasher.shared and any(t.medium != "host" for t in tiers):
+            raise ConfigError("disk and remote tiers keep block hashes beyond this process: give the engine "
+                              "a shared hasher (BlockHasher(shared=True); $KVPOOL_HASH_SEED for a fleet)")
+        from kvpool.tiers.manager import OffloadManager
+
+        self.offload = OffloadManager(self.pool, tiers, cache=self.cache, write_through=write_through,
+                                      asynchronous=asynchronous)
+        return self.offload
 
     # ---- requests
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None) -> int:
@@ -212,6 +245,8 @@ class LLMEngine:
     def step(self) -> list[Request]:
         """Decide (schedule, block operations), execute one forward, sample; returns the requests that
         finished in this step."""
+        if self.offload is not None:
+            self.offload.poll()
         scheduled = self._schedule()
         if not scheduled:
             return []
@@ -261,7 +296,10 @@ class LLMEngine:
         The hit covers full blocks of the first ``num_tokens - 1`` tokens (the last is always computed) that
         every KV cache group can restore."""
         limit = (req.num_tokens - 1) // self.block_size if self.caching else 0
-        hit = self.kv.find_longest_cache_hit(req.block_hashes, limit)
+        hit = self.kv.find_longest_cache_hit(req.block_hashes, limit) if self.offload is None else \
+            self._take_from_tiers(req, budget, limit)
+        if hit is None:
+            return 0
         computed = hit.num_blocks * self.block_size
         n = min(req.num_tokens - computed, budget)
         if self.kv.num_blocks_to_allocate(req.request_id, computed + n, hit) > self.pool.num_free_blocks:
@@ -270,6 +308,20 @@ class LLMEngine:
         req.num_computed_tokens = computed
         self.stats.prefix_hit_tokens += computed
         return n
+
+    def _take_from_tiers(self, req: Request, budget: int, limit: int) -> CacheHit | None:
+        """The longest prefix on the device or in a lower tier, as a cache hit for the coordinator (blocks
+        found below loaded into new device blocks and published); None when it would not fit."""
+        assert self.offload is not None
+        found = self.offload.lookup(req.block_hashes[:limit])
+        n = min(req.num_tokens - len(found) * self.block_size, budget)
+        target = -(-(len(found) * self.block_size + n) // self.block_size)
+        if self.offload.num_blocks_to_allocate(found, target) > self.pool.num_free_blocks:
+            return None
+        blocks = self.offload.acquire(found)  # shorter when a load below failed: those are computed
+        self.pool.free(blocks[::-1])  # cached free again: the coordinator touches them back
+        req.num_offloaded_blocks = len(blocks)
+        return CacheHit(len(blocks), (blocks,))
 
     def _preempt(self, req: Request) -> None:
         self._release(req)
@@ -332,6 +384,17 @@ class LLMEngine:
         """Publish the full blocks whose KV is now written (the forward has run), in every group."""
         if self.caching:
             self.kv.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
+            if self.offload is not None and self.offload.write_through:
+                self._offer(req)
+
+    def _offer(self, req: Request) -> None:
+        """Hand the blocks published since the last call to the offload manager (write-through)."""
+        full, start = req.num_computed_tokens // self.block_size, req.num_offloaded_blocks
+        if full > start:
+            table = self.kv.block_tables(req.request_id)[0]
+            assert self.offload is not None
+            self.offload.on_published(table[start:full], req.block_hashes[start:full])
+            req.num_offloaded_blocks = full
 
     # ---- convenience
     def generate(self, prompts: Sequence[Sequence[int]],

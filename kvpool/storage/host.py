@@ -44,6 +44,8 @@ class HostKVCache:
     Args:
         spec: the model's spec (MHA/GQA gives a :class:`PagedKVCache`, MLA an :class:`MLAKVCache`).
         num_blocks: host blocks.
+        enable_caching: prefix caching in the host pool (off by default): the offload tier
+            (:class:`kvpool.tiers.host.HostTier`) publishes swapped-out blocks under their hashes there.
         pin_memory: page-locked memory (needed for async copies); default: when CUDA is available. Pinned
             memory is committed at once; unpinned memory is ``torch.empty`` and lazily committed.
         **cache_kwargs: passed to the store (``dtype``, ``layout``, fp8 scales): must match the device cache.
@@ -53,23 +55,24 @@ class HostKVCache:
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, *, pin_memory: bool | None = None,
-                 **cache_kwargs: Any) -> None:
+                 enable_caching: bool = False, **cache_kwargs: Any) -> None:
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         store = MLAKVCache if spec.attention is AttentionKind.MLA else PagedKVCache
         self.cache: BlockStore = store(spec, num_blocks, device="cpu", pin_memory=pin, **cache_kwargs)
-        self.pool = BlockPool(num_blocks, enable_caching=False)
+        self.pool = BlockPool(num_blocks, enable_caching=enable_caching)
         self._in_flight: deque[_InFlight] = deque()
         self._streams: dict[torch.device, Any] = {}
 
     @classmethod
-    def like(cls, cache: PagedKVCache | MLAKVCache, num_blocks: int, *, pin_memory: bool | None = None
-             ) -> HostKVCache:
+    def like(cls, cache: PagedKVCache | MLAKVCache, num_blocks: int, *, pin_memory: bool | None = None,
+             enable_caching: bool = False) -> HostKVCache:
         """A host tier of ``num_blocks`` blocks matching ``cache``'s spec, dtype, layout and scales."""
         if isinstance(cache, MLAKVCache):
             kwargs: dict[str, Any] = {"scale": cache.scale}
         else:
             kwargs = {"layout": cache.layout, "k_scale": cache.k_scale, "v_scale": cache.v_scale}
-        return cls(cache.spec, num_blocks, pin_memory=pin_memory, dtype=cache.dtype, **kwargs)
+        return cls(cache.spec, num_blocks, pin_memory=pin_memory, enable_caching=enable_caching,
+                   dtype=cache.dtype, **kwargs)
 
     @property
     def num_blocks(self) -> int:
@@ -156,6 +159,12 @@ class HostKVCache:
             item = self._in_flight.popleft()
             item.event.synchronize()
             self._complete(item)
+
+    def fence(self, device: torch.device) -> None:
+        """Make ``device``'s current CUDA stream wait for every copy queued so far on its swap stream, without
+        a host sync (before a kernel overwrites blocks a swap-out is still reading). A no-op off CUDA."""
+        if device.type == "cuda" and device in self._streams:
+            torch.cuda.current_stream(device).wait_stream(self._streams[device])
 
     def stats(self) -> dict[str, Any]:
         """The host store's ``stats()`` plus ``free_blocks``, ``used_blocks``, ``in_flight``, ``pinned``."""

@@ -1,0 +1,31 @@
+"""Tiers under the device pool: storage backends keyed by block hash and the offload manager chaining them.
+
+``TierBackend`` (the interface, :mod:`kvpool.tiers.backend`), ``HostTier`` (CPU memory, the existing
+``HostKVCache``), ``FileTier`` (a directory), ``RedisTier`` (a Redis server or cluster; needs redis-py),
+``OffloadManager`` (device -> host -> disk -> remote). Imported lazily: ``pip install kvpool[tiers]``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "Namespace": "kvpool.tiers.backend",
+    "TierBackend": "kvpool.tiers.backend",
+    "TierStats": "kvpool.tiers.backend",
+    "weights_fingerprint": "kvpool.tiers.backend",
+    "HostTier": "kvpool.tiers.host",
+    "FileTier": "kvpool.tiers.file",
+    "RedisTier": "kvpool.tiers.redis",
+    "OffloadManager": "kvpool.tiers.manager",
+    "PrefixHit": "kvpool.tiers.manager",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvpool.tiers' has no attribute {name!r}")

@@ -1,0 +1,337 @@
+"""The storage-backend interface of the lower KV tiers: blocks named by chained block hash plus a namespace.
+
+A **tier** stores whole KV blocks under their prefix hash (the chained hash of
+:mod:`kvpool.allocators.hashing`; in a trace replay, the trace's block ids). A :class:`Namespace` (model,
+KV dtype, layout, tensor-parallel rank, layer group, hash scheme) goes into every key and every value, so
+two models, ranks or layouts never share a block.
+
+The unit a tier moves is one block as **contiguous bytes** (``block_bytes`` of them): the block's slice of
+every layer of the device buffer, K then V, in the buffer's own order (:func:`block_rows`). Batched calls
+take and fill ``uint8`` tensors ``[n, block_bytes]`` on the CPU. A tier built with ``block_bytes=0`` stores
+hashes only (a replay that moves no data).
+
+Contract of every :class:`TierBackend` (thread-safe; a call never raises for a fault of the medium):
+
+* ``exists(keys) -> int``: how many leading keys are stored (the length of the stored prefix).
+* ``get(keys, out) -> int``: load the leading stored blocks into ``out[i]``; returns how many. It stops at
+  the first block that is missing, truncated, fails its checksum, belongs to another namespace or key, or
+  cannot be read (an I/O or connection error): each is a **miss**, counted in :class:`TierStats`, never
+  wrong KV. Rows from the returned count on are unspecified.
+* ``set(keys, blocks) -> int``: store each block (independently); returns how many are stored now. A key
+  already stored is refreshed (marked recently used), not rewritten. A block that cannot be written (disk
+  full, server down, larger than the tier) is counted in ``store_failures`` and skipped.
+* ``refresh(keys)``: mark them recently used (the offload manager does it before the device allocation
+  whose evictions could otherwise push out blocks it is about to load).
+* ``delete(keys) -> int``; ``capacity_bytes`` (None = unbounded), ``used_bytes``, ``num_blocks``;
+  ``stats()``; ``check_integrity()`` (raises :class:`IntegrityError`); ``close()``.
+
+A stored value is ``header (64 bytes) || payload``; the header holds a magic, the format version, the
+namespace digest, the block key, the payload length and an XXH3-64 checksum of the payload, and its
+reserved bytes must be zero, so a flipped byte anywhere, a truncation or a value copied under another key
+is detected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import xxhash
+
+from kvpool.errors import InvalidArgumentError
+from kvpool.numeric import as_int
+from kvpool.storage.paged import BlockStore, raw_dtype
+
+MAGIC = b"KVPB"
+VERSION = 1
+_HEADER = struct.Struct("<4sHH16s16sQQQ")  # magic, version, flags, namespace, key, length, checksum, 0
+HEADER_BYTES = _HEADER.size  # 64
+KEY_BYTES = 16
+MEDIUMS = ("host", "disk", "remote")
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """What a stored block belongs to; part of every key and value, so that blocks of two models, dtypes,
+    layouts, ranks or layer groups never match.
+
+    Args:
+        model: the model's identity, e.g. its name plus a fingerprint of its weights
+            (:func:`weights_fingerprint`).
+        kv_dtype: the KV storage dtype (``"bfloat16"``).
+        layout: the block layout and shape (:func:`block_layout`).
+        tp_rank, tp_size: the tensor-parallel rank and world size.
+        layer_group: the KV cache group index (0 for a model whose layers form one group).
+        hash_scheme: how the block hashes were computed (the hash algorithm), so that two schemes never
+            meet under one key.
+    """
+
+    model: str
+    kv_dtype: str
+    layout: str
+    tp_rank: int = 0
+    tp_size: int = 1
+    layer_group: int = 0
+    hash_scheme: str = ""
+
+    def __post_init__(self) -> None:
+        if not all(isinstance(v, str) for v in (self.model, self.kv_dtype, self.layout, self.hash_scheme)):
+            raise InvalidArgumentError(f"namespace text fields must be str, got {self!r}")
+        size = as_int(self.tp_size, "tp_size", minimum=1)
+        object.__setattr__(self, "tp_size", size)
+        object.__setattr__(self, "tp_rank", as_int(self.tp_rank, "tp_rank", minimum=0, maximum=size - 1))
+        object.__setattr__(self, "layer_group", as_int(self.layer_group, "layer_group", minimum=0))
+
+    @property
+    def digest(self) -> bytes:
+        """16 bytes: BLAKE2b of the fields, each length-prefixed (so no two namespaces collide by
+        concatenation)."""
+        parts = [str(v).encode() for v in asdict(self).values()]
+        data = b"".join(struct.pack("<I", len(p)) + p for p in parts)
+        return hashlib.blake2b(data, digest_size=16, person=b"kvpool-ns").digest()
+
+    @property
+    def tag(self) -> str:
+        """The digest as 32 hex digits: the namespace's part of a Redis key or a directory name."""
+        return self.digest.hex()
+
+    @classmethod
+    def for_cache(cls, cache: BlockStore, *, model: str, tp_rank: int = 0, tp_size: int = 1,
+                  layer_group: int = 0, hash_scheme: str = "") -> Namespace:
+        """The namespace of blocks of the device ``cache`` (dtype and layout taken from it)."""
+        return cls(model, str(cache.dtype).removeprefix("torch."), block_layout(cache), tp_rank, tp_size,
+                   layer_group, hash_scheme)
+
+
+def block_layout(cache: BlockStore) -> str:
+    """The class, layout and per-block shape of ``cache``, e.g. ``"PagedKVCache/NHD/2x30x16x3x64"``."""
+    shape = list(cache.buffer.shape)
+    del shape[cache.block_dim]
+    return f"{type(cache).__name__}/{getattr(cache, 'layout', '-')}/{'x'.join(map(str, shape))}"
+
+
+def weights_fingerprint(tensors: Iterable[torch.Tensor]) -> str:
+    """32 hex digits of XXH3-128 over the bytes of ``tensors`` (a model's parameters): two processes
+    agree on it exactly when their weights are bit-identical. ~50 GB/s on a CPU; a GPU tensor is copied."""
+    digest = xxhash.xxh3_128()
+    for t in tensors:
+        t = t.detach()
+        digest.update(str((tuple(t.shape), t.dtype)).encode())
+        flat = t.reshape(-1).cpu().contiguous()
+        if flat.numel():
+            digest.update(memoryview(flat.view(torch.uint8).numpy()))
+    return digest.hexdigest()
+
+
+def block_key(block_hash: Hashable) -> bytes:
+    """The 16-byte key of a block hash: a 16-byte ``bytes`` hash as it is; an int (a trace's block id) as
+    16 bytes big-endian two's complement. Raises :class:`InvalidArgumentError` for anything else."""
+    if type(block_hash) is bytes and len(block_hash) == KEY_BYTES:
+        return block_hash
+    if type(block_hash) is int and -(2**127) <= block_hash < 2**127:
+        return block_hash.to_bytes(KEY_BYTES, "big", signed=True)
+    raise InvalidArgumentError(f"a tier keys blocks by 16-byte hashes or ints, got {block_hash!r}")
+
+
+def block_keys(block_hashes: Sequence[Hashable]) -> list[bytes]:
+    """:func:`block_key` of each hash."""
+    return [block_key(h) for h in block_hashes]
+
+
+def encode_header(namespace: bytes, key: bytes, payload: Any) -> bytes:
+    """The 64-byte header of a value holding ``payload`` (bytes-like) under ``namespace``/``key``."""
+    view = memoryview(payload)
+    return _HEADER.pack(MAGIC, VERSION, 0, namespace, key, view.nbytes, xxhash.xxh3_64_intdigest(view), 0)
+
+
+def check_header(header: Any, namespace: bytes, key: bytes, length: int) -> str | None:
+    """Why a value's header does not fit (``"corrupt"``: bad magic, version, reserved bytes or length;
+    ``"foreign"``: another namespace or key), or None when it fits. ``header`` must be 64 bytes."""
+    magic, version, flags, ns, k, size, _, reserved = _HEADER.unpack(header)
+    if magic != MAGIC or version != VERSION or flags or reserved or size != length:
+        return "corrupt"
+    if ns != namespace or k != key:
+        return "foreign"
+    return None
+
+
+def checksum_of(header: Any) -> int:
+    """The payload checksum a header records."""
+    return _HEADER.unpack(header)[6]
+
+
+def verify_value(value: Any, namespace: bytes, key: bytes, length: int) -> tuple[str | None, memoryview]:
+    """(why it is a miss or None, the payload view) for a whole stored value."""
+    view = memoryview(value)
+    if view.nbytes != HEADER_BYTES + length:
+        return "corrupt", view
+    why = check_header(view[:HEADER_BYTES], namespace, key, length)
+    payload = view[HEADER_BYTES:]
+    if why is None and xxhash.xxh3_64_intdigest(payload) != checksum_of(view[:HEADER_BYTES]):
+        why = "corrupt"
+    return why, payload
+
+
+@dataclass
+class TierStats:
+    """Counters of one tier, in blocks and bytes, cumulative.
+
+    ``stored``/``stored_bytes``: blocks written by ``set``; ``store_failures``: blocks ``set`` could not
+    write; ``loaded``/``loaded_bytes``: blocks ``get`` returned intact; ``evictions``: blocks the tier
+    dropped to make room; misses of ``get`` by reason: ``missing`` (not there, or evicted by the server),
+    ``corrupt`` (truncated, bad header or checksum), ``foreign`` (another namespace or key), ``errors``
+    (I/O or connection). ``hits`` is counted by the :class:`~kvpool.tiers.manager.OffloadManager`: prompt
+    blocks its lookups found in this tier.
+    """
+
+    stored: int = 0
+    stored_bytes: int = 0
+    store_failures: int = 0
+    loaded: int = 0
+    loaded_bytes: int = 0
+    evictions: int = 0
+    missing: int = 0
+    corrupt: int = 0
+    foreign: int = 0
+    errors: int = 0
+    hits: int = 0
+
+    @property
+    def misses(self) -> int:
+        """Gets that were a miss, whatever the reason."""
+        return self.missing + self.corrupt + self.foreign + self.errors
+
+    def to_dict(self) -> dict[str, int]:
+        return {**asdict(self), "misses": self.misses}
+
+
+class TierBackend(ABC):
+    """One storage tier (see the module docstring for the contract every method keeps).
+
+    Subclasses set ``medium`` (``"host"``, ``"disk"`` or ``"remote"``), ``namespace`` and ``block_bytes``,
+    and guard their state with ``self._lock``.
+    """
+
+    medium: str
+    namespace: Namespace
+    block_bytes: int
+
+    def __init__(self, namespace: Namespace, block_bytes: int) -> None:
+        if not isinstance(namespace, Namespace):
+            raise InvalidArgumentError(f"namespace must be a Namespace, got {namespace!r}")
+        self.namespace, self.block_bytes = namespace, as_int(block_bytes, "block_bytes", minimum=0)
+        self._ns = namespace.digest
+        self._stats = TierStats()
+        self._lock = threading.RLock()
+
+    @abstractmethod
+    def exists(self, keys: Sequence[Hashable]) -> int:
+        """How many leading ``keys`` are stored."""
+
+    @abstractmethod
+    def get(self, keys: Sequence[Hashable], out: torch.Tensor | None) -> int:
+        """Load the leading stored blocks of ``keys`` into rows of ``out`` (``uint8 [>= n, block_bytes]``;
+        None with ``block_bytes == 0``); returns how many were loaded intact."""
+
+    @abstractmethod
+    def set(self, keys: Sequence[Hashable], blocks: torch.Tensor | None) -> int:
+        """Store ``blocks[i]`` under ``keys[i]``; returns how many of ``keys`` are stored afterwards."""
+
+    @abstractmethod
+    def delete(self, keys: Sequence[Hashable]) -> int:
+        """Remove ``keys``; returns how many were there."""
+
+    @property
+    @abstractmethod
+    def capacity_bytes(self) -> int | None:
+        """Bytes the tier may hold (values with their headers), None when it sets no bound itself."""
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int:
+        """Bytes held now (for a remote tier: what this process knows it stored, not the server's total)."""
+
+    @property
+    @abstractmethod
+    def num_blocks(self) -> int:
+        """Blocks held now (for a remote tier: as ``used_bytes``)."""
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Verify the tier's invariants; raises :class:`~kvpool.errors.IntegrityError` naming it."""
+
+    def refresh(self, keys: Sequence[Hashable]) -> None:  # noqa: B027 (optional: tiers without an LRU)
+        """Mark ``keys`` recently used (a tier with its own LRU moves them to its tail); no-op here."""
+
+    def stats(self) -> TierStats:
+        """A snapshot of the counters."""
+        with self._lock:
+            return TierStats(**asdict(self._stats))
+
+    def count_hits(self, n: int) -> None:
+        """Add ``n`` to ``hits`` (the manager's lookups)."""
+        with self._lock:
+            self._stats.hits += n
+
+    def close(self) -> None:  # noqa: B027 (optional: most tiers hold nothing to release)
+        """Release files, sockets or memory (the tier is unusable afterwards)."""
+
+    @property
+    def value_bytes(self) -> int:
+        """Bytes of one stored value: header plus payload."""
+        return HEADER_BYTES + self.block_bytes
+
+    def _check_rows(self, keys: Sequence[Hashable], rows: torch.Tensor | None, name: str) -> list[bytes]:
+        """The keys as 16-byte keys, after checking ``rows`` is a contiguous CPU uint8 tensor with at least
+        ``len(keys)`` rows of ``block_bytes`` (or None for a hash-only tier). Raises InvalidArgumentError."""
+        out = block_keys(keys)
+        if self.block_bytes == 0 and rows is None:
+            return out
+        ok = (isinstance(rows, torch.Tensor) and rows.dtype == torch.uint8 and rows.device.type == "cpu"
+              and rows.dim() == 2 and rows.shape[0] >= len(out) and rows.shape[1] == self.block_bytes
+              and rows.is_contiguous())
+        if not ok:
+            got = f"{rows.dtype} {list(rows.shape)} {rows.device}" if isinstance(rows, torch.Tensor) else rows
+            raise InvalidArgumentError(f"{name} must be a contiguous CPU uint8 tensor [>= {len(out)}, "
+                                       f"{self.block_bytes}], got {got}")
+        return out
+
+
+def block_rows(cache: BlockStore) -> torch.Tensor:
+    """A view of ``cache``'s buffer as ``[num_blocks, ...]`` raw words with the block dimension first: row
+    ``b`` is block ``b``'s bytes in every layer (not contiguous across rows). ``index_select`` of it into a
+    contiguous ``[n, ...]`` tensor gathers blocks as tier rows in one copy."""
+    buffer = cache.buffer
+    return buffer.view(raw_dtype(buffer.shape[-1] * buffer.element_size())).movedim(cache.block_dim, 0)
+
+
+def gather_rows(cache: BlockStore, block_ids: Sequence[int], out: torch.Tensor) -> None:
+    """Copy blocks ``block_ids`` of ``cache`` into ``out[:n]`` (CPU ``uint8 [>= n, block_bytes]``,
+    contiguous), one row per block: one ``index_select`` on the CPU; on a GPU a gather there and one copy."""
+    rows = block_rows(cache)
+    n = len(block_ids)
+    dst = out[:n].view(rows.dtype).view(n, *rows.shape[1:])
+    ids = torch.tensor(block_ids, dtype=torch.int64, device=rows.device)
+    if rows.device.type == "cpu":
+        torch.index_select(rows, 0, ids, out=dst)
+    else:
+        dst.copy_(rows.index_select(0, ids))
+
+
+def scatter_rows(cache: BlockStore, block_ids: Sequence[int], rows_in: torch.Tensor) -> None:
+    """Copy tier rows ``rows_in[:n]`` into blocks ``block_ids`` of ``cache`` (ids distinct)."""
+    rows = block_rows(cache)
+    n = len(block_ids)
+    src = rows_in[:n].view(rows.dtype).view(n, *rows.shape[1:])
+    if rows.device.type != "cpu":
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=rows.device)
+        rows.index_copy_(0, ids, src.to(rows.device))
+        return
+    for i, block in enumerate(block_ids):  # one strided copy per block: faster than index_copy_ on a view
+        rows[block].copy_(src[i])

@@ -1,0 +1,336 @@
+"""``FileTier``: blocks as files in a directory, bounded in bytes, least recently used evicted first.
+
+Layout: ``DIR/<namespace tag>/<first 2 hex digits>/<32 hex digits of the block key>``, each file one value
+(64-byte header + payload, see :mod:`kvpool.tiers.backend`). A store writes a temporary file beside its
+target and renames it into place, so a reader never sees half a value under a block's name. The index
+(key -> value bytes, LRU order) lives in memory; files left by an earlier run of the same namespace are
+indexed at start (oldest modification first), so a restart finds them. One process owns a namespace
+directory at a time (an exclusive ``flock`` on ``.lock``); share blocks across processes with the Redis tier.
+
+Faults: a write that fails (``ENOSPC``, ``EIO``, a read-only disk) is a store failure, its temporary file
+removed; a missing, truncated, flipped or foreign file is a miss and the file is deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from pathlib import Path
+
+import torch
+import xxhash
+
+from kvpool.errors import ConfigError, IntegrityError
+from kvpool.numeric import as_int
+from kvpool.tiers.backend import (
+    HEADER_BYTES,
+    Namespace,
+    TierBackend,
+    block_keys,
+    check_header,
+    checksum_of,
+    encode_header,
+)
+
+#: ``listener(keys, payloads)``: blocks a store is about to evict, with their verified payloads.
+Cascade = Callable[[list[bytes], list[bytes]], None]
+
+
+class FileTier(TierBackend):
+    """A directory of block files holding at most ``capacity_bytes`` (values with their 64-byte headers).
+
+    Args:
+        directory: the folder (created if missing); each namespace gets its own subfolder.
+        namespace: the blocks' :class:`Namespace`.
+        capacity_bytes: the bound; the least recently used files are deleted to stay under it.
+        block_bytes: payload bytes per block (0: hash-only values, a header each).
+
+    Raises:
+        ConfigError: ``directory`` is a file, cannot be created or written, or another process holds this
+            namespace's folder; InvalidArgumentError: a capacity that is not an int >= 0.
+    """
+
+    medium = "disk"
+
+    def __init__(self, directory: str | os.PathLike, namespace: Namespace, *, capacity_bytes: int,
+                 block_bytes: int) -> None:
+        super().__init__(namespace, block_bytes)
+        self._capacity = as_int(capacity_bytes, "capacity_bytes", minimum=0)
+        self.directory = Path(directory)
+        self._dir = self.directory / namespace.tag
+        self._lock_fd = _claim(self._dir)
+        self._index: OrderedDict[bytes, int] = OrderedDict()
+        self._used = 0
+        self._subdirs: set[str] = set()
+        self._cascade: Cascade | None = None
+        self._scan()
+
+    # ---- the interface ------------------------------------------------------------------------------
+
+    def exists(self, keys: Sequence[Hashable]) -> int:
+        index, n = self._index, 0
+        with self._lock:
+            for key in block_keys(keys):
+                if key not in index:
+                    break
+                n += 1
+        return n
+
+    def get(self, keys: Sequence[Hashable], out: torch.Tensor | None) -> int:
+        names = self._check_rows(keys, out, "out")
+        n = 0
+        for i, key in enumerate(names):
+            with self._lock:
+                if key not in self._index:
+                    self._stats.missing += 1
+                    break
+                self._index.move_to_end(key)
+            why = self._read(key, out[i] if out is not None and self.block_bytes else None)
+            if why is not None:
+                self._miss(key, why)
+                break
+            n += 1
+        with self._lock:
+            self._stats.loaded += n
+            self._stats.loaded_bytes += n * self.block_bytes
+        return n
+
+    def set(self, keys: Sequence[Hashable], blocks: torch.Tensor | None) -> int:
+        """Refresh the keys held already, then write the others in order, each after evicting least
+        recently used files until it fits."""
+        names = self._check_rows(keys, blocks, "blocks")
+        with self._lock:
+            held = [key in self._index for key in names]
+            for key, there in zip(names, held, strict=True):
+                if there:
+                    self._index.move_to_end(key)
+        stored = sum(held)
+        for i, key in enumerate(names):
+            if held[i]:
+                continue
+            if self.value_bytes > self._capacity:
+                self._count_failure()
+                continue
+            self._make_room()
+            stored += self._write(key, blocks[i] if blocks is not None and self.block_bytes else None)
+        return stored
+
+    def delete(self, keys: Sequence[Hashable]) -> int:
+        gone = 0
+        for key in block_keys(keys):
+            with self._lock:
+                size = self._index.pop(key, None)
+                if size is None:
+                    continue
+                self._used -= size
+            _unlink(self._path(key))
+            gone += 1
+        return gone
+
+    def refresh(self, keys: Sequence[Hashable]) -> None:
+        with self._lock:
+            for key in block_keys(keys):
+                if key in self._index:
+                    self._index.move_to_end(key)
+
+    def set_eviction_listener(self, listener: Cascade | None) -> None:
+        """Call ``listener(keys, payloads)`` with the blocks a store evicts, before their files are deleted
+        (the offload manager cascades them to the next tier); corrupt ones are left out."""
+        self._cascade = listener
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._index)
+
+    def check_integrity(self) -> None:
+        """The index and the directory agree: every indexed block has a file of the indexed size, there
+        is no other file, ``used_bytes`` is their sum and within the capacity."""
+        with self._lock:
+            files = {p.name: p.stat().st_size for p in self._dir.glob("*/*")}
+            indexed = {key.hex(): size for key, size in self._index.items()}
+            _require(files == indexed, f"{len(set(files) ^ set(indexed))} files and index entries disagree "
+                                       f"in {self._dir}")
+            _require(self._used == sum(indexed.values()) and self._used <= self._capacity,
+                     f"used {self._used} B is not the files' sum or exceeds {self._capacity} B")
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # ---- files ---------------------------------------------------------------------------------------
+
+    def _path(self, key: bytes) -> Path:
+        name = key.hex()
+        return self._dir / name[:2] / name
+
+    def _read(self, key: bytes, row: torch.Tensor | None) -> str | None:
+        """Read ``key``'s file into ``row``; why it is a miss, or None."""
+        try:
+            with open(self._path(key), "rb", buffering=0) as f:
+                header = f.read(HEADER_BYTES)
+                if len(header) != HEADER_BYTES:
+                    return "corrupt"
+                why = check_header(header, self._ns, key, self.block_bytes)
+                if why is not None:
+                    return why
+                payload = memoryview(row.numpy()) if row is not None else memoryview(b"")
+                if _read_into(f, payload) != len(payload) or f.read(1):
+                    return "corrupt"
+        except FileNotFoundError:
+            return "missing"
+        except OSError:
+            return "errors"
+        return None if xxhash.xxh3_64_intdigest(payload) == checksum_of(header) else "corrupt"
+
+    def _write(self, key: bytes, row: torch.Tensor | None) -> bool:
+        """Write ``key``'s value atomically (temporary file, rename); False (counted) when the disk
+        refuses."""
+        payload = memoryview(row.numpy()) if row is not None else memoryview(b"")
+        path = self._path(key)
+        tmp = path.with_name(f"{path.name}.tmp{threading.get_ident()}")
+        try:
+            if path.parent.name not in self._subdirs:
+                path.parent.mkdir(exist_ok=True)
+                self._subdirs.add(path.parent.name)
+            with open(tmp, "wb", buffering=0) as f:
+                _write_all(f, encode_header(self._ns, key, payload))
+                _write_all(f, payload)
+            os.replace(tmp, path)
+        except OSError:
+            _unlink(tmp)
+            self._count_failure()
+            return False
+        with self._lock:
+            self._index[key] = self.value_bytes
+            self._used += self.value_bytes
+            self._stats.stored += 1
+            self._stats.stored_bytes += self.block_bytes
+        return True
+
+    def _make_room(self) -> None:
+        """Evict least recently used files until one more value fits. A victim stays readable until it has
+        been passed down (the cascade), so a reader finds it here or below, never in neither."""
+        with self._lock:
+            victims, freed = [], 0
+            for key, size in self._index.items():
+                if self._used - freed + self.value_bytes <= self._capacity:
+                    break
+                victims.append(key)
+                freed += size
+        if victims and self._cascade is not None:
+            self._pass_down(victims)
+        with self._lock:
+            for key in victims:
+                size = self._index.pop(key, None)
+                if size is not None:
+                    self._used -= size
+                    self._stats.evictions += 1
+        for key in victims:
+            _unlink(self._path(key))
+
+    def _pass_down(self, victims: list[bytes]) -> None:
+        keys, payloads = [], []
+        buf = torch.empty(max(self.block_bytes, 1), dtype=torch.uint8)
+        for key in victims:
+            if self._read(key, buf[:self.block_bytes] if self.block_bytes else None) is None:
+                keys.append(key)
+                payloads.append(bytes(buf.numpy()[:self.block_bytes]))
+        if keys:
+            self._cascade(keys, payloads)
+
+    def _miss(self, key: bytes, why: str) -> None:
+        """Count a miss; drop a bad or vanished file from the index (and the disk)."""
+        with self._lock:
+            setattr(self._stats, why, getattr(self._stats, why) + 1)
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._used -= size
+        if why != "errors":
+            _unlink(self._path(key))
+
+    def _count_failure(self) -> None:
+        with self._lock:
+            self._stats.store_failures += 1
+
+    def _scan(self) -> None:
+        """Index the files a previous run left (oldest first), delete stray temporary files, then evict
+        down to the capacity."""
+        found = []
+        for path in self._dir.glob("*/*"):
+            try:
+                key, stat = bytes.fromhex(path.name), path.stat()
+            except (ValueError, OSError):
+                _unlink(path)  # a temporary file (or anything else) left by a crash
+                continue
+            if len(key) == 16 and stat.st_size == self.value_bytes:
+                found.append((stat.st_mtime_ns, key))
+            else:
+                _unlink(path)
+        for _, key in sorted(found):
+            self._index[key] = self.value_bytes
+            self._used += self.value_bytes
+        self._subdirs = {p.name for p in self._dir.iterdir() if p.is_dir()}
+        while self._used > self._capacity:
+            key, size = self._index.popitem(last=False)
+            self._used -= size
+            _unlink(self._path(key))
+
+
+def _claim(folder: Path) -> int:
+    """Create ``folder`` and take an exclusive lock on its ``.lock`` file; ConfigError when impossible."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise ConfigError(f"cannot use {folder.parent} as a disk tier: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        why = "another process uses it" if exc.errno in (errno.EAGAIN, errno.EACCES) else exc.strerror
+        raise ConfigError(f"cannot use {folder} as a disk tier: {why}") from None
+    if not os.access(folder, os.W_OK):
+        os.close(fd)
+        raise ConfigError(f"cannot use {folder.parent} as a disk tier: not writable")
+    return fd
+
+
+def _read_into(f, view: memoryview) -> int:  # noqa: ANN001 (a raw file)
+    """readinto until ``view`` is full or the file ends; returns the bytes read."""
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
+def _write_all(f, data: memoryview | bytes) -> None:  # noqa: ANN001 (a raw file)
+    view = memoryview(data)
+    while view:
+        view = view[f.write(view):]
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
+def _require(ok: bool, what: str) -> None:
+    if not ok:
+        raise IntegrityError(f"file tier invariant broken: {what}")

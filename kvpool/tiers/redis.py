@@ -1,0 +1,272 @@
+"""``RedisTier``: blocks in a Redis server or a Redis Cluster (redis-py), shared by every process that uses
+the same server and namespace.
+
+Key of a block: ``<prefix>:<namespace tag>:<32 hex digits of the block key>``; value: the 64-byte header
+and the payload (:mod:`kvpool.tiers.backend`). Calls are pipelined (``EXISTS``/``GET``/``SET`` batches; on
+a cluster redis-py's cluster pipeline splits them by node). Capacity is the server's business: set
+``maxmemory`` and an eviction policy (``allkeys-lru``) there; a key the server evicted is a miss.
+
+Faults never raise: a server that is down, killed mid-run or unreachable at start makes every call a miss
+(``errors``) or a store failure; the tier then waits ``retry_s`` seconds before it tries to connect again,
+so a dead server costs one failed connect per interval, not one per call. Whether the URL names a cluster
+is asked of the server (``INFO cluster``) on the first connection, unless ``cluster`` says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import urllib.parse
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import redis
+import torch
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.retry import Retry
+
+from kvpool.errors import ConfigError, IntegrityError
+from kvpool.numeric import as_optional_int, as_real
+from kvpool.tiers.backend import (
+    HEADER_BYTES,
+    Namespace,
+    TierBackend,
+    block_keys,
+    encode_header,
+    verify_value,
+)
+
+SCHEMES = ("redis", "rediss")
+#: Bytes of values per pipeline at most (a batch of big blocks is split).
+PIPELINE_BYTES = 64 * 2**20
+_FAULTS = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
+
+
+def check_url(url: str) -> str:
+    """``url`` if it reads ``redis://HOST:PORT[/DB]`` (or ``rediss://``, user and password allowed);
+    ConfigError naming what is wrong otherwise."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except (ValueError, TypeError):
+        raise ConfigError(f"bad Redis URL {url!r}: the port must be a number in 0-65535") from None
+    if parts.scheme not in SCHEMES or not parts.hostname:
+        raise ConfigError(f"bad Redis URL {url!r}: expected redis://HOST:PORT (or rediss://)")
+    if port is None or not port > 0:
+        raise ConfigError(f"bad Redis URL {url!r}: give the port, e.g. redis://127.0.0.1:6379")
+    if parts.path.strip("/") and not parts.path.strip("/").isdigit():
+        raise ConfigError(f"bad Redis URL {url!r}: the path may only name a database number")
+    return url
+
+
+class RedisTier(TierBackend):
+    """Blocks under ``namespace`` in the Redis (or Redis Cluster) at ``url``.
+
+    Args:
+        url: ``redis://HOST:PORT[/DB]`` or ``rediss://...`` (any node of a cluster).
+        namespace, block_bytes: as for every tier (``block_bytes=0``: hash-only values).
+        prefix: the first part of every key.
+        cluster: True/False to say whether ``url`` is a cluster; None asks the server.
+        timeout_s: connect and socket timeout of each call.
+        retry_s: how long a tier that lost its server waits before it connects again.
+        ttl_s: an expiry for every stored value (None: none; the server's maxmemory policy evicts).
+
+    Raises:
+        ConfigError: a malformed URL (an unreachable server is not an error: its calls miss).
+    """
+
+    medium = "remote"
+
+    def __init__(self, url: str, namespace: Namespace, *, block_bytes: int, prefix: str = "kvpool",
+                 cluster: bool | None = None, timeout_s: float = 2.0, retry_s: float = 1.0,
+                 ttl_s: int | None = None) -> None:
+        super().__init__(namespace, block_bytes)
+        self._timeout = as_real(timeout_s, "timeout_s", minimum=0, open_min=True, finite=True)
+        self._retry = as_real(retry_s, "retry_s", minimum=0, finite=True)
+        self._ttl = as_optional_int(ttl_s, "ttl_s", minimum=1)
+        self.url = check_url(url)
+        self.cluster = cluster
+        self._key_head = f"{prefix}:{namespace.tag}:".encode()
+        self._client: Any = None
+        self._down_until = 0.0
+        self._stored_keys = 0
+        self.last_error: str | None = None
+        self._per_pipeline = max(1, PIPELINE_BYTES // self.value_bytes)
+
+    # ---- the interface ------------------------------------------------------------------------------
+
+    def exists(self, keys: Sequence[Hashable]) -> int:
+        """Leading keys present, asked in growing pipelines (16, 64, 256, ... keys) that stop at a miss."""
+        names = [self._name(k) for k in block_keys(keys)]
+        n, step = 0, 16
+        while n < len(names):
+            part = names[n:n + step]
+            found = self._pipelined("exists", part)
+            if found is None:
+                return n
+            for present in found:
+                if not present:
+                    return n
+                n += 1
+            step *= 4
+        return n
+
+    def get(self, keys: Sequence[Hashable], out: torch.Tensor | None) -> int:
+        names = self._check_rows(keys, out, "out")
+        n = 0
+        while n < len(names):
+            part = names[n:n + self._per_pipeline]
+            values = self._pipelined("get", [self._name(k) for k in part])
+            if values is None:
+                break
+            ok = self._take(part, values, out, n)
+            n += ok
+            if ok < len(part):
+                break
+        with self._lock:
+            self._stats.loaded += n
+            self._stats.loaded_bytes += n * self.block_bytes
+        return n
+
+    def set(self, keys: Sequence[Hashable], blocks: torch.Tensor | None) -> int:
+        names = self._check_rows(keys, blocks, "blocks")
+        stored = 0
+        for start in range(0, len(names), self._per_pipeline):
+            part = names[start:start + self._per_pipeline]
+            values = [self._value(k, blocks[start + i] if blocks is not None and self.block_bytes else None)
+                      for i, k in enumerate(part)]
+            done = self._pipelined("set", [self._name(k) for k in part], values)
+            ok = sum(1 for r in done if r is True) if done is not None else 0
+            with self._lock:
+                self._stats.stored += ok
+                self._stats.stored_bytes += ok * self.block_bytes
+                self._stats.store_failures += len(part) - ok
+                self._stored_keys += ok
+            stored += ok
+        return stored
+
+    def delete(self, keys: Sequence[Hashable]) -> int:
+        names = [self._name(k) for k in block_keys(keys)]
+        done = self._pipelined("delete", names) if names else []
+        gone = sum(int(r) for r in done if isinstance(r, int)) if done is not None else 0
+        with self._lock:
+            self._stored_keys = max(0, self._stored_keys - gone)
+        return gone
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        return None  # the server's maxmemory, and its eviction policy, bound it
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the values this tier stored and did not delete (the server may have evicted some)."""
+        return self._stored_keys * self.value_bytes
+
+    @property
+    def num_blocks(self) -> int:
+        return self._stored_keys
+
+    @property
+    def connected(self) -> bool:
+        """Whether the tier holds a live client (after its last call)."""
+        return self._client is not None
+
+    def check_integrity(self) -> None:
+        """Counters are non-negative; a tier without a client is waiting to retry."""
+        s = self.stats()
+        if min(s.to_dict().values()) < 0 or self._stored_keys < 0:
+            raise IntegrityError(f"redis tier counters went negative: {s}")
+        if self._client is None and self.last_error is None and (s.errors or s.store_failures):
+            raise IntegrityError("redis tier lost its client without recording why")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+            self._client = None
+
+    # ---- redis --------------------------------------------------------------------------------------
+
+    def _name(self, key: bytes) -> bytes:
+        return self._key_head + key.hex().encode()
+
+    def _value(self, key: bytes, row: torch.Tensor | None) -> memoryview:
+        payload = memoryview(row.numpy()) if row is not None else memoryview(b"")
+        value = bytearray(HEADER_BYTES + len(payload))
+        value[:HEADER_BYTES] = encode_header(self._ns, key, payload)
+        value[HEADER_BYTES:] = payload
+        return memoryview(value)
+
+    def _take(self, keys: list[bytes], values: list[Any], out: torch.Tensor | None, start: int) -> int:
+        """Verify fetched values into ``out[start:]``; how many leading ones were good (the first bad one
+        is counted as a miss)."""
+        for i, (key, value) in enumerate(zip(keys, values, strict=True)):
+            if not isinstance(value, bytes):
+                why = "errors" if isinstance(value, Exception) else "missing"
+            else:
+                why, payload = verify_value(value, self._ns, key, self.block_bytes)
+            if why is not None:
+                with self._lock:
+                    setattr(self._stats, why, getattr(self._stats, why) + 1)
+                return i
+            if out is not None and self.block_bytes:
+                memoryview(out[start + i].numpy())[:] = payload
+        return len(keys)
+
+    def _pipelined(self, command: str, names: list[bytes], values: list[memoryview] | None = None
+                   ) -> list[Any] | None:
+        """Run ``command`` once per name in one pipeline; None when the server cannot be reached (the
+        call is counted as an error and the client dropped until ``retry_s`` has passed)."""
+        client = self._connect()
+        if client is None:
+            self._count_unreachable(command)
+            return None
+        try:
+            pipe = client.pipeline(transaction=False) if not self.cluster else client.pipeline()
+            for i, name in enumerate(names):
+                if command == "set":
+                    pipe.set(name, values[i], ex=self._ttl)
+                else:
+                    getattr(pipe, command)(name)
+            return pipe.execute(raise_on_error=False)
+        except _FAULTS as exc:
+            self._lose(exc)
+            self._count_unreachable(command)
+            return None
+
+    def _count_unreachable(self, command: str) -> None:
+        if command in ("get", "exists"):
+            with self._lock:
+                self._stats.errors += 1
+
+    def _connect(self) -> Any:
+        """The client, connecting first when there is none and the retry interval has passed."""
+        with self._lock:
+            if self._client is not None or time.monotonic() < self._down_until:
+                return self._client
+            options = dict(socket_timeout=self._timeout, socket_connect_timeout=self._timeout,
+                           retry=Retry(NoBackoff(), 0))
+            try:
+                client = redis.Redis.from_url(self.url, **options)
+                if self.cluster is None:
+                    self.cluster = bool(client.info("cluster").get("cluster_enabled"))
+                if self.cluster:
+                    client.close()
+                    client = RedisCluster.from_url(self.url, **options)
+                else:
+                    client.ping()
+            except _FAULTS as exc:
+                self._lose(exc)
+                return None
+            self._client, self.last_error = client, None
+            return client
+
+    def _lose(self, exc: BaseException) -> None:
+        with self._lock:
+            if self._client is not None:
+                with contextlib.suppress(*_FAULTS):
+                    self._client.close()
+            self._client = None
+            self._down_until = time.monotonic() + self._retry
+            self.last_error = f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,128 @@
+"""Real Redis servers for the tier tests: a single server and a three-node Redis Cluster on loopback ports
+27100-27199 (this project's range for tier tests), each a child process stopped at the end, even on
+failure. Needs Debian's ``redis-server`` and ``redis-cli`` (``.ci/run`` installs them); without them the
+tests that need a server are skipped with that reason."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+PORTS = range(27100, 27200)
+START_TIMEOUT_S = 15.0
+_used: set[int] = set()
+
+
+def free_port() -> int:
+    """A port of the range that nothing listens on and no server of this run took."""
+    for port in PORTS:
+        if port in _used:
+            continue
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) != 0:
+                _used.add(port)
+                return port
+    raise RuntimeError("no free port in 27100-27199")
+
+
+def _need_redis() -> None:
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("redis-server not installed (apt-get install -y redis-server)")
+
+
+def _cli(port: int, *args: str, timeout: float = 10.0) -> str:
+    out = subprocess.run(["redis-cli", "-h", "127.0.0.1", "-p", str(port), *args], capture_output=True,
+                         text=True, timeout=timeout)
+    return out.stdout
+
+
+class Server:
+    """One ``redis-server`` child process on ``port`` (started by :meth:`start`)."""
+
+    def __init__(self, port: int, folder: Path, *extra: str) -> None:
+        self.port, self.folder, self.extra = port, folder, extra
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self) -> Server:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly",
+             "no", "--dir", str(self.folder), *self.extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while _cli(self.port, "ping").strip() != "PONG":
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"redis-server on {self.port} did not start")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        """Kill the server (SIGKILL: no goodbye, as a crash) and reap it."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def cli(self, *args: str) -> str:
+        return _cli(self.port, *args)
+
+
+@contextmanager
+def redis_server(folder: Path, *extra: str) -> Iterator[Server]:
+    """A started single server, stopped on exit."""
+    _need_redis()
+    server = Server(free_port(), folder, *extra)
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+@contextmanager
+def redis_cluster(folder: Path) -> Iterator[list[Server]]:
+    """Three masters, no replicas, slots split by ``redis-cli --cluster create``; stopped on exit."""
+    _need_redis()
+    nodes = []
+    try:
+        for i in range(3):
+            port = free_port()
+            options = ("--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
+                       "--cluster-node-timeout", "2000")
+            nodes.append(Server(port, folder / f"node{i}", *options).start())
+        addresses = [f"127.0.0.1:{n.port}" for n in nodes]
+        subprocess.run(["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", "0",
+                        "--cluster-yes"], capture_output=True, timeout=30, check=True)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not all("cluster_state:ok" in n.cli("cluster", "info") for n in nodes):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the Redis Cluster did not reach cluster_state:ok")
+            time.sleep(0.1)
+        yield nodes
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One server for the whole session (tests use distinct namespaces, so they never meet)."""
+    with redis_server(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
+    with redis_cluster(tmp_path_factory.mktemp("redis-cluster")) as nodes:
+        yield nodes

@@ -1,0 +1,456 @@
+"""Each tier backend against its contract: bit-exact round trips, prefix semantics of exists/get, LRU order
+against a brute-force OrderedDict model, and every fault of the issue with the real medium (a tmpfs that
+fills up, truncated / flipped / foreign files, a Redis server killed mid-run or never there, a Redis that
+evicts by its own maxmemory policy, a three-node Redis Cluster). Expected values come from the model, from
+hand arithmetic (noted), or from bytes written by the test itself."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvpool.errors import ConfigError, InvalidArgumentError
+from kvpool.spec import KVCacheSpec
+from kvpool.storage.paged import PagedKVCache
+from kvpool.tiers.backend import (
+    HEADER_BYTES,
+    Namespace,
+    block_key,
+    block_layout,
+    encode_header,
+    gather_rows,
+    scatter_rows,
+    verify_value,
+    weights_fingerprint,
+)
+from kvpool.tiers.file import FileTier
+from kvpool.tiers.host import HostTier
+
+redis = pytest.importorskip("redis")
+from kvpool.tiers.redis import RedisTier  # noqa: E402
+
+SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16, block_size=4)
+DEVICE = PagedKVCache(SPEC, 8)
+BPB = DEVICE.bytes_per_block  # 2 (K, V) x 2 layers x 4 tokens x 2 heads x 8 x 2 B = 512
+NS = Namespace.for_cache(DEVICE, model="tiny")
+OTHER = Namespace.for_cache(DEVICE, model="another")
+
+
+def rows(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (n, BPB), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+
+
+def keys(n: int, base: int = 0) -> list[bytes]:
+    return [block_key(base + i) for i in range(n)]
+
+
+# ---- namespace, keys, the value format ---------------------------------------------------------------
+
+def test_bytes_per_block_by_hand() -> None:
+    assert BPB == 2 * 2 * 4 * 2 * 8 * 2 == 512
+
+
+def test_namespace_digest_separates_every_field() -> None:
+    base = Namespace("m", "bfloat16", "L", 0, 2, 0, "blake2b")
+    variants = [Namespace("n", "bfloat16", "L", 0, 2, 0, "blake2b"), Namespace("m", "float16", "L", 0, 2, 0,
+                "blake2b"), Namespace("m", "bfloat16", "K", 0, 2, 0, "blake2b"),
+                Namespace("m", "bfloat16", "L", 1, 2, 0, "blake2b"), Namespace("m", "bfloat16", "L", 0, 2, 1,
+                "blake2b"), Namespace("m", "bfloat16", "L", 0, 2, 0, "xxh3_128"),
+                Namespace("mb", "float16", "L", 0, 2, 0, "blake2b")]  # no concatenation collision
+    digests = {v.digest for v in [base, *variants]}
+    assert len(digests) == 8 and all(len(d) == 16 for d in digests)
+    assert Namespace("m", "bfloat16", "L", 0, 2, 0, "blake2b").digest == base.digest  # stable
+    for bad in [dict(tp_rank=2, tp_size=2), dict(layer_group=-1), dict(tp_rank=True)]:
+        with pytest.raises(InvalidArgumentError):
+            Namespace("m", "d", "l", **bad)
+
+
+def test_namespace_for_cache_reads_dtype_and_layout() -> None:
+    assert NS.kv_dtype == "float16" and NS.layout == block_layout(DEVICE) == "PagedKVCache/NHD/2x2x4x2x8"
+    hnd = PagedKVCache(SPEC, 8, layout="HND")
+    assert Namespace.for_cache(hnd, model="tiny").digest != NS.digest
+
+
+def test_weights_fingerprint_follows_the_bits() -> None:
+    a = [torch.ones(3, 4), torch.zeros(2)]
+    assert weights_fingerprint(a) == weights_fingerprint([t.clone() for t in a])
+    b = [torch.ones(3, 4), torch.tensor([0.0, -0.0])]  # -0.0 == 0.0 but its bits differ
+    assert weights_fingerprint(a) != weights_fingerprint(b)
+    assert weights_fingerprint([torch.ones(12)]) != weights_fingerprint([torch.ones(3, 4)])  # shape counts
+
+
+def test_block_key_forms() -> None:
+    h = bytes(range(16))
+    assert block_key(h) == h
+    assert block_key(1) == bytes(15) + b"\x01" and block_key(-1) == b"\xff" * 16
+    for bad in ["abc", b"short", True, 2**127, 1.0]:
+        with pytest.raises(InvalidArgumentError):
+            block_key(bad)
+
+
+def test_every_flipped_byte_of_a_value_is_detected() -> None:
+    payload = bytes(range(256)) * 2
+    value = encode_header(NS.digest, keys(1)[0], payload) + payload
+    assert len(value) == HEADER_BYTES + 512
+    assert verify_value(value, NS.digest, keys(1)[0], 512)[0] is None
+    for pos in range(len(value)):
+        flipped = bytearray(value)
+        flipped[pos] ^= 0x10
+        assert verify_value(bytes(flipped), NS.digest, keys(1)[0], 512)[0] is not None, pos
+    assert verify_value(value[:-1], NS.digest, keys(1)[0], 512)[0] == "corrupt"  # truncated
+    assert verify_value(value, OTHER.digest, keys(1)[0], 512)[0] == "foreign"
+    assert verify_value(value, NS.digest, keys(2)[1], 512)[0] == "foreign"  # copied under another key
+
+
+def test_gather_and_scatter_rows_are_bit_exact() -> None:
+    cache = PagedKVCache(SPEC, 8, layout="HND")
+    bits = torch.randint(-(2**15), 2**15, cache.buffer.shape, dtype=torch.int32)
+    cache.buffer.view(torch.int16).copy_(bits)
+    out = torch.empty(3, BPB, dtype=torch.uint8)
+    gather_rows(cache, [5, 0, 2], out)
+    for i, b in enumerate([5, 0, 2]):  # row i = block b's bytes, K then V, layer by layer
+        want = cache.buffer[:, :, b].contiguous().view(torch.uint8).flatten()
+        assert torch.equal(out[i], want)
+    other = PagedKVCache(SPEC, 8, layout="HND", zero=True)
+    scatter_rows(other, [1, 7, 3], out)
+    for src, dst in zip([5, 0, 2], [1, 7, 3], strict=True):
+        assert torch.equal(other.buffer[:, :, dst].view(torch.int16),
+                           cache.buffer[:, :, src].view(torch.int16))
+
+
+# ---- every backend: the contract --------------------------------------------------------------------
+
+@pytest.fixture(params=["host", "file", "redis", "cluster"])
+def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator:
+    """A tier of ample capacity and 512-byte blocks, in a namespace of its own."""
+    ns = Namespace.for_cache(DEVICE, model=f"contract-{request.node.name}")
+    if request.param == "host":
+        t = HostTier(64, ns, like=DEVICE)
+    elif request.param == "file":
+        t = FileTier(tmp_path / "disk", ns, capacity_bytes=64 * (HEADER_BYTES + BPB), block_bytes=BPB)
+    elif request.param == "redis":
+        t = RedisTier(request.getfixturevalue("redis_single").url, ns, block_bytes=BPB)
+    else:
+        t = RedisTier(request.getfixturevalue("redis_cluster_nodes")[0].url, ns, block_bytes=BPB)
+    yield t
+    t.close()
+
+
+def test_round_trip_is_bit_exact(tier) -> None:
+    data = rows(20, seed=1)
+    assert tier.set(keys(20), data) == 20
+    out = torch.zeros(20, BPB, dtype=torch.uint8)
+    assert tier.get(keys(20), out) == 20
+    assert torch.equal(out, data)
+    s = tier.stats()
+    assert (s.stored, s.stored_bytes, s.loaded, s.loaded_bytes, s.misses) == (20, 20 * BPB, 20, 20 * BPB, 0)
+    tier.check_integrity()
+
+
+def test_exists_and_get_stop_at_the_first_missing_block(tier) -> None:
+    data = rows(10, seed=2)
+    tier.set(keys(10), data)
+    ask = keys(4) + keys(1, base=500) + keys(5, base=4)  # a gap at position 4
+    assert tier.exists(ask) == 4
+    out = torch.zeros(10, BPB, dtype=torch.uint8)
+    assert tier.get(ask, out) == 4 and torch.equal(out[:4], data[:4])
+    assert tier.stats().missing == 1  # one get that stopped, at one missing block
+    assert tier.exists([]) == 0 and tier.get([], out) == 0 and tier.exists(keys(1, base=500)) == 0
+
+
+def test_a_stored_key_is_kept_and_delete_removes(tier) -> None:
+    data = rows(4, seed=3)
+    tier.set(keys(4), data)
+    assert tier.set(keys(2), rows(2, seed=99)) == 2  # already held: refreshed, not rewritten
+    assert tier.stats().stored == (6 if tier.medium == "remote" else 4)  # Redis writes again (no index)
+    out = torch.zeros(4, BPB, dtype=torch.uint8)
+    tier.get(keys(4), out)
+    assert torch.equal(out[2:], data[2:])
+    if tier.medium != "remote":
+        assert torch.equal(out[:2], data[:2])
+    assert tier.delete(keys(2)) == 2 and tier.exists(keys(4)) == 0 and tier.exists(keys(2, base=2)) == 2
+    tier.check_integrity()
+
+
+def test_bad_rows_are_refused_before_anything_changes(tier) -> None:
+    for bad in [torch.zeros(2, BPB, dtype=torch.float32), torch.zeros(1, BPB, dtype=torch.uint8),
+                torch.zeros(2, BPB + 1, dtype=torch.uint8), torch.zeros(BPB, 2, dtype=torch.uint8).t(), None]:
+        with pytest.raises(InvalidArgumentError):
+            tier.set(keys(2), bad)
+    assert tier.exists(keys(2)) == 0 and tier.stats().stored == 0
+
+
+# ---- LRU order against a brute-force model ---------------------------------------------------------
+
+def lru_model_run(tier, capacity: int, seed: int) -> None:
+    """Random set/get/refresh/delete batches; the model is an OrderedDict of keys (set: refresh the held
+    ones first, then insert the new ones in order, evicting the oldest; a read refreshes the chain tail
+    first, so its head ends most recent). Compares membership and contents after every call."""
+    rng = random.Random(seed)
+    model: OrderedDict[int, int] = OrderedDict()  # key -> seed of its row
+    universe = 24
+    for step in range(150):
+        op = rng.choice(["set", "set", "get", "delete"])
+        ks = rng.sample(range(universe), rng.randint(1, 5))
+        if op == "set":
+            seeds = [1000 * step + k for k in ks]
+            data = torch.cat([rows(1, seed=s) for s in seeds])
+            tier.set(keys_of(ks), data)
+            held = [k for k in ks if k in model]
+            for k in held:
+                model.move_to_end(k)
+            for k, s in zip(ks, seeds, strict=True):
+                if k not in model:
+                    if len(model) == capacity:
+                        model.popitem(last=False)
+                    model[k] = s
+        elif op == "get":
+            out = torch.zeros(len(ks), BPB, dtype=torch.uint8)
+            want = 0
+            while want < len(ks) and ks[want] in model:
+                want += 1
+            assert tier.get(keys_of(ks), out) == want
+            for i in range(want):
+                assert torch.equal(out[i], rows(1, seed=model[ks[i]])[0])
+            refresh(model, ks[:want], tier)
+        else:
+            assert tier.delete(keys_of(ks)) == sum(k in model for k in ks)
+            for k in ks:
+                model.pop(k, None)
+        assert [k for k in range(universe) if tier.exists(keys_of([k]))] == sorted(model)
+    tier.check_integrity()
+
+
+def keys_of(ks: list[int]) -> list:
+    return [block_key(k) for k in ks]
+
+
+def refresh(model: OrderedDict, ks: list[int], tier) -> None:
+    """How a read refreshes: the host tier frees a chain tail first (its head ends most recent), the file
+    tier moves each block to the tail in order as it reads it."""
+    for k in (ks[::-1] if tier.medium == "host" else ks):
+        model.move_to_end(k)
+
+
+def test_host_tier_lru_matches_the_model() -> None:
+    lru_model_run(HostTier(6, NS, like=DEVICE), 6, seed=4)
+
+
+def test_file_tier_lru_matches_the_model(tmp_path: Path) -> None:
+    lru_model_run(FileTier(tmp_path, NS, capacity_bytes=6 * (HEADER_BYTES + BPB) + 100, block_bytes=BPB), 6,
+                  seed=5)
+
+
+def test_file_tier_keeps_its_blocks_across_a_restart_oldest_first(tmp_path: Path) -> None:
+    t = FileTier(tmp_path, NS, capacity_bytes=10 * (HEADER_BYTES + BPB), block_bytes=BPB)
+    for i in range(5):
+        t.set(keys(1, base=i), rows(1, seed=i))
+        os.utime(t._path(block_key(i)), ns=(10**18 + i * 10**9,) * 2)  # distinct mtimes: i is older
+    t.close()
+    again = FileTier(tmp_path, NS, capacity_bytes=3 * (HEADER_BYTES + BPB), block_bytes=BPB)
+    assert [k for k in range(5) if again.exists(keys(1, base=k))] == [2, 3, 4]  # the 2 oldest evicted
+    out = torch.zeros(1, BPB, dtype=torch.uint8)
+    assert again.get(keys(1, base=4), out) == 1 and torch.equal(out, rows(1, seed=4))
+    again.check_integrity()
+
+
+def test_hash_only_tiers_store_headers(tmp_path: Path) -> None:
+    host = HostTier(3, NS)
+    assert host.set([1, 2, 3, 4], None) == 3 and host.exists([2, 3, 4]) == 3 and host.exists([1]) == 0
+    disk = FileTier(tmp_path, NS, capacity_bytes=2 * HEADER_BYTES, block_bytes=0)
+    assert disk.set([1, 2, 3], None) == 3 and disk.exists([2, 3]) == 2 and disk.exists([1]) == 0
+    assert disk.get([2, 3], None) == 2 and disk.used_bytes == 2 * HEADER_BYTES
+
+
+# ---- faults: the disk -----------------------------------------------------------------------------
+
+def stored_file(tmp_path: Path, n: int = 3) -> tuple[FileTier, torch.Tensor]:
+    t = FileTier(tmp_path, NS, capacity_bytes=100 * (HEADER_BYTES + BPB), block_bytes=BPB)
+    data = rows(n, seed=6)
+    assert t.set(keys(n), data) == n
+    return t, data
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip payload", "flip header", "append", "empty"])
+def test_a_damaged_file_is_a_counted_miss_and_is_deleted(tmp_path: Path, damage: str) -> None:
+    t, data = stored_file(tmp_path)
+    path = t._path(block_key(1))
+    raw = bytearray(path.read_bytes())
+    if damage == "truncate":
+        raw = raw[:-7]
+    elif damage == "flip payload":
+        raw[HEADER_BYTES + 100] ^= 1
+    elif damage == "flip header":
+        raw[40] ^= 1  # inside the payload length field
+    elif damage == "append":
+        raw += b"x"
+    else:
+        raw = bytearray()
+    path.write_bytes(bytes(raw))
+    out = torch.zeros(3, BPB, dtype=torch.uint8)
+    assert t.get(keys(3), out) == 1 and torch.equal(out[0], data[0])
+    assert t.stats().corrupt == 1 and not path.exists() and t.exists(keys(3)) == 1
+    t.check_integrity()
+
+
+def test_a_value_of_another_namespace_is_a_foreign_miss(tmp_path: Path) -> None:
+    t, _ = stored_file(tmp_path)
+    other = FileTier(tmp_path / "o", OTHER, capacity_bytes=10 * (HEADER_BYTES + BPB), block_bytes=BPB)
+    other.set(keys(1, base=1), rows(1, seed=7))
+    os.replace(other._path(block_key(1)), t._path(block_key(1)))  # another model's block under our name
+    out = torch.zeros(3, BPB, dtype=torch.uint8)
+    assert t.get(keys(3), out) == 1 and t.stats().foreign == 1
+
+
+def test_a_file_deleted_behind_the_tiers_back_is_missing(tmp_path: Path) -> None:
+    t, _ = stored_file(tmp_path)
+    t._path(block_key(0)).unlink()
+    assert t.get(keys(3), torch.zeros(3, BPB, dtype=torch.uint8)) == 0 and t.stats().missing == 1
+    t.check_integrity()
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real 64 KiB tmpfs (root needed, as in CI); skipped where mounting is not allowed."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
+                          capture_output=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_full_disk_is_a_counted_store_failure(tiny_tmpfs: Path) -> None:
+    t = FileTier(tiny_tmpfs, NS, capacity_bytes=10**9, block_bytes=BPB)  # far more than the disk holds
+    data = rows(400, seed=8)
+    stored = t.set(keys(400), data)
+    s = t.stats()
+    assert 0 < stored < 400 and s.store_failures == 400 - stored and s.stored == stored
+    assert not list(tiny_tmpfs.glob("*/*/*.tmp*"))  # no half-written temporary file is left
+    out = torch.zeros(stored, BPB, dtype=torch.uint8)
+    assert t.get(keys(stored), out) == stored and torch.equal(out, data[:stored])
+    t.check_integrity()
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_a_bad_directory_is_a_config_error(tmp_path: Path, where: str) -> None:
+    f = tmp_path / "f"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match="disk tier"):
+        FileTier(f if where == "a file" else f / "sub", NS, capacity_bytes=1000, block_bytes=BPB)
+
+
+def test_one_process_per_namespace_directory(tmp_path: Path) -> None:
+    t = FileTier(tmp_path, NS, capacity_bytes=1000, block_bytes=BPB)
+    with pytest.raises(ConfigError, match="another process"):
+        FileTier(tmp_path, NS, capacity_bytes=1000, block_bytes=BPB)
+    FileTier(tmp_path, OTHER, capacity_bytes=1000, block_bytes=BPB).close()  # another namespace is fine
+    t.close()
+    FileTier(tmp_path, NS, capacity_bytes=1000, block_bytes=BPB).close()
+
+
+def test_a_block_larger_than_the_disk_tier_is_refused(tmp_path: Path) -> None:
+    t = FileTier(tmp_path, NS, capacity_bytes=BPB, block_bytes=BPB)  # the header does not fit
+    assert t.set(keys(1), rows(1)) == 0 and t.stats().store_failures == 1 and t.num_blocks == 0
+
+
+# ---- faults: Redis --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:6379", "redis://", "redis://127.0.0.1", "redis://h:x",
+                                 "redis://h:99999", "redis://h:1/notadb", "127.0.0.1:6379"])
+def test_a_bad_redis_url_is_a_config_error(url: str) -> None:
+    with pytest.raises(ConfigError, match="Redis URL"):
+        RedisTier(url, NS, block_bytes=BPB)
+
+
+def test_unreachable_at_start_is_a_miss_and_costs_one_connect_per_interval() -> None:
+    from redis_servers import free_port
+
+    t = RedisTier(f"redis://127.0.0.1:{free_port()}", NS, block_bytes=BPB, retry_s=60)
+    start = time.perf_counter()
+    out = torch.zeros(4, BPB, dtype=torch.uint8)
+    assert t.set(keys(4), rows(4)) == 0 and t.exists(keys(4)) == 0 and t.get(keys(4), out) == 0
+    for _ in range(100):
+        t.exists(keys(4))
+    assert time.perf_counter() - start < 5  # refused connects are instant; the retry interval holds the rest
+    s = t.stats()
+    assert s.store_failures == 4 and s.errors == 102 and not t.connected and "Connection" in t.last_error
+
+
+def test_redis_killed_mid_run_then_back(tmp_path: Path) -> None:
+    from redis_servers import redis_server
+
+    with redis_server(tmp_path) as server:
+        t = RedisTier(server.url, NS, block_bytes=BPB, retry_s=0.2)
+        assert t.set(keys(5), rows(5)) == 5
+        server.stop()
+        out = torch.zeros(5, BPB, dtype=torch.uint8)
+        assert t.get(keys(5), out) == 0 and t.set(keys(2, base=10), rows(2)) == 0
+        assert t.stats().errors >= 1 and t.stats().store_failures == 2
+        server.start()  # a fresh, empty server on the same port
+        time.sleep(0.25)
+        assert t.exists(keys(5)) == 0  # its data died with it: a miss, not an error
+        assert t.set(keys(3), rows(3, seed=9)) == 3 and t.get(keys(3), out) == 3
+        assert torch.equal(out[:3], rows(3, seed=9))
+
+
+def test_values_tampered_in_redis_are_misses(redis_single) -> None:
+    ns = Namespace.for_cache(DEVICE, model="tampered")
+    t = RedisTier(redis_single.url, ns, block_bytes=BPB)
+    t.set(keys(4), rows(4))
+    client = redis.Redis.from_url(redis_single.url)
+    name = lambda k: t._name(block_key(k))  # noqa: E731
+    value = client.get(name(1))
+    client.set(name(1), value[:-1])  # truncated
+    out = torch.zeros(4, BPB, dtype=torch.uint8)
+    assert t.get(keys(4), out) == 1 and t.stats().corrupt == 1
+    client.set(name(1), value)
+    client.set(name(2), client.get(name(3)))  # block 3's value under block 2's key
+    assert t.get(keys(4), out) == 2 and t.stats().foreign == 1
+    other = RedisTier(redis_single.url, OTHER, block_bytes=BPB)
+    other.set(keys(1, base=2), rows(1, seed=5))
+    client.set(name(2), client.get(other._name(block_key(2))))  # another namespace's value
+    assert t.get(keys(4), out) == 2 and t.stats().foreign == 2
+    client.set(name(2), b"not a value")
+    assert t.get(keys(4), out) == 2 and t.stats().corrupt == 2
+
+
+def test_keys_evicted_by_redis_maxmemory_are_missing(tmp_path: Path) -> None:
+    from redis_servers import redis_server
+
+    big = 64 * 1024
+    ns = Namespace("m", "uint8", "flat", hash_scheme="test")
+    with redis_server(tmp_path, "--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru") as server:
+        t = RedisTier(server.url, ns, block_bytes=big)
+        gen = torch.Generator().manual_seed(1)
+        data = torch.randint(0, 256, (200, big), generator=gen, dtype=torch.uint8)
+        for i in range(200):  # 12.5 MiB through a 2 MiB server, one block at a time
+            t.set(keys(1, base=i), data[i:i + 1])
+        present = [i for i in range(200) if t.exists(keys(1, base=i))]
+        assert 0 < len(present) < 100 and 199 in present  # the oldest went; the newest stays
+        out = torch.zeros(1, big, dtype=torch.uint8)
+        assert t.get(keys(1, base=0), out) == 0 and t.stats().missing == 1
+        assert t.get(keys(1, base=199), out) == 1 and torch.equal(out[0], data[199])
+
+
+def test_redis_cluster_spreads_blocks_over_its_nodes(redis_cluster_nodes) -> None:
+    ns = Namespace.for_cache(DEVICE, model="spread")
+    t = RedisTier(redis_cluster_nodes[0].url, ns, block_bytes=BPB)
+    assert t.set(keys(60), rows(60)) == 60 and t.cluster is True
+    counts = [int(n.cli("dbsize").strip()) for n in redis_cluster_nodes]
+    assert all(c > 0 for c in counts)  # 60 keys over 16384 slots split three ways
+    via_other_node = RedisTier(redis_cluster_nodes[2].url, ns, block_bytes=BPB)
+    out = torch.zeros(60, BPB, dtype=torch.uint8)
+    assert via_other_node.get(keys(60), out) == 60 and torch.equal(out, rows(60))
