@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import gc
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import Any
@@ -269,26 +269,48 @@ def readings_from_cuda_stats(total_bytes: int, free_bytes: int, peak_allocated_b
                           free_bytes=free_bytes)
 
 
-def profile_cuda_memory(device: torch.device | int | str | None = None) -> MemoryReadings:
+def profile_cuda_memory(device: torch.device | int | str | None = None, *,
+                        warmup: Callable[[], object] | None = None) -> MemoryReadings:
     """Read one CUDA device's memory for :func:`plan_pool`.
 
-    Call order: load the model, run one warmup forward pass at the largest batch you will serve (its
-    activations set torch's peak counter), then call this, then allocate the KV cache from the plan. It
-    synchronizes, runs ``gc.collect()`` and ``torch.cuda.empty_cache()`` (so freed activations leave torch's
-    reserve and count as free), then reads ``torch.cuda.mem_get_info`` and ``torch.cuda.memory_stats``
-    (``allocated_bytes.all.peak``, ``reserved_bytes.all.current``); see :func:`readings_from_cuda_stats`.
-    Call ``torch.cuda.reset_peak_memory_stats()`` before loading if earlier work must not count.
+    Call it after loading the model, before allocating the KV cache, with ``warmup``: a function that
+    runs one forward pass at the largest batch you will serve (its activations are the peak the KV budget
+    must leave room for). The order (SGLang #36583 is the bug it avoids):
+
+    1. synchronize, ``gc.collect()``, ``torch.cuda.empty_cache()``, ``torch.cuda.reset_peak_memory_stats()``:
+       loader temporaries kept alive by reference cycles are freed and no longer count in the peak;
+    2. ``warmup()``, synchronize;
+    3. ``gc.collect()``, ``empty_cache()`` (freed activations leave torch's reserve and count as free), then
+       ``torch.cuda.mem_get_info`` and ``torch.cuda.memory_stats`` (``allocated_bytes.all.peak``,
+       ``reserved_bytes.all.current``); see :func:`readings_from_cuda_stats`.
+
+    So non-KV = weights + the warmup's peak + memory held outside torch, never garbage. Without ``warmup``
+    only step 3 runs, for a warmup you ran yourself before the call: the peak then counts everything since
+    the process started (or since your own ``reset_peak_memory_stats()``), loader garbage included, which
+    errs on the safe side (a smaller pool).
 
     Raises:
-        InvalidArgumentError: no CUDA device (plan with hand-given :class:`MemoryReadings` instead).
+        InvalidArgumentError: no CUDA device (plan with hand-given :class:`MemoryReadings` instead), or a
+            ``warmup`` that is not callable.
     """
     if not torch.cuda.is_available():
         raise InvalidArgumentError("no CUDA device to profile; give the memory readings by hand "
                                    "(MemoryReadings, or --gpu-memory on the command line)")
-    torch.cuda.synchronize(device)
-    gc.collect()
-    torch.cuda.empty_cache()
+    if warmup is not None and not callable(warmup):
+        raise InvalidArgumentError(f"warmup must be a function running one forward pass, got {warmup!r}")
+    if warmup is not None:
+        _collect(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        warmup()
+    _collect(device)
     free, total = torch.cuda.mem_get_info(device)
     stats = torch.cuda.memory_stats(device)
     return readings_from_cuda_stats(total, free, stats.get("allocated_bytes.all.peak", 0),
                                     stats.get("reserved_bytes.all.current", 0))
+
+
+def _collect(device: torch.device | int | str | None) -> None:
+    """Finish the device's work, free unreachable Python objects, and give torch's free reserve back."""
+    torch.cuda.synchronize(device)
+    gc.collect()
+    torch.cuda.empty_cache()

@@ -211,3 +211,96 @@ def test_profile_cuda_memory_call_order(monkeypatch):
 def test_profile_without_cuda_says_what_to_do():
     with pytest.raises(InvalidArgumentError, match="by hand"):
         profile_cuda_memory()
+
+
+class FakeCuda:
+    """torch.cuda's memory counters for one device, as the caching allocator keeps them: ``allocated``
+    (live tensors), ``reserved`` (allocated + freed blocks kept for reuse, given back by ``empty_cache``),
+    ``peak`` (most allocated since the last ``reset_peak_memory_stats``), and ``outside`` bytes held by the
+    CUDA context and other processes."""
+
+    def __init__(self, total: int, outside: int) -> None:
+        self.total, self.outside = total, outside
+        self.allocated = self.reserved = self.peak = 0
+        self.calls: list[str] = []
+
+    def malloc(self, nbytes: int) -> None:
+        self.allocated += nbytes
+        self.reserved = max(self.reserved, self.allocated)
+        self.peak = max(self.peak, self.allocated)
+
+    def release(self, nbytes: int) -> None:
+        self.allocated -= nbytes  # the block stays reserved until empty_cache
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "is_available", lambda: True)
+        monkeypatch.setattr(cuda, "synchronize", lambda device=None: self.calls.append("synchronize"))
+        monkeypatch.setattr(cuda, "empty_cache", self._empty_cache)
+        monkeypatch.setattr(cuda, "reset_peak_memory_stats", self._reset_peak)
+        monkeypatch.setattr(cuda, "mem_get_info", lambda device=None: (
+            self.total - self.reserved - self.outside, self.total))
+        monkeypatch.setattr(cuda, "memory_stats", lambda device=None: {
+            "allocated_bytes.all.peak": self.peak, "reserved_bytes.all.current": self.reserved})
+
+    def _empty_cache(self) -> None:
+        self.calls.append("empty_cache")
+        self.reserved = self.allocated
+
+    def _reset_peak(self, device=None) -> None:
+        self.calls.append("reset_peak")
+        self.peak = self.allocated
+
+
+class LoaderTemporary:
+    """A device buffer that a reference cycle keeps alive until the cycle collector runs (SGLang #36583:
+    a loader's temporary still counted in the peak that sized the KV cache)."""
+
+    def __init__(self, cuda: FakeCuda, nbytes: int) -> None:
+        self.cuda, self.nbytes, self.myself = cuda, nbytes, self
+        cuda.malloc(nbytes)
+
+    def __del__(self) -> None:
+        self.cuda.release(self.nbytes)
+
+
+@pytest.fixture
+def no_automatic_gc():
+    gc.collect()
+    gc.disable()  # only profile_cuda_memory's own gc.collect() may free the temporary
+    yield
+    gc.enable()
+
+
+def test_profile_with_warmup_counts_weights_and_activations_not_garbage(monkeypatch, no_automatic_gc):
+    cuda = FakeCuda(total=80 * GiB, outside=GiB)
+    cuda.install(monkeypatch)
+    cuda.malloc(16 * GiB)                          # the weights
+    LoaderTemporary(cuda, 4 * GiB)                 # unreachable, but alive until gc.collect()
+    assert cuda.allocated == 20 * GiB
+
+    def warmup():                                  # activations of the largest step, freed at the end
+        cuda.calls.append("warmup")
+        cuda.malloc(2 * GiB)
+        cuda.release(2 * GiB)
+
+    readings = profile_cuda_memory(warmup=warmup)
+    # by hand: peak = 16 GiB weights + 2 GiB activations (the 4 GiB temporary was collected and the peak
+    # reset before the warmup); outside torch 1 GiB; free = 80 - 16 reserved - 1 = 63 GiB
+    assert (readings.total_bytes, readings.free_bytes, readings.non_kv_bytes) == (80 * GiB, 63 * GiB,
+                                                                                   19 * GiB)
+    assert cuda.calls == ["synchronize", "empty_cache", "reset_peak", "warmup", "synchronize", "empty_cache"]
+    # the KV budget: floor(80 GiB x 0.9) = 77309411328 B (36,864 blocks of 2 MiB) - 19 GiB (9,728 blocks)
+    assert plan_pool(LLAMA_8B, readings).num_blocks == 36864 - 9728
+
+
+def test_profile_after_your_own_warmup_keeps_the_peak(monkeypatch, no_automatic_gc):
+    """Without ``warmup`` the peak is not reset: a warmup run before the call still counts (safe side)."""
+    cuda = FakeCuda(total=80 * GiB, outside=0)
+    cuda.install(monkeypatch)
+    cuda.malloc(16 * GiB)
+    cuda.malloc(3 * GiB)
+    cuda.release(3 * GiB)                          # the caller's warmup
+    assert profile_cuda_memory().non_kv_bytes == 19 * GiB and "reset_peak" not in cuda.calls
+    with pytest.raises(InvalidArgumentError, match="warmup"):
+        profile_cuda_memory(warmup="forward")

@@ -88,10 +88,12 @@ def pool_blocks(loaded: Any, args: argparse.Namespace) -> int:
 
     spec = kv_spec(loaded.model, block_size=args.block_size)
     if args.kv_memory is None and loaded.model.device.type == "cuda":
-        with torch.inference_mode():
-            warmup = torch.zeros(1, args.max_batched_tokens, dtype=torch.int64, device="cuda")
-            loaded.model(warmup, use_cache=False)
-        return plan_pool(spec, profile_cuda_memory(loaded.model.device)).num_blocks
+        @torch.inference_mode()
+        def warmup() -> None:  # the largest step: --max-batched-tokens tokens
+            loaded.model(torch.zeros(1, args.max_batched_tokens, dtype=torch.int64, device="cuda"),
+                         use_cache=False)
+
+        return plan_pool(spec, profile_cuda_memory(loaded.model.device, warmup=warmup)).num_blocks
     budget = args.kv_memory if args.kv_memory is not None else DEFAULT_KV_MEMORY
     readings = MemoryReadings(total_bytes=budget, non_kv_bytes=0)
     return plan_pool(spec, readings, gpu_memory_utilization=1.0).num_blocks
