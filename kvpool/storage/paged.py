@@ -22,6 +22,7 @@ import torch
 from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError
 from kvpool.numeric import as_id_tensor, as_int
 from kvpool.spec import AttentionKind, KVCacheSpec
+from kvpool.storage.resident import resident_bytes
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 LAYOUTS = ("NHD", "HND")
@@ -231,23 +232,20 @@ class BlockStore:
         self._raw.index_copy_(self.block_dim, block_ids, blocks)
 
     def resident_bytes(self) -> int | None:
-        """The process's resident set size in bytes (psutil), or None without psutil or off CPU.
-
-        RSS is a process figure, not this buffer's: pages of this pool that were written, plus everything
-        else the process holds. ``stats()["rss_growth_bytes"]`` subtracts the RSS taken just before the buffer
-        was allocated, which approximates this pool's committed pages when little else was allocated since.
-        """
-        return _process_rss() if self.device.type == "cpu" else None
+        """Bytes of this buffer resident in RAM (its own pages, by ``mincore``; see
+        :mod:`kvpool.storage.resident`): what was written (or zeroed, or pinned) so far. None off the CPU."""
+        return resident_bytes(self.buffer)
 
     def stats(self) -> dict[str, Any]:
         """``num_blocks``, ``block_size``, ``dtype``, ``device``, ``nbytes``, ``bytes_per_block``,
-        ``rss_bytes`` (process RSS) and ``rss_growth_bytes`` (RSS minus RSS before allocation; None when
-        unknown). See :meth:`resident_bytes`."""
-        rss = self.resident_bytes()
+        ``resident_bytes`` (this buffer's pages in RAM, :meth:`resident_bytes`), and the whole process's
+        ``rss_bytes`` and ``rss_growth_bytes`` (RSS minus RSS before the allocation: everything the process
+        allocated since, not just this cache). None where unknown (off the CPU, or without psutil)."""
+        rss = _process_rss() if self.device.type == "cpu" else None
         growth = rss - self._rss_before if rss is not None and self._rss_before is not None else None
         return {"num_blocks": self.num_blocks, "block_size": self.block_size, "dtype": str(self.dtype),
                 "device": str(self.device), "nbytes": self.nbytes, "bytes_per_block": self.bytes_per_block,
-                "rss_bytes": rss, "rss_growth_bytes": growth}
+                "resident_bytes": self.resident_bytes(), "rss_bytes": rss, "rss_growth_bytes": growth}
 
     def _check_layer(self, layer: int, num_layers: int) -> int:
         """``layer`` as a Python int in ``[0, num_layers)`` (:mod:`kvpool.numeric`); InvalidArgumentError."""
