@@ -42,7 +42,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -60,6 +60,12 @@ MEDIUM_CPU = "CPU"
 MEDIUM_STORAGE = "STORAGE"
 FULL_ATTENTION = "full_attention"
 """vLLM's ``kv_cache_spec_kind`` of a full-attention KV cache group."""
+SPEC_KINDS = {"full_attention": FULL_ATTENTION, "sliding_attention": "sliding_window",
+              "chunked_attention": "chunked_local_attention"}
+"""kvpool's layer kinds (``kvpool.spec.LayerKind`` values) as vLLM's ``kv_cache_spec_kind`` names."""
+
+KeySplit = Callable[[Hashable], tuple[int, Hashable]]
+"""A prefix-index key -> (KV cache group index, block hash) (see :meth:`KVEventSink.use_groups`)."""
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -183,15 +189,15 @@ def wire_extra_keys(keys: tuple | None) -> tuple[Any, ...] | None:
 class EventPublisher:
     """Takes :class:`KVEventBatch` es and sends them somewhere; :meth:`publish` never blocks.
 
-    Counters: ``published_batches`` (accepted), ``dropped_batches`` / ``dropped_events`` (refused because a
-    bounded buffer was full). ``enabled`` is False only for the null publisher: an engine given it records
-    nothing. Use as a context manager, or call :meth:`close`.
+    Counters: ``published_batches`` / ``published_events`` (accepted), ``dropped_batches`` /
+    ``dropped_events`` (refused because a bounded buffer was full). ``enabled`` is False only for the null
+    publisher: an engine given it records nothing. Use as a context manager, or call :meth:`close`.
     """
 
     enabled = True
 
     def __init__(self) -> None:
-        self.published_batches = self.dropped_batches = self.dropped_events = 0
+        self.published_batches = self.published_events = self.dropped_batches = self.dropped_events = 0
         self._closed = False
 
     def publish(self, batch: KVEventBatch) -> None:
@@ -204,6 +210,7 @@ class EventPublisher:
             raise InvalidArgumentError(f"{type(self).__name__} is closed")
         if self._offer(batch):
             self.published_batches += 1
+            self.published_events += len(batch.events)
         else:
             self.dropped_batches += 1
             self.dropped_events += len(batch.events)
@@ -304,6 +311,20 @@ class KVEventSink:
         self.group_idx, self.kind, self.sliding_window = group_idx, kv_cache_spec_kind, sliding_window
         self.hash_format, self.max_batch_events = hash_format, max_batch_events
         self._events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
+        self._split: KeySplit | None = None
+        self._groups: dict[int, tuple[str | None, int | None]] = {}
+
+    def use_groups(self, split_key: KeySplit, groups: Mapping[int, tuple[str, int | None]]) -> None:
+        """Read the pool's keys as ``split_key(key) -> (group index, block hash)``, and describe group g as
+        ``groups[g] = (layer kind, window in tokens)`` (``kvpool.spec.LayerKind`` values, sent under
+        vLLM's names; the window goes out for sliding groups only). A KV cache coordinator, whose one
+        pool holds every group's keys, calls this; each event then names its group."""
+        self._split = split_key
+        self._groups = {g: (SPEC_KINDS.get(kind, kind), window if kind == "sliding_attention" else None)
+                        for g, (kind, window) in groups.items()}
+
+    def _key(self, key: Hashable) -> tuple[int | None, Hashable]:
+        return (self.group_idx, key) if self._split is None else self._split(key)
 
     # ---- called by the pool
     def check_publish(self, block_hashes: Sequence[Hashable], parent_hash: Hashable | None, num_blocks: int,
@@ -316,9 +337,9 @@ class KVEventSink:
                 ``block_size`` per block, or ``extra_keys`` not one entry per block.
         """
         for h in block_hashes:
-            wire_hash(h, self.hash_format)
+            wire_hash(self._key(h)[1], self.hash_format)
         if parent_hash is not None:
-            wire_hash(parent_hash, self.hash_format)
+            wire_hash(self._key(parent_hash)[1], self.hash_format)
         n = num_blocks
         if token_ids is not None and len(token_ids) != n * self.block_size:
             raise InvalidArgumentError(f"token_ids must hold {n} blocks x {self.block_size} = "
@@ -337,22 +358,26 @@ class KVEventSink:
         n = len(block_hashes)
         for first, last in [(0, n)] if len(new) == n else _runs(new):
             before = parent_hash if first == 0 else block_hashes[first - 1]
-            parent = None if before is None else _wire_or_none(before, self.hash_format)
+            parent = None if before is None else _wire_or_none(self._key(before)[1], self.hash_format)
             event = self._block_stored(block_hashes, parent, first, last, token_ids, extra_keys, lora_name)
             self._record(event)
 
-    def _block_stored(self, block_hashes: Sequence[Hashable], parent: WireHash | None, first: int, last: int,
+    def _block_stored(self, keys: Sequence[Hashable], parent: WireHash | None, first: int, last: int,
                       token_ids: Sequence[int] | None, extra_keys: Sequence[tuple | None] | None,
                       lora_name: str | None) -> BlockStored:
-        bs = self.block_size
+        bs, run = self.block_size, keys[first:last]
+        group, kind, window = self.group_idx, self.kind, self.sliding_window
+        if self._split is not None:  # one call publishes one group's blocks
+            group = self._split(run[0])[0]
+            run = [self._split(k)[1] for k in run]
+            kind, window = self._groups.get(group, (kind, window))
         tokens = [] if token_ids is None else _int_list(token_ids[first * bs:last * bs])
-        keys = ([None] * (last - first) if extra_keys is None
-                else [wire_extra_keys(k) for k in extra_keys[first:last]])
+        extra = ([None] * (last - first) if extra_keys is None
+                 else [wire_extra_keys(k) for k in extra_keys[first:last]])
         return BlockStored(
-            block_hashes=self._wire_list(block_hashes[first:last]), parent_block_hash=parent,
-            token_ids=tokens, block_size=bs, lora_id=None, medium=self.medium, lora_name=lora_name,
-            extra_keys=keys, group_idx=self.group_idx,
-            kv_cache_spec_kind=self.kind, kv_cache_spec_sliding_window=self.sliding_window)
+            block_hashes=self._wire_list(run), parent_block_hash=parent, token_ids=tokens, block_size=bs,
+            lora_id=None, medium=self.medium, lora_name=lora_name, extra_keys=extra, group_idx=group,
+            kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window)
 
     def _wire_list(self, hashes: Sequence[Hashable]) -> list[WireHash]:
         """Checked hashes (see :meth:`check_publish`) in their wire form, as a new list."""
@@ -361,15 +386,23 @@ class KVEventSink:
         return [wire_hash(h, self.hash_format) for h in hashes]
 
     def removed(self, block_hashes: Sequence[Hashable]) -> None:
-        """Record that ``block_hashes`` left the index: a ``BlockRemoved``, or more hashes for the one just
-        recorded when nothing came between."""
-        if not block_hashes:
+        """Record that ``block_hashes`` left the index: a ``BlockRemoved`` (one per run of one group's
+        hashes), or more hashes for the one just recorded when nothing came between."""
+        if self._split is None:
+            self._removed(self.group_idx, block_hashes)
+            return
+        split = [self._split(k) for k in block_hashes]
+        for group, run in itertools.groupby(split, key=lambda pair: pair[0]):
+            self._removed(group, [h for _, h in run])
+
+    def _removed(self, group: int | None, hashes: Sequence[Hashable]) -> None:
+        if not hashes:
             return
         last = self._events[-1] if self._events else None
-        if type(last) is BlockRemoved:
-            last.block_hashes += self._wire_list(block_hashes)
+        if type(last) is BlockRemoved and last.group_idx == group:
+            last.block_hashes += self._wire_list(hashes)
         else:
-            self._record(BlockRemoved(self._wire_list(block_hashes), self.medium, self.group_idx))
+            self._record(BlockRemoved(self._wire_list(hashes), self.medium, group))
 
     def cleared(self) -> None:
         """Record that the index was emptied (``AllBlocksCleared``)."""
@@ -431,11 +464,14 @@ def _zmq() -> Any:
     return zmq
 
 
-def _open(ctx: Any, kind: int, endpoint: str, bind: bool) -> Any:
-    """A socket of ``kind`` bound (or connected) to ``endpoint``; ConfigError for an address in use."""
+def _open(ctx: Any, kind: int, endpoint: str, bind: bool, hwm: int) -> Any:
+    """A socket of ``kind`` bound (or connected) to ``endpoint`` with high-water marks ``hwm`` (set first:
+    ZMQ applies them to later binds and connects only); ConfigError for an address in use."""
     zmq = _zmq()
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
     try:
         sock.bind(endpoint) if bind else sock.connect(endpoint)
     except zmq.ZMQError as exc:
@@ -481,11 +517,10 @@ class ZmqEventPublisher(EventPublisher):
         self._ctx = zmq.Context()
         self._replay = None
         try:
-            self._pub = _open(self._ctx, zmq.PUB, endpoint, bind=not connect)
-            self._pub.setsockopt(zmq.SNDHWM, hwm)
-            if replay_endpoint is not None:
-                self._replay = _open(self._ctx, zmq.ROUTER, replay_endpoint, bind=True)
-                self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))  # a whole replay + its marker
+            self._pub = _open(self._ctx, zmq.PUB, endpoint, bind=not connect, hwm=hwm)
+            if replay_endpoint is not None:  # room for a whole replay and its end marker
+                self._replay = _open(self._ctx, zmq.ROUTER, replay_endpoint, bind=True,
+                                     hwm=2 * (buffer_steps + 1))
         except BaseException:
             self._pub_close()
             raise
@@ -564,6 +599,7 @@ class KVEventSubscriber:
     before the first it receives, every gap, and (after ``idle_s`` without a message) anything published
     since the last one, so a subscriber that joins late or drops messages still gets every batch the
     publisher keeps. Batches it could not get are counted in ``missed``; undecodable ones in ``malformed``.
+    ``hwm``: the sockets' receive high-water marks, in messages (a whole replay should fit).
 
     Raises:
         ConfigError: a malformed endpoint.
@@ -571,16 +607,16 @@ class KVEventSubscriber:
     """
 
     def __init__(self, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "",
-                 idle_s: float = 0.2) -> None:
+                 idle_s: float = 0.2, hwm: int = 1_000_000) -> None:
         zmq = _zmq()
         check_endpoint(endpoint)
         if replay_endpoint is not None:
             check_endpoint(replay_endpoint)
         self._ctx = zmq.Context()
-        self._sub = _open(self._ctx, zmq.SUB, endpoint, bind=False)
+        self._sub = _open(self._ctx, zmq.SUB, endpoint, bind=False, hwm=hwm)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._replay = (None if replay_endpoint is None
-                        else _open(self._ctx, zmq.DEALER, replay_endpoint, bind=False))
+                        else _open(self._ctx, zmq.DEALER, replay_endpoint, bind=False, hwm=hwm))
         self._poller = zmq.Poller()
         for sock in (self._sub, self._replay):
             if sock is not None:
@@ -588,7 +624,7 @@ class KVEventSubscriber:
         self._decode = msgspec.msgpack.Decoder(KVEventBatch).decode
         self._next: int | None = 0 if self._replay is not None else None  # next seq to hand out
         self._pending: dict[int, bytes] = {}
-        self._asked = False  # a replay request is outstanding
+        self._asked = 0.0  # when the outstanding replay request was sent (0: none)
         self._idle_s, self._last_heard = idle_s, time.monotonic()
         self.missed = self.malformed = 0
 
@@ -646,7 +682,7 @@ class KVEventSubscriber:
             return
         seq_bytes, payload = frames[2], frames[3]
         if seq_bytes == END_SEQ:
-            self._asked = False
+            self._asked = 0.0
             if self._next not in self._pending and self._pending:  # the publisher no longer has it
                 self._skip_to(min(self._pending))
             return
@@ -660,10 +696,14 @@ class KVEventSubscriber:
         self._next = seq
 
     def _ask(self) -> None:
-        if self._replay is not None and not self._asked and self._next is not None:
+        """Ask the replay socket for everything from the next sequence number on; at most one request at a
+        time, unless the last one went unanswered for 25 idle periods (its end marker lost)."""
+        now = time.monotonic()
+        if self._asked and now - self._asked < 25 * self._idle_s:
+            return
+        if self._replay is not None and self._next is not None:
             self._replay.send_multipart((b"", self._next.to_bytes(8, "big")))
-            self._asked = True
-            self._last_heard = time.monotonic()
+            self._asked = self._last_heard = now
 
     def close(self) -> None:
         for sock in (self._sub, self._replay):

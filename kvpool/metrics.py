@@ -27,6 +27,7 @@ name                                    type     what
 ``kvpool_evicted_blocks``               counter  cached blocks recycled by allocation (their hash dropped)
 ``kvpool_preemptions``                  counter  requests preempted by the consumer (no tier/group label)
 ``kvpool_kv_event_batches_published``   counter  event batches a publisher accepted
+``kvpool_kv_events_published``          counter  events in those batches
 ``kvpool_kv_event_batches_dropped``     counter  event batches dropped on a full buffer
 ``kvpool_kv_events_dropped``            counter  events in those dropped batches
 ======================================  =======  ==========================================================
@@ -58,6 +59,7 @@ class _Source:
     block_size: int
     labels: tuple[str, str]
     token_slots_used: Callable[[], int] | None
+    stats: Callable[[], Any]
 
 
 class KVPoolCollector:
@@ -65,18 +67,23 @@ class KVPoolCollector:
     ``CollectorRegistry``: ``registry.register(KVPoolCollector().add_pool(pool, block_size=16))``.
 
     Args:
-        preemptions: returns the consumer's preemption count (``kvpool_preemptions_total``).
+        preemptions: returns the consumer's preemption count (``kvpool_preemptions_total``); also a
+            settable attribute.
         publisher: the KV event publisher whose counters to export.
     """
 
     def __init__(self, *, preemptions: Callable[[], int] | None = None,
                  publisher: EventPublisher | None = None) -> None:
         self._sources: list[_Source] = []
-        self._preemptions, self._publisher = preemptions, publisher
+        self.preemptions, self._publisher = preemptions, publisher
 
-    def add_pool(self, pool: BlockPool, *, block_size: int, tier: str = "device", group: int = 0,
-                 token_slots_used: Callable[[], int] | None = None) -> KVPoolCollector:
+    def add_pool(self, pool: BlockPool, *, block_size: int, tier: str = "device", group: int | str = 0,
+                 token_slots_used: Callable[[], int] | None = None, stats: Callable[[], Any] | None = None
+                 ) -> KVPoolCollector:
         """Export ``pool`` (blocks of ``block_size`` tokens) under ``tier``/``group``; returns self.
+        ``stats()`` returns the prefix-cache counters (``hits``, ``misses``, ``evictions``, in blocks):
+        by default ``pool.stats`` (counted by ``lookup``); a KV cache coordinator counts its own hits
+        (``lambda: coordinator.stats``).
 
         Raises:
             InvalidArgumentError: a bad block size, or a tier/group already added.
@@ -85,7 +92,8 @@ class KVPoolCollector:
         labels = (str(tier), str(group))
         if any(s.labels == labels for s in self._sources):
             raise InvalidArgumentError(f"a pool for tier={labels[0]} group={labels[1]} is already added")
-        self._sources.append(_Source(pool, block_size, labels, token_slots_used))
+        self._sources.append(_Source(pool, block_size, labels, token_slots_used,
+                                     stats if stats is not None else lambda: pool.stats))
         return self
 
     def describe(self) -> Iterator[Metric]:
@@ -101,11 +109,12 @@ class KVPoolCollector:
 
         for s in self._sources:
             self._collect_pool(s, put)
-        if self._preemptions is not None:
-            put("kvpool_preemptions", (), self._preemptions())
+        if self.preemptions is not None:
+            put("kvpool_preemptions", (), self.preemptions())
         pub = self._publisher
         if pub is not None:
             put("kvpool_kv_event_batches_published", (), pub.published_batches)
+            put("kvpool_kv_events_published", (), pub.published_events)
             put("kvpool_kv_event_batches_dropped", (), pub.dropped_batches)
             put("kvpool_kv_events_dropped", (), pub.dropped_events)
         yield from families.values()
@@ -126,7 +135,7 @@ class KVPoolCollector:
             slots = s.token_slots_used()
             put("kvpool_token_slots_used", labels, slots)
             put("kvpool_token_slot_usage_ratio", labels, slots / (capacity * bs) if capacity else 0.0)
-        stats = pool.stats
+        stats = s.stats()
         queried = stats.hits + stats.misses
         put("kvpool_prefix_cache_queried_blocks", labels, queried)
         put("kvpool_prefix_cache_hit_blocks", labels, stats.hits)
@@ -152,10 +161,11 @@ class KVPoolCollector:
             c("kvpool_prefix_cache_hit_tokens", "Hit blocks x block size", labels=pool),
             c("kvpool_evicted_blocks", "Cached blocks recycled by allocation", labels=pool),
         ]
-        if self._preemptions is not None:
+        if self.preemptions is not None:
             out.append(c("kvpool_preemptions", "Requests preempted (by recompute)", labels=[]))
         if self._publisher is not None:
             out += [c("kvpool_kv_event_batches_published", "KV event batches accepted", labels=[]),
+                    c("kvpool_kv_events_published", "KV events in accepted batches", labels=[]),
                     c("kvpool_kv_event_batches_dropped", "KV event batches dropped, buffer full", labels=[]),
                     c("kvpool_kv_events_dropped", "KV events in dropped batches", labels=[])]
         return out

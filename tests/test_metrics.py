@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from kvpool.allocators.block_pool import BlockPool  # noqa: E402
 from kvpool.errors import ConfigError, InvalidArgumentError  # noqa: E402
-from kvpool.events import KVEventBatch, QueueEventPublisher  # noqa: E402
+from kvpool.events import AllBlocksCleared, KVEventBatch, QueueEventPublisher  # noqa: E402
 from kvpool.metrics import KVPoolCollector, MetricsServer  # noqa: E402
 
 
@@ -38,8 +38,8 @@ def test_scraped_numbers_match_a_pool_worked_by_hand() -> None:
     pool.touch(a[:2])                         # 2 used again, 1 evictable
     pool.allocate(8)                          # 7 free first, then evicts h2's block: 10 used
     pub = QueueEventPublisher(maxsize=1)
-    pub.publish(KVEventBatch(0.0, []))
-    pub.publish(KVEventBatch(0.0, []))        # dropped: the queue holds one
+    pub.publish(KVEventBatch(0.0, [AllBlocksCleared(), AllBlocksCleared()]))
+    pub.publish(KVEventBatch(0.0, [AllBlocksCleared()] * 3))  # dropped: the queue holds one
     collector = KVPoolCollector(preemptions=lambda: 7, publisher=pub)
     collector.add_pool(pool, block_size=16, token_slots_used=lambda: 123)
     host = BlockPool(4)
@@ -63,6 +63,8 @@ def test_scraped_numbers_match_a_pool_worked_by_hand() -> None:
     assert got[key("kvpool_evicted_blocks_total")] == 1
     assert got[("kvpool_preemptions_total", ())] == 7
     assert got[("kvpool_kv_event_batches_published_total", ())] == 1
+    assert got[("kvpool_kv_events_published_total", ())] == 2
+    assert got[("kvpool_kv_events_dropped_total", ())] == 3
     assert got[("kvpool_kv_event_batches_dropped_total", ())] == 1
     assert got[key("kvpool_blocks", "host", state="used")] == 1
     assert got[key("kvpool_blocks", "host", state="free")] == 3

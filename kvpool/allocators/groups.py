@@ -26,17 +26,26 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvpool.allocators.block_pool import BlockPool, BlockPoolStats
 from kvpool.errors import IntegrityError, InvalidArgumentError, InvalidIdError, OutOfBlocksError
 from kvpool.numeric import as_int
 from kvpool.spec import KVCacheGroup, LayerKind, cdiv
 
+if TYPE_CHECKING:
+    from kvpool.events import KVEventSink
+
 
 def group_key(group: int, block_hash: Hashable) -> Hashable:
     """The prefix-index key of ``block_hash`` in KV cache group ``group``: the hash for group 0, else
     ``(group, hash)`` (a tuple never equals a 16-byte hash, so groups never share a key)."""
     return block_hash if group == 0 else (group, block_hash)
+
+
+def split_group_key(key: Hashable) -> tuple[int, Hashable]:
+    """The ``(group, block hash)`` a :func:`group_key` names (a KV event sink reads the pool's keys so)."""
+    return (key[0], key[1]) if _key_group(key) else (0, key)
 
 
 @dataclass(frozen=True)
@@ -59,13 +68,15 @@ class KVCacheCoordinator:
         groups: the model's groups (``KVCacheSpec.groups``), indexed 0, 1, ... with one block size.
         num_blocks: pool blocks, the null block included (reserved when a group has a window).
         enable_caching: prefix caching (as ``BlockPool``).
+        event_sink: KV events of the pool (:class:`kvpool.events.KVEventSink`): told how to read group
+            keys, so each event names its group, its kind and its window.
 
     Raises:
         InvalidArgumentError: no groups, groups not indexed in order, or mixed block sizes.
     """
 
     def __init__(self, groups: Sequence[KVCacheGroup], num_blocks: int, *,
-                 enable_caching: bool = True) -> None:
+                 enable_caching: bool = True, event_sink: KVEventSink | None = None) -> None:
         groups = tuple(groups)
         if not groups or [g.index for g in groups] != list(range(len(groups))):
             raise InvalidArgumentError("groups must be a non-empty sequence indexed 0, 1, ...")
@@ -74,7 +85,10 @@ class KVCacheCoordinator:
         self.groups = groups
         self.block_size = groups[0].block_size
         windowed = any(g.kind is not LayerKind.FULL for g in groups)
-        self.pool = BlockPool(num_blocks, enable_caching=enable_caching, reserve_null_block=windowed)
+        if event_sink is not None:
+            event_sink.use_groups(split_group_key, {g.index: (g.kind.value, g.window) for g in groups})
+        self.pool = BlockPool(num_blocks, enable_caching=enable_caching, reserve_null_block=windowed,
+                              event_sink=event_sink)
         self.null_block: int = self.pool.null_block if windowed else -1  # type: ignore[assignment]
         # full groups first: their hit is a prefix scan, and it bounds the windowed groups' scans
         self._hit_order = sorted(groups, key=lambda g: g.kind is not LayerKind.FULL)
@@ -229,14 +243,18 @@ class KVCacheCoordinator:
                 skipped[g] = end
         return freed
 
-    def cache_blocks(self, request_id: Hashable, block_hashes: Sequence[Hashable], num_tokens: int) -> None:
+    def cache_blocks(self, request_id: Hashable, block_hashes: Sequence[Hashable], num_tokens: int, *,
+                     token_ids: Sequence[int] | None = None) -> None:
         """Publish, in every group, the full blocks of the first ``num_tokens`` tokens whose KV is now
         written (the blocks not published yet; ``block_hashes`` are the request's chained hashes, one per
-        full block). Null entries are skipped.
+        full block). Null entries are skipped. ``token_ids``, the request's tokens (at least
+        ``num_tokens``), are what the pool's KV events carry, with each group's parent hash; only a pool
+        with an event sink reads them.
 
         Raises:
             InvalidIdError: an unknown request.
-            InvalidArgumentError: fewer hashes than full blocks, or a table that does not cover them.
+            InvalidArgumentError: fewer hashes than full blocks, a table that does not cover them, or
+                fewer token ids than ``num_tokens``.
         """
         tables = self._tables_of(request_id)
         full, start = num_tokens // self.block_size, self._published[request_id]
@@ -245,10 +263,14 @@ class KVCacheCoordinator:
         if len(block_hashes) < full or any(len(t) < full for t in tables):
             raise InvalidArgumentError(f"{num_tokens} tokens need {full} hashes and blocks in every group, "
                                        f"got {len(block_hashes)} hashes")
-        hashes = block_hashes[start:full]
+        hashes, events = block_hashes[start:full], self.pool.event_sink is not None
+        if events and token_ids is not None and len(token_ids) < full * self.block_size:
+            raise InvalidArgumentError(f"{num_tokens} tokens published but {len(token_ids)} token ids given")
+        tokens = token_ids[start * self.block_size:full * self.block_size] if events and token_ids else None
         for g, table in enumerate(tables):
             keys = hashes if g == 0 else [(g, h) for h in hashes]
-            self.pool.cache_blocks(table[start:full], keys)
+            parent = group_key(g, block_hashes[start - 1]) if events and start else None
+            self.pool.cache_blocks(table[start:full], keys, parent_hash=parent, token_ids=tokens)
         self._published[request_id] = full
 
     def free(self, request_id: Hashable) -> None:

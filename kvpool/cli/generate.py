@@ -25,6 +25,7 @@ from kvpool.cli._args import (
     positive_int,
     seed,
 )
+from kvpool.cli._observe import Observers, add_event_arguments, add_metrics_arguments
 from kvpool.errors import ConfigError, OutOfBlocksError
 
 DEFAULT_KV_MEMORY = 256 * 2**20  # CPU: 256 MiB of KV (SmolLM2 in float32: 364 blocks of 16 tokens)
@@ -58,6 +59,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--check", action="store_true", help="compare with transformers' greedy generate")
     add_hash_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_event_arguments(parser)
+    add_metrics_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -107,24 +110,19 @@ def run(args: argparse.Namespace) -> int:
     if args.check and args.temperature != 0:
         raise ConfigError("--check compares greedy outputs: use it with --temperature 0")
     texts = read_prompts(args)
+    args.hash_shared = args.hash_shared or args.kv_events is not None  # event hashes leave the process
     hasher = hasher_from_args(args)
     params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              seed=args.seed + i) for i in range(len(texts))]  # bad input fails before loading
     apply_threads(args)
-    loaded = load_model(args.model, device="cuda" if torch.cuda.is_available() else "cpu")
-    engine = LLMEngine(loaded.model, num_blocks=pool_blocks(loaded, args), block_size=args.block_size,
-                       max_num_batched_tokens=args.max_batched_tokens, eos_token_ids=loaded.eos_token_ids,
-                       hasher=hasher)
-    prompts = [loaded.encode(text) for text in texts]
-    try:
-        requests = _generate_with_progress(engine, prompts, params)
-    except OutOfBlocksError as exc:  # a prompt that can never fit: name it and the option that fixes it
-        if exc.blocks_needed is None:
-            raise
-        text = texts[getattr(exc, "prompt_index", 0)]
-        excerpt = text if len(text) <= 40 else f"{text[:37]}..."
-        raise OutOfBlocksError(f"{exc} ({excerpt!r}): pass --num-blocks {exc.blocks_needed} or more"
-                               ) from None
+    with Observers(args) as observers:  # binds the event and metrics ports before the model loads
+        loaded = load_model(args.model, device="cuda" if torch.cuda.is_available() else "cpu")
+        engine = LLMEngine(loaded.model, num_blocks=pool_blocks(loaded, args), block_size=args.block_size,
+                           max_num_batched_tokens=args.max_batched_tokens, eos_token_ids=loaded.eos_token_ids,
+                           hasher=hasher, kv_events=observers.publisher)
+        observers.watch_engine(engine)
+        prompts = [loaded.encode(text) for text in texts]
+        requests = _generate_or_explain(engine, prompts, params, texts)
     results = [{"prompt": text, "output_token_ids": r.output_token_ids,
                 "text": loaded.decode(r.output_token_ids)} for text, r in zip(texts, requests, strict=True)]
     if args.check:
@@ -137,6 +135,19 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_human(results, stats)
     return 0 if all(r.get("matches_reference", True) for r in results) else 1
+
+
+def _generate_or_explain(engine: Any, prompts: list[list[int]], params: list[Any], texts: list[str]
+                         ) -> list[Any]:
+    try:
+        return _generate_with_progress(engine, prompts, params)
+    except OutOfBlocksError as exc:  # a prompt that can never fit: name it and the option that fixes it
+        if exc.blocks_needed is None:
+            raise
+        text = texts[getattr(exc, "prompt_index", 0)]
+        excerpt = text if len(text) <= 40 else f"{text[:37]}..."
+        raise OutOfBlocksError(f"{exc} ({excerpt!r}): pass --num-blocks {exc.blocks_needed} or more"
+                               ) from None
 
 
 def _generate_with_progress(engine: Any, prompts: list[list[int]], params: list[Any]) -> list[Any]:

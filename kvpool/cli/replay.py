@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.cli._args import non_negative_float, positive_int
+from kvpool.cli._observe import Observers, add_event_arguments
 from kvpool.cli.plan import add_memory_arguments, plan_from_args
 from kvpool.errors import ConfigError
 from kvpool.trace.loaders import FORMATS, load_trace
@@ -42,6 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     _capacity_arguments(parser.add_argument_group("pool size"))
     _engine_arguments(parser.add_argument_group("engine model (step times; budgets apply to trace timing)"))
+    add_event_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -77,13 +79,15 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size, num_blocks=num_blocks_from_args(args), timing=args.timing,
         max_batched_tokens=args.max_batched_tokens, max_running=args.max_running, step_s=args.step_s,
         prefill_token_s=args.prefill_token_s, decode_token_s=args.decode_token_s)
-    bar = _progress_bar(len(trace.requests), off=args.json or args.no_progress)
-    try:
-        result = run_replay(trace.requests, config, progress=bar and bar.update,
-                            record_timeline=bool(args.plot))
-    finally:
-        if bar is not None:
-            bar.close()
+    with Observers(args) as observers:
+        bar = _progress_bar(len(trace.requests), off=args.json or args.no_progress)
+        try:
+            result = run_replay(trace.requests, config, progress=bar and bar.update,
+                                record_timeline=bool(args.plot),
+                                event_sink=observers.event_sink(block_size=args.block_size))
+        finally:
+            if bar is not None:
+                bar.close()
     report = {"trace": trace.path, "format": trace.format, "skipped_rows": trace.skipped, **result.to_dict()}
     if args.plot:
         from kvpool.trace.plot import plot_timeline

@@ -39,7 +39,8 @@ from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError, KVP
 from kvpool.numeric import as_id_list, as_int, index_or_none
 from kvpool.units import plural
 
-if TYPE_CHECKING:  # the tiers need their extra (xxhash, redis): imported when offloading is enabled
+if TYPE_CHECKING:  # the tiers and events need their extras: imported when they are enabled
+    from kvpool.events import EventPublisher, KVEventSink
     from kvpool.tiers.backend import TierBackend
     from kvpool.tiers.manager import OffloadManager
 
@@ -113,28 +114,35 @@ class LLMEngine:
         kv_dtype: KV storage dtype (default: the model's dtype).
         keep_logits: store each sampled row of logits ``[V]`` in ``Request.logits`` (for tests).
         hasher: the block hasher (default: the process-local ``kvpool.allocators.hashing.default_hasher()``,
-            a random root per process unless ``$KVPOOL_HASH_SEED`` is set).
+            a random root per process unless ``$KVPOOL_HASH_SEED`` is set; with ``kv_events``, a shared
+            ``BlockHasher(shared=True)``, since the hashes leave the process).
         tp_size: tensor-parallel ranks: ``model`` is this rank's shard and the KV cache holds
             ``spec.num_kv_heads_per_rank`` heads (see :mod:`kvpool.engine.distributed`).
         on_schedule: called with each step's :class:`StepBatch` after the decisions, before the forward
             (tensor parallelism ships it to the other ranks there).
+        kv_events: a KV event publisher (:mod:`kvpool.events`): the pool records into a sink whose batch
+            is published at the end of every step (medium ``GPU`` on CUDA, ``CPU`` otherwise; each event
+            names its KV cache group).
     """
 
     def __init__(self, model: Any, *, num_blocks: int, block_size: int = 16,
                  max_num_batched_tokens: int = 256, max_num_seqs: int = 64, eos_token_ids: Sequence[int] = (),
                  enable_prefix_caching: bool = True, kv_dtype: torch.dtype | None = None,
                  keep_logits: bool = False, hasher: BlockHasher | None = None, tp_size: int = 1,
-                 on_schedule: Callable[[StepBatch], None] | None = None) -> None:
+                 on_schedule: Callable[[StepBatch], None] | None = None,
+                 kv_events: EventPublisher | None = None) -> None:
         max_num_batched_tokens = as_int(max_num_batched_tokens, "max_num_batched_tokens", minimum=1)
         max_num_seqs = as_int(max_num_seqs, "max_num_seqs", minimum=1)
         self.model, self.block_size, self.device = model, block_size, model.device
         spec = kv_spec(model, block_size=block_size, dtype=kv_dtype, tp_size=tp_size)
         self.runner = ModelRunner(model, spec, num_blocks)
         self.cache, self.on_schedule = self.runner.cache, on_schedule
-        self.kv = KVCacheCoordinator(spec.groups, num_blocks, enable_caching=enable_prefix_caching)
+        sink = self._event_sink(kv_events)
+        self.kv = KVCacheCoordinator(spec.groups, num_blocks, enable_caching=enable_prefix_caching,
+                                     event_sink=sink)
         self.pool = self.kv.pool
         self.caching, self.keep_logits = enable_prefix_caching, keep_logits
-        self.hasher = hasher or default_hasher()
+        self.hasher = hasher or (default_hasher() if sink is None else BlockHasher(shared=True))
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
@@ -171,6 +179,14 @@ class LLMEngine:
         self.offload = OffloadManager(self.pool, tiers, cache=self.cache, write_through=write_through,
                                       asynchronous=asynchronous)
         return self.offload
+
+    def _event_sink(self, publisher: EventPublisher | None) -> KVEventSink | None:
+        if publisher is None or not publisher.enabled:
+            return None
+        from kvpool.events import MEDIUM_CPU, MEDIUM_GPU, KVEventSink
+
+        medium = MEDIUM_GPU if self.device.type == "cuda" else MEDIUM_CPU
+        return KVEventSink(publisher, block_size=self.block_size, medium=medium, group_idx=0)
 
     # ---- requests
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None) -> int:
@@ -255,7 +271,10 @@ class LLMEngine:
         batch = self._prepare(scheduled)
         if self.on_schedule is not None:
             self.on_schedule(batch)
-        return self._postprocess(scheduled, self.runner.execute(batch))
+        finished = self._postprocess(scheduled, self.runner.execute(batch))
+        if self.pool.event_sink is not None:
+            self.pool.event_sink.flush()  # this step's KV events, as one batch
+        return finished
 
     def _schedule(self) -> list[tuple[Request, int]]:
         budget, scheduled, i = self.max_num_batched_tokens, [], 0
@@ -383,7 +402,8 @@ class LLMEngine:
     def _publish(self, req: Request) -> None:
         """Publish the full blocks whose KV is now written (the forward has run), in every group."""
         if self.caching:
-            self.kv.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
+            tokens = None if self.pool.event_sink is None else req.token_ids  # what BlockStored carries
+            self.kv.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens, token_ids=tokens)
             if self.offload is not None and self.offload.write_through:
                 self._offer(req)
 
@@ -395,6 +415,24 @@ class LLMEngine:
             assert self.offload is not None
             self.offload.on_published(table[start:full], req.block_hashes[start:full])
             req.num_offloaded_blocks = full
+
+    def num_token_slots_used(self) -> int:
+        """Token slots holding KV now: the tokens written in each block in use, a block that requests share
+        counted once (for the ``kvpool_token_slots_used`` metric; a partly filled block counts its tokens).
+        O(blocks in use); safe to call from another thread between steps."""
+        filled: dict[int, int] = {}
+        bs, null = self.block_size, self.kv.null_block
+        for req in list(self.running):
+            try:
+                tables = self.kv.block_tables(req.request_id)
+            except InvalidIdError:  # released since the list was copied
+                continue
+            for table in tables:
+                for i, block in enumerate(table):
+                    n = min(bs, req.num_computed_tokens - i * bs)
+                    if block != null and n > filled.get(block, 0):
+                        filled[block] = n
+        return sum(filled.values())
 
     # ---- convenience
     def generate(self, prompts: Sequence[Sequence[int]],

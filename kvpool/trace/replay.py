@@ -27,11 +27,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from kvpool.allocators.block_pool import BlockPool
 from kvpool.errors import ConfigError, IntegrityError, InvalidArgumentError
 from kvpool.numeric import as_int, as_optional_int, as_real
 from kvpool.trace.loaders import TraceRequest, sub_blocks_per_hash_block
+
+if TYPE_CHECKING:
+    from kvpool.events import KVEventSink
 
 TIMINGS = ("instant", "trace")
 #: One timeline sample: (simulated seconds, blocks in use, cached free blocks, uncached free blocks).
@@ -130,9 +134,10 @@ def unbounded_num_blocks(requests: Sequence[TraceRequest], block_size: int) -> i
 
 def run_replay(requests: Sequence[TraceRequest], config: ReplayConfig = ReplayConfig(), *,
                 pool: BlockPool | None = None, progress: Callable[[int], object] | None = None,
-                record_timeline: bool = False) -> ReplayResult:
-    """Replay ``requests`` through ``pool`` (default: a fresh :class:`BlockPool` of ``config.num_blocks``)
-    and return what it measured.
+                record_timeline: bool = False, event_sink: KVEventSink | None = None) -> ReplayResult:
+    """Replay ``requests`` through ``pool`` (default: a fresh :class:`BlockPool` of ``config.num_blocks``
+    recording KV events into ``event_sink``) and return what it measured. The pool's event sink, if any,
+    is flushed once per simulated step (the events carry the trace's hash ids and no token ids).
 
     ``pool`` must be all free and, when ``config.num_blocks`` is set, of that size. ``progress(n)`` is
     called as n more requests finish or are rejected. At the end every block is free and
@@ -144,7 +149,9 @@ def run_replay(requests: Sequence[TraceRequest], config: ReplayConfig = ReplayCo
     if pool is not None and (pool.num_used_blocks or config.num_blocks not in (None, pool.num_blocks)):
         raise ConfigError(f"replay needs an all-free pool of config.num_blocks blocks, got {pool!r}")
     start = time.perf_counter()
-    return _Replayer(requests, config, pool, progress, record_timeline).run(start)
+    if pool is not None and event_sink is not None:
+        raise ConfigError("give the event sink to your pool (BlockPool(..., event_sink=...)), not to both")
+    return _Replayer(requests, config, pool, progress, record_timeline, event_sink).run(start)
 
 
 def _blocks_area(tokens_before: int, steps: int, block_size: int) -> int:
@@ -182,13 +189,14 @@ class _Seq:
 
 class _Replayer:
     def __init__(self, requests: Sequence[TraceRequest], config: ReplayConfig, pool: BlockPool | None,
-                 progress: Callable[[int], object] | None, record_timeline: bool) -> None:
+                 progress: Callable[[int], object] | None, record_timeline: bool,
+                 event_sink: KVEventSink | None = None) -> None:
         self.requests, self.cfg, self.progress = requests, config, progress
         self.bs = config.block_size
         if pool is None:
             num_blocks = config.num_blocks or unbounded_num_blocks(requests, self.bs)
             try:
-                pool = BlockPool(num_blocks)
+                pool = BlockPool(num_blocks, event_sink=event_sink)
             except InvalidArgumentError as exc:  # too large for memory
                 raise ConfigError(f"{exc}: give a smaller num_blocks (--num-blocks)") from None
         self.pool = pool
@@ -205,6 +213,7 @@ class _Replayer:
         """Simulate; ``wall_s`` runs from ``start`` (before the pool was built) to the end, before the
         final ``check_integrity()``."""
         self._run_instant() if self.cfg.timing == "instant" else self._run_trace()
+        self._flush_events()
         wall = time.perf_counter() - start
         pool, bs = self.pool, self.bs
         if pool.num_used_blocks:
@@ -282,6 +291,12 @@ class _Replayer:
         self._sample()
         self.area += used * dt if block_seconds is None else block_seconds
         self.now += dt
+        self._flush_events()
+
+    def _flush_events(self) -> None:
+        """Publish what the pool recorded since the last step (one batch per simulated step)."""
+        if self.pool.event_sink is not None:
+            self.pool.event_sink.flush()
 
     def _sample(self, force: bool = False) -> None:
         """Record the pool state from now on (thinned in ``trace`` timing unless ``force``)."""
