@@ -135,6 +135,35 @@ def test_engine_run_with_evictions_rebuilds_the_prefix_index(tiny: object) -> No
     assert all(len(bytes.fromhex(h)) == 16 for e in events for h in e["block_hashes"])
 
 
+def test_hybrid_engine_events_name_each_group() -> None:
+    """tiny-gemma2: group 0 sliding (window 16), group 1 full, one pool. Each event names its group, kind
+    and window; the (group, hash) pairs the stream leaves equal the pool's keys read by the coordinator."""
+    from kvpool.allocators.groups import split_group_key
+    from kvpool.events import BlockRemoved, BlockStored, QueueEventPublisher
+
+    pub = QueueEventPublisher(100_000)
+    engine = LLMEngine(load_model("tiny-gemma2", seed=1).model, num_blocks=40, block_size=4,
+                       max_num_batched_tokens=32, kv_events=pub)
+    engine.generate(PROMPTS, SamplingParams(max_new_tokens=10))
+    events = [e for batch in pub.drain() for e in batch.events]
+    cached: set = set()
+    for e in events:
+        if isinstance(e, BlockStored):
+            assert (e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) == \
+                {0: ("sliding_window", 16), 1: ("full_attention", None)}[e.group_idx]
+            assert len(e.token_ids) == 4 * len(e.block_hashes)
+            cached.update((e.group_idx, h) for h in e.block_hashes)
+        else:
+            assert isinstance(e, BlockRemoved)
+            cached.difference_update((e.group_idx, h) for h in e.block_hashes)
+    pool = engine.pool
+    keys = {pool.block_hash(b) for b in range(pool.num_blocks)} - {None}
+    assert cached == {split_group_key(k) for k in keys} and {g for g, _ in cached} == {0, 1}
+    assert engine.stats.preemptions > 0 and pool.stats.evictions > 0
+    first_full = next(e for e in events if isinstance(e, BlockStored) and e.group_idx == 1)
+    assert first_full.parent_block_hash is None and first_full.token_ids == BASE[:len(first_full.token_ids)]
+
+
 @pytest.mark.slow  # ~10 s: 2,000 requests and 35,000 events through another process
 def test_mooncake_replay_with_a_bounded_pool_rebuilds_the_prefix_index() -> None:
     requests = load_trace(max_requests=2000).requests
@@ -247,7 +276,7 @@ def test_generate_cli_serves_metrics_and_events_while_it_runs() -> None:
     (["--kv-events", "tcp://127.0.0.1"], "malformed ZMQ endpoint"),
     (["--kv-events", "tcp://127.0.0.1:80000"], "malformed ZMQ endpoint"),
     (["--kv-events-replay", "tcp://127.0.0.1:5558"], "--kv-events-replay needs --kv-events"),
-    (["--metrics-port", "70000"], "metrics port must be in 1-65535"),
+    (["--metrics-port", "70000"], "metrics port must be an integer in [1, 65535]"),
 ])
 def test_bad_observability_options_are_one_line(extra: list[str], message: str,
                                                  capsys: pytest.CaptureFixture) -> None:
