@@ -209,6 +209,42 @@ def test_token_budget_and_max_running(budget: int, max_running: int, expected_s:
     assert result.simulated_s == expected_s and result.requests_completed == 3
 
 
+def test_chunked_prefill_by_hand() -> None:
+    """Issue 9, item 8: a prompt longer than the budget is prefilled in chunks, as the engine does.
+    100 tokens at a budget of 32, block 16, 2 output tokens: chunks 32, 32, 32, 4 (steps 1-4), then two
+    decode steps. Blocks held per step (allocated per chunk): 2, 4, 6, 7, then 7, 7 (102 tokens)."""
+    pool = BlockPool(20)
+    config = ReplayConfig(block_size=16, num_blocks=20, timing="trace", max_batched_tokens=32, **UNIT_COSTS)
+    result = run_replay([TraceRequest(0.0, 100, 2)], config, pool=pool, record_timeline=True)
+    assert result.simulated_s == 6 and result.peak_blocks_used == 7
+    assert result.mean_blocks_used == pytest.approx((2 + 4 + 6 + 7 + 7 + 7) / 6)
+    assert [used for _, used, _, _ in result.timeline[:6]] == [2, 4, 6, 7, 7, 7]
+
+
+def test_chunked_prefill_publishes_each_full_block_after_its_chunk() -> None:
+    """The 64-token prompt of hash id 5 is 4 blocks of 16 (sub-blocks of one 512-token hash block). Budget
+    24: the first request computes tokens 0-23 in step 1 (block 0 full: published), 24-47 in step 2
+    (blocks 1, 2). The second, same prompt, arrives at t = 2; in step 3 the first takes its last 16 tokens
+    and the second is admitted with the 8 tokens left: its lookup finds blocks 0, 1, 2, not block 3, which
+    the first publishes only after step 3."""
+    first, second = TraceRequest(0.0, 64, 1, (5,)), TraceRequest(2.0, 64, 1, (5,))
+    config = ReplayConfig(block_size=16, num_blocks=20, timing="trace", max_batched_tokens=24, **UNIT_COSTS)
+    result = run_replay([first, second], config)
+    assert (result.hit_blocks, result.prompt_blocks, result.requests_completed) == (3, 8, 2)
+
+
+def test_a_long_prompt_no_longer_drains_the_server() -> None:
+    """A decoding request keeps decoding while a prompt of 4x the budget is prefilled beside it. A: 16
+    prompt tokens, 10 output, at t = 0; B: 256 prompt tokens, 1 output, at t = 1; budget 64 tokens, block
+    16. Step 1 prefills A; steps 2-11 decode A (1 token each) while steps 2-6 give B chunks of 63, 63, 63,
+    63 and 4 tokens (what A's decode leaves of the budget); B decodes in step 7. Without chunks B would
+    wait for an empty step: after A's last decode (step 11), then prefill and decode (steps 12, 13)."""
+    requests = [TraceRequest(0.0, 16, 10), TraceRequest(1.0, 256, 1)]
+    config = ReplayConfig(block_size=16, num_blocks=40, timing="trace", max_batched_tokens=64, **UNIT_COSTS)
+    result = run_replay(requests, config)
+    assert result.simulated_s == 11 and result.requests_completed == 2
+
+
 def test_instant_time_model_by_hand() -> None:
     # Request 1: 100 prompt + 20 output tokens, block size 16. Prefill: 0.01 + 100 x 0.001 = 0.11 s holding
     # 7 blocks; 20 decode steps of 0.012 s: tokens 101-112 on 7 blocks, 113-120 on 8 blocks.

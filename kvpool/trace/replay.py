@@ -1,20 +1,23 @@
 """Discrete-event replay of a serving trace through the real :class:`BlockPool` (block ids only, no tensors).
 
 Per request: ``lookup`` the full prompt blocks' hashes (the longest cached prefix is the hit), ``touch`` the
-hits, ``allocate`` the rest of the prompt, ``cache_blocks`` the full prompt blocks after the prefill step,
-``allocate`` one block each time decoding crosses a block boundary, and ``free`` every block tail first at
-the end. A request of ``ceil((input + output) / block_size)`` blocks holds that many at its last step; one
-larger than the whole pool is rejected and counted.
+hits, ``allocate`` blocks for the prompt as it is prefilled, ``cache_blocks`` each full prompt block once a
+step has computed it, ``allocate`` one block each time decoding crosses a block boundary, and ``free`` every
+block tail first at the end. A request of ``ceil((input + output) / block_size)`` blocks holds that many at
+its last step; one larger than the whole pool is rejected and counted.
 
 Timing modes:
 
 * ``instant``: requests run one at a time in trace order; each prefills, then decodes to completion before
   the next starts (no concurrency). The simulated clock still follows the step-time model below.
-* ``trace``: arrivals at trace timestamps; continuous batching: every step decodes one token for each
-  running request, then admits waiting requests first-come first-served while their uncached prompt tokens
-  fit the token budget (a step with nothing else may take one larger prompt). When a decode needs a block
-  and none is free, the newest running request is preempted by recompute: its blocks are freed tail first
-  and it goes back to the front of the queue (on its return its prefix is usually still cached).
+* ``trace``: arrivals at trace timestamps; continuous batching with chunked prefill, as the reference
+  engine schedules (vLLM v1 style) under a budget of ``max_batched_tokens`` per step: running requests,
+  oldest first, each get their next tokens (one decode token, or the next chunk of a prefill that did not
+  fit one step), then waiting requests are admitted first-come first-served with a first chunk of what is
+  left of the budget (only the blocks of that chunk are allocated). When a running request needs blocks
+  and too few are free, the newest running request is preempted by recompute: its blocks are freed tail
+  first and it goes back to the front of the queue (on its return its prefix is usually still cached); a
+  step that preempted admits no one.
 
 Step-time model (seconds): ``step_s + prefill_token_s * uncached prefill tokens + decode_token_s * decode
 tokens``. The defaults are illustrative only; set them for a model and device.
@@ -170,14 +173,15 @@ def _blocks_area(tokens_before: int, steps: int, block_size: int) -> int:
 class _Seq:
     """A request in flight: its hashes (computed once), the blocks it holds and how far it has got."""
 
-    __slots__ = ("req", "hashes", "blocks", "generated", "hits", "total_blocks", "admitted")
+    __slots__ = ("req", "hashes", "blocks", "generated", "computed", "published", "total_blocks", "admitted")
 
     def __init__(self, req: TraceRequest, block_size: int) -> None:
         self.req = req
         self.hashes = req.block_hashes(block_size)
         self.blocks: list[int] = []
         self.generated = 0  # output tokens produced so far (kept across a preemption)
-        self.hits = 0  # cached prefix blocks found at the latest admission
+        self.computed = 0  # tokens whose KV is written (hits included); < tokens while prefilling
+        self.published = 0  # leading prompt blocks in the prefix index (hits included)
         self.total_blocks = request_blocks(req, block_size)
         self.admitted = False
 
@@ -185,6 +189,15 @@ class _Seq:
     def tokens(self) -> int:
         """Tokens whose KV the request holds once (re)prefilled: prompt plus output so far."""
         return self.req.input_tokens + self.generated
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether some of :attr:`tokens` still need computing (a decode step follows only after)."""
+        return self.computed < self.tokens
+
+
+#: One request's share of a step: (request, tokens, whether they are a prefill chunk rather than a decode).
+_Scheduled = tuple[_Seq, int, bool]
 
 
 class _Replayer:
@@ -227,35 +240,47 @@ class _Replayer:
 
     # ---- pool calls (every block operation is counted here) -----------------------------------------
 
-    def _admit(self, seq: _Seq, budget: float | None) -> int | None:
-        """Look up, touch the hits and allocate the rest of ``seq.tokens``; returns the uncached prefill
-        tokens. With a ``budget`` (``trace`` timing) returns None, pool unchanged, when the blocks do not fit
-        or the uncached tokens exceed it; ``None`` (``instant`` timing, pool all free) checks nothing."""
-        pool, hashes = self.pool, seq.hashes
-        need = -(-seq.tokens // self.bs)
-        if budget is not None and not pool.can_allocate(hashes, need):
-            return None
+    def _admit(self, seq: _Seq, budget: int | None) -> int | None:
+        """Look up ``seq``'s cached prefix, touch it and allocate blocks for its first chunk of uncached
+        tokens: ``min(uncached, budget)`` (``trace`` timing), or all of them (``budget`` None: ``instant``
+        timing, pool all free, nothing checked). Returns the chunk's tokens, or None (pool unchanged) when
+        its blocks do not fit."""
+        pool, hashes, bs = self.pool, seq.hashes, self.bs
         hits = pool.lookup(hashes)
-        new_tokens = seq.tokens - len(hits) * self.bs
-        if budget is not None and new_tokens > budget:
-            return None
+        computed = len(hits) * bs
+        chunk = seq.tokens - computed if budget is None else min(seq.tokens - computed, budget)
+        need = -(-(computed + chunk) // bs) - len(hits)
+        if budget is not None and not pool.can_allocate(hashes[:len(hits)], len(hits) + need):
+            return None  # a hit on a cached free block consumes a free block too
         pool.touch(hits)
-        seq.blocks = hits + pool.allocate(need - len(hits))
-        seq.hits = len(hits)
-        self.ops += min(len(hits) + 1, len(hashes)) + need  # examined hashes, touched + allocated blocks
+        seq.blocks = hits + pool.allocate(need)
+        seq.computed = seq.published = len(hits)
+        seq.computed *= bs
+        self.ops += min(len(hits) + 1, len(hashes)) + len(hits) + need  # hashes examined, touched, allocated
         if not seq.admitted:
             seq.admitted = True
-            self.prompt_blocks += seq.req.input_tokens // self.bs
+            self.prompt_blocks += seq.req.input_tokens // bs
             self.prompt_tokens += seq.req.input_tokens
             self.hit_blocks += len(hits)
-        return new_tokens
+        return chunk
+
+    def _reserve(self, seq: _Seq, n: int) -> bool:
+        """Blocks for ``n`` more tokens of ``seq``; False, nothing changed, when too few are free."""
+        need = -(-(seq.computed + n) // self.bs) - len(seq.blocks)
+        if need > self.pool.num_free_blocks:
+            return False
+        if need > 0:
+            self._grow(seq, need)
+        return True
 
     def _publish(self, seq: _Seq) -> None:
-        """After the prefill step: publish the full prompt blocks that were not hits."""
-        h, f = seq.hits, len(seq.hashes)
-        if f > h:
-            self.pool.cache_blocks(seq.blocks[h:f], seq.hashes[h:f])
-            self.ops += f - h
+        """After a step: publish the full prompt blocks it computed (the engine publishes a block only
+        after the forward that wrote its KV)."""
+        full = min(seq.computed // self.bs, len(seq.hashes))
+        if full > seq.published:
+            self.pool.cache_blocks(seq.blocks[seq.published:full], seq.hashes[seq.published:full])
+            self.ops += full - seq.published
+            seq.published = full
 
     def _grow(self, seq: _Seq, n: int) -> None:
         seq.blocks += self.pool.allocate(n)
@@ -318,6 +343,7 @@ class _Replayer:
             self.now = max(self.now, req.arrival_s)
             new_tokens = self._admit(seq, None)
             self._tick(cfg.step_s + cfg.prefill_token_s * new_tokens)
+            seq.computed = seq.tokens
             self._publish(seq)
             self._grow(seq, seq.total_blocks - len(seq.blocks))
             out = req.output_tokens
@@ -344,35 +370,69 @@ class _Replayer:
                 self.now = pending[0].arrival_s
 
     def _step(self, waiting: deque[_Seq], running: list[_Seq]) -> bool:
-        """One engine step: decode every running request, admit what fits, advance the clock. Returns
+        """One engine step: the running requests' next tokens, then admissions, then the clock. Returns
         whether the queue is stalled: nothing waiting, or a head that no pure decode step can admit (it was
         refused, and no request finished, was preempted or was admitted, which would change the pool or the
         token budget)."""
         cfg, preemptions = self.cfg, self.preemptions
-        decodes = self._schedule_decodes(waiting, running)
-        prefills, prefill_tokens = self._schedule_prefills(waiting, running, len(decodes))
-        assert decodes or prefills, "a step scheduled nothing"
-        self._tick(cfg.step_s + cfg.prefill_token_s * prefill_tokens + cfg.decode_token_s * len(decodes))
+        scheduled, budget = self._schedule_running(waiting, running)
+        admitted = self._schedule_waiting(waiting, running, budget) if self.preemptions == preemptions else []
+        assert scheduled or admitted, "a step scheduled nothing"
+        steps = scheduled + admitted
+        prefill = sum(n for _, n, is_prefill in steps if is_prefill)
+        decodes = sum(1 for *_, is_prefill in steps if not is_prefill)
+        self._tick(cfg.step_s + cfg.prefill_token_s * prefill + cfg.decode_token_s * decodes)
         finished = False
-        for seq in decodes:
-            seq.generated += 1
-            if seq.generated == seq.req.output_tokens:
+        for seq, n, is_prefill in steps:
+            if is_prefill:  # a chunk (an admission with every token cached computes 0 tokens)
+                seq.computed += n
+                self._publish(seq)
+                done = not seq.prefilling and seq.generated == seq.req.output_tokens
+            else:
+                seq.computed += 1
+                seq.generated += 1
+                done = seq.generated == seq.req.output_tokens
+            if done:
                 running.remove(seq)
                 self._finish(seq)
                 finished = True
-        for seq in prefills:
-            self._publish(seq)
-            if seq.generated == seq.req.output_tokens:
-                self._finish(seq)
-                finished = True
+        return not waiting or not (finished or admitted or self.preemptions > preemptions)
+
+    def _schedule_running(self, waiting: deque[_Seq], running: list[_Seq]) -> tuple[list[_Scheduled], int]:
+        """Each running request, oldest first, gets its next tokens within the budget: one to decode, or
+        the next prefill chunk. While too few blocks are free, the newest running request is preempted (it
+        may be the one asking; then the loop ends). Returns what was scheduled and the budget left."""
+        budget, scheduled, i = self.cfg.max_batched_tokens, [], 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            prefill = seq.prefilling
+            n = min(seq.tokens - seq.computed, budget) if prefill else 1
+            if self._reserve(seq, n):
+                scheduled.append((seq, n, prefill))
+                budget, i = budget - n, i + 1
             else:
-                running.append(seq)
-        return not waiting or not (finished or prefills or self.preemptions > preemptions)
+                self._preempt(running.pop(), waiting)
+        return scheduled, budget
+
+    def _schedule_waiting(self, waiting: deque[_Seq], running: list[_Seq], budget: int) -> list[_Scheduled]:
+        """Admit waiting requests in order, each with a first chunk of what is left of the budget, while
+        their blocks fit and fewer than ``max_running`` run."""
+        admitted: list[_Scheduled] = []
+        while waiting and budget > 0 and len(running) < self.cfg.max_running:
+            chunk = self._admit(waiting[0], budget)
+            if chunk is None:
+                break
+            seq = waiting.popleft()
+            running.append(seq)
+            admitted.append((seq, chunk, True))
+            budget -= chunk
+        return admitted
 
     def _fast_forward(self, running: list[_Seq], next_arrival: float | None) -> None:
         """Run, in one go, the pure decode steps before the next event: a request needing a block or
-        finishing, or an arrival that could be admitted. Same result as stepping one at a time."""
-        if not running:
+        finishing, or an arrival that could be admitted. Same result as stepping one at a time; only when
+        every running request decodes and all of them fit one step's budget."""
+        if not running or len(running) > self.cfg.max_batched_tokens or any(s.prefilling for s in running):
             return
         bs = self.bs
         k = min(min(len(s.blocks) * bs - s.tokens, s.req.output_tokens - s.generated - 1) for s in running)
@@ -382,43 +442,14 @@ class _Replayer:
         if k > 0:
             for seq in running:
                 seq.generated += k
+                seq.computed += k
             self._tick(k * dt)
-
-    def _schedule_decodes(self, waiting: deque[_Seq], running: list[_Seq]) -> list[_Seq]:
-        """Give each running request a block when its next token starts one, preempting the newest
-        running requests (possibly itself) while no block is free."""
-        scheduled = []
-        for seq in list(running):
-            if not seq.blocks:  # preempted earlier in this loop
-                continue
-            if seq.tokens + 1 > len(seq.blocks) * self.bs:
-                while self.pool.num_free_blocks == 0 and seq.blocks:
-                    self._preempt(running.pop(), waiting)
-                if not seq.blocks:
-                    continue
-                self._grow(seq, 1)
-            scheduled.append(seq)
-        return scheduled
 
     def _preempt(self, seq: _Seq, waiting: deque[_Seq]) -> None:
         self._release(seq)
+        seq.computed = seq.published = 0
         waiting.appendleft(seq)
         self.preemptions += 1
-
-    def _schedule_prefills(self, waiting: deque[_Seq], running: list[_Seq], num_decodes: int
-                           ) -> tuple[list[_Seq], int]:
-        """Admit waiting requests in order while they fit the pool and the token budget."""
-        scheduled: list[_Seq] = []
-        budget = self.cfg.max_batched_tokens - num_decodes
-        total = 0
-        while waiting and len(running) + len(scheduled) < self.cfg.max_running:
-            alone = not scheduled and not num_decodes  # an empty step may take one oversized prompt
-            new_tokens = self._admit(waiting[0], math.inf if alone else budget - total)
-            if new_tokens is None:
-                break
-            scheduled.append(waiting.popleft())
-            total += new_tokens
-        return scheduled, total
 
 
 def _ratio(num: float, den: float) -> float:
