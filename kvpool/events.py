@@ -313,6 +313,7 @@ class KVEventSink:
         self._events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
         self._split: KeySplit | None = None
         self._groups: dict[int, tuple[str | None, int | None]] = {}
+        self._owner: KVEventSink = self  # the sink whose buffer this one records into (see for_medium)
 
     def use_groups(self, split_key: KeySplit, groups: Mapping[int, tuple[str, int | None]]) -> None:
         """Read the pool's keys as ``split_key(key) -> (group index, block hash)``, and describe group g as
@@ -322,6 +323,17 @@ class KVEventSink:
         self._split = split_key
         self._groups = {g: (SPEC_KINDS.get(kind, kind), window if kind == "sliding_attention" else None)
                         for g, (kind, window) in groups.items()}
+
+    def for_medium(self, medium: str) -> KVEventSink:
+        """A sink for another tier's pool (``"CPU"``: the host tier) that records into this one's buffer,
+        so one :meth:`flush` per step publishes both, in order. It reads keys as this sink does."""
+        other = KVEventSink(self.publisher, block_size=self.block_size, medium=medium,
+                            group_idx=self.group_idx, kv_cache_spec_kind=self.kind,
+                            sliding_window=self.sliding_window, hash_format=self.hash_format,
+                            max_batch_events=self.max_batch_events)
+        other._events, other._split, other._groups = self._events, self._split, self._groups
+        other._owner = self
+        return other
 
     def _key(self, key: Hashable) -> tuple[int | None, Hashable]:
         return (self.group_idx, key) if self._split is None else self._split(key)
@@ -399,7 +411,7 @@ class KVEventSink:
         if not hashes:
             return
         last = self._events[-1] if self._events else None
-        if type(last) is BlockRemoved and last.group_idx == group:
+        if type(last) is BlockRemoved and last.group_idx == group and last.medium == self.medium:
             last.block_hashes += self._wire_list(hashes)
         else:
             self._record(BlockRemoved(self._wire_list(hashes), self.medium, group))
@@ -411,7 +423,7 @@ class KVEventSink:
     def _record(self, event: BlockStored | BlockRemoved | AllBlocksCleared) -> None:
         self._events.append(event)
         if len(self._events) >= self.max_batch_events:
-            self.flush()
+            self._owner.flush()
 
     # ---- called by the pool's owner
     @property
@@ -420,8 +432,10 @@ class KVEventSink:
         return len(self._events)
 
     def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
-        """The buffered events (oldest first), leaving the buffer empty, without publishing them."""
-        events, self._events = self._events, []
+        """The buffered events (oldest first), leaving the buffer empty, without publishing them. (The
+        buffer is one list for a sink and those :meth:`for_medium` made from it: emptied in place.)"""
+        events = self._events[:]
+        self._events.clear()
         return events
 
     def flush(self, ts: float | None = None) -> int:

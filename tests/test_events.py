@@ -154,6 +154,20 @@ def test_sink_flushes_itself_at_its_bound() -> None:
     assert [len(b.events) for b in pub.drain()] == [3, 3] and sink.pending_events == 2
 
 
+def test_a_sink_for_another_medium_shares_the_buffer() -> None:
+    pub = QueueEventPublisher()
+    device = KVEventSink(pub, block_size=1)
+    host = device.for_medium("CPU")
+    device.removed([1])
+    host.removed([2])  # another medium: not joined to the device's removal
+    device.removed([3])
+    host.cleared()
+    assert host.pending_events == device.pending_events == 4 and device.flush() == 4
+    assert pub.get(timeout=1).events == [BlockRemoved([1], "GPU", 0), BlockRemoved([2], "CPU", 0),
+                                         BlockRemoved([3], "GPU", 0), AllBlocksCleared()]
+    assert host.pending_events == 0
+
+
 def test_queue_publisher_drops_and_counts_when_full() -> None:
     pub = QueueEventPublisher(maxsize=2)
     for i in range(5):

@@ -130,7 +130,7 @@ def test_engine_run_with_evictions_rebuilds_the_prefix_index(tiny: object) -> No
     assert {e["type"] for e in events} == {"BlockStored", "BlockRemoved"}
     assert rebuilt(events) == index_of(pool) and len(index_of(pool)) > 0
     first = events[0]  # the first prompt's first published blocks, with their tokens
-    assert first["parent_block_hash"] is None and first["block_size"] == 4 and first["medium"] == "CPU"
+    assert first["parent_block_hash"] is None and first["block_size"] == 4 and first["medium"] == "GPU"
     assert first["token_ids"] == BASE[:4 * len(first["block_hashes"])] and first["group_idx"] == 0
     assert all(len(bytes.fromhex(h)) == 16 for e in events for h in e["block_hashes"])
 
@@ -162,6 +162,32 @@ def test_hybrid_engine_events_name_each_group() -> None:
     assert engine.stats.preemptions > 0 and pool.stats.evictions > 0
     first_full = next(e for e in events if isinstance(e, BlockStored) and e.group_idx == 1)
     assert first_full.parent_block_hash is None and first_full.token_ids == BASE[:len(first_full.token_ids)]
+
+
+def test_a_host_tier_publishes_into_the_engines_batches() -> None:
+    """A device pool too small for the prompts, a host tier under it: the events of medium GPU leave the
+    device pool's index, those of medium CPU the host tier's, batch by batch in one stream."""
+    pytest.importorskip("xxhash")
+    from kvpool.events import BlockStored, QueueEventPublisher
+    from kvpool.tiers.backend import Namespace
+    from kvpool.tiers.host import HostTier
+
+    pub = QueueEventPublisher(100_000)
+    engine = LLMEngine(load_model("tiny-llama", seed=1).model, num_blocks=20, block_size=4, kv_events=pub)
+    host = HostTier(12, Namespace.for_cache(engine.cache, model="tiny-llama"), like=engine.cache)
+    engine.enable_offload([host])
+    for prompt in PROMPTS:  # one at a time: each evicts the one before into the host tier
+        engine.generate([prompt], SamplingParams(max_new_tokens=6))
+    engine.offload.close()
+    cached: dict[str, set] = {"GPU": set(), "CPU": set()}
+    for event in (e for batch in pub.drain() for e in batch.events):
+        if isinstance(event, BlockStored):
+            cached[event.medium].update(event.block_hashes)
+        else:
+            cached[event.medium].difference_update(event.block_hashes)
+    assert cached["GPU"] == {engine.pool.block_hash(b) for b in range(20)} - {None}
+    assert cached["CPU"] == {host.pool.block_hash(b) for b in range(12)} - {None} != set()
+    assert host.stats().stored > 12  # the host tier evicted too
 
 
 @pytest.mark.slow  # ~10 s: 2,000 requests and 35,000 events through another process

@@ -469,8 +469,19 @@ class BlockPool:
 
     @property
     def event_sink(self) -> KVEventSink | None:
-        """The KV event sink given at construction, or None (then nothing is recorded)."""
+        """The KV event sink (given at construction or attached), or None (then nothing is recorded)."""
         return self._sink
+
+    def attach_event_sink(self, sink: KVEventSink) -> None:
+        """Give a pool built without one a KV event sink, while its prefix index is empty (so the stream
+        starts from nothing and every hash in it was checked by the sink): a tier's own pool, say.
+
+        Raises:
+            InvalidArgumentError: the pool has a sink already, or hashes in its index.
+        """
+        if self._sink is not None or self._index:
+            raise InvalidArgumentError("attach an event sink to a pool with none and an empty prefix index")
+        self._sink = sink
 
     @property
     def num_blocks(self) -> int:

@@ -121,8 +121,9 @@ class LLMEngine:
         on_schedule: called with each step's :class:`StepBatch` after the decisions, before the forward
             (tensor parallelism ships it to the other ranks there).
         kv_events: a KV event publisher (:mod:`kvpool.events`): the pool records into a sink whose batch
-            is published at the end of every step (medium ``GPU`` on CUDA, ``CPU`` otherwise; each event
-            names its KV cache group).
+            is published at the end of every step (medium ``GPU``, vLLM's name for the engine's own KV
+            pool on any device; each event names its KV cache group). A host tier given to
+            :meth:`enable_offload` then publishes into the same batches, medium ``CPU``.
     """
 
     def __init__(self, model: Any, *, num_blocks: int, block_size: int = 16,
@@ -165,7 +166,8 @@ class LLMEngine:
             ConfigError: prefix caching is off, an offload is attached already, the model has more than one
                 KV cache group (sliding or chunked layers: not offloaded yet), or a tier keeps blocks
                 outside this process (disk, remote) while the block hasher is process-local
-                (``hasher=BlockHasher(shared=True)`` and ``$KVPOOL_HASH_SEED``).
+                (``hasher=BlockHasher(shared=True)`` and ``$KVPOOL_HASH_SEED``), or (with KV events) a host
+                tier that holds blocks already.
             InvalidArgumentError: as :class:`~kvpool.tiers.manager.OffloadManager`.
         """
         if not self.caching or self.offload is not None or len(self.kv.groups) > 1:
@@ -174,19 +176,24 @@ class LLMEngine:
         if not self.hasher.shared and any(t.medium != "host" for t in tiers):
             raise ConfigError("disk and remote tiers keep block hashes beyond this process: give the engine "
                               "a shared hasher (BlockHasher(shared=True); $KVPOOL_HASH_SEED for a fleet)")
+        from kvpool.tiers.host import HostTier
         from kvpool.tiers.manager import OffloadManager
 
+        hosts = [t for t in tiers if isinstance(t, HostTier)] if self.pool.event_sink is not None else []
+        if any(t.pool.num_cached_blocks or t.pool.event_sink is not None for t in hosts):
+            raise ConfigError("with KV events, enable_offload needs a host tier that holds no block yet")
         self.offload = OffloadManager(self.pool, tiers, cache=self.cache, write_through=write_through,
                                       asynchronous=asynchronous)
+        for host in hosts:  # its stores and evictions go out in this engine's batches, medium CPU
+            host.pool.attach_event_sink(self.pool.event_sink.for_medium("CPU"))  # type: ignore[union-attr]
         return self.offload
 
     def _event_sink(self, publisher: EventPublisher | None) -> KVEventSink | None:
         if publisher is None or not publisher.enabled:
             return None
-        from kvpool.events import MEDIUM_CPU, MEDIUM_GPU, KVEventSink
+        from kvpool.events import MEDIUM_GPU, KVEventSink
 
-        medium = MEDIUM_GPU if self.device.type == "cuda" else MEDIUM_CPU
-        return KVEventSink(publisher, block_size=self.block_size, medium=medium, group_idx=0)
+        return KVEventSink(publisher, block_size=self.block_size, medium=MEDIUM_GPU, group_idx=0)
 
     # ---- requests
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None) -> int:
