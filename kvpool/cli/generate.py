@@ -123,8 +123,9 @@ def run(args: argparse.Namespace) -> int:
         observers.watch_engine(engine)
         prompts = [loaded.encode(text) for text in texts]
         requests = _generate_or_explain(engine, prompts, params, texts)
-    results = [{"prompt": text, "output_token_ids": r.output_token_ids,
-                "text": loaded.decode(r.output_token_ids)} for text, r in zip(texts, requests, strict=True)]
+    results = [{"prompt": text, "prompt_tokens": len(r.prompt_token_ids),
+                "output_token_ids": r.output_token_ids, "text": loaded.decode(r.output_token_ids)}
+               for text, r in zip(texts, requests, strict=True)]
     if args.check:
         for result, prompt in zip(results, prompts, strict=True):
             reference = reference_greedy(loaded.model, prompt, args.max_new_tokens)[0]
@@ -166,7 +167,7 @@ def _stats(engine: Any) -> dict[str, Any]:
             "prefix_hit_tokens": s.prefix_hit_tokens, "preemptions": s.preemptions,
             "generated_tokens": s.generated_tokens, "steps": s.steps, "elapsed_s": round(s.elapsed_s, 3),
             "tokens_per_s": round(s.tokens_per_s, 2), "pool_bytes": engine.cache.nbytes,
-            "hashing": engine.hasher.describe()}
+            "hashing": engine.hasher.describe(), "kv_cache_groups": [g.describe() for g in engine.kv.groups]}
 
 
 def _print_human(results: list[dict[str, Any]], stats: dict[str, Any]) -> None:

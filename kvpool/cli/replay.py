@@ -9,6 +9,7 @@ nothing is evicted or preempted).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -18,8 +19,10 @@ from kvpool.cli._args import non_negative_float, positive_int
 from kvpool.cli._observe import Observers, add_event_arguments
 from kvpool.cli.plan import add_memory_arguments, plan_from_args
 from kvpool.errors import ConfigError
+from kvpool.planner import PoolPlan
+from kvpool.spec import KVCacheSpec
 from kvpool.trace.loaders import FORMATS, load_trace
-from kvpool.trace.replay import TIMINGS, ReplayConfig, run_replay
+from kvpool.trace.replay import TIMINGS, ReplayConfig, ReplayResult, run_replay
 
 #: Requests above which a progress bar is drawn (on a terminal, without --json).
 PROGRESS_MIN_REQUESTS = 1000
@@ -75,10 +78,13 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--plot needs a FILE.png in an existing folder, got {args.plot!r}")
     trace = load_trace(args.trace, args.format, skip_malformed=args.skip_malformed,
                        max_requests=args.max_requests)
+    num_blocks, spec, plan = sizing_from_args(args)
+    hybrid = spec is not None and (spec.has_windows or len(spec.groups) > 1)
     config = ReplayConfig(
-        block_size=args.block_size, num_blocks=num_blocks_from_args(args), timing=args.timing,
+        block_size=args.block_size, num_blocks=num_blocks, timing=args.timing,
         max_batched_tokens=args.max_batched_tokens, max_running=args.max_running, step_s=args.step_s,
-        prefill_token_s=args.prefill_token_s, decode_token_s=args.decode_token_s)
+        prefill_token_s=args.prefill_token_s, decode_token_s=args.decode_token_s,
+        groups=spec.groups if hybrid else ())
     with Observers(args) as observers:
         bar = _progress_bar(len(trace.requests), off=args.json or args.no_progress)
         try:
@@ -89,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
             if bar is not None:
                 bar.close()
     report = {"trace": trace.path, "format": trace.format, "skipped_rows": trace.skipped, **result.to_dict()}
+    if hybrid:
+        report.update(_all_full_comparison(trace.requests, config, spec, plan, result))
     if args.plot:
         from kvpool.trace.plot import plot_timeline
 
@@ -97,21 +105,41 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def num_blocks_from_args(args: argparse.Namespace) -> int | None:
-    """``--num-blocks``, or the planner's num_blocks for ``--model-config`` and ``--gpu-memory``, or None."""
+def sizing_from_args(args: argparse.Namespace) -> tuple[int | None, KVCacheSpec | None, PoolPlan | None]:
+    """The pool size: ``--num-blocks``; or, with ``--model-config`` and ``--gpu-memory``, the planner's
+    num_blocks with the spec and plan (a hybrid spec is replayed per KV cache group); or None (unbounded)."""
     if args.model_config is None:
         if args.gpu_memory is not None:
             raise ConfigError("--gpu-memory needs --model-config (or give --num-blocks)")
-        return args.num_blocks
+        return args.num_blocks, None, None
     if args.num_blocks is not None:
         raise ConfigError("give either --num-blocks or --model-config, not both")
     if args.gpu_memory is None:
         raise ConfigError("--model-config needs --gpu-memory BYTES (the device memory per rank)")
     spec, plan = plan_from_args(args.model_config, args)
-    if spec.has_windows or len(spec.groups) > 1:  # never replay a hybrid model as if it were all full
-        raise ConfigError(f"{args.model_config} has sliding-window or chunked layers; replay counts one "
-                          "full-attention group only (give --num-blocks for a uniform model)")
-    return plan.num_blocks
+    return plan.num_blocks, spec, plan
+
+
+def _all_full_comparison(requests: list, config: ReplayConfig, spec: KVCacheSpec, plan: PoolPlan,
+                         result: ReplayResult) -> dict[str, Any]:
+    """The hybrid replay's bytes, and the same trace on the same memory with every layer full attention
+    (one plain pool of ``available_kv_bytes // (bytes_per_token x B)`` blocks)."""
+    full_block = spec.bytes_per_token * spec.block_size
+    full_blocks = max(1, plan.available_kv_bytes // full_block)
+    full_config = dataclasses.replace(config, groups=(), num_blocks=full_blocks)
+    full = run_replay(requests, full_config)
+    mean, full_mean = result.mean_blocks_used * spec.bytes_per_block, full.mean_blocks_used * full_block
+    return {
+        "kv_cache_groups": len(spec.groups), "bytes_per_block": spec.bytes_per_block,
+        "peak_bytes_used": result.peak_blocks_used * spec.bytes_per_block, "mean_bytes_used": round(mean),
+        "mean_memory_saving": 1 - mean / full_mean if full_mean else 0.0,
+        "all_full": {"num_blocks": full.num_blocks, "bytes_per_block": full_block,
+                     "block_hit_ratio": full.block_hit_ratio, "preemptions": full.preemptions,
+                     "requests_rejected": full.requests_rejected, "peak_blocks_used": full.peak_blocks_used,
+                     "mean_blocks_used": full.mean_blocks_used,
+                     "peak_bytes_used": full.peak_blocks_used * full_block,
+                     "mean_bytes_used": round(full_mean)},
+    }
 
 
 def _progress_bar(total: int, *, off: bool) -> Any:
@@ -129,9 +157,13 @@ _FORMATS = {
     "requests_completed": ",", "requests_rejected": ",", "prompt_blocks": ",", "hit_blocks": ",",
     "block_hit_ratio": ".6f", "token_hit_ratio": ".6f", "peak_blocks_used": ",", "mean_blocks_used": ",.1f",
     "preemptions": ",", "evictions": ",", "block_ops": ",", "block_ops_per_s": ",.0f", "wall_s": ",.3f",
-    "simulated_s": ",.3f", "plot": "",
+    "simulated_s": ",.3f", "plot": "", "kv_cache_groups": ",", "bytes_per_block": ",",
+    "peak_bytes_used": ",", "mean_bytes_used": ",", "mean_memory_saving": ".4f",
 }
 
 
 def _human(report: dict[str, Any]) -> str:
-    return "\n".join(f"{name:<20} {report[name]:{spec}}" for name, spec in _FORMATS.items() if name in report)
+    lines = [f"{name:<20} {report[name]:{spec}}" for name, spec in _FORMATS.items() if name in report]
+    for name, value in report.get("all_full", {}).items():
+        lines.append(f"all full: {name:<20} {value:{_FORMATS.get(name, ',')}}")
+    return "\n".join(lines)

