@@ -81,3 +81,15 @@ def test_engine_bench_on_a_tiny_model_sizes_the_pool_from_its_prompts(capsys: py
     runs = result["results"]
     assert runs["kvpool generate"]["generated_tokens"] == 4 * 2
     assert runs["transformers generate_batch"]["same_tokens_as_kvpool"]  # greedy: the same tokens
+
+
+def test_groups_rows_and_ratios(capsys: pytest.CaptureFixture) -> None:
+    result = bench(capsys, "groups", "--requests", "4", "--steps", "64", "--repeat", "1",
+                   "--max-requests", "20")
+    assert [row["groups"] for row in result["rows"]] == [1, 2]
+    for row in result["rows"]:
+        assert row["ratio"] == pytest.approx(row["coordinator_ns"] / row["plain_pool_ns"])
+    replay = result["replay"]
+    assert replay["requests"] == 20 and replay["kv_cache_groups"] == 2
+    assert replay["mean_memory_saving"] == pytest.approx(
+        1 - replay["mean_bytes_used"] / replay["all_full_mean_bytes_used"], abs=1e-6)

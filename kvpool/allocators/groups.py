@@ -96,6 +96,7 @@ class KVCacheCoordinator:
         self._tables: dict[Hashable, list[list[int]]] = {}
         self._skipped: dict[Hashable, list[int]] = {}  # per request, per group: leading null entries
         self._published: dict[Hashable, int] = {}
+        self._next_skip: dict[Hashable, int] = {}  # per request: computed tokens at which a window moves on
         self._hits = self._misses = 0
 
     # ---- prefix cache -----------------------------------------------------------------------------------
@@ -181,8 +182,13 @@ class KVCacheCoordinator:
             OutOfBlocksError: the pool has fewer free blocks than :meth:`num_blocks_to_allocate`; nothing
                 changed.
         """
-        num_tokens = as_int(num_tokens, "num_tokens", minimum=0)
         tables = self._tables.get(request_id)
+        if tables is not None and hit is None and type(num_tokens) is int and num_tokens >= 0:
+            grow = -(-num_tokens // self.block_size) - len(tables[0])
+            if grow > 0:  # a running request: every group's table has one length, so all grow alike
+                self._grow(request_id, tables, grow)
+            return
+        num_tokens = as_int(num_tokens, "num_tokens", minimum=0)
         if hit is not None:
             if tables is not None:
                 raise InvalidArgumentError(f"request {request_id!r} is running: a cache hit is for a new one")
@@ -197,6 +203,19 @@ class KVCacheCoordinator:
         for table in tables:
             if len(table) < target:
                 table += allocate(target - len(table))
+
+    def _grow(self, request_id: Hashable, tables: list[list[int]], grow: int) -> None:
+        """Add ``grow`` > 0 blocks to every table of a running request, in one pool call."""
+        need = grow * len(tables)
+        if need > self.pool.num_free_blocks:
+            raise OutOfBlocksError(f"request {request_id!r} needs {need} blocks over {len(tables)} groups, "
+                                   f"{self.pool.num_free_blocks} are free")
+        blocks = self.pool.allocate(need)
+        if len(tables) == 1:
+            tables[0] += blocks
+            return
+        for i, table in enumerate(tables):
+            table += blocks[i * grow:(i + 1) * grow]
 
     def _check_hit(self, hit: CacheHit) -> None:
         if len(hit.blocks) != len(self.groups) or any(len(b) != hit.num_blocks for b in hit.blocks):
@@ -230,18 +249,30 @@ class KVCacheCoordinator:
         Raises:
             InvalidIdError: an unknown request.
         """
+        if not self._windowed or num_computed_tokens < self._next_skip.get(request_id, 0):
+            return 0  # fast path: no window, or none has moved past a block since the last call
         tables = self._tables_of(request_id)
-        skipped, freed = self._skipped[request_id], 0
+        skipped, freed, next_skip = self._skipped[request_id], 0, 2**62
         for group in self._windowed:
             g = group.index
             table = tables[g]
-            end = min(group.skipped_blocks(num_computed_tokens), len(table))
+            dead = group.skipped_blocks(num_computed_tokens)
+            end = min(dead, len(table))
             if end > skipped[g]:
                 self.pool.free(table[skipped[g]:end])
                 table[skipped[g]:end] = [self.null_block] * (end - skipped[g])
                 freed += end - skipped[g]
                 skipped[g] = end
+            next_skip = min(next_skip, self._skip_moves_at(group, dead) if end == dead else 0)
+        self._next_skip[request_id] = next_skip
         return freed
+
+    def _skip_moves_at(self, group: KVCacheGroup, dead: int) -> int:
+        """The fewest computed tokens at which ``group.skipped_blocks`` exceeds ``dead``."""
+        first_live = (dead + 1) * self.block_size  # the first token of block ``dead``, plus one block
+        if group.kind is LayerKind.SLIDING:  # (n - W + 1) // B > dead  <=>  n >= (dead + 1) B + W - 1
+            return first_live + group.window - 1  # type: ignore[operator]
+        return group.window * cdiv(first_live, group.window)  # type: ignore[operator,arg-type]
 
     def cache_blocks(self, request_id: Hashable, block_hashes: Sequence[Hashable], num_tokens: int, *,
                      token_ids: Sequence[int] | None = None) -> None:
@@ -256,20 +287,28 @@ class KVCacheCoordinator:
             InvalidArgumentError: fewer hashes than full blocks, a table that does not cover them, or
                 fewer token ids than ``num_tokens``.
         """
+        full, start = num_tokens // self.block_size, self._published.get(request_id, -1)
+        if 0 <= full <= start:
+            return  # fast path: no block filled since the last call
         tables = self._tables_of(request_id)
-        full, start = num_tokens // self.block_size, self._published[request_id]
-        if full <= start:
-            return
         if len(block_hashes) < full or any(len(t) < full for t in tables):
             raise InvalidArgumentError(f"{num_tokens} tokens need {full} hashes and blocks in every group, "
                                        f"got {len(block_hashes)} hashes")
-        hashes, events = block_hashes[start:full], self.pool.event_sink is not None
-        if events and token_ids is not None and len(token_ids) < full * self.block_size:
+        hashes, events = list(block_hashes[start:full]), self.pool.event_sink is not None
+        if not events:  # one pool call for every group (the pool skips null entries)
+            ids, keys = tables[0][start:full], hashes
+            for g in range(1, len(tables)):
+                ids = ids + tables[g][start:full]
+                keys = keys + [(g, h) for h in hashes]
+            self.pool.cache_blocks(ids, keys)
+            self._published[request_id] = full
+            return
+        if token_ids is not None and len(token_ids) < full * self.block_size:
             raise InvalidArgumentError(f"{num_tokens} tokens published but {len(token_ids)} token ids given")
-        tokens = token_ids[start * self.block_size:full * self.block_size] if events and token_ids else None
-        for g, table in enumerate(tables):
+        tokens = token_ids[start * self.block_size:full * self.block_size] if token_ids else None
+        for g, table in enumerate(tables):  # per group: each group's events name its own parent
             keys = hashes if g == 0 else [(g, h) for h in hashes]
-            parent = group_key(g, block_hashes[start - 1]) if events and start else None
+            parent = group_key(g, block_hashes[start - 1]) if start else None
             self.pool.cache_blocks(table[start:full], keys, parent_hash=parent, token_ids=tokens)
         self._published[request_id] = full
 
@@ -280,6 +319,7 @@ class KVCacheCoordinator:
         if tables is None:
             return
         del self._skipped[request_id], self._published[request_id]
+        self._next_skip.pop(request_id, None)
         longest, null = max(len(t) for t in tables), self.null_block
         if len(tables) == 1:
             order = tables[0][::-1]

@@ -19,6 +19,7 @@ SUITES = {
     "storage": "store_kv bandwidth against a contiguous copy_ of the same bytes",
     "engine": "kvpool generate tokens/s against transformers' generate_batch and padded generate",
     "replay": "trace replay block operations per second",
+    "groups": "KV cache group coordinator per decode step against one plain pool; replay memory per group",
 }
 
 

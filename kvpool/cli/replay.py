@@ -9,7 +9,6 @@ nothing is evicted or preempted).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -21,8 +20,9 @@ from kvpool.cli.plan import add_memory_arguments, plan_from_args
 from kvpool.errors import ConfigError
 from kvpool.planner import PoolPlan
 from kvpool.spec import KVCacheSpec
+from kvpool.trace.group_replay import compare_all_full
 from kvpool.trace.loaders import FORMATS, load_trace
-from kvpool.trace.replay import TIMINGS, ReplayConfig, ReplayResult, run_replay
+from kvpool.trace.replay import TIMINGS, ReplayConfig, run_replay
 
 #: Requests above which a progress bar is drawn (on a terminal, without --json).
 PROGRESS_MIN_REQUESTS = 1000
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
                 bar.close()
     report = {"trace": trace.path, "format": trace.format, "skipped_rows": trace.skipped, **result.to_dict()}
     if hybrid:
-        report.update(_all_full_comparison(trace.requests, config, spec, plan, result))
+        report.update(compare_all_full(trace.requests, config, spec, plan.available_kv_bytes, result))
     if args.plot:
         from kvpool.trace.plot import plot_timeline
 
@@ -118,28 +118,6 @@ def sizing_from_args(args: argparse.Namespace) -> tuple[int | None, KVCacheSpec 
         raise ConfigError("--model-config needs --gpu-memory BYTES (the device memory per rank)")
     spec, plan = plan_from_args(args.model_config, args)
     return plan.num_blocks, spec, plan
-
-
-def _all_full_comparison(requests: list, config: ReplayConfig, spec: KVCacheSpec, plan: PoolPlan,
-                         result: ReplayResult) -> dict[str, Any]:
-    """The hybrid replay's bytes, and the same trace on the same memory with every layer full attention
-    (one plain pool of ``available_kv_bytes // (bytes_per_token x B)`` blocks)."""
-    full_block = spec.bytes_per_token * spec.block_size
-    full_blocks = max(1, plan.available_kv_bytes // full_block)
-    full_config = dataclasses.replace(config, groups=(), num_blocks=full_blocks)
-    full = run_replay(requests, full_config)
-    mean, full_mean = result.mean_blocks_used * spec.bytes_per_block, full.mean_blocks_used * full_block
-    return {
-        "kv_cache_groups": len(spec.groups), "bytes_per_block": spec.bytes_per_block,
-        "peak_bytes_used": result.peak_blocks_used * spec.bytes_per_block, "mean_bytes_used": round(mean),
-        "mean_memory_saving": 1 - mean / full_mean if full_mean else 0.0,
-        "all_full": {"num_blocks": full.num_blocks, "bytes_per_block": full_block,
-                     "block_hit_ratio": full.block_hit_ratio, "preemptions": full.preemptions,
-                     "requests_rejected": full.requests_rejected, "peak_blocks_used": full.peak_blocks_used,
-                     "mean_blocks_used": full.mean_blocks_used,
-                     "peak_bytes_used": full.peak_blocks_used * full_block,
-                     "mean_bytes_used": round(full_mean)},
-    }
 
 
 def _progress_bar(total: int, *, off: bool) -> Any:

@@ -1,0 +1,139 @@
+"""``kvpool bench groups``: the KV cache group coordinator's cost per decode step against one plain pool,
+and what the windows save when the Mooncake trace is replayed per group.
+
+Per-step cost: R requests decode S steps each at block size 16; a step of one request is what an engine
+does for its next token. Baseline (one plain ``BlockPool``, a full-attention model, the engine's code before
+groups): reserve ``cdiv(n, B) - len(table)`` blocks when free, publish the blocks that filled. Coordinator:
+``remove_skipped_blocks``, ``allocate`` and ``cache_blocks`` every step, for one full group (the
+coordinator's own overhead) and for gpt-oss's two groups (sliding W 128 + full). ``ratio`` = coordinator ns
+/ baseline ns, timed in the same run (target for two groups: within 1.5x). Replay: the shipped trace with a
+hybrid config, per group and all full on the same memory (:func:`kvpool.trace.group_replay.compare_all_full`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from kvpool.allocators.block_pool import BlockPool
+from kvpool.allocators.groups import KVCacheCoordinator
+from kvpool.bench.timing import median_ns, print_table, require_at_least
+from kvpool.planner import MemoryReadings, plan_pool
+from kvpool.spec import KVCacheSpec, LayerKind, kv_cache_groups
+from kvpool.trace.group_replay import compare_all_full
+from kvpool.trace.loaders import load_trace
+from kvpool.trace.replay import ReplayConfig, run_replay
+
+B = 16
+CONFIGS = Path(__file__).resolve().parents[2] / "tests" / "configs"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=64, metavar="R", help="requests decoding (64)")
+    parser.add_argument("--steps", type=int, default=512, metavar="S", help="decode steps per request (512)")
+    parser.add_argument("--repeat", type=int, default=5, metavar="N", help="timed repetitions (5)")
+    parser.add_argument("--max-requests", type=int, default=2000, metavar="N",
+                        help="trace requests to replay (2000; 0 skips the replay rows)")
+    parser.add_argument("--model-config", default=str(CONFIGS / "gpt-oss-20b.json"), metavar="PATH",
+                        help="hybrid config for the replay rows (default: tests/configs/gpt-oss-20b.json)")
+
+
+class _PlainRequest:
+    """What the engine kept per request on one plain pool: its block table and published count."""
+
+    __slots__ = ("blocks", "hashes", "published")
+
+    def __init__(self, hashes: list) -> None:
+        self.blocks: list[int] = []
+        self.hashes, self.published = hashes, 0
+
+
+def _plain_steps(requests: int, steps: int) -> None:
+    """The engine's step on one plain pool before KV cache groups: reserve the blocks for the next token
+    (``cdiv(n, B) - len(table)`` of them, when free), then publish the blocks that filled."""
+    pool = BlockPool(requests * (steps // B + 2))
+    reqs = [_PlainRequest([(r, i) for i in range(steps // B + 1)]) for r in range(requests)]
+
+    def reserve(req: _PlainRequest, n: int) -> bool:
+        need = -(-n // B) - len(req.blocks)
+        if need > pool.num_free_blocks:
+            return False
+        if need > 0:
+            req.blocks += pool.allocate(need)
+        return True
+
+    def publish(req: _PlainRequest, n: int) -> None:
+        full = n // B
+        if full > req.published:
+            pool.cache_blocks(req.blocks[req.published:full], req.hashes[req.published:full])
+            req.published = full
+
+    for n in range(steps):
+        for req in reqs:
+            reserve(req, n + 1)
+            publish(req, n + 1)
+    for req in reqs:
+        pool.free(req.blocks[::-1])
+
+
+def _coordinator_steps(groups: tuple, requests: int, steps: int) -> None:
+    coord = KVCacheCoordinator(groups, 1 + len(groups) * requests * (steps // B + 2))
+    hashes = [[(r, i) for i in range(steps // B + 1)] for r in range(requests)]
+    remove, allocate, publish = coord.remove_skipped_blocks, coord.allocate, coord.cache_blocks
+    for r in range(requests):
+        allocate(r, 0)
+    for n in range(steps):
+        for r in range(requests):
+            remove(r, n)
+            allocate(r, n + 1)
+            publish(r, hashes[r], n + 1)
+    for r in range(requests):
+        coord.free(r)
+
+
+def step_rows(requests: int, steps: int, repeat: int) -> list[dict]:
+    ops = requests * steps
+    base = median_ns(lambda: _plain_steps(requests, steps), ops=ops, repeat=repeat)
+    layouts = {"1 full group": kv_cache_groups([LayerKind.FULL], {}, B),
+               "gpt-oss: sliding 128 + full": kv_cache_groups([LayerKind.SLIDING, LayerKind.FULL],
+                                                              {LayerKind.SLIDING: 128}, B)}
+    rows = []
+    for name, groups in layouts.items():
+        ns = median_ns(lambda g=groups: _coordinator_steps(g, requests, steps), ops=ops, repeat=repeat)
+        rows.append({"layout": name, "groups": len(groups), "coordinator_ns": ns, "plain_pool_ns": base,
+                     "ratio": ns / base})
+    return rows
+
+
+def replay_row(model_config: str, max_requests: int) -> dict:
+    """The trace (trace timing) per group on an 80 GiB device with the weights' share taken, against all
+    full on the same memory; bfloat16 KV."""
+    spec = KVCacheSpec.from_hf_config(model_config, kv_cache_dtype="bfloat16")
+    plan = plan_pool(spec, MemoryReadings(80 * 2**30, 20 * 2**30))
+    trace = load_trace(max_requests=max_requests)
+    config = ReplayConfig(block_size=spec.block_size, num_blocks=plan.num_blocks, timing="trace",
+                          groups=spec.groups)
+    result = run_replay(trace.requests, config)
+    row = compare_all_full(trace.requests, config, spec, plan.available_kv_bytes, result)
+    full = row.pop("all_full")
+    return {"model_config": Path(model_config).name, "requests": len(trace.requests), **row,
+            "block_hit_ratio": result.block_hit_ratio, "all_full_block_hit_ratio": full["block_hit_ratio"],
+            "all_full_mean_bytes_used": full["mean_bytes_used"], "preemptions": result.preemptions,
+            "all_full_preemptions": full["preemptions"]}
+
+
+def run(args: argparse.Namespace) -> dict:
+    require_at_least(args, {"requests": 1, "steps": B, "repeat": 1, "max_requests": 0})
+    rows = step_rows(args.requests, args.steps, args.repeat)
+    replay = replay_row(args.model_config, args.max_requests) if args.max_requests else None
+    if not args.json:
+        print_table(f"decode step of {args.requests} requests x {args.steps} steps, block size {B}",
+                    ["layout", "groups", "coordinator ns", "plain pool ns", "ratio"],
+                    [list(row.values()) for row in rows])
+        if replay is not None:
+            print(f"replay of {replay['requests']} trace requests with {replay['model_config']} (80 GiB, "
+                  f"20 GiB non-KV, trace timing): mean {replay['mean_bytes_used']:,} B in use per group "
+                  f"against {replay['all_full_mean_bytes_used']:,} B all full (saving "
+                  f"{100 * replay['mean_memory_saving']:.1f}%); hit ratio {replay['block_hit_ratio']:.4f} "
+                  f"against {replay['all_full_block_hit_ratio']:.4f}")
+    return {"suite": "groups", "rows": rows, "replay": replay}
