@@ -25,7 +25,9 @@ from kvpool.trace.loaders import load_trace
 from kvpool.trace.replay import ReplayConfig, run_replay
 
 B = 16
-CONFIGS = Path(__file__).resolve().parents[2] / "tests" / "configs"
+#: gpt-oss-20b's KV cache (its config.json: 24 layers, sliding window 128 on even layers, 8 KV heads of 64)
+GPT_OSS_20B = KVCacheSpec(num_layers=24, num_kv_heads=8, head_dim=64, dtype="bfloat16", block_size=B,
+                          sliding_window=128, layer_types=("sliding_attention", "full_attention") * 12)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,8 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=5, metavar="N", help="timed repetitions (5)")
     parser.add_argument("--max-requests", type=int, default=2000, metavar="N",
                         help="trace requests to replay (2000; 0 skips the replay rows)")
-    parser.add_argument("--model-config", default=str(CONFIGS / "gpt-oss-20b.json"), metavar="PATH",
-                        help="hybrid config for the replay rows (default: tests/configs/gpt-oss-20b.json)")
+    parser.add_argument("--model-config", metavar="PATH",
+                        help="a hybrid config.json for the replay rows (default: gpt-oss-20b's KV layout: 24 "
+                             "layers alternating sliding 128 and full, 8 KV heads of 64)")
 
 
 class _PlainRequest:
@@ -105,10 +108,11 @@ def step_rows(requests: int, steps: int, repeat: int) -> list[dict]:
     return rows
 
 
-def replay_row(model_config: str, max_requests: int) -> dict:
-    """The trace (trace timing) per group on an 80 GiB device with the weights' share taken, against all
-    full on the same memory; bfloat16 KV."""
-    spec = KVCacheSpec.from_hf_config(model_config, kv_cache_dtype="bfloat16")
+def replay_row(model_config: str | None, max_requests: int) -> dict:
+    """The trace (trace timing) per group on an 80 GiB device with 20 GiB non-KV, against all full on the
+    same memory; bfloat16 KV."""
+    spec = GPT_OSS_20B if model_config is None else KVCacheSpec.from_hf_config(
+        model_config, kv_cache_dtype="bfloat16", block_size=B)
     plan = plan_pool(spec, MemoryReadings(80 * 2**30, 20 * 2**30))
     trace = load_trace(max_requests=max_requests)
     config = ReplayConfig(block_size=spec.block_size, num_blocks=plan.num_blocks, timing="trace",
@@ -116,7 +120,8 @@ def replay_row(model_config: str, max_requests: int) -> dict:
     result = run_replay(trace.requests, config)
     row = compare_all_full(trace.requests, config, spec, plan.available_kv_bytes, result)
     full = row.pop("all_full")
-    return {"model_config": Path(model_config).name, "requests": len(trace.requests), **row,
+    name = "gpt-oss-20b" if model_config is None else Path(model_config).name
+    return {"model_config": name, "requests": len(trace.requests), **row,
             "block_hit_ratio": result.block_hit_ratio, "all_full_block_hit_ratio": full["block_hit_ratio"],
             "all_full_mean_bytes_used": full["mean_bytes_used"], "preemptions": result.preemptions,
             "all_full_preemptions": full["preemptions"]}
