@@ -174,3 +174,34 @@ def test_an_eviction_listener_and_the_sink_both_hear_an_eviction() -> None:
     pool.allocate(2)
     assert heard == [([a[1], a[0]], [H[1], H[0]])]
     assert sink.take_events() == [BlockRemoved([H[1], H[0]], "CPU", 0)]
+
+
+def test_a_hybrid_replay_names_each_group() -> None:
+    """A sliding (W 32) and a full group over one pool, 40 trace requests sharing prefixes: the (group,
+    hash) pairs the events leave equal the coordinator's pool keys, and each store names its kind."""
+    import time
+
+    from kvpool.allocators.groups import split_group_key
+    from kvpool.spec import LayerKind, kv_cache_groups
+    from kvpool.trace import ReplayConfig
+    from kvpool.trace.group_replay import GroupReplayer
+    from kvpool.trace.loaders import TraceRequest
+
+    groups = kv_cache_groups([LayerKind.SLIDING, LayerKind.FULL], {LayerKind.SLIDING: 32}, 16)
+    requests = [TraceRequest(float(i), 600, 40, hash_ids=(i % 3, 10 + i % 5)) for i in range(40)]
+    pub = QueueEventPublisher(100_000)
+    config = ReplayConfig(block_size=16, groups=groups, timing="trace", num_blocks=200)
+    replayer = GroupReplayer(requests, config, None, False, KVEventSink(pub, block_size=16))
+    result = replayer.run(time.perf_counter())
+    cached: set = set()
+    for event in (e for batch in pub.drain() for e in batch.events):
+        if isinstance(event, BlockStored):
+            assert (event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window) == \
+                {0: ("sliding_window", 32), 1: ("full_attention", None)}[event.group_idx]
+            cached.update((event.group_idx, h) for h in event.block_hashes)
+        else:
+            assert isinstance(event, BlockRemoved)
+            cached.difference_update((event.group_idx, h) for h in event.block_hashes)
+    pool = replayer.kv.pool
+    assert cached == {split_group_key(k) for k in {pool.block_hash(b) for b in range(200)} - {None}}
+    assert {g for g, _ in cached} == {0, 1} and result.evictions > 0 and result.hit_blocks > 0

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpool.allocators.groups import KVCacheCoordinator
 from kvpool.errors import ConfigError, InvalidArgumentError
 from kvpool.spec import KVCacheSpec, cdiv
 from kvpool.trace.loaders import TraceRequest
 from kvpool.trace.replay import ReplayConfig, ReplayResult, _Replayer, _Seq, run_replay
+
+if TYPE_CHECKING:
+    from kvpool.events import KVEventSink
 
 
 def group_request_blocks(req: TraceRequest, config: ReplayConfig) -> int:
@@ -38,10 +41,11 @@ class GroupReplayer(_Replayer):
     ``seq.blocks`` holds one placeholder per block of a group's table (the tables are the coordinator's)."""
 
     def __init__(self, requests: Sequence[TraceRequest], config: ReplayConfig,
-                 progress: Callable[[int], object] | None, record_timeline: bool) -> None:
+                 progress: Callable[[int], object] | None, record_timeline: bool,
+                 event_sink: KVEventSink | None = None) -> None:
         num_blocks = config.num_blocks or 1 + max(1, sum(group_request_blocks(r, config) for r in requests))
         try:
-            self.kv = KVCacheCoordinator(config.groups, num_blocks)
+            self.kv = KVCacheCoordinator(config.groups, num_blocks, event_sink=event_sink)
         except (MemoryError, InvalidArgumentError) as exc:  # too large for memory
             raise ConfigError(f"a pool of {num_blocks:,} blocks cannot be built ({exc}): give a smaller "
                               "num_blocks (--num-blocks)") from None

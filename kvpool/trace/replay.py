@@ -166,10 +166,7 @@ def run_replay(requests: Sequence[TraceRequest], config: ReplayConfig = ReplayCo
 
         if pool is not None:
             raise ConfigError("a replay over KV cache groups builds its own coordinator: pass no pool")
-        if event_sink is not None:
-            raise ConfigError("KV events of a replay over KV cache groups are not published yet: drop "
-                              "the event sink (--kv-events) or replay a uniform model")
-        return GroupReplayer(requests, config, progress, record_timeline).run(start)
+        return GroupReplayer(requests, config, progress, record_timeline, event_sink).run(start)
     return _Replayer(requests, config, pool, progress, record_timeline, event_sink).run(start)
 
 
