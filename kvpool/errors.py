@@ -44,3 +44,21 @@ class IntegrityError(KVPoolError, AssertionError):
 
 class TraceFormatError(KVPoolError, ValueError):
     """A malformed trace row; the message names the file and line."""
+
+
+class CollectiveError(KVPoolError, RuntimeError):
+    """A torch.distributed collective failed on this rank: another rank stopped, or the group broke."""
+
+
+class RankFailedError(KVPoolError, RuntimeError):
+    """A tensor-parallel rank failed (raised, or was killed); the others were stopped.
+
+    Attributes: ``rank`` (the rank whose failure came first, counting a rank's own error before the
+    collective errors it caused on the others) and ``traceback`` (its formatted traceback, or "")."""
+
+    def __init__(self, message: str, rank: int = -1, traceback: str = "") -> None:
+        super().__init__(message)
+        self.rank, self.traceback = rank, traceback
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self), self.rank, self.traceback)

@@ -37,14 +37,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"KV blocks of {BLOCK_SIZE} tokens for kvpool and generate_batch (default: "
                              f"{NUM_BLOCKS}, or what the longest prompt needs)")
     parser.add_argument("--skip-padded", action="store_true", help="skip padded generate (the slowest)")
+    parser.add_argument("--tp-size", type=int, default=1, metavar="N",
+                        help="also run kvpool on N tensor-parallel ranks (processes) and compare with 1")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvpool.engine.models import DEFAULT_PROMPTS, load_model
 
-    require_at_least(args, {"max_new_tokens": 1})
+    require_at_least(args, {"max_new_tokens": 1, "tp_size": 1})
     if args.num_blocks is not None:
         require_at_least(args, {"num_blocks": 1})
+    if args.tp_size > 1:  # before loading anything
+        from kvpool.engine.models import load_config
+        from kvpool.engine.sharding import check_shardable
+
+        check_shardable(load_config(args.model), args.tp_size)
     loaded = load_model(args.model)
     prompts = [loaded.encode(text) for text in DEFAULT_PROMPTS]
     num_blocks = pool_blocks(prompts, args.max_new_tokens, args.num_blocks)
@@ -54,6 +61,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         runners["transformers padded generate"] = _padded
     results = {name: _timed(fn, loaded.model, prompts, args.max_new_tokens, num_blocks)
                for name, fn in runners.items()}
+    tp = _tensor_parallel(args, prompts, num_blocks, results) if args.tp_size > 1 else None
     base, ours = results["transformers generate_batch"]["seconds"], results["kvpool generate"]["tokens"]
     for result in results.values():
         result["speedup_vs_generate_batch"] = base / result["seconds"]
@@ -61,12 +69,65 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = {"model": args.model, "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
            "max_new_tokens": args.max_new_tokens, "num_blocks": num_blocks, "block_size": BLOCK_SIZE,
            "threads": torch.get_num_threads(), "results": results}
+    if tp is not None:
+        out["tensor_parallel"] = tp
     if not args.json:
         rows = [(name, r["seconds"], r["tokens_per_s"], r["speedup_vs_generate_batch"],
                  r["same_tokens_as_kvpool"]) for name, r in results.items()]
         title = f"engine: {args.model}, {len(prompts)} prompts x {args.max_new_tokens} greedy tokens, one run"
         print_table(title, ["method", "seconds", "tokens/s", "x generate_batch", "same tokens"], rows)
+        if tp is not None:
+            _print_tp(tp)
     return out
+
+
+def _tensor_parallel(args: argparse.Namespace, prompts: list[list[int]], num_blocks: int,
+                     results: dict[str, Any]) -> dict[str, Any]:
+    """kvpool on ``--tp-size`` ranks (the time of rank 0's generate, after loading), into ``results``; the
+    ratio to one process and where shipping each step's decisions costs time (microseconds)."""
+    from kvpool.engine.launch import launch
+
+    tokens, seconds, ship = launch(_tp_rank, args.tp_size, args.model, prompts, args.max_new_tokens,
+                                   num_blocks, torch.get_num_threads())
+    generated = sum(len(t) for t in tokens)
+    name = f"kvpool generate, TP {args.tp_size}"
+    results[name] = {"seconds": seconds, "generated_tokens": generated, "tokens_per_s": generated / seconds,
+                     "tokens": tokens}
+    return {"tp_size": args.tp_size, "vs_tp1": results["kvpool generate"]["seconds"] / seconds, **ship}
+
+
+def _tp_rank(tp: Any, model_name: str, prompts: list[list[int]], max_new_tokens: int, num_blocks: int,
+             threads: int) -> tuple[list[list[int]], float, dict[str, Any]] | None:
+    from kvpool.engine.distributed import run_engine
+    from kvpool.engine.engine import LLMEngine
+    from kvpool.engine.models import load_model
+    from kvpool.engine.sampling import SamplingParams
+    from kvpool.engine.sharding import shard_model
+
+    torch.set_num_threads(threads)
+    model = shard_model(load_model(model_name, device=tp.device).model, tp.rank, tp.size, tp.all_reduce)
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+
+    def lead(engine: Any) -> tuple[list[list[int]], float]:
+        start = time.perf_counter()
+        tokens = [req.output_token_ids for req in engine.generate(prompts, params)]
+        return tokens, time.perf_counter() - start
+
+    engine = LLMEngine(model, num_blocks=num_blocks, block_size=BLOCK_SIZE,
+                       max_num_batched_tokens=BATCH_TOKENS, tp_size=tp.size)
+    done = run_engine(tp, engine, lead, transport_rounds=50)
+    if done is None:
+        return None
+    (tokens, seconds), ship = done
+    return tokens, seconds, ship.to_dict()
+
+
+def _print_tp(tp: dict[str, Any]) -> None:
+    print(f"tensor parallel: {tp['tp_size']} ranks run at {tp['vs_tp1']:.2f}x the speed of 1 process; "
+          f"per step ({tp['steps']} steps) rank 0 encodes its decisions in {tp['encode_us_per_step']:.0f} us "
+          f"and sends them in {tp['send_us_per_step']:.0f} us (waiting for busy followers included), the "
+          f"followers apply them in {tp['apply_us_per_step']:.0f} us; one step's message with every rank "
+          f"idle: {tp['transport_us']:.0f} us")
 
 
 def pool_blocks(prompts: list[list[int]], max_new_tokens: int, num_blocks: int | None) -> int:

@@ -26,7 +26,8 @@ from kvpool.cli._args import (
     seed,
 )
 from kvpool.cli._observe import Observers, add_event_arguments, add_metrics_arguments
-from kvpool.errors import ConfigError, OutOfBlocksError
+from kvpool.cli._tp import add_tp_argument, report_rank_failure, run_ranks, tp_size_of
+from kvpool.errors import ConfigError, OutOfBlocksError, RankFailedError
 
 DEFAULT_KV_MEMORY = 256 * 2**20  # CPU: 256 MiB of KV (SmolLM2 in float32: 364 blocks of 16 tokens)
 
@@ -57,6 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="sampling seed (request i uses S + i; S + i must stay below 2**64)")
     add_threads_argument(parser)
     parser.add_argument("--check", action="store_true", help="compare with transformers' greedy generate")
+    add_tp_argument(parser)
     add_hash_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_event_arguments(parser)
@@ -81,20 +83,20 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts or list(DEFAULT_PROMPTS)
 
 
-def pool_blocks(loaded: Any, args: argparse.Namespace) -> int:
-    """Blocks for the pool: --num-blocks, else a plan from --kv-memory (CPU default 256 MiB) or the CUDA
-    profile taken after a warmup forward of ``--max-batched-tokens`` tokens."""
+def pool_blocks(loaded: Any, args: argparse.Namespace, tp_size: int = 1) -> int:
+    """Blocks for the pool (per TP rank): --num-blocks, else a plan from --kv-memory (CPU default 256 MiB)
+    or the CUDA profile taken after a warmup forward of ``--max-batched-tokens`` tokens."""
     if args.num_blocks is not None:
         return args.num_blocks
     from kvpool.engine.models import kv_spec
     from kvpool.planner import MemoryReadings, plan_pool, profile_cuda_memory
 
-    spec = kv_spec(loaded.model, block_size=args.block_size)
+    spec = kv_spec(loaded.model, block_size=args.block_size, tp_size=tp_size)
     if args.kv_memory is None and loaded.model.device.type == "cuda":
         @torch.inference_mode()
         def warmup() -> None:  # the largest step: --max-batched-tokens tokens
-            loaded.model(torch.zeros(1, args.max_batched_tokens, dtype=torch.int64, device="cuda"),
-                         use_cache=False)
+            ids = torch.zeros(1, args.max_batched_tokens, dtype=torch.int64, device=loaded.model.device)
+            loaded.model(ids, use_cache=False)
 
         return plan_pool(spec, profile_cuda_memory(loaded.model.device, warmup=warmup)).num_blocks
     budget = args.kv_memory if args.kv_memory is not None else DEFAULT_KV_MEMORY
@@ -103,8 +105,6 @@ def pool_blocks(loaded: Any, args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpool.engine.engine import LLMEngine
-    from kvpool.engine.models import load_model, reference_greedy
     from kvpool.engine.sampling import SamplingParams
 
     if args.check and args.temperature != 0:
@@ -114,28 +114,71 @@ def run(args: argparse.Namespace) -> int:
     hasher = hasher_from_args(args)
     params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              seed=args.seed + i) for i in range(len(texts))]  # bad input fails before loading
+    tp_size = tp_size_of(args, args.model)
+    try:
+        out = run_ranks(generate_on_rank, tp_size, args, texts, params, hasher, command="generate")
+    except RankFailedError as exc:
+        return report_rank_failure("generate", exc)
+    except KeyboardInterrupt:
+        print("kvpool generate: interrupted", file=sys.stderr)
+        return 130
+    if out is None:  # a torchrun rank other than 0
+        return 0
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        _print_human(out["requests"], out["stats"])
+    return 0 if all(r.get("matches_reference", True) for r in out["requests"]) else 1
+
+
+def generate_on_rank(tp: Any, args: argparse.Namespace, texts: list[str], params: list[Any], hasher: Any
+                     ) -> dict[str, Any] | None:
+    """The whole run on one rank (``tp`` None: the only one): load, shard, plan, generate, check. Returns
+    the report (``--json``'s object) on rank 0, None on the others. Events and metrics are rank 0's alone:
+    the followers' pools only replay its calls."""
+    from kvpool.engine.distributed import run_engine
+    from kvpool.engine.engine import LLMEngine
+    from kvpool.engine.models import load_model
+    from kvpool.engine.sharding import shard_model
+
     apply_threads(args)
-    with Observers(args) as observers:  # binds the event and metrics ports before the model loads
-        loaded = load_model(args.model, device="cuda" if torch.cuda.is_available() else "cpu")
-        engine = LLMEngine(loaded.model, num_blocks=pool_blocks(loaded, args), block_size=args.block_size,
-                           max_num_batched_tokens=args.max_batched_tokens, eos_token_ids=loaded.eos_token_ids,
-                           hasher=hasher, kv_events=observers.publisher)
+    tp_size = tp.size if tp is not None else 1
+    device = tp.device if tp is not None else "cuda" if torch.cuda.is_available() else "cpu"
+    observed = args if tp is None or tp.rank == 0 else argparse.Namespace(kv_events=None)
+    with Observers(observed) as observers:  # binds the event and metrics ports before the model loads
+        loaded = load_model(args.model, device=device)
+        if tp is not None:
+            shard_model(loaded.model, tp.rank, tp.size, tp.all_reduce)
+        num_blocks = pool_blocks(loaded, args, tp_size)
+        engine = LLMEngine(loaded.model, num_blocks=num_blocks if tp is None else tp.min_int(num_blocks),
+                           block_size=args.block_size, max_num_batched_tokens=args.max_batched_tokens,
+                           eos_token_ids=loaded.eos_token_ids, hasher=hasher, tp_size=tp_size,
+                           kv_events=observers.publisher)
         observers.watch_engine(engine)
         prompts = [loaded.encode(text) for text in texts]
-        requests = _generate_or_explain(engine, prompts, params, texts)
+
+        def lead(engine: Any) -> list[Any]:
+            return _generate_or_explain(engine, prompts, params, texts)
+
+        done = (lead(engine), None) if tp is None else run_engine(tp, engine, lead)
+    if done is None:
+        return None
+    requests, ship = done
     results = [{"prompt": text, "prompt_tokens": len(r.prompt_token_ids),
                 "output_token_ids": r.output_token_ids, "text": loaded.decode(r.output_token_ids)}
                for text, r in zip(texts, requests, strict=True)]
-    if args.check:
-        for result, prompt in zip(results, prompts, strict=True):
-            reference = reference_greedy(loaded.model, prompt, args.max_new_tokens)[0]
-            result["matches_reference"] = reference == result["output_token_ids"]
-    stats = _stats(engine)
-    if args.json:
-        print(json.dumps({"model": args.model, "requests": results, "stats": stats}, indent=2))
-    else:
-        _print_human(results, stats)
-    return 0 if all(r.get("matches_reference", True) for r in results) else 1
+    if args.check:  # transformers' generate on the whole model (a rank holds only its shard)
+        model = loaded.model if tp is None else load_model(args.model, device=device).model
+        _check(model, prompts, results, args.max_new_tokens)
+    return {"model": args.model, "requests": results, "stats": _stats(engine, tp, ship)}
+
+
+def _check(model: Any, prompts: list[list[int]], results: list[dict[str, Any]], max_new_tokens: int) -> None:
+    from kvpool.engine.models import reference_greedy
+
+    for result, prompt in zip(results, prompts, strict=True):
+        reference = reference_greedy(model, prompt, max_new_tokens)[0]
+        result["matches_reference"] = reference == result["output_token_ids"]
 
 
 def _generate_or_explain(engine: Any, prompts: list[list[int]], params: list[Any], texts: list[str]
@@ -160,14 +203,18 @@ def _generate_with_progress(engine: Any, prompts: list[list[int]], params: list[
         return engine.generate(prompts, params, on_step=bar.update)
 
 
-def _stats(engine: Any) -> dict[str, Any]:
+def _stats(engine: Any, tp: Any = None, ship: Any = None) -> dict[str, Any]:
     s = engine.stats
-    return {"num_blocks": s.num_blocks, "block_size": engine.block_size,
-            "peak_blocks_used": s.peak_blocks_used,
-            "prefix_hit_tokens": s.prefix_hit_tokens, "preemptions": s.preemptions,
-            "generated_tokens": s.generated_tokens, "steps": s.steps, "elapsed_s": round(s.elapsed_s, 3),
-            "tokens_per_s": round(s.tokens_per_s, 2), "pool_bytes": engine.cache.nbytes,
-            "hashing": engine.hasher.describe(), "kv_cache_groups": [g.describe() for g in engine.kv.groups]}
+    stats = {"num_blocks": s.num_blocks, "block_size": engine.block_size,
+             "peak_blocks_used": s.peak_blocks_used,
+             "prefix_hit_tokens": s.prefix_hit_tokens, "preemptions": s.preemptions,
+             "generated_tokens": s.generated_tokens, "steps": s.steps, "elapsed_s": round(s.elapsed_s, 3),
+             "tokens_per_s": round(s.tokens_per_s, 2), "pool_bytes": engine.cache.nbytes,
+             "hashing": engine.hasher.describe(), "kv_cache_groups": [g.describe() for g in engine.kv.groups],
+             "tp_size": 1 if tp is None else tp.size}
+    if tp is not None:
+        stats["tensor_parallel"] = {"backend": tp.backend, **ship.to_dict()}
+    return stats
 
 
 def _print_human(results: list[dict[str, Any]], stats: dict[str, Any]) -> None:
@@ -177,10 +224,16 @@ def _print_human(results: list[dict[str, Any]], stats: dict[str, Any]) -> None:
         print(f"[{i}] {prompt!r}\n    -> {result['text']!r}")
         if "matches_reference" in result:
             print(f"    matches transformers generate: {'yes' if result['matches_reference'] else 'NO'}")
+    ranks = f" per rank x {stats['tp_size']} ranks" if stats["tp_size"] > 1 else ""
     print(f"pool: {stats['num_blocks']} blocks x {stats['block_size']} tokens "
-          f"({stats['pool_bytes']:,} bytes), "
+          f"({stats['pool_bytes']:,} bytes{ranks}), "
           f"peak used {stats['peak_blocks_used']}")
     print(f"prefix-hit tokens: {stats['prefix_hit_tokens']}, preemptions: {stats['preemptions']}")
     print(f"block hashes: {describe_hasher(stats['hashing'])}")
     print(f"generated {stats['generated_tokens']} tokens in {stats['elapsed_s']:.2f} s "
           f"({stats['tokens_per_s']:.1f} tokens/s, {stats['steps']} steps)")
+    if "tensor_parallel" in stats:
+        tp = stats["tensor_parallel"]
+        print(f"tensor parallel: {stats['tp_size']} ranks ({tp['backend']}); per step rank 0 encoded its "
+              f"decisions in {tp['encode_us_per_step']:.0f} us and sent them in {tp['send_us_per_step']:.0f} "
+              f"us, the followers applied them in {tp['apply_us_per_step']:.0f} us")

@@ -3,9 +3,9 @@
 One :meth:`LLMEngine.step` = decide, execute, sample, publish, finish. The engine *decides* (schedules and
 does every block operation) and writes the step's outcome into a :class:`~kvpool.engine.runner.StepBatch`;
 its :class:`~kvpool.engine.runner.ModelRunner` *executes* the batch (one packed forward). Under tensor
-parallelism the same engine decides on rank 0 and ``on_schedule`` ships each batch to the other ranks
-(:mod:`kvpool.engine.distributed`). Scheduling (nano-vllm / vLLM v1 style) under a token budget of
-``max_num_batched_tokens`` per step:
+parallelism the same engine decides on rank 0, and a runner that ships each batch to the other ranks first
+takes the place of its own (:mod:`kvpool.engine.distributed`). Scheduling (nano-vllm / vLLM v1 style) under
+a token budget of ``max_num_batched_tokens`` per step:
 
 1. Running requests, oldest first, each get their next tokens (a decode token, or the next prefill chunk).
    When the pool has too few free blocks, the newest running request is preempted by recompute: its blocks
@@ -118,8 +118,6 @@ class LLMEngine:
             ``BlockHasher(shared=True)``, since the hashes leave the process).
         tp_size: tensor-parallel ranks: ``model`` is this rank's shard and the KV cache holds
             ``spec.num_kv_heads_per_rank`` heads (see :mod:`kvpool.engine.distributed`).
-        on_schedule: called with each step's :class:`StepBatch` after the decisions, before the forward
-            (tensor parallelism ships it to the other ranks there).
         kv_events: a KV event publisher (:mod:`kvpool.events`): the pool records into a sink whose batch
             is published at the end of every step (medium ``GPU``, vLLM's name for the engine's own KV
             pool on any device; each event names its KV cache group). A host tier given to
@@ -130,14 +128,13 @@ class LLMEngine:
                  max_num_batched_tokens: int = 256, max_num_seqs: int = 64, eos_token_ids: Sequence[int] = (),
                  enable_prefix_caching: bool = True, kv_dtype: torch.dtype | None = None,
                  keep_logits: bool = False, hasher: BlockHasher | None = None, tp_size: int = 1,
-                 on_schedule: Callable[[StepBatch], None] | None = None,
                  kv_events: EventPublisher | None = None) -> None:
         max_num_batched_tokens = as_int(max_num_batched_tokens, "max_num_batched_tokens", minimum=1)
         max_num_seqs = as_int(max_num_seqs, "max_num_seqs", minimum=1)
         self.model, self.block_size, self.device = model, block_size, model.device
         spec = kv_spec(model, block_size=block_size, dtype=kv_dtype, tp_size=tp_size)
         self.runner = ModelRunner(model, spec, num_blocks)
-        self.cache, self.on_schedule = self.runner.cache, on_schedule
+        self.cache = self.runner.cache
         sink = self._event_sink(kv_events)
         self.kv = KVCacheCoordinator(spec.groups, num_blocks, enable_caching=enable_prefix_caching,
                                      event_sink=sink)
@@ -275,10 +272,7 @@ class LLMEngine:
             return []
         self.stats.steps += 1
         self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, self.pool.num_used_blocks)
-        batch = self._prepare(scheduled)
-        if self.on_schedule is not None:
-            self.on_schedule(batch)
-        finished = self._postprocess(scheduled, self.runner.execute(batch))
+        finished = self._postprocess(scheduled, self.runner.execute(self._prepare(scheduled)))
         if self.pool.event_sink is not None:
             self.pool.event_sink.flush()  # this step's KV events, as one batch
         return finished

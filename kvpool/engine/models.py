@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -118,12 +119,35 @@ def load_model(name: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",
         model, tokenizer = _load_pretrained(gemma3_folder(), dtype)
     elif (Path(name) / "config.json").is_file():
         model, tokenizer = _load_pretrained(Path(name), dtype)
-    elif Path(name).is_dir():
-        raise ConfigError(f"{name} is not a Hugging Face model folder: it has no config.json")
     else:
-        choices = ", ".join([DEFAULT_MODEL, GEMMA3, *TINY_MODELS])
-        raise ConfigError(f"unknown model {name!r}: use {choices} or a local model folder")
+        raise _not_a_model(name)
     return LoadedModel(name, model.to(device=device, dtype=dtype).eval(), tokenizer)
+
+
+def load_config(name: str = DEFAULT_MODEL) -> dict[str, Any]:
+    """The Hugging Face config (a dict) of what :func:`load_model` would load, without the weights: what
+    the CLI checks a ``--tp-size`` against before starting any process. Raises ConfigError as load_model."""
+    if name in TINY_MODELS:
+        return tiny_config(name).to_dict()
+    if name == DEFAULT_MODEL:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(smollm2_folder(), gguf_file=SMOLLM2_GGUF).to_dict()
+    path = (gemma3_folder() if name == GEMMA3 else Path(name)) / "config.json"
+    if path.is_file():
+        try:
+            return json.loads(path.read_text())
+        except ValueError as exc:
+            raise ConfigError(f"{path} is not JSON: {exc}") from None
+    raise _not_a_model(name)
+
+
+def _not_a_model(name: str) -> ConfigError:
+    if Path(name).is_dir():
+        return ConfigError(f"{name} is not a Hugging Face model folder: it has no config.json")
+    choices = ", ".join([DEFAULT_MODEL, GEMMA3, *TINY_MODELS])
+    return ConfigError(f"unknown model {name!r}: use {choices} or a local model folder")
 
 
 def smollm2_folder() -> Path:
@@ -213,6 +237,20 @@ def build_tiny_model(name: str, *, seed: int = 0) -> Any:
     layers 2 and 5 full)."""
     import transformers
 
+    config = tiny_config(name)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, TINY_INIT_STD)
+    return model
+
+
+def tiny_config(name: str) -> Any:
+    """The transformers config of the tiny model ``name`` (see :func:`build_tiny_model`)."""
+    import transformers
+
     common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
     gqa = dict(intermediate_size=128, num_key_value_heads=2, max_position_embeddings=4096)
@@ -229,13 +267,7 @@ def build_tiny_model(name: str, *, seed: int = 0) -> Any:
     else:
         cls = transformers.LlamaConfig if name == "tiny-llama" else transformers.Qwen2Config
         config = cls(**common, **gqa)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, TINY_INIT_STD)
-    return model
+    return config
 
 
 @torch.inference_mode()
