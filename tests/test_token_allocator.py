@@ -438,3 +438,21 @@ def test_free_of_what_is_not_ids_is_an_invalid_argument(bad):
 def test_an_unusable_device_fails_at_construction(device):
     with pytest.raises(InvalidArgumentError):
         TokenToKVPoolAllocator(16, device=device)
+
+
+def test_freeing_one_pages_slots_takes_the_one_page_path_with_the_same_checks():
+    a = TokenToKVPoolAllocator(64, page_size=4)      # pages 1..15
+    slots = a.alloc(8)                               # pages 1, 2: slots 4..11
+    bad_frees = (([4, 5, -1], InvalidIdError), ([4, 5, 64], InvalidIdError),
+                 ([12, 13], DoubleFreeError))        # page 3 (slots 12, 13) was never handed out
+    for bad, error in bad_frees:
+        with pytest.raises(error):
+            a.free(bad)
+        assert a.num_free_pages == 13
+    a.free(slots[:4].flip(0))                        # page 1's four slots, any order: page 1 once
+    assert a.num_free_pages == 14 and ids(a.free_pages())[0] == 1
+    with pytest.raises(DoubleFreeError):
+        a.free([5, 6])
+    a.free(torch.tensor([9, 9, 8]))                  # page 2, a slot repeated: released once
+    assert a.num_free_pages == 15
+    a.check_integrity()

@@ -205,6 +205,8 @@ class TokenToKVPoolAllocator:
         n = ids.numel()
         if n == 1:
             self._free_one(ids.item())
+        elif 1 < n <= self.page_size and self._one_page(values := ids.tolist()):
+            self._free_one(values[0])  # one page's slots (a request's last page): plain Python
         elif n:
             self._free_pages(ids if self.page_size == 1 else ids.div(self.page_size, rounding_mode="floor"))
 
@@ -353,6 +355,12 @@ class TokenToKVPoolAllocator:
             first, second = rows.masked_select(pages == page)[:2].tolist()
             raise InvalidArgumentError(f"{what}: requests {first} and {second} both continue page "
                                        f"{int(page)}: the same slots would be handed out twice")
+
+    def _one_page(self, slots: list[int]) -> bool:
+        """Whether ``slots`` (at most page_size of them, paged) are in range and all in one page."""
+        ps, size = self.page_size, self.size
+        page = slots[0] // ps
+        return all(0 <= s < size and s // ps == page for s in slots)
 
     def _free_one(self, slot: int) -> None:
         if not 0 <= slot < self.size:

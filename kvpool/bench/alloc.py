@@ -1,17 +1,17 @@
-"""``kvpool bench alloc``: ns per block of BlockPool operations, block hashing, and the token allocator,
-each beside a naive allocator timed in the same run.
+"""``kvpool bench alloc``: ns per block of BlockPool operations, block hashing, and the token allocator, each
+beside a naive allocator timed in the same run.
 
 The naive baseline is a ``collections.deque`` free list plus a dict of ref counts, no caching (what a first
-attempt looks like). Op pattern, as in ``../shared/peer-bench/vllm_block_pool.py``: allocate ``n`` blocks per
-call until ``--ops`` blocks are out (capped at the pool size), then free each chunk tail first; allocation
-and freeing are timed separately. Pool sizes 1K, 32K and 1M blocks show the cost per block is flat.
-Hashing is timed per 16-token block over a 4,096-token sequence, for each algorithm with a seeded root (the
-root is derived once per hasher, so a seed costs nothing per block: the public-root row shows it), with a
-LoRA extra key, and for the prompt-embeddings digest of one block, against SHA-256 of a pickled
-``(parent, tokens)`` tuple (vLLM's default block hash style). Peer figures from DESIGN.md are printed as
-references measured earlier on a similar machine, not in this run; ``benchmarks/compare_peers.sh`` runs the
-peers beside this suite. Targets: allocate+free <= 500 ns single, <= 200 ns per block batched; hashing
-<= 500 ns per block; token alloc(1)+free(1) <= 4,000 ns.
+attempt looks like). Op pattern, as in the peer comparison (``benchmarks/peers/patterns.py``): allocate ``n``
+blocks per call until ``--ops`` blocks are out (capped at the pool size), then free each chunk tail first;
+allocation and freeing are timed separately. Pool sizes 1K, 32K and 1M blocks show the cost per block is
+flat. Hashing is timed per 16-token block over a 4,096-token sequence, for each algorithm with a seeded root
+(the root is derived once per hasher, so a seed costs nothing per block: the public-root row shows it), with
+a LoRA extra key, and for the prompt-embeddings digest of one block, against SHA-256 of a pickled ``(parent,
+tokens)`` tuple (vLLM's default block hash style). Peer figures from DESIGN.md are printed as references
+measured earlier on a similar machine, not in this run; ``benchmarks/peers/compare.py`` times the peers and
+kvpool on the same patterns in one run. Targets: allocate+free <= 500 ns single, <= 200 ns per block batched;
+hashing <= 500 ns per block; token alloc(1)+free(1) <= 4,000 ns.
 """
 
 from __future__ import annotations
