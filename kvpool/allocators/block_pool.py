@@ -258,8 +258,8 @@ class BlockPool:
             return [ref[ids[0]]]
         if not ids:
             return []
-        try:  # exact ints only: a numpy int or 0-d tensor indexes ``ref`` but may hash apart
-            refs = [ref[b] for b in ids] if set(map(type, ids)) == _INT and min(ids) >= 0 else None
+        try:  # the ids are Python ints already (_ints): a numpy int or 0-d tensor would hash apart
+            refs = [ref[b] for b in ids] if min(ids) >= 0 else None
         except IndexError:
             refs = None
         if refs is None:

@@ -6,9 +6,10 @@ padding slot that kernels write padded tokens into: it is never handed out, not 
 
 Bookkeeping lives in host memory: a stack of free page ids (an ``array`` that is also a torch int64 tensor,
 free entries ``stack[head:]``) and one state byte per page (free / allocated / padding), also a torch view.
-A single alloc or free is therefore plain Python plus at most one torch call, and every bulk path (alloc(n),
-a free of many, ``alloc_extend``, ``alloc_decode``) is a fixed number of vectorized torch ops: no Python loop
-over requests or tokens, and no free costs O(pool size) (SGLang's ``torch.cat`` of the whole free list does).
+A single alloc, or a free of one slot or of one page's slots, is therefore plain Python plus at most one
+torch call, and every bulk path (alloc(n), a free of many, ``alloc_extend``, ``alloc_decode``) is a fixed
+number of vectorized torch ops: no Python loop over requests or tokens, and no free costs O(pool size)
+(SGLang's ``torch.cat`` of the whole free list does).
 The ids returned are int64 tensors on ``device``; the checks need their values on the host anyway.
 """
 
