@@ -20,6 +20,7 @@ from kvpool.errors import (
     InvalidIdError,
     KVPoolError,
     OutOfBlocksError,
+    PinLimitError,
     TraceFormatError,
 )
 from kvpool.spec import AttentionKind, KVCacheGroup, KVCacheSpec, LayerKind, parse_kv_dtype
@@ -49,8 +50,7 @@ _LAZY = {
 __all__ = [
     "AttentionKind", "ConfigError", "DoubleFreeError", "InsufficientMemoryError", "IntegrityError",
     "InvalidArgumentError", "InvalidIdError", "KVCacheGroup", "KVCacheSpec", "KVPoolError", "LayerKind",
-    "OutOfBlocksError",
-    "TraceFormatError", "parse_kv_dtype", *_LAZY,
+    "OutOfBlocksError", "PinLimitError", "TraceFormatError", "parse_kv_dtype", *_LAZY,
 ]
 
 

@@ -26,6 +26,10 @@ class OutOfBlocksError(KVPoolError):
         self.blocks_needed = blocks_needed
 
 
+class PinLimitError(KVPoolError):
+    """A pin that would keep more blocks pinned than the pool's pin cap allows; nothing was pinned."""
+
+
 class InvalidArgumentError(KVPoolError, ValueError):
     """A bad argument: negative count, wrong shape, dtype, device or layer, out-of-range slot."""
 

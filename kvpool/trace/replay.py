@@ -21,6 +21,10 @@ Timing modes:
 
 Step-time model (seconds): ``step_s + prefill_token_s * uncached prefill tokens + decode_token_s * decode
 tokens``. The defaults are illustrative only; set them for a model and device.
+
+Eviction: ``config.policy`` names the pool's eviction policy (:mod:`kvpool.allocators.policies`; the
+``priority`` policy's retention clock is the simulated one), or ``belady``: the offline farthest-next-use
+bound of :mod:`kvpool.trace.belady`, which the replay feeds with the trace's future.
 """
 
 from __future__ import annotations
@@ -33,15 +37,19 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from kvpool.allocators.block_pool import BlockPool
+from kvpool.allocators.policies import POLICIES, EvictionPolicy, make_policy
 from kvpool.errors import ConfigError, IntegrityError, InvalidArgumentError
 from kvpool.numeric import as_int, as_optional_int, as_real
 from kvpool.spec import KVCacheGroup, LayerKind
-from kvpool.trace.loaders import TraceRequest, sub_blocks_per_hash_block
+from kvpool.trace.belady import BeladyPolicy, TraceFuture
+from kvpool.trace.loaders import MOONCAKE_BLOCK_SIZE, TraceRequest, sub_blocks_per_hash_block
 
 if TYPE_CHECKING:
     from kvpool.events import KVEventSink
 
 TIMINGS = ("instant", "trace")
+#: Eviction policies a replay can use: the pool's own, and the offline bound.
+REPLAY_POLICIES = (*POLICIES, "belady")
 #: One timeline sample: (simulated seconds, blocks in use, cached free blocks, uncached free blocks).
 Sample = tuple[float, int, int, int]
 #: ``trace`` timing records about this many samples over the arrivals' span (instant: every event).
@@ -65,6 +73,10 @@ class ReplayConfig:
         groups: a hybrid model's KV cache groups (``KVCacheSpec.groups``): blocks are counted per group
             through a :class:`~kvpool.allocators.groups.KVCacheCoordinator` (windows free blocks, a hit is
             the prefix every group restores); empty (default) or one full group: one plain pool.
+        policy: the pool's eviction policy, one of :data:`REPLAY_POLICIES` (``belady``: the offline bound).
+        pin_prefix: trace hash ids (512-token blocks) of a prefix to pin, e.g. ``(0,)`` for the system
+            prompt every Mooncake request starts with: its blocks are pinned as soon as all are cached and
+            stay pinned to the end of the replay (``()``: pin nothing).
 
     Raises:
         ConfigError: a value out of range.
@@ -79,12 +91,20 @@ class ReplayConfig:
     prefill_token_s: float = 2e-5
     decode_token_s: float = 1e-4
     groups: tuple[KVCacheGroup, ...] = ()
+    policy: str = "lru"
+    pin_prefix: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if any(g.block_size != self.block_size for g in self.groups):
             raise ConfigError(f"the KV cache groups' block size must be block_size {self.block_size}")
         if self.timing not in TIMINGS:
             raise ConfigError(f"timing must be one of {', '.join(TIMINGS)}, got {self.timing!r}")
+        if self.policy not in REPLAY_POLICIES:
+            raise ConfigError(f"policy must be one of {', '.join(REPLAY_POLICIES)}, got {self.policy!r}")
+        if not isinstance(self.pin_prefix, (tuple, list)):
+            raise ConfigError(f"pin_prefix must be a tuple of hash ids, got {self.pin_prefix!r}")
+        object.__setattr__(self, "pin_prefix", tuple(as_int(h, "pin_prefix hash id", minimum=0,
+                                                            error=ConfigError) for h in self.pin_prefix))
         for name in ("block_size", "num_blocks", "max_batched_tokens", "max_running"):
             check = as_optional_int if name == "num_blocks" else as_int
             object.__setattr__(self, name, check(getattr(self, name), name, minimum=1, error=ConfigError))
@@ -103,7 +123,8 @@ class ReplayResult:
     ``mean_blocks_used`` (time-weighted over the simulated run) count blocks with a reference. ``block_ops``
     counts block ids and hashes handled by pool calls (hashes a lookup examined, blocks touched, allocated,
     published and freed); ``block_ops_per_s = block_ops / wall_s``, ``wall_s`` the replay's own wall time.
-    ``timeline`` (only when recorded) holds :data:`Sample` rows.
+    ``timeline`` (only when recorded) holds :data:`Sample` rows; ``policy`` is the eviction policy's name;
+    ``pinned_blocks`` the blocks of ``config.pin_prefix`` that were pinned (0 if it never was all cached).
     """
 
     requests_completed: int
@@ -123,6 +144,8 @@ class ReplayResult:
     num_blocks: int
     block_size: int
     timing: str
+    policy: str = "lru"
+    pinned_blocks: int = 0
     timeline: list[Sample] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, object]:
@@ -144,20 +167,27 @@ def unbounded_num_blocks(requests: Sequence[TraceRequest], block_size: int) -> i
 
 def run_replay(requests: Sequence[TraceRequest], config: ReplayConfig = ReplayConfig(), *,
                 pool: BlockPool | None = None, progress: Callable[[int], object] | None = None,
-                record_timeline: bool = False, event_sink: KVEventSink | None = None) -> ReplayResult:
+                record_timeline: bool = False, event_sink: KVEventSink | None = None,
+                observer: Callable[[float, BlockPool], object] | None = None) -> ReplayResult:
     """Replay ``requests`` through ``pool`` (default: a fresh :class:`BlockPool` of ``config.num_blocks``
-    recording KV events into ``event_sink``) and return what it measured. The pool's event sink, if any,
-    is flushed once per simulated step (the events carry the trace's hash ids and no token ids).
+    with ``config.policy``, recording KV events into ``event_sink``) and return what it measured. The
+    pool's event sink, if any, is flushed once per simulated step (the events carry the trace's hash ids
+    and no token ids).
 
-    ``pool`` must be all free and, when ``config.num_blocks`` is set, of that size. ``progress(n)`` is
-    called as n more requests finish or are rejected. At the end every block is free and
-    ``check_integrity()`` has passed. Raises :class:`ConfigError` for a block size that does not divide 512
-    on a trace with hash ids, or a pool that is not all free or not of ``config.num_blocks``.
+    ``pool`` must be all free, with ``config.policy`` (``belady``: a :class:`BeladyPolicy` over this
+    replay's future, see :func:`admission_order`) and, when ``config.num_blocks`` is set, of that size.
+    ``progress(n)`` is called as n more requests finish or are rejected; ``observer(t, pool)`` whenever the
+    timeline would take a sample (every event in ``instant`` timing, about :data:`TIMELINE_POINTS` times in
+    ``trace`` timing). At the end every block is free and ``check_integrity()`` has passed. Raises
+    :class:`ConfigError` for a block size that does not divide 512 on a trace with hash ids, or a pool that
+    does not fit those rules.
     """
     if any(r.hash_ids is not None for r in requests):
         sub_blocks_per_hash_block(config.block_size)
-    if pool is not None and (pool.num_used_blocks or config.num_blocks not in (None, pool.num_blocks)):
-        raise ConfigError(f"replay needs an all-free pool of config.num_blocks blocks, got {pool!r}")
+    if pool is not None and (pool.num_used_blocks or config.num_blocks not in (None, pool.num_blocks)
+                             or pool.policy.name != config.policy):
+        raise ConfigError(f"replay needs an all-free pool of config.num_blocks blocks with policy "
+                          f"{config.policy!r}, got {pool!r}")
     start = time.perf_counter()
     if pool is not None and event_sink is not None:
         raise ConfigError("give the event sink to your pool (BlockPool(..., event_sink=...)), not to both")
@@ -166,8 +196,20 @@ def run_replay(requests: Sequence[TraceRequest], config: ReplayConfig = ReplayCo
 
         if pool is not None:
             raise ConfigError("a replay over KV cache groups builds its own coordinator: pass no pool")
+        if config.policy != "lru" or config.pin_prefix or observer is not None:
+            raise ConfigError("eviction policies, pins and the report follow one full-attention group: "
+                              "replay a uniform model (--num-blocks) for them")
         return GroupReplayer(requests, config, progress, record_timeline, event_sink).run(start)
-    return _Replayer(requests, config, pool, progress, record_timeline, event_sink).run(start)
+    return _Replayer(requests, config, pool, progress, record_timeline, event_sink, observer).run(start)
+
+
+def admission_order(requests: Sequence[TraceRequest], config: ReplayConfig, num_blocks: int
+                    ) -> list[TraceRequest]:
+    """The requests in the order the replay first admits them (the future :class:`TraceFuture` needs):
+    trace order for ``instant`` timing, arrival order for ``trace`` timing (first come, first served),
+    without the requests larger than the pool, which it rejects."""
+    order = requests if config.timing == "instant" else sorted(requests, key=lambda r: r.arrival_s)
+    return [r for r in order if request_blocks(r, config.block_size) <= num_blocks]
 
 
 def _blocks_area(tokens_before: int, steps: int, block_size: int) -> int:
@@ -216,24 +258,48 @@ _Scheduled = tuple[_Seq, int, bool]
 class _Replayer:
     def __init__(self, requests: Sequence[TraceRequest], config: ReplayConfig, pool: BlockPool | None,
                  progress: Callable[[int], object] | None, record_timeline: bool,
-                 event_sink: KVEventSink | None = None) -> None:
-        self.requests, self.cfg, self.progress = requests, config, progress
+                 event_sink: KVEventSink | None = None,
+                 observer: Callable[[float, BlockPool], object] | None = None) -> None:
+        self.requests, self.cfg, self.progress, self.observer = requests, config, progress, observer
         self.bs = config.block_size
+        self.now = 0.0
         if pool is None:
             num_blocks = config.num_blocks or unbounded_num_blocks(requests, self.bs)
             try:
-                pool = BlockPool(num_blocks, event_sink=event_sink)
+                pool = self._new_pool(num_blocks, event_sink)
             except InvalidArgumentError as exc:  # too large for memory
                 raise ConfigError(f"{exc}: give a smaller num_blocks (--num-blocks)") from None
         self.pool = pool
+        self.belady = pool.policy if isinstance(pool.policy, BeladyPolicy) else None
+        self.pin_hashes = self._pin_hashes(config.pin_prefix)
+        self.pinned: list[int] = []
         self.timeline: list[Sample] | None = [] if record_timeline else None
         span = max((r.arrival_s for r in requests), default=0.0)
         self.sample_every = span / TIMELINE_POINTS if config.timing == "trace" else 0.0
         self.next_sample = 0.0
         self.completed = self.rejected = self.preemptions = self.ops = 0
         self.prompt_blocks = self.hit_blocks = self.prompt_tokens = 0
-        self.now = self.area = 0.0
+        self.area = 0.0
         self.peak = 0
+
+    def _new_pool(self, num_blocks: int, event_sink: KVEventSink | None) -> BlockPool:
+        cfg = self.cfg
+        if cfg.policy == "belady":
+            future = TraceFuture(admission_order(self.requests, cfg, num_blocks), self.bs)
+            policy: EvictionPolicy = BeladyPolicy(future)
+        else:
+            policy = make_policy(cfg.policy, clock=lambda: self.now)
+        return BlockPool(num_blocks, event_sink=event_sink, policy=policy)
+
+    def _pin_hashes(self, prefix: tuple[int, ...]) -> list[int]:
+        """The block hashes of ``config.pin_prefix`` (trace hash ids) at this block size."""
+        if not prefix:
+            return []
+        hashes = TraceRequest(0.0, MOONCAKE_BLOCK_SIZE * len(prefix), 0, prefix).block_hashes(self.bs)
+        if len(hashes) > self.pool.max_pinned_blocks:
+            raise ConfigError(f"pin_prefix is {len(hashes)} blocks, over the pool's pin cap of "
+                              f"{self.pool.max_pinned_blocks}")
+        return hashes
 
     def run(self, start: float) -> ReplayResult:
         """Simulate; ``wall_s`` runs from ``start`` (before the pool was built) to the end, before the
@@ -242,6 +308,8 @@ class _Replayer:
         self._flush_events()
         wall = time.perf_counter() - start
         pool, bs = self.pool, self.bs
+        if self.pinned:
+            pool.unpin(self.pinned)
         if pool.num_used_blocks:
             raise IntegrityError(f"replay ended with {pool.num_used_blocks} blocks still in use")
         pool.check_integrity()
@@ -249,7 +317,8 @@ class _Replayer:
             self.completed, self.rejected, self.prompt_blocks, self.hit_blocks,
             _ratio(self.hit_blocks, self.prompt_blocks), _ratio(self.hit_blocks * bs, self.prompt_tokens),
             self.peak, _ratio(self.area, self.now), self.preemptions, self.ops, _ratio(self.ops, wall), wall,
-            pool.stats.evictions, self.now, pool.num_blocks, bs, self.cfg.timing, self.timeline or [])
+            pool.stats.evictions, self.now, pool.num_blocks, bs, self.cfg.timing, self.cfg.policy,
+            len(self.pinned), self.timeline or [])
 
     # ---- pool calls (every block operation is counted here) -----------------------------------------
 
@@ -265,6 +334,8 @@ class _Replayer:
         need = -(-(computed + chunk) // bs) - len(hits)
         if budget is not None and not pool.can_allocate(hashes[:len(hits)], len(hits) + need):
             return None  # a hit on a cached free block consumes a free block too
+        if self.belady is not None and not seq.admitted:
+            self.belady.admitted(seq.req, hashes)  # the future moves on before any eviction for this request
         pool.touch(hits)
         seq.blocks = hits + pool.allocate(need)
         seq.computed = seq.published = len(hits)
@@ -294,6 +365,8 @@ class _Replayer:
             self.pool.cache_blocks(seq.blocks[seq.published:full], seq.hashes[seq.published:full])
             self.ops += full - seq.published
             seq.published = full
+        if self.pin_hashes and not self.pinned and self.pool.can_pin_prefix(self.pin_hashes):
+            self.pinned = self.pool.pin_prefix(self.pin_hashes)
 
     def _grow(self, seq: _Seq, n: int) -> None:
         seq.blocks += self.pool.allocate(n)
@@ -338,11 +411,15 @@ class _Replayer:
 
     def _sample(self, force: bool = False) -> None:
         """Record the pool state from now on (thinned in ``trace`` timing unless ``force``)."""
-        if self.timeline is not None and (force or self.now >= self.next_sample):
+        recording = self.timeline is not None or self.observer is not None
+        if recording and (force or self.now >= self.next_sample):
             self.next_sample = self.now + self.sample_every
             pool = self.pool
-            cached = pool.num_evictable_blocks
-            self.timeline.append((self.now, pool.num_used_blocks, cached, pool.num_free_blocks - cached))
+            if self.timeline is not None:
+                cached = pool.num_evictable_blocks
+                self.timeline.append((self.now, pool.num_used_blocks, cached, pool.num_free_blocks - cached))
+            if self.observer is not None:
+                self.observer(self.now, pool)
 
     # ---- instant timing -----------------------------------------------------------------------------
 

@@ -1,0 +1,578 @@
+"""Eviction policies: the order in which a :class:`~kvpool.allocators.block_pool.BlockPool` evicts its
+cached free blocks, behind one small interface the pool calls.
+
+Contract. A policy holds exactly the pool's **evictable** blocks (ref count 0, a published hash, not
+pinned) and decides which one ``allocate`` evicts next. Block ids are ints in ``[0, num_blocks)``. The
+pool validates every argument before it calls the policy, so a policy never sees a bad id and never
+raises; it calls:
+
+* ``bind(num_blocks)`` once, when the pool is built (a policy serves one pool);
+* ``published(block, block_hash)``: an in-use block now holds ``block_hash`` in the prefix index;
+* ``hit(block)``: a prefix hit touched a cached block (in use or evictable; before ``remove``);
+* ``insert(block, priority)``: the block's last reference was freed; ``priority`` is the freeing request's
+  retention priority (only ``priority`` reads it);
+* ``remove(block)``: an evictable block was revived by ``touch`` (a hit) or pinned: no longer evictable;
+* ``pop()``: evict: remove and return the next victim (only called while ``len(policy) > 0``); the pool
+  then drops its hash;
+* ``dropped(block)``: the block's hash left the index without an eviction (``evict_blocks``,
+  ``reset_prefix_cache``); the policy removes it if it is evictable and forgets the block.
+
+``order()`` lists the evictable blocks, next victim first (O(n log n), for tests and inspection).
+Every other call is O(1) or O(log n) in the number of blocks, as each class says. Ties in a policy's key
+are broken by recency: the block freed least recently goes first, as in LRU.
+
+``lru`` is the pool's default and stays on its fast path (the pool uses :attr:`LRUPolicy.queue`, an
+``OrderedDict``, directly); the other policies are called through this interface. ``belady`` (the offline
+farthest-next-use bound) needs the future of a trace and lives in :mod:`kvpool.trace.belady`.
+
+:class:`FrequencyAdmission` is the publish-side filter: a hash is admitted to the prefix index only once
+it has been offered ``min_count`` times (Dynamo's frequency-based admission; TinyLFU's bounded counts).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+
+from kvpool.errors import InvalidArgumentError
+from kvpool.numeric import as_int, as_optional_int, as_real
+
+#: Policy names a pool accepts (``belady`` needs a trace: :mod:`kvpool.trace.belady`).
+POLICIES = ("lru", "fifo", "lfu", "slru", "priority", "arc")
+
+
+class EvictionPolicy(ABC):
+    """The order of a pool's evictable blocks (see the module docstring for the calls and their order)."""
+
+    name = ""
+
+    def __init__(self) -> None:
+        self._n = 0
+
+    def bind(self, num_blocks: int) -> None:
+        """Size the per-block state for a pool of ``num_blocks``; called once by the pool.
+
+        Raises:
+            InvalidArgumentError: the policy already serves a pool.
+        """
+        if self._n:
+            raise InvalidArgumentError(f"this {self.name} policy already serves a pool: give each pool one")
+        self._n = num_blocks
+        self._bound(num_blocks)
+
+    def _bound(self, num_blocks: int) -> None:
+        """Allocate per-block state (subclasses)."""
+        return None  # default: nothing to record
+
+    def published(self, block: int, block_hash: Hashable) -> None:
+        """An in-use ``block`` now holds ``block_hash`` in the prefix index."""
+        return None  # default: nothing to record
+
+    def hit(self, block: int) -> None:
+        """A prefix hit touched cached ``block`` (in use or evictable)."""
+        return None  # default: nothing to record
+
+    @abstractmethod
+    def insert(self, block: int, priority: int) -> None:
+        """``block`` became evictable: its last reference was freed."""
+
+    @abstractmethod
+    def remove(self, block: int) -> None:
+        """Evictable ``block`` was touched or pinned: it is no longer evictable."""
+
+    @abstractmethod
+    def pop(self) -> int:
+        """Remove and return the next victim (the pool then drops its hash)."""
+
+    @abstractmethod
+    def dropped(self, block: int) -> None:
+        """``block``'s hash left the index without an eviction; remove it if evictable and forget it."""
+
+    @abstractmethod
+    def order(self) -> list[int]:
+        """Evictable blocks, next victim first."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of evictable blocks."""
+
+
+# ---- LRU and FIFO ---------------------------------------------------------------------------------------
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used: evict the block freed longest ago; a hit revives it in place. O(1) per call.
+
+    The order of vLLM's ``FreeKVCacheBlockQueue`` and nano-vllm's free deque (which double as LRUs). The pool
+    reads and writes :attr:`queue` directly on its fast path (head = next victim).
+    """
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queue: OrderedDict[int, None] = OrderedDict()
+
+    def insert(self, block: int, priority: int) -> None:
+        self.queue[block] = None
+
+    def remove(self, block: int) -> None:
+        del self.queue[block]
+
+    def pop(self) -> int:
+        return self.queue.popitem(False)[0]
+
+    def dropped(self, block: int) -> None:
+        self.queue.pop(block, None)
+
+    def order(self) -> list[int]:
+        return list(self.queue)
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+
+#: Sequence numbers stay below this, so ``major * SEQ_SPAN + seq`` orders by (major, seq) in one int.
+SEQ_SPAN = 1 << 48
+
+
+class KeyedHeap:
+    """A min-heap of blocks by an int key, with O(log n) push and pop and O(1) lazy removal: ``_live[b]``
+    is the stamp of ``b``'s one live entry (0: not in the heap). Stale entries are skipped on pop and swept
+    out when they outnumber the live ones (amortized O(1) per call). A two-part key ``(major, seq)`` is
+    packed as ``major * SEQ_SPAN + seq`` (ints compare fastest)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self._heap: list[tuple[int, int, int]] = []
+        self._live = [0] * num_blocks
+        self._stamp = 0
+        self._size = 0
+
+    def push(self, block: int, key: int) -> None:
+        if self._live[block]:
+            self._size -= 1
+        self._stamp += 1
+        self._live[block] = self._stamp
+        self._size += 1
+        heapq.heappush(self._heap, (key, self._stamp, block))
+
+    def discard(self, block: int) -> bool:
+        """Remove ``block`` if present; returns whether it was."""
+        if not self._live[block]:
+            return False
+        self._live[block] = 0
+        self._size -= 1
+        if len(self._heap) > 2 * self._size + 64:
+            self._heap = [e for e in self._heap if self._live[e[2]] == e[1]]
+            heapq.heapify(self._heap)
+        return True
+
+    def pop(self) -> int:
+        heap, live = self._heap, self._live
+        while True:
+            _, stamp, block = heapq.heappop(heap)
+            if live[block] == stamp:
+                live[block] = 0
+                self._size -= 1
+                return block
+
+    def key(self, block: int) -> int | None:
+        """The live key of ``block`` (O(n): for inspection), or None."""
+        stamp = self._live[block]
+        return next((k for k, s, b in self._heap if b == block and s == stamp), None) if stamp else None
+
+    def order(self) -> list[int]:
+        live = self._live
+        return [b for _, s, b in sorted(e for e in self._heap if live[e[2]] == e[1])]
+
+    def __contains__(self, block: int) -> bool:
+        return self._live[block] != 0
+
+    def __len__(self) -> int:
+        return self._size
+
+
+class _HeapPolicy(EvictionPolicy):
+    """A policy whose order is a key computed when a block becomes evictable, kept in a :class:`KeyedHeap`.
+    ``_freed`` counts frees, the recency tie-break of every key (smaller = freed earlier = evicted first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._heap = KeyedHeap(0)
+        self._freed = 0
+
+    def _bound(self, num_blocks: int) -> None:
+        self._heap = KeyedHeap(num_blocks)
+
+    def remove(self, block: int) -> None:
+        self._heap.discard(block)
+
+    def pop(self) -> int:
+        return self._heap.pop()
+
+    def dropped(self, block: int) -> None:
+        self._heap.discard(block)
+
+    def order(self) -> list[int]:
+        return self._heap.order()
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
+
+class FIFOPolicy(_HeapPolicy):
+    """First in, first out: evict the block whose hash was published longest ago, however recently it was
+    hit (SGLang's ``fifo``: node creation time; LMCache's FIFO). O(log n) per call (a heap keyed by the
+    publish sequence number)."""
+
+    name = "fifo"
+
+    def _bound(self, num_blocks: int) -> None:
+        super()._bound(num_blocks)
+        self._born = [0] * num_blocks
+        self._published = 0
+
+    def published(self, block: int, block_hash: Hashable) -> None:
+        self._published += 1
+        self._born[block] = self._published
+
+    def insert(self, block: int, priority: int) -> None:
+        self._heap.push(block, self._born[block])
+
+
+class LFUPolicy(_HeapPolicy):
+    """Least frequently used: evict the block with the fewest prefix hits since its hash was published,
+    ties by recency (least recently freed first): SGLang's ``lfu`` key ``(hit_count, last_access_time)``.
+    O(log n) per call (a heap keyed by ``(hits, free sequence)``)."""
+
+    name = "lfu"
+
+    def _bound(self, num_blocks: int) -> None:
+        super()._bound(num_blocks)
+        self.hits = [0] * num_blocks
+
+    def published(self, block: int, block_hash: Hashable) -> None:
+        self.hits[block] = 0
+
+    def hit(self, block: int) -> None:
+        self.hits[block] += 1
+
+    def insert(self, block: int, priority: int) -> None:
+        self._freed += 1
+        self._heap.push(block, self.hits[block] * SEQ_SPAN + self._freed)
+
+
+class PriorityPolicy(_HeapPolicy):
+    """Retention priority, then recency: evict the lowest priority first, the least recently freed first
+    within a priority. A block keeps the priority of the request that freed it last for ``retention_s``
+    seconds after that free; then its priority decays to 0 (the default). Higher priority = kept longer;
+    negative priorities are evicted before the default. SGLang's ``priority`` strategy (key
+    ``(priority, last_access_time)``) plus the time decay vLLM users asked for (vllm#23083).
+
+    ``clock()`` gives seconds (default ``time.monotonic``; the replay passes its simulated clock). O(log n)
+    per call, amortized: expired blocks are re-keyed once each, in free order, before an eviction.
+
+    Raises:
+        InvalidArgumentError: ``retention_s`` not a finite number > 0.
+    """
+
+    name = "priority"
+
+    def __init__(self, retention_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.retention_s = as_real(retention_s, "retention_s", minimum=0.0, open_min=True, finite=True)
+        self.clock = clock
+        self._expiring: OrderedDict[int, tuple[float, int]] = OrderedDict()  # block -> (freed at, seq)
+
+    def insert(self, block: int, priority: int) -> None:
+        self._freed += 1
+        self._heap.push(block, priority * SEQ_SPAN + self._freed)
+        if priority:
+            self._expiring[block] = (self.clock(), self._freed)
+
+    def remove(self, block: int) -> None:
+        self._heap.discard(block)
+        if self._expiring:
+            self._expiring.pop(block, None)
+
+    def dropped(self, block: int) -> None:
+        self.remove(block)
+
+    def pop(self) -> int:
+        if not self._expiring:
+            return self._heap.pop()
+        self._expire()
+        block = self._heap.pop()
+        self._expiring.pop(block, None)
+        return block
+
+    def order(self) -> list[int]:
+        self._expire()
+        return super().order()
+
+    def _expire(self) -> None:
+        """Decay to priority 0 every block idle for ``retention_s`` (the queue is in free order)."""
+        deadline = self.clock() - self.retention_s
+        expiring = self._expiring
+        while expiring:
+            block, (freed_at, seq) = next(iter(expiring.items()))
+            if freed_at > deadline:
+                break
+            del expiring[block]
+            self._heap.push(block, seq)
+
+
+# ---- segmented and adaptive ----------------------------------------------------------------------------
+
+
+class SLRUPolicy(EvictionPolicy):
+    """Segmented LRU (Karedla, Love and Wherry, "Caching strategies to improve disk system performance",
+    IEEE Computer 27(3), 1994): a published block starts in the **probation** segment; a prefix hit
+    promotes it to **protected**. Eviction takes the probation segment's LRU head first, the protected
+    segment's only when probation has no evictable block. The protected segment holds at most
+    ``protected_fraction * num_blocks`` evictable blocks: past that its LRU head is demoted to the
+    probation tail (and must be hit again to return). Segments hold evictable blocks only: an in-use block
+    cannot be evicted, so it counts against neither. O(1) per call.
+
+    Raises:
+        InvalidArgumentError: ``protected_fraction`` not in (0, 1].
+    """
+
+    name = "slru"
+
+    def __init__(self, protected_fraction: float = 0.8) -> None:
+        super().__init__()
+        self.protected_fraction = as_real(protected_fraction, "protected_fraction", minimum=0.0, maximum=1.0,
+                                          open_min=True)
+        self.probation: OrderedDict[int, None] = OrderedDict()
+        self.protected: OrderedDict[int, None] = OrderedDict()
+        self._cap = 1
+        self._promoted = bytearray()
+
+    def _bound(self, num_blocks: int) -> None:
+        self._cap = max(1, int(self.protected_fraction * num_blocks))
+        self._promoted = bytearray(num_blocks)
+
+    def published(self, block: int, block_hash: Hashable) -> None:
+        self._promoted[block] = 0
+
+    def hit(self, block: int) -> None:
+        self._promoted[block] = 1
+
+    def insert(self, block: int, priority: int) -> None:
+        if not self._promoted[block]:
+            self.probation[block] = None
+            return
+        self.protected[block] = None
+        if len(self.protected) > self._cap:
+            demoted = self.protected.popitem(False)[0]
+            self._promoted[demoted] = 0
+            self.probation[demoted] = None
+
+    def remove(self, block: int) -> None:
+        if block in self.probation:
+            del self.probation[block]
+        else:
+            del self.protected[block]
+
+    def pop(self) -> int:
+        return (self.probation if self.probation else self.protected).popitem(False)[0]
+
+    def dropped(self, block: int) -> None:
+        self.probation.pop(block, None)
+        self.protected.pop(block, None)
+        self._promoted[block] = 0
+
+    def order(self) -> list[int]:
+        return [*self.probation, *self.protected]
+
+    def __len__(self) -> int:
+        return len(self.probation) + len(self.protected)
+
+
+class ARCPolicy(EvictionPolicy):
+    """Adaptive Replacement Cache (Megiddo and Modha, "ARC: A Self-Tuning, Low Overhead Replacement Cache",
+    FAST 2003), as vLLM offers it for its CPU offload tier. Cached blocks are in T1 (published, not hit
+    since) or T2 (hit at least once); evicted hashes are remembered in the ghost lists B1 (from T1) and B2
+    (from T2). Publishing a hash found in B1 grows the target size ``p`` of T1 by ``max(|B2| / |B1|, 1)``,
+    one found in B2 shrinks it by ``max(|B1| / |B2|, 1)``; either way the block enters T2. Eviction takes
+    the LRU evictable block of T1 while ``|T1| > p`` (or T2 has none), else of T2. ``c = num_blocks``;
+    ``|T1| + |B1| <= c`` and ``|T1| + |T2| + |B1| + |B2| <= 2c``.
+
+    Adapted to a pool where in-use blocks cannot be evicted: |T1| and |T2| count every cached block, but
+    only evictable ones are victims, each list's evictable part in free order; the paper's tie rule for a
+    miss found in B2 (evict from T1 when ``|T1| == p``) is left out, since the pool evicts before it knows
+    the incoming hash. Suited to a host tier, whose blocks are rarely in use. O(1) per call.
+    """
+
+    name = "arc"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = 0.0
+        self.t1: OrderedDict[int, None] = OrderedDict()  # evictable part of T1, LRU head first
+        self.t2: OrderedDict[int, None] = OrderedDict()
+        self.b1: OrderedDict[Hashable, None] = OrderedDict()  # ghost hashes, oldest first
+        self.b2: OrderedDict[Hashable, None] = OrderedDict()
+        self.size_t1 = self.size_t2 = 0
+        self._in_t2 = bytearray()
+        self._hash: list[Hashable | None] = []
+
+    def _bound(self, num_blocks: int) -> None:
+        self._in_t2 = bytearray(num_blocks)
+        self._hash = [None] * num_blocks
+
+    def published(self, block: int, block_hash: Hashable) -> None:
+        b1, b2, c = self.b1, self.b2, self._n
+        if block_hash in b1:
+            self.p = min(float(c), self.p + max(len(b2) / len(b1), 1.0))
+            del b1[block_hash]
+        elif block_hash in b2:
+            self.p = max(0.0, self.p - max(len(b1) / len(b2), 1.0))
+            del b2[block_hash]
+        else:
+            self._in_t2[block] = 0
+            self.size_t1 += 1
+            self._hash[block] = block_hash
+            self._trim_ghosts()
+            return
+        self._in_t2[block] = 1
+        self.size_t2 += 1
+        self._hash[block] = block_hash
+        self._trim_ghosts()
+
+    def _trim_ghosts(self) -> None:
+        c = self._n
+        while self.b1 and self.size_t1 + len(self.b1) > c:
+            self.b1.popitem(False)
+        while self.b2 and self.size_t1 + self.size_t2 + len(self.b1) + len(self.b2) > 2 * c:
+            self.b2.popitem(False)
+
+    def hit(self, block: int) -> None:
+        if not self._in_t2[block]:
+            self._in_t2[block] = 1
+            self.size_t1 -= 1
+            self.size_t2 += 1
+            if block in self.t1:  # evictable: the pool's ``remove`` follows and looks for it in T2
+                del self.t1[block]
+                self.t2[block] = None
+
+    def insert(self, block: int, priority: int) -> None:
+        (self.t2 if self._in_t2[block] else self.t1)[block] = None
+
+    def remove(self, block: int) -> None:
+        (self.t2 if self._in_t2[block] else self.t1).pop(block)
+
+    def pop(self) -> int:
+        from_t1 = bool(self.t1) and (self.size_t1 > self.p or not self.t2)
+        block = (self.t1 if from_t1 else self.t2).popitem(False)[0]
+        (self.b1 if from_t1 else self.b2)[self._hash[block]] = None
+        self._forget(block)
+        self._trim_ghosts()
+        return block
+
+    def dropped(self, block: int) -> None:
+        if self._hash[block] is None:
+            return
+        (self.t2 if self._in_t2[block] else self.t1).pop(block, None)
+        self._forget(block)
+
+    def _forget(self, block: int) -> None:
+        if self._in_t2[block]:
+            self.size_t2 -= 1
+        else:
+            self.size_t1 -= 1
+        self._in_t2[block] = 0
+        self._hash[block] = None
+
+    def order(self) -> list[int]:
+        """The next victim is exact; later ones assume no publish or hit in between (``p`` stays)."""
+        t1, t2 = list(self.t1), list(self.t2)
+        out, size_t1 = [], self.size_t1
+        while t1 or t2:
+            if t1 and (size_t1 > self.p or not t2):
+                out.append(t1.pop(0))
+                size_t1 -= 1
+            else:
+                out.append(t2.pop(0))
+        return out
+
+    def __len__(self) -> int:
+        return len(self.t1) + len(self.t2)
+
+
+def make_policy(name: str, *, retention_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
+                protected_fraction: float = 0.8) -> EvictionPolicy:
+    """A fresh policy by name (:data:`POLICIES`); the options apply to ``priority`` and ``slru`` only.
+
+    Raises:
+        InvalidArgumentError: an unknown name, ``belady`` (it needs a trace's future: replay a trace with
+            ``policy="belady"``), or a bad option.
+    """
+    if name == "lru":
+        return LRUPolicy()
+    if name == "fifo":
+        return FIFOPolicy()
+    if name == "lfu":
+        return LFUPolicy()
+    if name == "slru":
+        return SLRUPolicy(protected_fraction)
+    if name == "priority":
+        return PriorityPolicy(retention_s, clock)
+    if name == "arc":
+        return ARCPolicy()
+    if name == "belady":
+        raise InvalidArgumentError("policy 'belady' evicts by the future of a trace, which only the replay "
+                                   "knows: use it through kvpool.trace (run_replay, kvpool replay --policy "
+                                   "belady)")
+    raise InvalidArgumentError(f"unknown eviction policy {name!r}: choose one of {', '.join(POLICIES)}")
+
+
+# ---- admission ------------------------------------------------------------------------------------------
+
+
+class FrequencyAdmission:
+    """Admit a hash only once it has been offered ``min_count`` times (frequency-based admission, as
+    NVIDIA Dynamo's KV block manager applies it before offloading; ``min_count=1`` admits everything).
+
+    Counts are kept for at most ``max_tracked`` hashes (default: 4 x the pool's blocks when a pool binds
+    it, else 65,536); when that many are tracked, every count is halved and the zeros dropped (TinyLFU's
+    reset, Einziger, Friedman and Manes, ACM TOS 2017), so memory stays bounded and old popularity fades.
+    A hash that is admitted stops being counted. O(1) amortized per offer.
+
+    Raises:
+        InvalidArgumentError: ``min_count`` or ``max_tracked`` not an integer >= 1.
+    """
+
+    def __init__(self, min_count: int = 2, max_tracked: int | None = None) -> None:
+        self.min_count = as_int(min_count, "min_count", minimum=1)
+        self.max_tracked = as_optional_int(max_tracked, "max_tracked", minimum=1)
+        self.counts: dict[Hashable, int] = {}
+
+    def bind(self, num_blocks: int) -> None:
+        """Default ``max_tracked`` to 4 x ``num_blocks`` (called by the pool)."""
+        if self.max_tracked is None:
+            self.max_tracked = 4 * num_blocks
+
+    def admit(self, block_hash: Hashable) -> bool:
+        """Count one offer of ``block_hash``; True when it has now been offered ``min_count`` times."""
+        counts = self.counts
+        seen = counts.get(block_hash, 0) + 1
+        if seen >= self.min_count:
+            counts.pop(block_hash, None)
+            return True
+        if block_hash not in counts and len(counts) >= (self.max_tracked or 65536):
+            self._halve()
+        self.counts[block_hash] = seen
+        return False
+
+    def would_admit(self, block_hash: Hashable) -> bool:
+        """Whether the next offer of ``block_hash`` is admitted (counts nothing)."""
+        return self.counts.get(block_hash, 0) + 1 >= self.min_count
+
+    def _halve(self) -> None:
+        self.counts = {h: c // 2 for h, c in self.counts.items() if c > 1}

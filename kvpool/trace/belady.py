@@ -1,0 +1,130 @@
+"""The offline bound: Belady's farthest-next-use eviction, for a replay that knows its trace's future.
+
+Belady's MIN (Belady, "A study of replacement algorithms for a virtual-storage computer", IBM Systems
+Journal 5(2), 1966; Mattson et al. 1970 proved it optimal) evicts the cached block whose next use lies
+farthest in the future. Here a "use" of a block hash is a request, in the order the replay first admits
+requests, whose full prompt blocks include that hash; a hash with no later use goes first. Prefix caching
+adds a dependency MIN does not know: a block hits only when its whole prefix hits. The next use of a child
+is never earlier than its parent's (every request holding the child holds the parent), and ties go to the
+deeper block, so **a child always leaves before its parent**. With that dependency (and blocks that are in
+use, hence not evictable, at eviction time) farthest-next-use is a strong reference, not a proven optimum:
+``tests/test_belady.py`` compares it with an exhaustive search over every eviction choice on small traces.
+
+:class:`TraceFuture` precomputes, for each admitted request and each of its prompt blocks, the position
+of the next request using that block (O(total prompt blocks) time and memory). :class:`BeladyPolicy` is
+an :class:`~kvpool.allocators.policies.EvictionPolicy` fed by it: the replay calls :meth:`BeladyPolicy.
+admitted` at each request's first admission, before it touches or allocates anything, and the policy
+re-keys every cached block of that request. O(log n) per pool call (a heap of ranks).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Hashable, Sequence
+
+from kvpool.allocators.policies import EvictionPolicy, KeyedHeap
+from kvpool.errors import IntegrityError
+from kvpool.trace.loaders import TraceRequest
+
+
+class TraceFuture:
+    """When each prompt block of a trace is next used, in the replay's admission order.
+
+    ``requests`` are every request the replay will admit, in the order it first admits them
+    (:func:`kvpool.trace.replay.admission_order`). ``next_use(i)[j]`` is the position of the next request
+    using the j-th prompt block hash of request ``i``, or :attr:`never` (``len(requests)``).
+    """
+
+    def __init__(self, requests: Sequence[TraceRequest], block_size: int) -> None:
+        self.requests = list(requests)
+        self.block_size = block_size
+        self.never = len(self.requests)
+        self.max_depth = max((r.input_tokens // block_size for r in self.requests), default=0)
+        last: dict[Hashable, int] = {}
+        nexts: list[array] = [array("l")] * len(self.requests)
+        for i in range(len(self.requests) - 1, -1, -1):
+            hashes = self.requests[i].block_hashes(block_size)
+            nexts[i] = array("l", [last.get(h, self.never) for h in hashes])
+            for h in hashes:
+                last[h] = i
+        del last
+        self._next = nexts
+
+    def next_use(self, i: int) -> array:
+        """Positions of the next use of each prompt block of admitted request ``i``."""
+        return self._next[i]
+
+
+class BeladyPolicy(EvictionPolicy):
+    """Evict the evictable block whose hash is next used farthest ahead (never used again first), the
+    deeper block first on a tie (child before parent). Rank of a block holding a hash seen at depth ``j``
+    with next use ``u``: ``u * (max_depth + 1) + j``; the highest rank goes first.
+
+    Only the replay can drive it: it must call :meth:`admitted` for every request it admits for the first
+    time, in the future's order (an out-of-order call raises :class:`IntegrityError`).
+    """
+
+    name = "belady"
+
+    def __init__(self, future: TraceFuture) -> None:
+        super().__init__()
+        self.future = future
+        self._width = future.max_depth + 1
+        self._never = (future.never + 1) * self._width  # above every finite rank
+        self._rank: dict[Hashable, int] = {}  # hashes with a next use: their rank from now on
+        self._holder: dict[Hashable, int] = {}  # cached hash -> block (as the pool's index)
+        self._heap = KeyedHeap(0)
+        self._hash: list[Hashable | None] = []
+        self.position = 0  # requests admitted so far
+
+    def _bound(self, num_blocks: int) -> None:
+        self._heap = KeyedHeap(num_blocks)
+        self._hash = [None] * num_blocks
+
+    def admitted(self, req: TraceRequest, hashes: Sequence[Hashable]) -> None:
+        """``req`` (block hashes ``hashes``) is admitted for the first time: each of its hashes is now next
+        used at the following request that holds it. Call before touching or allocating its blocks."""
+        i, future = self.position, self.future
+        if i >= len(future.requests) or future.requests[i] is not req:
+            raise IntegrityError(f"belady expected admitted request #{i} of its future, got another one")
+        self.position = i + 1
+        width, never, rank, holder, heap = self._width, future.never, self._rank, self._holder, self._heap
+        for j, (h, u) in enumerate(zip(hashes, future.next_use(i), strict=True)):
+            if u < never:
+                rank[h] = u * width + j
+            else:
+                rank.pop(h, None)
+            block = holder.get(h)
+            if block is not None and block in heap:
+                heap.push(block, -(u * width + j))
+
+    def published(self, block: int, block_hash: Hashable) -> None:
+        self._holder[block_hash] = block
+        self._hash[block] = block_hash
+
+    def insert(self, block: int, priority: int) -> None:
+        self._heap.push(block, -self._rank.get(self._hash[block], self._never))
+
+    def remove(self, block: int) -> None:
+        self._heap.discard(block)
+
+    def pop(self) -> int:
+        block = self._heap.pop()
+        self._forget(block)
+        return block
+
+    def dropped(self, block: int) -> None:
+        self._heap.discard(block)
+        self._forget(block)
+
+    def _forget(self, block: int) -> None:
+        h = self._hash[block]
+        if h is not None and self._holder.get(h) == block:
+            del self._holder[h]
+        self._hash[block] = None
+
+    def order(self) -> list[int]:
+        return self._heap.order()
+
+    def __len__(self) -> int:
+        return len(self._heap)

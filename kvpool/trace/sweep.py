@@ -1,0 +1,63 @@
+"""A sweep: the same trace replayed for each pool size and eviction policy, and its hit-ratio table.
+
+``run_sweep`` runs :func:`kvpool.trace.replay.run_replay` once per (pool size, policy), each on a fresh
+pool, optionally recording each run's timeline and a :class:`~kvpool.trace.report.PoolHeatmap`;
+``hit_ratio_table`` arranges the block hit ratios by policy and size. ``belady`` (the offline bound) is a
+policy like the others here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from kvpool.trace.loaders import TraceRequest
+from kvpool.trace.replay import ReplayConfig, ReplayResult, run_replay
+from kvpool.trace.report import PoolHeatmap
+
+if TYPE_CHECKING:
+    from kvpool.events import KVEventSink
+
+
+@dataclass(frozen=True)
+class SweepRun:
+    """One replay of a sweep: its result (with a timeline when recorded) and its heat map, if recorded."""
+
+    result: ReplayResult
+    heatmap: PoolHeatmap | None = None
+
+    @property
+    def policy(self) -> str:
+        return self.result.policy
+
+    @property
+    def num_blocks(self) -> int:
+        return self.result.num_blocks
+
+
+def run_sweep(requests: Sequence[TraceRequest], config: ReplayConfig, sizes: Sequence[int | None],
+              policies: Sequence[str], *, record: bool = False,
+              progress: Callable[[int], object] | None = None, event_sink: KVEventSink | None = None
+              ) -> list[SweepRun]:
+    """Replay ``requests`` with ``config`` for every pool size in ``sizes`` (None: unbounded) and policy in
+    ``policies``, sizes outermost, in the given orders. ``record`` keeps each run's timeline and heat map
+    (for :func:`kvpool.trace.report.write_report`); ``event_sink`` records every run's KV events (give it
+    to a single run). Raises :class:`~kvpool.errors.ConfigError` as :class:`ReplayConfig` and
+    :func:`run_replay` do, before the first run for a bad name or size."""
+    configs = [replace(config, num_blocks=size, policy=policy) for size in sizes for policy in policies]
+    runs = []
+    for cfg in configs:
+        heatmap = PoolHeatmap() if record else None
+        result = run_replay(requests, cfg, progress=progress, record_timeline=record, observer=heatmap,
+                            event_sink=event_sink)
+        runs.append(SweepRun(result, heatmap))
+    return runs
+
+
+def hit_ratio_table(runs: Sequence[SweepRun]) -> dict[str, dict[int, float]]:
+    """``{policy: {num_blocks: block_hit_ratio}}`` in the runs' order."""
+    table: dict[str, dict[int, float]] = {}
+    for run in runs:
+        table.setdefault(run.policy, {})[run.num_blocks] = run.result.block_hit_ratio
+    return table

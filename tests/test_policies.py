@@ -1,0 +1,319 @@
+"""Eviction policies, pins and frequency admission in the BlockPool, case by case: which block goes first.
+
+Every expected order below is worked out by hand from the policy's rule (its docstring and source paper),
+as vLLM's tests pin LRU order. The state machine (test_block_pool_stateful.py) runs each policy against a
+brute-force model on random sequences.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool import BlockPool, InvalidArgumentError, InvalidIdError, OutOfBlocksError, PinLimitError
+from kvpool.allocators.block_pool import BLOCK_STATES
+from kvpool.allocators.policies import (
+    POLICIES,
+    ARCPolicy,
+    FrequencyAdmission,
+    PriorityPolicy,
+    SLRUPolicy,
+    make_policy,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def scenario(policy: object, clock: Clock | None = None) -> BlockPool:
+    """Six blocks. Publish A..E on blocks 0..4 (in that order) and free them tail first (E, D, C, B, A);
+    then A is hit twice (touched, freed with priority 2 each time), B once (priority 1), and finally E
+    is touched and freed again (priority 0). Free order afterwards: D, C, A, B, E; hits A 2, B 1, E 1."""
+    pool = BlockPool(6, policy=policy)
+    blocks = pool.allocate(5)
+    pool.cache_blocks(blocks, ["A", "B", "C", "D", "E"])
+    pool.free(blocks[::-1])
+    for block, priority in ((0, 2), (0, 2), (1, 1), (4, 0)):
+        assert pool.lookup([["A", "B", "C", "D", "E"][block]]) == [block]
+        pool.touch([block])
+        pool.free([block], priority)
+    return pool
+
+
+#: Eviction order of the scenario, by hand, for each policy.
+EXPECTED = {
+    # free order
+    "lru": [3, 2, 0, 1, 4],
+    # publish order A B C D E, whatever the hits
+    "fifo": [0, 1, 2, 3, 4],
+    # hits: C 0, D 0 (D freed before C), then B 1 and E 1 (B freed before E), then A 2
+    "lfu": [3, 2, 1, 4, 0],
+    # probation (never hit): D, C; protected (hit) by entry: A, B, E (cap int(0.8 x 6) = 4, no demotion)
+    "slru": [3, 2, 0, 1, 4],
+    # priority 0 by free time: D, C, E; then B (1), then A (2)
+    "priority": [3, 2, 4, 1, 0],
+    # T1 (never hit) = C, D; T2 = A, B, E; p = 0 < |T1| = 2: T1 first in free order, then T2
+    "arc": [3, 2, 0, 1, 4],
+}
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_eviction_order_by_hand(name: str) -> None:
+    pool = scenario(name)
+    assert pool.policy.name == name
+    assert pool.evictable_blocks() == EXPECTED[name]
+    pool.check_integrity()
+    # allocate hands out the uncached block 5 first, then evicts in that order
+    got = [pool.allocate(1)[0] for _ in range(6)]
+    assert got == [5, *EXPECTED[name]]
+    assert pool.num_cached_blocks == 0 and pool.stats.evictions == 5
+    with pytest.raises(OutOfBlocksError):
+        pool.allocate(1)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_batched_eviction_takes_the_same_victims(name: str) -> None:
+    pool = scenario(name)
+    assert pool.allocate(4) == [5, *EXPECTED[name][:3]]
+    assert pool.evictable_blocks() == EXPECTED[name][3:]
+    assert [pool.block_hash(b) is None for b in EXPECTED[name]] == [True, True, True, False, False]
+
+
+def test_priority_decays_to_zero_after_retention_s() -> None:
+    clock = Clock()
+    pool = scenario(PriorityPolicy(retention_s=10.0, clock=clock))
+    clock.now = 9.99
+    assert pool.evictable_blocks() == EXPECTED["priority"]
+    clock.now = 10.0  # exactly retention_s after A's and B's frees: both count as priority 0 now
+    assert pool.evictable_blocks() == EXPECTED["lru"]
+    assert pool.allocate(2) == [5, 3]
+
+
+def test_priority_negative_goes_first_and_a_fresh_free_restarts_the_clock() -> None:
+    clock = Clock()
+    pool = BlockPool(3, policy=PriorityPolicy(retention_s=5.0, clock=clock))
+    blocks = pool.allocate(3)
+    pool.cache_blocks(blocks, ["x", "y", "z"])
+    pool.free([0], 3)
+    clock.now = 4.0
+    pool.free([1], -1)
+    pool.free([2], 0)
+    assert pool.evictable_blocks() == [1, 2, 0]  # -1, 0, 3
+    clock.now = 6.0  # block 0's priority 3 expired (freed at 0); block 1's -1 still holds (freed at 4)
+    assert pool.evictable_blocks() == [1, 0, 2]
+    pool.touch([0])
+    pool.free([0], 3)  # freed again at 6: priority 3 until 11
+    clock.now = 10.5  # block 1's -1 decayed at 9: it and block 2 are both 0 now, block 1 freed first
+    assert pool.evictable_blocks() == [1, 2, 0]
+
+
+def test_slru_demotes_the_oldest_protected_block_past_the_cap() -> None:
+    # 5 blocks, protected_fraction 0.4: at most 2 evictable protected blocks.
+    pool = BlockPool(5, policy=SLRUPolicy(protected_fraction=0.4))
+    blocks = pool.allocate(4)
+    pool.cache_blocks(blocks, ["a", "b", "c", "d"])
+    pool.free(blocks[::-1])  # probation: d c b a
+    for block in (0, 1, 2):  # a, b, c hit and freed: protected a, b; then c pushes a back to probation
+        pool.touch([block])
+        pool.free([block])
+    policy = pool.policy
+    assert isinstance(policy, SLRUPolicy)
+    assert list(policy.probation) == [3, 0] and list(policy.protected) == [1, 2]
+    assert pool.evictable_blocks() == [3, 0, 1, 2]
+    pool.touch([0])  # a is promoted again by a hit
+    pool.free([0])  # ... and its return demotes b
+    assert list(policy.probation) == [3, 1] and list(policy.protected) == [2, 0]
+
+
+def test_arc_ghost_hits_move_the_target_and_enter_t2() -> None:
+    pool = BlockPool(4, policy="arc")
+    arc = pool.policy
+    assert isinstance(arc, ARCPolicy)
+    blocks = pool.allocate(4)
+    pool.cache_blocks(blocks, ["a", "b", "c", "d"])  # all four in T1
+    pool.touch([2, 3])  # c, d hit: T2
+    pool.free(blocks[::-1])  # b, a become evictable (T1); c, d still held once
+    pool.free([2, 3])  # c, d evictable (T2)
+    assert (arc.size_t1, arc.size_t2, arc.p) == (2, 2, 0.0)
+    assert pool.evictable_blocks() == [1, 0, 2, 3]  # T1 (b, a in free order) while |T1| > p = 0, then T2
+    assert pool.allocate(1) == [1]  # b evicted from T1: ghost in B1
+    assert list(arc.b1) == ["b"]
+    pool.cache_blocks([1], ["b"])  # b comes back: a B1 hit, p += max(|B2| / |B1|, 1) = 1; b enters T2
+    assert arc.p == 1.0 and not arc.b1 and (arc.size_t1, arc.size_t2) == (1, 3)
+    pool.free([1])
+    assert pool.evictable_blocks() == [2, 3, 1, 0]  # |T1| = 1 is not > p = 1: T2 first (c, d, b), then a
+    assert pool.allocate(2) == [2, 3]  # c, d evicted from T2: ghosts in B2
+    assert list(arc.b2) == ["c", "d"]
+    pool.cache_blocks([3], ["d"])  # a B2 hit: p -= max(|B1| / |B2|, 1) = 1, to 0
+    assert arc.p == 0.0 and list(arc.b2) == ["c"]
+
+
+# ---- pins -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_a_pinned_block_is_never_evicted(name: str) -> None:
+    pool = scenario(name)
+    victim = EXPECTED[name][0]
+    pool.pin([victim])
+    assert pool.num_pinned_blocks == 1 and pool.ref_count(victim) == 1
+    assert pool.evictable_blocks() == EXPECTED[name][1:]
+    assert pool.allocate(5) == [5, *EXPECTED[name][1:]]
+    with pytest.raises(OutOfBlocksError):
+        pool.allocate(1)
+    assert pool.block_states()[victim] == BLOCK_STATES.index("pinned")
+    pool.unpin([victim])
+    assert pool.evictable_blocks() == [victim] and pool.allocate(1) == [victim]
+    pool.check_integrity()
+
+
+def test_pin_prefix_pins_shared_blocks_until_unpinned_and_a_pin_can_be_shared() -> None:
+    pool = BlockPool(8)
+    blocks = pool.allocate(3)
+    pool.cache_blocks(blocks, ["sys0", "sys1", "user"])
+    assert pool.pin_prefix(["sys0", "sys1"]) == [0, 1]
+    pool.free(blocks[::-1])
+    assert pool.evictable_blocks() == [2] and pool.num_used_blocks == 2
+    assert pool.lookup(["sys0", "sys1"]) == [0, 1]
+    pool.touch([0, 1])  # a request shares the pinned prefix
+    pool.free([1, 0])
+    pool.pin([0])  # a second pin on block 0
+    assert pool.pinned_blocks() == {0: 2, 1: 1}
+    pool.unpin([0, 1])
+    assert pool.pinned_blocks() == {0: 1} and pool.evictable_blocks() == [2, 1]
+    pool.unpin([0])
+    assert pool.evictable_blocks() == [2, 1, 0] and pool.num_used_blocks == 0
+    pool.check_integrity()
+
+
+def test_pin_cap_refuses_past_the_fraction_and_changes_nothing() -> None:
+    pool = BlockPool(10, pin_cap=0.25)  # at most 2 pinned blocks
+    assert pool.max_pinned_blocks == 2
+    blocks = pool.allocate(4)
+    pool.cache_blocks(blocks, ["a", "b", "c", "d"])
+    pool.pin([0, 1])
+    pool.pin([0])  # pinning a pinned block again needs no more room
+    with pytest.raises(PinLimitError, match="cap of 2"):
+        pool.pin([2])
+    with pytest.raises(PinLimitError):
+        pool.pin_prefix(["c", "d"])
+    assert pool.pinned_blocks() == {0: 2, 1: 1} and [pool.ref_count(b) for b in blocks] == [3, 2, 1, 1]
+    pool.check_integrity()
+
+
+def test_bad_pins_raise_typed_errors_and_change_nothing() -> None:
+    pool = BlockPool(6)
+    blocks = pool.allocate(3)
+    pool.cache_blocks(blocks[:2], ["a", "b"])  # block 2 in use, unhashed; 3..5 uncached free
+    before = (pool.pinned_blocks(), [pool.ref_count(b) for b in range(6)])
+    for call, error in [
+        (lambda: pool.pin([0, 2]), InvalidIdError),  # 2 holds no hash
+        (lambda: pool.pin([4]), InvalidIdError),  # free, not cached
+        (lambda: pool.pin([0, 0]), InvalidIdError),
+        (lambda: pool.pin([9]), InvalidIdError),
+        (lambda: pool.pin_prefix(["a", "zzz"]), InvalidIdError),  # not all cached
+        (lambda: pool.unpin([0]), InvalidIdError),  # not pinned
+        (lambda: pool.unpin([True]), InvalidIdError),
+    ]:
+        with pytest.raises(error):
+            call()
+        assert (pool.pinned_blocks(), [pool.ref_count(b) for b in range(6)]) == before
+    pool.check_integrity()
+
+
+def test_evict_blocks_drops_pins_and_reset_waits_for_unpin() -> None:
+    pool = BlockPool(4)
+    blocks = pool.allocate(2)
+    pool.cache_blocks(blocks, ["a", "b"])
+    pool.pin(blocks)
+    pool.free(blocks)
+    assert pool.reset_prefix_cache() is False  # pinned blocks are in use
+    pool.evict_blocks([0])  # its KV is invalid: the hash and the pin go, the block is free again
+    assert pool.pinned_blocks() == {1: 1} and pool.ref_count(0) == 0 and pool.block_hash(0) is None
+    pool.unpin([1])
+    assert pool.reset_prefix_cache() is True
+    pool.check_integrity()
+
+
+def test_block_states_of_every_kind() -> None:
+    pool = BlockPool(6, reserve_null_block=True)
+    blocks = pool.allocate(4)  # 1..4
+    pool.cache_blocks(blocks[:3], ["a", "b", "c"])
+    pool.pin([1])
+    pool.free([1, 2, 4])
+    names = [BLOCK_STATES[s] for s in pool.block_states()]
+    assert names == ["null", "pinned", "cached", "in use", "free", "free"]
+
+
+# ---- frequency admission --------------------------------------------------------------------------------
+
+
+def test_frequency_admission_publishes_a_hash_on_its_second_offer() -> None:
+    pool = BlockPool(6, admission=FrequencyAdmission(min_count=2))
+    first = pool.allocate(2)
+    pool.cache_blocks(first, ["a", "b"])  # first offers: not published, the blocks stay private
+    assert pool.num_cached_blocks == 0
+    pool.free(first[::-1])
+    assert pool.evictable_blocks() == []  # back on the free stack, reused first
+    second = pool.allocate(2)
+    pool.cache_blocks(second, ["a", "c"])  # "a" offered twice: published; "c" once
+    assert pool.lookup(["a"]) == [second[0]] and pool.lookup(["c"]) == []
+    pool.free(second[::-1])
+    assert pool.evictable_blocks() == [second[0]]
+
+
+def test_frequency_admission_bounds_its_counts_by_halving() -> None:
+    admission = FrequencyAdmission(min_count=3, max_tracked=2)
+    assert [admission.admit(h) for h in ["a", "a", "b"]] == [False, False, False]  # a: 2, b: 1
+    assert admission.counts == {"a": 2, "b": 1}
+    assert admission.admit("c") is False  # full: halve (a: 1, b dropped), then c: 1
+    assert admission.counts == {"a": 1, "c": 1}
+    assert [admission.admit("a"), admission.admit("a")] == [False, True]
+    assert "a" not in admission.counts
+
+
+# ---- bad configuration ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"policy": "mru"}, "unknown eviction policy 'mru'"),
+    ({"policy": "belady"}, "only the replay"),
+    ({"policy": 3}, "policy must be"),
+    ({"pin_cap": 0}, "pin_cap"),
+    ({"pin_cap": 1.5}, "pin_cap"),
+    ({"pin_cap": float("nan")}, "pin_cap"),
+    ({"admission": 2}, "admission"),
+])
+def test_bad_pool_options_raise_invalid_argument(kwargs: dict, match: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=match):
+        BlockPool(4, **kwargs)
+
+
+def test_a_policy_serves_one_pool() -> None:
+    policy = make_policy("lfu")
+    BlockPool(4, policy=policy)
+    with pytest.raises(InvalidArgumentError, match="already serves a pool"):
+        BlockPool(4, policy=policy)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: PriorityPolicy(retention_s=0), lambda: PriorityPolicy(retention_s=float("nan")),
+    lambda: SLRUPolicy(protected_fraction=0), lambda: SLRUPolicy(protected_fraction=True),
+    lambda: FrequencyAdmission(min_count=0), lambda: FrequencyAdmission(max_tracked=1.5),
+])
+def test_bad_policy_options_raise_invalid_argument(make) -> None:
+    with pytest.raises(InvalidArgumentError):
+        make()
+
+
+def test_free_with_a_bad_priority_changes_nothing() -> None:
+    for name in ("lru", "priority"):
+        pool = BlockPool(2, policy=name)
+        blocks = pool.allocate(2)
+        with pytest.raises(InvalidArgumentError, match="priority"):
+            pool.free(blocks, "high")  # type: ignore[arg-type]
+        assert [pool.ref_count(b) for b in blocks] == [1, 1]
