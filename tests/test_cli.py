@@ -135,3 +135,18 @@ def test_hostile_input_is_one_line(capsys: pytest.CaptureFixture, tmp_path: Path
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and "Traceback" not in err
     assert why in err, err
+
+
+def test_units_plural_and_bytes() -> None:
+    from kvpool.units import human_bytes, parse_bytes, plural
+
+    assert (plural(1, "KV head"), plural(8, "KV head"), plural(12031, "request")) == (
+        "1 KV head", "8 KV heads", "12,031 requests")
+    # 1181116006 B / 2**30 = 1.1000000... GiB; below 1 KiB exact; negative keeps its sign
+    assert (human_bytes(1181116006), human_bytes(1023), human_bytes(-2 * 2**20)) == (
+        "1.10 GiB", "1023 B", "-2.00 MiB")
+    assert human_bytes(10**400).startswith("~2^")  # past any float: a power of two, no OverflowError
+    assert (parse_bytes("80GiB"), parse_bytes("1.5 kib"), parse_bytes("4096")) == (80 * 2**30, 1536, 4096)
+    for bad in ("80GB", "1e9", "0x10", "1_000", "-1GiB", "1.5B", "9" * 30 + "TiB"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)

@@ -385,7 +385,7 @@ def test_cli_events_prints_one_line_per_event() -> None:
     lines = human.stdout.splitlines()
     assert lines == [f"#0 BlockStored group 0 CPU: 2 blocks x 2 tokens (4 token ids) parent - "
                      f"[{H[1].hex()[:12]} {H[2].hex()[:12]}]",
-                     f"#0 BlockRemoved group 0 CPU: 1 blocks [{H[1].hex()[:12]}]", "#1 AllBlocksCleared"]
+                     f"#0 BlockRemoved group 0 CPU: 1 block [{H[1].hex()[:12]}]", "#1 AllBlocksCleared"]
     rows = [json.loads(line) for line in as_json.stdout.splitlines()]
     assert [r["type"] for r in rows] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
     assert rows[0]["block_hashes"] == [H[1].hex(), H[2].hex()] and rows[0]["token_ids"] == [1, 2, 3, 4]

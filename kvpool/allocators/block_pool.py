@@ -49,6 +49,7 @@ from kvpool.errors import (
     PinLimitError,
 )
 from kvpool.numeric import as_id_list, as_int, as_real
+from kvpool.units import plural
 
 #: ``listener(block_ids, block_hashes)``: see :meth:`BlockPool.set_eviction_listener`.
 EvictionListener = Callable[[list[int], list[Hashable]], None]
@@ -192,7 +193,8 @@ class BlockPool:
         if type(n) is not int or n < 0:
             n = as_int(n, "block count", minimum=0)
         if n > len(self._free) + self.num_evictable_blocks:
-            raise OutOfBlocksError(f"asked for {n} blocks, {self.num_free_blocks} free of {self._n}")
+            raise OutOfBlocksError(f"asked for {plural(n, 'block')}, {self.num_free_blocks} free of "
+                                   f"{self._n}")
         return n
 
     def _evict(self, m: int) -> list[int]:

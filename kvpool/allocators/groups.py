@@ -32,6 +32,7 @@ from kvpool.allocators.block_pool import BlockPool, BlockPoolStats
 from kvpool.errors import IntegrityError, InvalidArgumentError, InvalidIdError, OutOfBlocksError
 from kvpool.numeric import as_int
 from kvpool.spec import KVCacheGroup, LayerKind, cdiv
+from kvpool.units import plural
 
 if TYPE_CHECKING:
     from kvpool.events import KVEventSink
@@ -195,8 +196,9 @@ class KVCacheCoordinator:
             self._check_hit(hit)
         need = self.num_blocks_to_allocate(request_id, num_tokens, hit)
         if need > self.pool.num_free_blocks:
-            raise OutOfBlocksError(f"request {request_id!r} needs {need} blocks for {num_tokens} tokens over "
-                                   f"{len(self.groups)} groups, {self.pool.num_free_blocks} are free")
+            raise OutOfBlocksError(f"request {request_id!r} needs {plural(need, 'block')} for "
+                                   f"{plural(num_tokens, 'token')} over {plural(len(self.groups), 'group')}, "
+                                   f"{self.pool.num_free_blocks} free")
         if tables is None:
             tables = self._admit(request_id, hit)
         target, allocate = cdiv(num_tokens, self.block_size), self.pool.allocate
@@ -208,8 +210,8 @@ class KVCacheCoordinator:
         """Add ``grow`` > 0 blocks to every table of a running request, in one pool call."""
         need = grow * len(tables)
         if need > self.pool.num_free_blocks:
-            raise OutOfBlocksError(f"request {request_id!r} needs {need} blocks over {len(tables)} groups, "
-                                   f"{self.pool.num_free_blocks} are free")
+            raise OutOfBlocksError(f"request {request_id!r} needs {plural(need, 'block')} over "
+                                   f"{plural(len(tables), 'group')}, {self.pool.num_free_blocks} free")
         blocks = self.pool.allocate(need)
         if len(tables) == 1:
             tables[0] += blocks

@@ -29,6 +29,7 @@ from kvpool.errors import (
     OutOfBlocksError,
 )
 from kvpool.numeric import as_id_tensor, as_int
+from kvpool.units import plural
 
 _FREE, _USED, _PAD = 0, 1, 2
 
@@ -308,7 +309,8 @@ class TokenToKVPoolAllocator:
     def _take(self, k: int) -> torch.Tensor:
         """Mark the top k free pages allocated; returns them as a view valid until the next push."""
         if k > self._cap - self._head:
-            raise OutOfBlocksError(f"need {k} pages ({k * self.page_size} slots), {self.num_free_pages} free")
+            raise OutOfBlocksError(f"need {plural(k, 'page')} ({plural(k * self.page_size, 'slot')}), "
+                                   f"{self.num_free_pages} free")
         pages = self._stack[self._head:self._head + k]
         self._mask.index_fill_(0, pages, _USED)
         self._head += k

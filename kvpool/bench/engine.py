@@ -26,6 +26,7 @@ import torch
 
 from kvpool.bench.timing import print_table, require_at_least
 from kvpool.errors import ConfigError
+from kvpool.units import plural
 
 NUM_BLOCKS, BLOCK_SIZE, BATCH_TOKENS = 64, 16, 256  # the peer's CPU settings (DESIGN.md)
 
@@ -138,7 +139,8 @@ def pool_blocks(prompts: list[list[int]], max_new_tokens: int, num_blocks: int |
         return max(NUM_BLOCKS, need)
     if num_blocks < need:
         raise ConfigError(f"--num-blocks {num_blocks} cannot hold the longest prompt with "
-                          f"{max_new_tokens} new tokens: it needs {need} blocks of {BLOCK_SIZE} tokens")
+                          f"{plural(max_new_tokens, 'new token')}: it needs {plural(need, 'block')} of "
+                          f"{BLOCK_SIZE} tokens")
     return num_blocks
 
 

@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from kvpool.cli._args import positive_float, positive_int
+from kvpool.units import plural
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -77,11 +78,11 @@ def event_line(row: dict[str, Any]) -> str:
     where = f"group {row['group_idx']} {row['medium']}"
     hashes = " ".join(_short(h) for h in row["block_hashes"])
     if row["type"] == "BlockRemoved":
-        return f"{head} {where}: {len(row['block_hashes'])} blocks [{hashes}]"
+        return f"{head} {where}: {plural(len(row['block_hashes']), 'block')} [{hashes}]"
     lora = f" lora {row['lora_name']}" if row["lora_name"] is not None else ""
     parent = "-" if row["parent_block_hash"] is None else _short(row["parent_block_hash"])
-    return (f"{head} {where}: {len(row['block_hashes'])} blocks x {row['block_size']} tokens "
-            f"({len(row['token_ids'])} token ids){lora} parent {parent} [{hashes}]")
+    return (f"{head} {where}: {plural(len(row['block_hashes']), 'block')} x {row['block_size']} tokens "
+            f"({plural(len(row['token_ids']), 'token id')}){lora} parent {parent} [{hashes}]")
 
 
 def _short(h: str | int) -> str:

@@ -28,6 +28,7 @@ from kvpool.cli._args import (
 from kvpool.cli._observe import Observers, add_event_arguments, add_metrics_arguments
 from kvpool.cli._tp import add_tp_argument, report_rank_failure, run_ranks, tp_size_of
 from kvpool.errors import ConfigError, OutOfBlocksError, RankFailedError
+from kvpool.units import plural
 
 DEFAULT_KV_MEMORY = 256 * 2**20  # CPU: 256 MiB of KV (SmolLM2 in float32: 364 blocks of 16 tokens)
 
@@ -225,13 +226,13 @@ def _print_human(results: list[dict[str, Any]], stats: dict[str, Any]) -> None:
         if "matches_reference" in result:
             print(f"    matches transformers generate: {'yes' if result['matches_reference'] else 'NO'}")
     ranks = f" per rank x {stats['tp_size']} ranks" if stats["tp_size"] > 1 else ""
-    print(f"pool: {stats['num_blocks']} blocks x {stats['block_size']} tokens "
+    print(f"pool: {plural(stats['num_blocks'], 'block')} x {stats['block_size']} tokens "
           f"({stats['pool_bytes']:,} bytes{ranks}), "
           f"peak used {stats['peak_blocks_used']}")
     print(f"prefix-hit tokens: {stats['prefix_hit_tokens']}, preemptions: {stats['preemptions']}")
     print(f"block hashes: {describe_hasher(stats['hashing'])}")
-    print(f"generated {stats['generated_tokens']} tokens in {stats['elapsed_s']:.2f} s "
-          f"({stats['tokens_per_s']:.1f} tokens/s, {stats['steps']} steps)")
+    print(f"generated {plural(stats['generated_tokens'], 'token')} in {stats['elapsed_s']:.2f} s "
+          f"({stats['tokens_per_s']:.1f} tokens/s, {plural(stats['steps'], 'step')})")
     if "tensor_parallel" in stats:
         tp = stats["tensor_parallel"]
         print(f"tensor parallel: {stats['tp_size']} ranks ({tp['backend']}); per step rank 0 encoded its "

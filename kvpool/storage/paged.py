@@ -23,6 +23,7 @@ from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError
 from kvpool.numeric import as_id_tensor, as_int
 from kvpool.spec import AttentionKind, KVCacheSpec
 from kvpool.storage.resident import resident_bytes
+from kvpool.units import plural
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 LAYOUTS = ("NHD", "HND")
@@ -282,7 +283,7 @@ class BlockStore:
         if not isinstance(block_table, torch.Tensor | Sequence):
             raise InvalidArgumentError(f"block_table must be a list or tensor of ids, got {block_table!r}")
         if len(block_table) < needed:
-            raise InvalidArgumentError(f"seq_len {seq_len} needs {needed} blocks, block_table has "
+            raise InvalidArgumentError(f"seq_len {seq_len} needs {plural(needed, 'block')}, block_table has "
                                        f"{len(block_table)}")
         return check_block_ids(block_table[:needed], self.num_blocks).to(self.device)
 

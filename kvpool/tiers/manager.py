@@ -40,6 +40,7 @@ from kvpool.storage.paged import BlockStore
 from kvpool.tiers.backend import TierBackend, gather_rows, scatter_rows
 from kvpool.tiers.host import HostTier
 from kvpool.tiers.writer import Writer
+from kvpool.units import plural
 
 DEVICE = 0  # PrefixHit.where value of a device block; tier i of the manager is where == i + 1
 LOAD_BATCH = 64  # blocks per load from a byte tier (the load buffer's rows)
@@ -161,8 +162,9 @@ class OffloadManager:
         below = [i for i, w in enumerate(hit.where) if w != DEVICE]
         revived = sum(1 for b in on_device if self.pool.ref_count(b) == 0)
         if len(below) + revived > self.pool.num_free_blocks:
-            raise OutOfBlocksError(f"taking a prefix of {len(hit)} blocks needs {len(below) + revived} free "
-                                   f"device blocks, {self.pool.num_free_blocks} are free")
+            raise OutOfBlocksError(f"taking a prefix of {plural(len(hit), 'block')} needs "
+                                   f"{plural(len(below) + revived, 'free device block')}, "
+                                   f"{self.pool.num_free_blocks} free")
         self.pool.touch(on_device)
         held = self._hold_below(hit, below)
         fresh = self.pool.allocate(len(below)) if below else []
