@@ -53,6 +53,8 @@ def assert_tp_matches(outcome: dict, refs: dict, single: dict) -> None:
             ref_tokens, ref_logits = refs[tuple(prompt)]
             assert tokens == ref_tokens, scenario
             torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+        assert got["tokens"] == single[scenario][0]["tokens"], scenario
+        torch.testing.assert_close(got["logits"], single[scenario][0]["logits"], atol=1e-4, rtol=0)
         assert got["stats"] == single[scenario][0]["stats"], scenario  # same decisions as one process
         assert got["all_free"] and ship["steps"] == got["stats"][-1]
 
