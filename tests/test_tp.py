@@ -89,9 +89,12 @@ def test_tp4_tiny_llama_replicates_each_kv_head_twice() -> None:
 
 
 def test_replayed_log_keeps_a_second_pool_in_lock_step() -> None:
+    from kvpool.events import QueueEventPublisher
+
     torch.set_num_threads(1)
+    # with KV events on, the coordinator publishes with parent hashes and token ids: those calls replay too
     engine = LLMEngine(helpers.build_model("tiny-llama"), num_blocks=14, block_size=helpers.BLOCK,
-                       max_num_batched_tokens=6)
+                       max_num_batched_tokens=6, kv_events=QueueEventPublisher())
     recorder = RecordingPool(engine.kv.pool, on_check=lambda: None)
     engine.kv.pool = engine.pool = recorder
     mirror = BlockPool(14)
@@ -123,6 +126,20 @@ def test_replay_and_digest_catch_a_pool_that_diverged() -> None:
     assert pool_digest(a) != pool_digest(b)
     with pytest.raises(IntegrityError, match="into block 1, which this rank's pool holds free"):
         check_batch_blocks(a, [(([0, 1],), 4, 5)], block_size=4, rank=1)  # writes block 1, which is free
+
+
+def test_pins_and_retention_priorities_replay() -> None:
+    leader, follower = BlockPool(8), BlockPool(8)
+    recorder = RecordingPool(leader, on_check=lambda: None)
+    ids = recorder.allocate(3)
+    recorder.cache_blocks(ids, [b"a", b"b", b"c"])
+    recorder.pin(ids[:1])
+    recorder.free(ids[::-1], priority=5)
+    assert recorder.pin_prefix([b"a", b"b"]) == ids[:2]
+    recorder.unpin(ids[:1])
+    replay(follower, recorder.drain(), rank=1)
+    assert follower.pinned_blocks() == leader.pinned_blocks() == {ids[0]: 1, ids[1]: 1}
+    assert pool_digest(follower) == pool_digest(leader)
 
 
 def test_recorded_calls_that_raise_are_not_logged() -> None:

@@ -49,7 +49,8 @@ from kvpool.spec import cdiv
 
 FRAME_BYTES = 16384  # a step's message is ~0.2-3 KB for a few requests: one broadcast nearly always
 DEFAULT_TIMEOUT_S = 300.0  # a collective waiting longer than this raises (a rank hung)
-_RECORDED = ("allocate", "free", "touch", "cache_blocks", "lookup", "evict_blocks", "reset_prefix_cache")
+_RECORDED = ("allocate", "free", "touch", "cache_blocks", "lookup", "evict_blocks", "reset_prefix_cache",
+             "pin", "pin_prefix", "unpin")
 T = TypeVar("T")
 
 
@@ -152,13 +153,14 @@ class RecordingPool:
     """Rank 0's ``BlockPool`` with a log of every call that changes it, for the followers to replay.
 
     The calls of :data:`_RECORDED` go to the pool and, when they return, are logged as ``(name, args,
-    result)`` (one that raises changed nothing, so nothing is logged); everything else (reads, counters)
-    passes straight through. :meth:`check_integrity` is the cross-rank check: it calls ``on_check``.
+    kwargs, result)`` (one that raises changed nothing, so nothing is logged; iterables are logged as
+    lists); everything else (reads, counters) passes straight through. :meth:`check_integrity` is the
+    cross-rank check: it calls ``on_check``.
     """
 
     def __init__(self, pool: Any, on_check: Callable[[], None]) -> None:
         self.pool = pool
-        self.log: list[tuple[str, tuple, Any]] = []
+        self.log: list[tuple[str, tuple, dict[str, Any], Any]] = []
         self._on_check = on_check
 
     def __getattr__(self, name: str) -> Any:  # reads only: every recorded call is defined below
@@ -166,21 +168,21 @@ class RecordingPool:
             raise AttributeError(name)
         return getattr(self.pool, name)
 
-    def drain(self) -> list[tuple[str, tuple, Any]]:
+    def drain(self) -> list[tuple[str, tuple, dict[str, Any], Any]]:
         log, self.log = self.log, []
         return log
 
     def allocate(self, n: int) -> list[int]:
         return self._call("allocate", n)
 
-    def free(self, block_ids: Iterable[int]) -> None:
-        self._call("free", list(block_ids))
+    def free(self, block_ids: Iterable[int], *args: Any, **kwargs: Any) -> None:
+        self._call("free", list(block_ids), *args, **kwargs)
 
     def touch(self, block_ids: Iterable[int]) -> None:
         self._call("touch", list(block_ids))
 
-    def cache_blocks(self, block_ids: Sequence[int], block_hashes: Sequence[Hashable]) -> None:
-        self._call("cache_blocks", list(block_ids), list(block_hashes))
+    def cache_blocks(self, block_ids: Sequence[int], block_hashes: Sequence[Hashable], **kwargs: Any) -> None:
+        self._call("cache_blocks", list(block_ids), list(block_hashes), **kwargs)
 
     def lookup(self, block_hashes: Iterable[Hashable]) -> list[int]:
         return self._call("lookup", list(block_hashes))
@@ -191,23 +193,32 @@ class RecordingPool:
     def reset_prefix_cache(self) -> bool:
         return self._call("reset_prefix_cache")
 
+    def pin(self, block_ids: Iterable[int]) -> None:
+        self._call("pin", list(block_ids))
+
+    def pin_prefix(self, block_hashes: Sequence[Hashable]) -> list[int]:
+        return self._call("pin_prefix", list(block_hashes))
+
+    def unpin(self, block_ids: Iterable[int]) -> None:
+        self._call("unpin", list(block_ids))
+
     def check_integrity(self) -> None:
         """Check every rank's pool and that all of them hold the same state (a collective)."""
         self._on_check()
 
-    def _call(self, name: str, *args: Any) -> Any:
-        result = getattr(self.pool, name)(*args)
-        self.log.append((name, args, result))
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        result = getattr(self.pool, name)(*args, **kwargs)
+        self.log.append((name, args, kwargs, result))
         return result
 
 
-def replay(pool: Any, log: Sequence[tuple[str, tuple, Any]], rank: int) -> None:
+def replay(pool: Any, log: Sequence[tuple[str, tuple, dict[str, Any], Any]], rank: int) -> None:
     """Apply rank 0's logged pool calls to ``pool``; IntegrityError at the first result that differs."""
-    for name, args, expected in log:
+    for name, args, kwargs, expected in log:
         if name not in _RECORDED:
             raise IntegrityError(f"rank {rank}: rank 0 shipped an unknown pool call {name!r}")
         try:
-            result = getattr(pool, name)(*args)
+            result = getattr(pool, name)(*args, **kwargs)
         except KVPoolError as exc:
             raise IntegrityError(f"rank {rank}: rank 0's {name} raised here ({exc}): the pools diverged") \
                 from exc
@@ -230,10 +241,11 @@ def check_batch_blocks(pool: Any, spans: Iterable[tuple[Sequence[list[int]], int
 
 def pool_digest(pool: Any) -> bytes:
     """SHA-256 of a ``BlockPool``'s state as its public reads show it: every block's ref count and hash, the
-    eviction order of the cached free blocks, and the prefix-cache counters. O(num_blocks)."""
+    eviction order of the cached free blocks, the pins and the prefix-cache counters. O(num_blocks)."""
     n = pool.num_blocks
     state = ([pool.ref_count(b) for b in range(n)], [pool.block_hash(b) for b in range(n)],
-             pool.evictable_blocks(), pool.num_free_blocks, repr(pool.stats))
+             pool.evictable_blocks(), sorted(pool.pinned_blocks().items()), pool.num_free_blocks,
+             repr(pool.stats))
     return hashlib.sha256(repr(state).encode()).digest()
 
 
