@@ -5,6 +5,7 @@ tests that need a server are skipped with that reason."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -17,12 +18,16 @@ import pytest
 
 PORTS = range(27100, 27200)
 START_TIMEOUT_S = 15.0
+ATTEMPTS = 5  # several test runs on one machine may race for a port: start again on another
 _used: set[int] = set()
 
 
 def free_port() -> int:
-    """A port of the range that nothing listens on and no server of this run took."""
-    for port in PORTS:
+    """A port of the range that nothing listens on and no server of this run took (the scan starts at an
+    offset of this process's id, so concurrent runs rarely probe the same ports)."""
+    start = os.getpid() % len(PORTS)
+    for i in range(len(PORTS)):
+        port = PORTS[(start + i) % len(PORTS)]
         if port in _used:
             continue
         with socket.socket() as s:
@@ -79,13 +84,24 @@ class Server:
         return _cli(self.port, *args)
 
 
+def _started(folder: Path, *extra: str) -> Server:
+    """A server on a free port, trying another port when one is taken meanwhile."""
+    for attempt in range(ATTEMPTS):
+        try:
+            return Server(free_port(), folder, *extra).start()
+        except RuntimeError:
+            if attempt == ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 @contextmanager
 def redis_server(folder: Path, *extra: str) -> Iterator[Server]:
     """A started single server, stopped on exit."""
     _need_redis()
-    server = Server(free_port(), folder, *extra)
+    server = _started(folder, *extra)
     try:
-        yield server.start()
+        yield server
     finally:
         server.stop()
 
@@ -97,10 +113,9 @@ def redis_cluster(folder: Path) -> Iterator[list[Server]]:
     nodes = []
     try:
         for i in range(3):
-            port = free_port()
-            options = ("--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
+            options = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                        "--cluster-node-timeout", "2000")
-            nodes.append(Server(port, folder / f"node{i}", *options).start())
+            nodes.append(_started(folder / f"node{i}", *options))
         addresses = [f"127.0.0.1:{n.port}" for n in nodes]
         subprocess.run(["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", "0",
                         "--cluster-yes"], capture_output=True, timeout=30, check=True)

@@ -93,3 +93,17 @@ def test_groups_rows_and_ratios(capsys: pytest.CaptureFixture) -> None:
     assert replay["requests"] == 20 and replay["kv_cache_groups"] == 2
     assert replay["mean_memory_saving"] == pytest.approx(
         1 - replay["mean_bytes_used"] / replay["all_full_mean_bytes_used"], abs=1e-6)
+
+
+def test_tiers_rows_and_ratios(capsys: pytest.CaptureFixture, redis_single) -> None:
+    result = bench(capsys, "tiers", "--batch", "2", "--repeat", "1", "--blocks", "smollm2-135m",
+                   "--remote", redis_single.url, "--replay-requests", "5")
+    rows = result["rows"]
+    assert {(r["tier"], r["op"]) for r in rows} == {(t, op) for t in ("host", "disk", "remote")
+                                                    for op in ("store", "load")}
+    for row in rows:
+        assert row["blocks_bytes"] == 2 * 2 * 30 * 16 * 3 * 64 * 2  # 2 blocks: K and V, 30 layers, bf16
+        assert row["gb_s"] == pytest.approx(row["blocks_bytes"] / row["s"] / 1e9)
+        assert row["ratio"] == pytest.approx(row["s"] and row["baseline_s"] / row["s"])  # one repetition
+    replay = result["replay"]
+    assert replay["block_ops_per_s"] == pytest.approx(replay["block_ops"] / replay["wall_s"])

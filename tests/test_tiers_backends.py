@@ -263,10 +263,11 @@ def test_file_tier_keeps_its_blocks_across_a_restart_oldest_first(tmp_path: Path
 
 
 def test_hash_only_tiers_store_headers(tmp_path: Path) -> None:
-    host = HostTier(3, NS)
+    host = HostTier(3, NS)  # a batch larger than the tier: its first block is evicted at once
     assert host.set([1, 2, 3, 4], None) == 3 and host.exists([2, 3, 4]) == 3 and host.exists([1]) == 0
     disk = FileTier(tmp_path, NS, capacity_bytes=2 * HEADER_BYTES, block_bytes=0)
-    assert disk.set([1, 2, 3], None) == 3 and disk.exists([2, 3]) == 2 and disk.exists([1]) == 0
+    assert disk.set([1, 2, 3], None) == 2 and disk.exists([2, 3]) == 2 and disk.exists([1]) == 0
+    assert host.stats().evictions == disk.stats().evictions == 1
     assert disk.get([2, 3], None) == 2 and disk.used_bytes == 2 * HEADER_BYTES
 
 
@@ -411,20 +412,25 @@ def test_values_tampered_in_redis_are_misses(redis_single) -> None:
     t = RedisTier(redis_single.url, ns, block_bytes=BPB)
     t.set(keys(4), rows(4))
     client = redis.Redis.from_url(redis_single.url)
-    name = lambda k: t._name(block_key(k))  # noqa: E731
-    value = client.get(name(1))
-    client.set(name(1), value[:-1])  # truncated
+    name = lambda k: t._name(block_key(k))  # noqa: E731  (a hash: h = the header, p = the payload)
+    payload = client.hget(name(1), "p")
+    client.hset(name(1), "p", payload[:-1])  # truncated
     out = torch.zeros(4, BPB, dtype=torch.uint8)
     assert t.get(keys(4), out) == 1 and t.stats().corrupt == 1
-    client.set(name(1), value)
-    client.set(name(2), client.get(name(3)))  # block 3's value under block 2's key
+    client.hset(name(1), "p", payload[:7] + bytes([payload[7] ^ 1]) + payload[8:])  # one bit flipped
+    assert t.get(keys(4), out) == 1 and t.stats().corrupt == 2
+    client.hset(name(1), "p", payload)
+    client.hset(name(2), mapping=client.hgetall(name(3)))  # block 3's value under block 2's key
     assert t.get(keys(4), out) == 2 and t.stats().foreign == 1
     other = RedisTier(redis_single.url, OTHER, block_bytes=BPB)
     other.set(keys(1, base=2), rows(1, seed=5))
-    client.set(name(2), client.get(other._name(block_key(2))))  # another namespace's value
+    client.hset(name(2), mapping=client.hgetall(other._name(block_key(2))))  # another namespace's value
     assert t.get(keys(4), out) == 2 and t.stats().foreign == 2
-    client.set(name(2), b"not a value")
-    assert t.get(keys(4), out) == 2 and t.stats().corrupt == 2
+    client.hdel(name(2), "h")  # the header gone
+    assert t.get(keys(4), out) == 2 and t.stats().corrupt == 3
+    client.delete(name(2))
+    client.set(name(2), b"not a value")  # a string where a block's hash belongs
+    assert t.get(keys(4), out) == 2 and t.stats().corrupt == 4 and t.stats().errors == 0
 
 
 def test_keys_evicted_by_redis_maxmemory_are_missing(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from kvpool.cli._args import (
     seed,
 )
 from kvpool.cli._observe import Observers, add_event_arguments, add_metrics_arguments
+from kvpool.cli._tiers import add_tier_arguments, build_tiers, check_tier_targets, leaves_process, wants_tiers
 from kvpool.cli._tp import add_tp_argument, report_rank_failure, run_ranks, tp_size_of
 from kvpool.errors import ConfigError, OutOfBlocksError, RankFailedError
 from kvpool.units import plural
@@ -61,6 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--check", action="store_true", help="compare with transformers' greedy generate")
     add_tp_argument(parser)
     add_hash_arguments(parser)
+    add_tier_arguments(parser, disk_in_blocks=False)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_event_arguments(parser)
     add_metrics_arguments(parser)
@@ -111,11 +113,16 @@ def run(args: argparse.Namespace) -> int:
     if args.check and args.temperature != 0:
         raise ConfigError("--check compares greedy outputs: use it with --temperature 0")
     texts = read_prompts(args)
-    args.hash_shared = args.hash_shared or args.kv_events is not None  # event hashes leave the process
+    if wants_tiers(args):
+        check_tier_targets(args)
+    # event hashes, and those in a file or a shared Redis, leave the process: the same in every process
+    args.hash_shared = args.hash_shared or args.kv_events is not None or leaves_process(args)
     hasher = hasher_from_args(args)
     params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              seed=args.seed + i) for i in range(len(texts))]  # bad input fails before loading
     tp_size = tp_size_of(args, args.model)
+    if tp_size > 1 and wants_tiers(args):
+        raise ConfigError("tiers (--host-blocks, --disk-dir, --remote) run with one rank only for now")
     try:
         out = run_ranks(generate_on_rank, tp_size, args, texts, params, hasher, command="generate")
     except RankFailedError as exc:
@@ -157,11 +164,16 @@ def generate_on_rank(tp: Any, args: argparse.Namespace, texts: list[str], params
                            kv_events=observers.publisher)
         observers.watch_engine(engine)
         prompts = [loaded.encode(text) for text in texts]
+        offload = _enable_tiers(engine, loaded, args) if wants_tiers(args) else None
 
         def lead(engine: Any) -> list[Any]:
             return _generate_or_explain(engine, prompts, params, texts)
 
-        done = (lead(engine), None) if tp is None else run_engine(tp, engine, lead)
+        try:
+            done = (lead(engine), None) if tp is None else run_engine(tp, engine, lead)
+        finally:
+            if offload is not None:
+                offload.close()  # the stores in flight land (a shared Redis has them for the next process)
     if done is None:
         return None
     requests, ship = done
@@ -180,6 +192,17 @@ def _check(model: Any, prompts: list[list[int]], results: list[dict[str, Any]], 
     for result, prompt in zip(results, prompts, strict=True):
         reference = reference_greedy(model, prompt, max_new_tokens)[0]
         result["matches_reference"] = reference == result["output_token_ids"]
+
+
+def _enable_tiers(engine: Any, loaded: Any, args: argparse.Namespace) -> Any:
+    """The tiers the options ask for, under the engine's pool; their namespace names the model by its
+    weights (so two processes share blocks exactly when they run the same weights)."""
+    from kvpool.tiers.backend import Namespace, weights_fingerprint
+
+    model_id = f"{args.model}:{weights_fingerprint(loaded.model.parameters())}"
+    ns = Namespace.for_cache(engine.cache, model=model_id, hash_scheme=engine.hasher.algorithm)
+    tiers = build_tiers(args, ns, block_bytes=engine.cache.bytes_per_block, like=engine.cache)
+    return engine.enable_offload(tiers, write_through=args.write_through)
 
 
 def _generate_or_explain(engine: Any, prompts: list[list[int]], params: list[Any], texts: list[str]
@@ -213,6 +236,8 @@ def _stats(engine: Any, tp: Any = None, ship: Any = None) -> dict[str, Any]:
              "tokens_per_s": round(s.tokens_per_s, 2), "pool_bytes": engine.cache.nbytes,
              "hashing": engine.hasher.describe(), "kv_cache_groups": [g.describe() for g in engine.kv.groups],
              "tp_size": 1 if tp is None else tp.size}
+    if engine.offload is not None:
+        stats["tier_hits"], stats["tiers"] = engine.offload.tier_hits(), engine.offload.stats()
     if tp is not None:
         stats["tensor_parallel"] = {"backend": tp.backend, **ship.to_dict()}
     return stats
@@ -231,6 +256,9 @@ def _print_human(results: list[dict[str, Any]], stats: dict[str, Any]) -> None:
           f"peak used {stats['peak_blocks_used']}")
     print(f"prefix-hit tokens: {stats['prefix_hit_tokens']}, preemptions: {stats['preemptions']}")
     print(f"block hashes: {describe_hasher(stats['hashing'])}")
+    if "tier_hits" in stats:
+        hits = ", ".join(f"{where} {n}" for where, n in stats["tier_hits"].items())
+        print(f"prefix-hit blocks by tier: {hits} (load failures: {stats['tiers']['load_failures']})")
     print(f"generated {plural(stats['generated_tokens'], 'token')} in {stats['elapsed_s']:.2f} s "
           f"({stats['tokens_per_s']:.1f} tokens/s, {plural(stats['steps'], 'step')})")
     if "tensor_parallel" in stats:

@@ -5,7 +5,9 @@ trace). Pool size: ``--num-blocks N``, or what ``kvpool plan`` gives a model in 
 (``--model-config PATH --gpu-memory BYTES``), or by default unbounded (every request's blocks at once, so
 nothing is evicted or preempted). ``--policy NAME`` picks the eviction policy (``belady``: the offline
 farthest-next-use bound); ``--sweep SIZES --policies NAMES`` replays every pool size with every policy and
-prints the hit-ratio table; ``--report FILE.html`` writes a self-contained page of the runs.
+prints the hit-ratio table; ``--report FILE.html`` writes a self-contained page of the runs. Tiers below
+the pool (``--host-blocks``, ``--disk-dir`` + ``--disk-blocks``, ``--remote``) keep the evicted blocks'
+hashes; ``tier_hits`` says where the hits were found, and ``--sweep`` with ``--plot`` draws them by tier.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 from kvpool.cli._args import id_list, non_negative_float, positive_int, positive_int_list, word_list
 from kvpool.cli._observe import Observers, add_event_arguments
+from kvpool.cli._tiers import add_tier_arguments, build_tiers, wants_tiers
 from kvpool.cli.plan import add_memory_arguments, plan_from_args
 from kvpool.errors import ConfigError
 from kvpool.planner import PoolPlan
@@ -46,13 +49,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-requests", type=positive_int, metavar="N", help="replay the first N requests")
     parser.add_argument("--skip-malformed", action="store_true", help="skip and count malformed rows")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--plot", metavar="FILE.png", help="draw blocks in use / cached / free over time")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="draw blocks in use / cached / free over time; with tiers and --sweep, the hit "
+                             "ratio by tier against the pool size")
     parser.add_argument("--report", metavar="FILE.html",
                         help="write one self-contained HTML page: hit ratio per pool size and policy, the "
                              "pool over time, a heat map of the pool, the parameters")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     _capacity_arguments(parser.add_argument_group("pool size"))
     _policy_arguments(parser.add_argument_group("eviction"))
+    add_tier_arguments(parser, disk_in_blocks=True)
     _engine_arguments(parser.add_argument_group("engine model (step times; budgets apply to trace timing)"))
     add_event_arguments(parser)
     parser.set_defaults(func=run)
@@ -103,7 +109,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             runs = run_sweep(trace.requests, config, sizes, policies, record=bool(args.plot or args.report),
                              progress=bar and bar.update,
-                             event_sink=observers.event_sink(block_size=args.block_size))
+                             event_sink=observers.event_sink(block_size=args.block_size),
+                             tiers=_tier_factory(args, trace) if wants_tiers(args) else None,
+                             write_through=args.write_through)
         finally:
             if bar is not None:
                 bar.close()
@@ -113,9 +121,12 @@ def run(args: argparse.Namespace) -> int:
         report.update(compare_all_full(trace.requests, config, spec, pool_plan.available_kv_bytes,
                                        runs[0].result))
     if args.plot:
-        from kvpool.trace.plot import plot_timeline
+        from kvpool.trace.plot import plot_tier_sweep, plot_timeline
 
-        report["plot"] = str(plot_timeline(runs[0].result, args.plot, title=f"kvpool replay {trace.format}"))
+        title = f"kvpool replay {trace.format}"
+        drawn = plot_timeline(runs[0].result, args.plot, title=title) if len(runs) == 1 else \
+            plot_tier_sweep([run.result for run in runs], args.plot, title=title)
+        report["plot"] = str(drawn)
     if args.report:
         from kvpool.trace.report import write_report
 
@@ -144,8 +155,8 @@ def _plan_runs(args: argparse.Namespace
     sizes: list[int | None] = [*args.sweep] if args.sweep else [num_blocks]
     hybrid = spec is not None and (spec.has_windows or len(spec.groups) > 1)
     policies: list[str] = args.policies or [args.policy]
-    if args.plot and len(sizes) * len(policies) > 1:
-        raise ConfigError("--plot draws one run; use --report for a sweep")
+    if args.plot and len(sizes) * len(policies) > 1 and (len(policies) > 1 or not wants_tiers(args)):
+        raise ConfigError("--plot draws one run, or a sweep of pool sizes by tier; use --report for a sweep")
     if args.kv_events and len(sizes) * len(policies) > 1:
         raise ConfigError("--kv-events follows one run: drop --sweep / --policies")
     for policy in policies:  # every name now, not after the first runs
@@ -156,6 +167,23 @@ def _plan_runs(args: argparse.Namespace
         prefill_token_s=args.prefill_token_s, decode_token_s=args.decode_token_s, policy=policies[0],
         pin_prefix=tuple(args.pin_prefix), groups=spec.groups if spec is not None and hybrid else ())
     return config, sizes, policies, spec, pool_plan
+
+
+def _tier_factory(args: argparse.Namespace, trace: Any) -> Any:
+    """Fresh hash-only tiers for each run, in a namespace of this trace and block size, emptied first (a
+    run starts cold; :func:`run_sweep` empties them again after it, leaving nothing in a shared Redis)."""
+    from kvpool.tiers.backend import Namespace
+
+    ns = Namespace(f"replay:{Path(str(trace.path)).name}", "none", f"hash-only/block_size={args.block_size}",
+                   hash_scheme="trace-block-ids")
+
+    def tiers() -> list[Any]:
+        built = build_tiers(args, ns, block_bytes=0)
+        for tier in built:
+            tier.clear()
+        return built
+
+    return tiers
 
 
 def _check_output(path: str | None, option: str, suffix: str) -> None:
@@ -213,6 +241,9 @@ _FORMATS = {
 
 def _human(report: dict[str, Any]) -> str:
     lines = [f"{name:<20} {report[name]:{spec}}" for name, spec in _FORMATS.items() if name in report]
+    if report.get("tiers"):
+        hits = ", ".join(f"{where} {n:,}" for where, n in report["tier_hits"].items())
+        lines.insert(10, f"{'tier_hits':<20} {hits}")
     for name, value in report.get("all_full", {}).items():
         lines.append(f"all full: {name:<20} {value:{_FORMATS.get(name, ',')}}")
     return "\n".join(lines)
@@ -235,6 +266,19 @@ def _sweep_text(runs: list[SweepRun], report: dict[str, Any]) -> str:
     bound = table.get("belady")
     if bound:
         text += lines("of bound", lambda p, row, s: f"{row[s] / bound[s]:.1%}" if bound.get(s) else "-")
+    if runs[0].result.tiers:
+        text += _tier_lines(runs)
     if "report" in report:
         text.append(f"report {report['report']}")
     return "\n".join(text)
+
+
+def _tier_lines(runs: list[SweepRun]) -> list[str]:
+    """Block hit ratio by where the blocks were found (columns), per run (rows)."""
+    places = list(dict.fromkeys(p for run in runs for p in run.result.tier_hits))
+    out = ["by tier (block hit ratio):", f"{'pool blocks':>12}" + "".join(f"{p:>10}" for p in places)]
+    for run in runs:
+        total = run.result.prompt_blocks or 1
+        cells = "".join(f"{run.result.tier_hits.get(p, 0) / total:>10.4f}" for p in places)
+        out.append(f"{run.num_blocks:>12,}{cells}  {run.policy}")
+    return out

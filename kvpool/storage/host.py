@@ -114,7 +114,7 @@ class HostKVCache:
             if cached_free:  # its block may be handed out as soon as this returns: finish the copy first
                 self._wait_for(host_ids)
         else:
-            self.cache.write_blocks(dst, cache.read_blocks(src.to(cache.device)))
+            cache.copy_blocks_to(self.cache, ids, host_ids)
         return host_ids
 
     def swap_in(self, cache: BlockStore, host_ids: BlockIds, block_ids: BlockIds) -> None:
@@ -137,7 +137,7 @@ class HostKVCache:
         if cache.device.type == "cuda":
             self._swap_in_cuda(cache, src, dst)
         else:
-            cache.write_blocks(dst, self.cache.read_blocks(src))
+            self.cache.copy_blocks_to(cache, src.tolist(), dst.tolist())
 
     def free(self, host_ids: BlockIds) -> None:
         """Return host blocks to the host pool (after completing a swap-out still landing in them).

@@ -22,8 +22,9 @@ Contract of every :class:`TierBackend` (thread-safe; a call never raises for a f
   full, server down, larger than the tier) is counted in ``store_failures`` and skipped.
 * ``refresh(keys)``: mark them recently used (the offload manager does it before the device allocation
   whose evictions could otherwise push out blocks it is about to load).
-* ``delete(keys) -> int``; ``capacity_bytes`` (None = unbounded), ``used_bytes``, ``num_blocks``;
-  ``stats()``; ``check_integrity()`` (raises :class:`IntegrityError`); ``close()``.
+* ``delete(keys) -> int``; ``clear() -> int`` (every block of the namespace); ``capacity_bytes`` (None =
+  unbounded), ``used_bytes``, ``num_blocks``; ``stats()``; ``check_integrity()`` (raises
+  :class:`IntegrityError`); ``close()``.
 
 A stored value is ``header (64 bytes) || payload``; the header holds a magic, the format version, the
 namespace digest, the block key, the payload length and an XXH3-64 checksum of the payload, and its
@@ -46,7 +47,7 @@ import xxhash
 
 from kvpool.errors import InvalidArgumentError
 from kvpool.numeric import as_int
-from kvpool.storage.paged import BlockStore, raw_dtype
+from kvpool.storage.paged import BlockStore
 
 MAGIC = b"KVPB"
 VERSION = 1
@@ -166,16 +167,23 @@ def checksum_of(header: Any) -> int:
     return _HEADER.unpack(header)[6]
 
 
+def verify_parts(header: Any, payload: Any, namespace: bytes, key: bytes, length: int) -> str | None:
+    """Why a header and its payload are a miss (``"corrupt"``, ``"foreign"``), or None when they fit."""
+    header, payload = memoryview(header), memoryview(payload)
+    if header.nbytes != HEADER_BYTES or payload.nbytes != length:
+        return "corrupt"
+    why = check_header(header, namespace, key, length)
+    if why is None and xxhash.xxh3_64_intdigest(payload) != checksum_of(header):
+        return "corrupt"
+    return why
+
+
 def verify_value(value: Any, namespace: bytes, key: bytes, length: int) -> tuple[str | None, memoryview]:
-    """(why it is a miss or None, the payload view) for a whole stored value."""
+    """(why it is a miss or None, the payload view) for a whole stored value (header then payload)."""
     view = memoryview(value)
     if view.nbytes != HEADER_BYTES + length:
         return "corrupt", view
-    why = check_header(view[:HEADER_BYTES], namespace, key, length)
-    payload = view[HEADER_BYTES:]
-    if why is None and xxhash.xxh3_64_intdigest(payload) != checksum_of(view[:HEADER_BYTES]):
-        why = "corrupt"
-    return why, payload
+    return verify_parts(view[:HEADER_BYTES], view[HEADER_BYTES:], namespace, key, length), view[HEADER_BYTES:]
 
 
 @dataclass
@@ -266,6 +274,10 @@ class TierBackend(ABC):
     def check_integrity(self) -> None:
         """Verify the tier's invariants; raises :class:`~kvpool.errors.IntegrityError` naming it."""
 
+    @abstractmethod
+    def clear(self) -> int:
+        """Remove every block of this tier's namespace (a replay starting cold); returns how many."""
+
     def refresh(self, keys: Sequence[Hashable]) -> None:  # noqa: B027 (optional: tiers without an LRU)
         """Mark ``keys`` recently used (a tier with its own LRU moves them to its tail); no-op here."""
 
@@ -307,8 +319,7 @@ def block_rows(cache: BlockStore) -> torch.Tensor:
     """A view of ``cache``'s buffer as ``[num_blocks, ...]`` raw words with the block dimension first: row
     ``b`` is block ``b``'s bytes in every layer (not contiguous across rows). ``index_select`` of it into a
     contiguous ``[n, ...]`` tensor gathers blocks as tier rows in one copy."""
-    buffer = cache.buffer
-    return buffer.view(raw_dtype(buffer.shape[-1] * buffer.element_size())).movedim(cache.block_dim, 0)
+    return cache.raw_blocks()
 
 
 def gather_rows(cache: BlockStore, block_ids: Sequence[int], out: torch.Tensor) -> None:

@@ -17,25 +17,15 @@ import contextlib
 import errno
 import fcntl
 import os
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 
 import torch
-import xxhash
 
 from kvpool.errors import ConfigError, IntegrityError
 from kvpool.numeric import as_int
-from kvpool.tiers.backend import (
-    HEADER_BYTES,
-    Namespace,
-    TierBackend,
-    block_keys,
-    check_header,
-    checksum_of,
-    encode_header,
-)
+from kvpool.tiers.backend import HEADER_BYTES, Namespace, TierBackend, block_keys, encode_header, verify_parts
 
 #: ``listener(keys, payloads)``: blocks a store is about to evict, with their verified payloads.
 Cascade = Callable[[list[bytes], list[bytes]], None]
@@ -101,24 +91,26 @@ class FileTier(TierBackend):
         return n
 
     def set(self, keys: Sequence[Hashable], blocks: torch.Tensor | None) -> int:
-        """Refresh the keys held already, then write the others in order, each after evicting least
-        recently used files until it fits."""
+        """Refresh the keys held already, then write the others in order, as if one at a time into an LRU
+        bounded by the capacity: the least recently used files are evicted first (all the batch needs at
+        once, passed down together), and when the batch alone exceeds the capacity its first blocks, which
+        such a store would evict again at once, go down instead of being written."""
         names = self._check_rows(keys, blocks, "blocks")
         with self._lock:
             held = [key in self._index for key in names]
             for key, there in zip(names, held, strict=True):
                 if there:
                     self._index.move_to_end(key)
-        stored = sum(held)
-        for i, key in enumerate(names):
-            if held[i]:
-                continue
-            if self.value_bytes > self._capacity:
-                self._count_failure()
-                continue
-            self._make_room()
-            stored += self._write(key, blocks[i] if blocks is not None and self.block_bytes else None)
-        return stored
+        new = list({names[i]: i for i in range(len(names)) if not held[i]}.values())
+        fits = self._capacity // self.value_bytes
+        if not fits:
+            self._count_failure(len(new))
+            return sum(held)
+        left_out, new = new[:max(0, len(new) - fits)], new[max(0, len(new) - fits):]
+        rows = blocks if blocks is not None and self.block_bytes else None
+        self._make_room(len(new), [(names[i], rows[i] if rows is not None else None) for i in left_out])
+        written = sum(self._write(names[i], rows[i] if rows is not None else None) for i in new)
+        return sum(held) + written
 
     def delete(self, keys: Sequence[Hashable]) -> int:
         gone = 0
@@ -131,6 +123,11 @@ class FileTier(TierBackend):
             _unlink(self._path(key))
             gone += 1
         return gone
+
+    def clear(self) -> int:
+        with self._lock:
+            keys = list(self._index)
+        return self.delete(keys)
 
     def refresh(self, keys: Sequence[Hashable]) -> None:
         with self._lock:
@@ -178,40 +175,44 @@ class FileTier(TierBackend):
         return self._dir / name[:2] / name
 
     def _read(self, key: bytes, row: torch.Tensor | None) -> str | None:
-        """Read ``key``'s file into ``row``; why it is a miss, or None."""
+        """Read ``key``'s file into ``row`` (one ``readv``: header, payload, and one byte that must stay
+        empty); why it is a miss, or None."""
+        header = bytearray(HEADER_BYTES)
+        payload = memoryview(row.numpy()) if row is not None else memoryview(bytearray(0))
+        extra = bytearray(1)
         try:
-            with open(self._path(key), "rb", buffering=0) as f:
-                header = f.read(HEADER_BYTES)
-                if len(header) != HEADER_BYTES:
-                    return "corrupt"
-                why = check_header(header, self._ns, key, self.block_bytes)
-                if why is not None:
-                    return why
-                payload = memoryview(row.numpy()) if row is not None else memoryview(b"")
-                if _read_into(f, payload) != len(payload) or f.read(1):
-                    return "corrupt"
+            fd = os.open(self._path(key), os.O_RDONLY)
         except FileNotFoundError:
             return "missing"
         except OSError:
             return "errors"
-        return None if xxhash.xxh3_64_intdigest(payload) == checksum_of(header) else "corrupt"
+        try:
+            got = os.readv(fd, [header, payload, extra])  # a regular file reads short only at its end
+        except OSError:
+            return "errors"
+        finally:
+            os.close(fd)
+        if got != HEADER_BYTES + len(payload):  # truncated, or longer than a value
+            return "corrupt"
+        return verify_parts(header, payload, self._ns, key, self.block_bytes)
 
     def _write(self, key: bytes, row: torch.Tensor | None) -> bool:
-        """Write ``key``'s value atomically (temporary file, rename); False (counted) when the disk
-        refuses."""
+        """Write ``key``'s value (one ``writev``); False (counted) when the disk refuses. It goes straight
+        to its name: a reader only reads indexed keys, and a key is indexed once its file is whole (a torn
+        file a crash leaves behind fails its checksum: a miss)."""
         payload = memoryview(row.numpy()) if row is not None else memoryview(b"")
         path = self._path(key)
-        tmp = path.with_name(f"{path.name}.tmp{threading.get_ident()}")
         try:
             if path.parent.name not in self._subdirs:
                 path.parent.mkdir(exist_ok=True)
                 self._subdirs.add(path.parent.name)
-            with open(tmp, "wb", buffering=0) as f:
-                _write_all(f, encode_header(self._ns, key, payload))
-                _write_all(f, payload)
-            os.replace(tmp, path)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                _write_all(fd, [encode_header(self._ns, key, payload), payload])
+            finally:
+                os.close(fd)
         except OSError:
-            _unlink(tmp)
+            _unlink(path)
             self._count_failure()
             return False
         with self._lock:
@@ -221,34 +222,39 @@ class FileTier(TierBackend):
             self._stats.stored_bytes += self.block_bytes
         return True
 
-    def _make_room(self) -> None:
-        """Evict least recently used files until one more value fits. A victim stays readable until it has
-        been passed down (the cascade), so a reader finds it here or below, never in neither."""
+    def _make_room(self, n: int, left_out: list[tuple[bytes, torch.Tensor | None]]) -> None:
+        """Evict least recently used files until ``n`` more values fit, and pass them down (the cascade)
+        with the ``left_out`` blocks of the batch, oldest first. A victim stays readable until then, so a
+        reader finds it here or below, never in neither."""
         with self._lock:
             victims, freed = [], 0
             for key, size in self._index.items():
-                if self._used - freed + self.value_bytes <= self._capacity:
+                if self._used - freed + n * self.value_bytes <= self._capacity:
                     break
                 victims.append(key)
                 freed += size
-        if victims and self._cascade is not None:
-            self._pass_down(victims)
+        if (victims or left_out) and self._cascade is not None:
+            self._pass_down(victims, left_out)
         with self._lock:
             for key in victims:
                 size = self._index.pop(key, None)
                 if size is not None:
                     self._used -= size
                     self._stats.evictions += 1
+            self._stats.evictions += len(left_out)
         for key in victims:
             _unlink(self._path(key))
 
-    def _pass_down(self, victims: list[bytes]) -> None:
+    def _pass_down(self, victims: list[bytes], left_out: list[tuple[bytes, torch.Tensor | None]]) -> None:
         keys, payloads = [], []
         buf = torch.empty(max(self.block_bytes, 1), dtype=torch.uint8)
-        for key in victims:
+        for key in victims:  # corrupt ones are not passed on
             if self._read(key, buf[:self.block_bytes] if self.block_bytes else None) is None:
                 keys.append(key)
                 payloads.append(bytes(buf.numpy()[:self.block_bytes]))
+        for key, row in left_out:
+            keys.append(key)
+            payloads.append(row.numpy().tobytes() if row is not None else b"")
         if keys:
             self._cascade(keys, payloads)
 
@@ -262,9 +268,9 @@ class FileTier(TierBackend):
         if why != "errors":
             _unlink(self._path(key))
 
-    def _count_failure(self) -> None:
+    def _count_failure(self, n: int = 1) -> None:
         with self._lock:
-            self._stats.store_failures += 1
+            self._stats.store_failures += n
 
     def _scan(self) -> None:
         """Index the files a previous run left (oldest first), delete stray temporary files, then evict
@@ -309,21 +315,16 @@ def _claim(folder: Path) -> int:
     return fd
 
 
-def _read_into(f, view: memoryview) -> int:  # noqa: ANN001 (a raw file)
-    """readinto until ``view`` is full or the file ends; returns the bytes read."""
-    got = 0
-    while got < len(view):
-        n = f.readinto(view[got:])
-        if not n:
-            break
-        got += n
-    return got
-
-
-def _write_all(f, data: memoryview | bytes) -> None:  # noqa: ANN001 (a raw file)
-    view = memoryview(data)
-    while view:
-        view = view[f.write(view):]
+def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:
+    """``writev`` until every part is written (a short write continues where it stopped)."""
+    views = [memoryview(p) for p in parts]
+    while views:
+        done = os.writev(fd, views)
+        while views and done >= len(views[0]):
+            done -= len(views[0])
+            views.pop(0)
+        if views:
+            views[0] = views[0][done:]
 
 
 def _unlink(path: Path) -> None:

@@ -49,6 +49,7 @@ class HostTier(TierBackend):
             self.host, self.pool = None, BlockPool(num_blocks)
         self._landing: deque[list[int] | None] = deque()  # per HostKVCache copy in flight: host ids or None
         self._overflow = 0  # blocks a store left out for want of room (evicted at once)
+        self.ops = 0  # block ids and hashes handled by calls of the host pool (as a replay counts them)
 
     # ---- the generic interface (tier rows) ----------------------------------------------------------
 
@@ -65,11 +66,13 @@ class HostTier(TierBackend):
         return n
 
     def get(self, keys: Sequence[Hashable], out: torch.Tensor | None) -> int:
-        self._check_rows(keys, out, "out") if self.host is not None else None
+        if self.host is not None:
+            self._check_rows(keys, out, "out")
         with self._lock:
             ids = self._hold_prefix(keys)
             if ids and self.host is not None:
-                self.host.synchronize() if self.host.num_in_flight else None
+                if self.host.num_in_flight:  # a copy may still be landing in one of them (CUDA)
+                    self.host.synchronize()
                 gather_rows(self.host.cache, ids, out)
             return self._release_loaded(ids, len(keys))
 
@@ -97,6 +100,11 @@ class HostTier(TierBackend):
             self.pool.evict_blocks(idle)
             self.pool.free(idle)
             return len(idle)
+
+    def clear(self) -> int:
+        with self._lock:
+            self.synchronize()
+            return self.delete([self.pool.block_hash(b) for b in self.pool.evictable_blocks()])
 
     # ---- the device path ------------------------------------------------------------------------------
 
@@ -169,18 +177,23 @@ class HostTier(TierBackend):
                 self.pool.free(ids)
 
     def _refresh(self, keys: Sequence[Hashable]) -> list[int]:
-        """Move the held ones of ``keys`` to the LRU tail; return the indices of the others (first
-        occurrence only)."""
-        pool, new, seen = self.pool, [], set()
+        """Move the held ones of ``keys`` to the LRU tail, in order (touched and freed together: a block in
+        use, landing or being read, keeps its reference and its place); return the indices of the others
+        (first occurrence only)."""
+        get, new, held, seen = self.pool.get_cached_block, [], [], set()
         for i, key in enumerate(keys):
-            block = pool.get_cached_block(key)
-            if block is None:
-                if key not in seen:
-                    seen.add(key)
-                    new.append(i)
-            elif pool.ref_count(block) == 0:
-                pool.touch([block])
-                pool.free([block])
+            block = get(key)
+            if block is not None:
+                if block not in seen:
+                    held.append(block)
+                    seen.add(block)
+            elif key not in seen:
+                seen.add(key)
+                new.append(i)
+        if held:
+            self.pool.touch(held)
+            self.pool.free(held)
+        self.ops += len(keys) + 2 * len(held)
         return new
 
     def _fit(self, new: list[int]) -> tuple[list[int], list[int]]:
@@ -192,12 +205,14 @@ class HostTier(TierBackend):
         """Host blocks of the leading held keys, each touched (held while it is read)."""
         ids = self.pool.lookup(keys)
         self.pool.touch(ids)
+        self.ops += min(len(ids) + 1, len(keys)) + len(ids)
         return ids
 
     def _release_loaded(self, ids: list[int], asked: int) -> int:
         """Free the blocks a read held (tail first: the head of a chain ends most recently used) and count
         the load; a read that stopped early is one miss."""
         self.pool.free(ids[::-1])
+        self.ops += len(ids)
         stats = self._stats
         stats.loaded += len(ids)
         stats.loaded_bytes += len(ids) * self.block_bytes
@@ -211,6 +226,7 @@ class HostTier(TierBackend):
         if ids:
             self.pool.cache_blocks(ids, keys)
             self.pool.free(ids)
+        self.ops += 3 * len(ids)  # allocated, published, freed
         self._count_stored(len(ids))
 
     def _count_stored(self, n: int) -> None:

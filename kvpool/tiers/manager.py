@@ -54,6 +54,7 @@ class PrefixHit:
     hashes: list[Hashable]
     where: list[int] = field(default_factory=list)
     device_ids: list[int | None] = field(default_factory=list)
+    device_prefix: int = 0  # the leading blocks all on the device
 
     def __len__(self) -> int:
         return len(self.where)
@@ -85,14 +86,20 @@ class OffloadManager:
         self.lower = self.tiers[1:] if self.host is not None else self.tiers
         self.writer = Writer(self.lower, staging_blocks=staging_blocks, asynchronous=asynchronous)
         self._load_buf = torch.empty(0, dtype=torch.uint8)
-        self.device_hits = self.load_failures = self.ops = 0
+        self.device_hits = self.load_failures = self._ops = 0
         pool.set_eviction_listener(self._device_evicted)
-        if self.host is not None:
+        if self.host is not None and self.lower:  # with nothing below, a host eviction just drops the block
             self.host.pool.set_eviction_listener(self._host_evicted)
         if not write_through:
             for upper, below in zip(self.lower, self.lower[1:], strict=False):
                 if hasattr(upper, "set_eviction_listener"):
                     upper.set_eviction_listener(self._cascade_to(below))
+
+    @property
+    def ops(self) -> int:
+        """Block ids and hashes handled by pool calls of the manager and of the host tier's pool (a trace
+        replay adds them to its ``block_ops``)."""
+        return self._ops + (self.host.ops if self.host is not None else 0)
 
     def _check_tiers(self) -> None:
         bytes_per_block = self.cache.bytes_per_block if self.cache is not None else 0
@@ -112,26 +119,30 @@ class OffloadManager:
         lookup stats; changes nothing else (tier hits are counted by :meth:`acquire`)."""
         hashes = list(hashes)
         device = self.pool.lookup(hashes)
-        hit = PrefixHit(hashes, [DEVICE] * len(device), list(device))
+        hit = PrefixHit(hashes, [DEVICE] * len(device), list(device), len(device))
         if len(device) < len(hashes) and self.tiers:
             self._walk(hit, len(device))
-        self.ops += min(len(hit) + 1, len(hashes))
+        self._ops += min(len(hit) + 1, len(hashes))
         return hit
 
     def _walk(self, hit: PrefixHit, p: int) -> None:
         """Extend ``hit`` from position ``p``: per block the device, else the first tier holding it (a
-        tier's run from a position, once asked, is reused while it lasts)."""
-        hashes, cached = hit.hashes, self.pool.get_cached_block
+        tier's run from a position, once asked, is reused while it lasts; a run of the chain's first tier
+        is taken whole, since no faster tier could be preferred inside it)."""
+        hashes, cached, where, ids = hit.hashes, self.pool.get_cached_block, hit.where, hit.device_ids
         left: list[int | None] = [None] * len(self.tiers)  # blocks known held by tier t from p on
         while p < len(hashes):
             block = cached(hashes[p])
-            where = DEVICE if block is not None else self._first_tier(hashes, p, left)
-            if where is None:
+            tier = DEVICE if block is not None else self._first_tier(hashes, p, left)
+            if tier is None:
                 return
-            hit.where.append(where)
-            hit.device_ids.append(block)
-            left = [None if n is None or n <= 1 else n - 1 for n in left]
-            p += 1
+            run = left[0] if tier == 1 else 1
+            for q in range(p, p + run):  # the device first, even inside the run
+                block = cached(hashes[q]) if q > p else block
+                where.append(DEVICE if block is not None else tier)
+                ids.append(block)
+            left = [None if n is None or n <= run else n - run for n in left]
+            p += run
 
     def _first_tier(self, hashes: list[Hashable], p: int, left: list[int | None], first: int = 0
                     ) -> int | None:
@@ -149,8 +160,15 @@ class OffloadManager:
     def num_blocks_to_allocate(self, hit: PrefixHit, num_blocks: int) -> int:
         """Free device blocks taking ``hit`` plus ``num_blocks - len(hit)`` new blocks consumes: all but
         the device hits that are in use already (as :meth:`BlockPool.num_blocks_to_allocate`)."""
+        return num_blocks - self._device_hits_in_use(hit)
+
+    def _device_hits_in_use(self, hit: PrefixHit) -> int:
+        """Device hits with a reference already: the leading device prefix counted by the pool in one call,
+        the device hits after a gap one by one (rare)."""
+        d = hit.device_prefix
+        in_use = d - self.pool.num_blocks_to_allocate(hit.hashes[:d], d)
         ref = self.pool.ref_count
-        return num_blocks - sum(1 for b in hit.device_ids if b is not None and ref(b) > 0)
+        return in_use + sum(1 for b in hit.device_ids[d:] if b is not None and ref(b) > 0)
 
     def acquire(self, hit: PrefixHit) -> list[int]:
         """Device blocks for ``hit``'s prefix, each with a reference held for the caller: device hits
@@ -160,7 +178,7 @@ class OffloadManager:
         blocks: check :meth:`num_blocks_to_allocate` first."""
         on_device = [b for b in hit.device_ids if b is not None]
         below = [i for i, w in enumerate(hit.where) if w != DEVICE]
-        revived = sum(1 for b in on_device if self.pool.ref_count(b) == 0)
+        revived = len(on_device) - self._device_hits_in_use(hit)
         if len(below) + revived > self.pool.num_free_blocks:
             raise OutOfBlocksError(f"taking a prefix of {plural(len(hit), 'block')} needs "
                                    f"{plural(len(below) + revived, 'free device block')}, "
@@ -179,20 +197,21 @@ class OffloadManager:
             self.pool.cache_blocks(good, [hit.hashes[i] for i in below[:loaded]])
         self._count_hits(hit, end)
         self.pool.free(ids[end:][::-1])  # past a failed load: back to the pool
-        self.ops += len(hit) + len(below)
+        self._ops += len(hit) + len(below)
         return ids[:end]  # type: ignore[return-value]
 
     def _hold_below(self, hit: PrefixHit, below: list[int]) -> list[int]:
         """Keep the blocks about to be loaded where they are while the device allocation's evictions
         cascade down: host blocks are touched (returned, to release), byte-tier blocks refreshed."""
-        for t, tier in enumerate(self.tiers):
-            keys = [hit.hashes[i] for i in below if hit.where[i] == t + 1]
-            if keys and tier is not self.host:
-                self.writer.refresh(t - (self.host is not None), keys)
-        if self.host is None:
+        keys: list[list[Hashable]] = [[] for _ in self.tiers]
+        for i in below:
+            keys[hit.where[i] - 1].append(hit.hashes[i])
+        for t, mine in enumerate(keys):
+            if mine and self.tiers[t] is not self.host:
+                self.writer.refresh(t - (self.host is not None), mine)
+        if self.host is None or not keys[0]:
             return []
-        keys = [hit.hashes[i] for i in below if hit.where[i] == 1]
-        ids = [b for b in map(self.host.pool.get_cached_block, keys) if b is not None]
+        ids = [b for b in map(self.host.pool.get_cached_block, keys[0]) if b is not None]
         self.host.pool.touch(ids)
         return ids
 
@@ -265,11 +284,10 @@ class OffloadManager:
         return self._load_buf[:n * bpb].view(n, bpb)
 
     def _count_hits(self, hit: PrefixHit, end: int) -> None:
-        counts = [0] * (len(self.tiers) + 1)
-        for where in hit.where[:end]:
-            counts[where] += 1
-        self.device_hits += counts[0]
-        for tier, n in zip(self.tiers, counts[1:], strict=True):
+        where = hit.where[:end] if end < len(hit) else hit.where
+        self.device_hits += where.count(DEVICE)
+        for t, tier in enumerate(self.tiers):
+            n = where.count(t + 1)
             if n:
                 tier.count_hits(n)
 
@@ -293,7 +311,7 @@ class OffloadManager:
         """Device blocks into the host tier (if any; in eviction mode the blocks that do not fit there go
         on to the first byte tier), else into the byte tiers ``lower``; with write-through into every byte
         tier as well, staged from the device blocks."""
-        self.ops += len(block_ids)
+        self._ops += len(block_ids)
         if self.host is not None:
             left_out = self.host.store_from_device(self.cache, block_ids, hashes, hold=hold)
             if not self.write_through:
@@ -306,7 +324,7 @@ class OffloadManager:
         with write-through the byte tiers have it already)."""
         if self.write_through or not self.lower:
             return
-        self.ops += len(host_ids)
+        self._ops += len(host_ids)
         cache = self.host.host.cache if self.host.host is not None else None  # type: ignore[union-attr]
         self._stage(lambda ids, out: gather_rows(cache, ids, out), host_ids, hashes, range(1))
 
@@ -344,13 +362,20 @@ class OffloadManager:
         if self.host is not None:
             self.host.synchronize()
 
-    def close(self) -> None:
-        """Finish every store, stop the writer, detach from the pools and close the tiers."""
+    def detach(self) -> None:
+        """Finish every store, stop the writer and stop listening to the pools (the tiers stay open)."""
         self.synchronize()
         self.writer.close()
         self.pool.set_eviction_listener(None)
-        if self.host is not None:
+        if self.host is not None and self.lower:
             self.host.pool.set_eviction_listener(None)
+        for tier in self.lower:
+            if hasattr(tier, "set_eviction_listener"):
+                tier.set_eviction_listener(None)
+
+    def close(self) -> None:
+        """:meth:`detach`, then close the tiers."""
+        self.detach()
         for tier in self.tiers:
             tier.close()
 

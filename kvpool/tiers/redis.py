@@ -1,9 +1,11 @@
 """``RedisTier``: blocks in a Redis server or a Redis Cluster (redis-py), shared by every process that uses
 the same server and namespace.
 
-Key of a block: ``<prefix>:<namespace tag>:<32 hex digits of the block key>``; value: the 64-byte header
-and the payload (:mod:`kvpool.tiers.backend`). Calls are pipelined (``EXISTS``/``GET``/``SET`` batches; on
-a cluster redis-py's cluster pipeline splits them by node). Capacity is the server's business: set
+Key of a block: ``<prefix>:<namespace tag>:<32 hex digits of the block key>``; value: a hash of two fields,
+``h`` the 64-byte header and ``p`` the payload (:mod:`kvpool.tiers.backend`), so the payload goes to the
+socket straight from the tier's rows, never copied into one string first (``HSET`` / ``HMGET``: one key,
+written and evicted as a whole). Calls are pipelined (``EXISTS``/``HMGET``/``HSET`` batches; on a cluster
+redis-py's cluster pipeline splits them by node). Capacity is the server's business: set
 ``maxmemory`` and an eviction policy (``allkeys-lru``) there; a key the server evicted is a miss.
 
 Faults never raise: a server that is down, killed mid-run or unreachable at start makes every call a miss
@@ -28,19 +30,13 @@ from redis.retry import Retry
 
 from kvpool.errors import ConfigError, IntegrityError
 from kvpool.numeric import as_optional_int, as_real
-from kvpool.tiers.backend import (
-    HEADER_BYTES,
-    Namespace,
-    TierBackend,
-    block_keys,
-    encode_header,
-    verify_value,
-)
+from kvpool.tiers.backend import Namespace, TierBackend, block_keys, encode_header, verify_parts
 
 SCHEMES = ("redis", "rediss")
 #: Bytes of values per pipeline at most (a batch of big blocks is split).
 PIPELINE_BYTES = 64 * 2**20
 _FAULTS = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
+_FIELDS = (b"h", b"p")
 
 
 def check_url(url: str) -> str:
@@ -117,7 +113,7 @@ class RedisTier(TierBackend):
         n = 0
         while n < len(names):
             part = names[n:n + self._per_pipeline]
-            values = self._pipelined("get", [self._name(k) for k in part])
+            values = self._pipelined("hmget", [self._name(k) for k in part])
             if values is None:
                 break
             ok = self._take(part, values, out, n)
@@ -134,10 +130,10 @@ class RedisTier(TierBackend):
         stored = 0
         for start in range(0, len(names), self._per_pipeline):
             part = names[start:start + self._per_pipeline]
-            values = [self._value(k, blocks[start + i] if blocks is not None and self.block_bytes else None)
+            values = [self._fields(k, blocks[start + i] if blocks is not None and self.block_bytes else None)
                       for i, k in enumerate(part)]
-            done = self._pipelined("set", [self._name(k) for k in part], values)
-            ok = sum(1 for r in done if r is True) if done is not None else 0
+            done = self._pipelined("hset", [self._name(k) for k in part], values)
+            ok = sum(1 for r in done if isinstance(r, int)) if done is not None else 0
             with self._lock:
                 self._stats.stored += ok
                 self._stats.stored_bytes += ok * self.block_bytes
@@ -152,6 +148,25 @@ class RedisTier(TierBackend):
         gone = sum(int(r) for r in done if isinstance(r, int)) if done is not None else 0
         with self._lock:
             self._stored_keys = max(0, self._stored_keys - gone)
+        return gone
+
+    def clear(self) -> int:
+        """Delete every key of this namespace (SCAN then DEL, every node of a cluster); 0 when the server
+        cannot be reached."""
+        client = self._connect()
+        if client is None:
+            return 0
+        try:
+            names = list(client.scan_iter(match=self._key_head + b"*", count=1000))
+        except _FAULTS as exc:
+            self._lose(exc)
+            return 0
+        gone = 0
+        for start in range(0, len(names), 1000):
+            done = self._pipelined("delete", names[start:start + 1000]) or []
+            gone += sum(int(r) for r in done if isinstance(r, int))
+        with self._lock:
+            self._stored_keys = 0
         return gone
 
     @property
@@ -191,21 +206,23 @@ class RedisTier(TierBackend):
     def _name(self, key: bytes) -> bytes:
         return self._key_head + key.hex().encode()
 
-    def _value(self, key: bytes, row: torch.Tensor | None) -> memoryview:
+    def _fields(self, key: bytes, row: torch.Tensor | None) -> dict[bytes, Any]:
         payload = memoryview(row.numpy()) if row is not None else memoryview(b"")
-        value = bytearray(HEADER_BYTES + len(payload))
-        value[:HEADER_BYTES] = encode_header(self._ns, key, payload)
-        value[HEADER_BYTES:] = payload
-        return memoryview(value)
+        return {b"h": encode_header(self._ns, key, payload), b"p": payload}
 
     def _take(self, keys: list[bytes], values: list[Any], out: torch.Tensor | None, start: int) -> int:
-        """Verify fetched values into ``out[start:]``; how many leading ones were good (the first bad one
-        is counted as a miss)."""
+        """Verify fetched ``[header, payload]`` pairs into ``out[start:]``; how many leading ones were good
+        (the first bad one is counted as a miss)."""
         for i, (key, value) in enumerate(zip(keys, values, strict=True)):
-            if not isinstance(value, bytes):
-                why = "errors" if isinstance(value, Exception) else "missing"
+            if isinstance(value, redis.ResponseError):  # not a hash (WRONGTYPE): someone else's value
+                why = "corrupt"
+            elif isinstance(value, Exception):
+                why = "errors"
+            elif value[0] is None or value[1] is None:
+                why = "missing" if value[0] is None and value[1] is None else "corrupt"
             else:
-                why, payload = verify_value(value, self._ns, key, self.block_bytes)
+                header, payload = value
+                why = verify_parts(header, payload, self._ns, key, self.block_bytes)
             if why is not None:
                 with self._lock:
                     setattr(self._stats, why, getattr(self._stats, why) + 1)
@@ -214,7 +231,7 @@ class RedisTier(TierBackend):
                 memoryview(out[start + i].numpy())[:] = payload
         return len(keys)
 
-    def _pipelined(self, command: str, names: list[bytes], values: list[memoryview] | None = None
+    def _pipelined(self, command: str, names: list[bytes], values: list[dict[bytes, Any]] | None = None
                    ) -> list[Any] | None:
         """Run ``command`` once per name in one pipeline; None when the server cannot be reached (the
         call is counted as an error and the client dropped until ``retry_s`` has passed)."""
@@ -225,18 +242,23 @@ class RedisTier(TierBackend):
         try:
             pipe = client.pipeline(transaction=False) if not self.cluster else client.pipeline()
             for i, name in enumerate(names):
-                if command == "set":
-                    pipe.set(name, values[i], ex=self._ttl)
+                if command == "hset":
+                    pipe.hset(name, mapping=values[i])
+                    if self._ttl is not None:
+                        pipe.expire(name, self._ttl)
+                elif command == "hmget":
+                    pipe.hmget(name, _FIELDS)
                 else:
                     getattr(pipe, command)(name)
-            return pipe.execute(raise_on_error=False)
+            done = pipe.execute(raise_on_error=False)
+            return done[::2] if command == "hset" and self._ttl is not None else done
         except _FAULTS as exc:
             self._lose(exc)
             self._count_unreachable(command)
             return None
 
     def _count_unreachable(self, command: str) -> None:
-        if command in ("get", "exists"):
+        if command in ("hmget", "exists"):
             with self._lock:
                 self._stats.errors += 1
 

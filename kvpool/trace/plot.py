@@ -1,4 +1,5 @@
-"""A PNG of a replay's timeline: blocks in use, cached (free, evictable) and free, over simulated time.
+"""PNGs of replays: one replay's timeline (blocks in use, cached and free over simulated time), and a sweep's
+hit ratio by tier against the device pool size.
 
 Needs matplotlib (the ``replay`` extra), imported only when a plot is drawn. :func:`draw_timeline` draws
 the chart on any matplotlib axes; the HTML report (:mod:`kvpool.trace.report`) uses it too.
@@ -6,6 +7,7 @@ the chart on any matplotlib axes; the HTML report (:mod:`kvpool.trace.report`) u
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,36 @@ def plot_timeline(result: ReplayResult, path: str | Path, *, title: str = "kvpoo
                  f"{result.token_hit_ratio:.4f}\n{result.num_blocks:,} blocks, {result.timing} timing, "
                  f"{result.policy} eviction, {result.preemptions:,} preemptions, {result.evictions:,} "
                  "evictions", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    return Path(path)
+
+
+def plot_tier_sweep(results: Sequence[ReplayResult], path: str | Path, *, title: str = "kvpool replay"
+                    ) -> Path:
+    """Draw the block hit ratio of each replay of a sweep, stacked by where the blocks were found (device,
+    host, disk, remote), against the device pool size (one bar per run, in the given order). Returns the
+    path. Raises ValueError for an empty sweep."""
+    if not results:
+        raise ValueError("a sweep of no runs has nothing to draw")
+    from matplotlib.figure import Figure
+
+    places = list(dict.fromkeys(p for r in results for p in r.tier_hits))
+    fig = Figure(figsize=(10, 4.5), dpi=100)
+    ax = fig.subplots()
+    x = range(len(results))
+    bottom = [0.0] * len(results)
+    colors = {"device": "#d62728", "host": "#1f77b4", "disk": "#2ca02c", "remote": "#9467bd"}
+    for place in places:
+        share = [r.tier_hits.get(place, 0) / r.prompt_blocks if r.prompt_blocks else 0.0 for r in results]
+        ax.bar(x, share, bottom=bottom, label=place, color=colors.get(place))
+        bottom = [b + s for b, s in zip(bottom, share, strict=True)]
+    ax.set_xticks(list(x), [f"{r.num_blocks:,}" for r in results])
+    ax.set_xlabel(f"device pool size (blocks of {results[0].block_size} tokens)")
+    ax.set_ylabel("block hit ratio")
+    ax.set_ylim(0, max(1e-9, max(bottom)) * 1.15)
+    ax.set_title(f"{title}: block hit ratio by tier, {results[0].timing} timing", fontsize=10)
+    ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     return Path(path)

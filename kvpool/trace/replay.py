@@ -34,7 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvpool.allocators.block_pool import BlockPool
 from kvpool.allocators.policies import POLICIES, EvictionPolicy, make_policy
@@ -46,6 +46,7 @@ from kvpool.trace.loaders import MOONCAKE_BLOCK_SIZE, TraceRequest, sub_blocks_p
 
 if TYPE_CHECKING:
     from kvpool.events import KVEventSink
+    from kvpool.tiers.backend import TierBackend
 
 TIMINGS = ("instant", "trace")
 #: Eviction policies a replay can use: the pool's own, and the offline bound.
@@ -125,6 +126,11 @@ class ReplayResult:
     published and freed); ``block_ops_per_s = block_ops / wall_s``, ``wall_s`` the replay's own wall time.
     ``timeline`` (only when recorded) holds :data:`Sample` rows; ``policy`` is the eviction policy's name;
     ``pinned_blocks`` the blocks of ``config.pin_prefix`` that were pinned (0 if it never was all cached).
+
+    With tiers below the pool, ``hit_blocks`` counts hits in every tier and ``tier_hits`` splits them by
+    where they were found (``device``, then each tier's medium: ``host``, ``disk``, ``remote``); ``tiers``
+    holds the :meth:`OffloadManager.stats` of the run, and ``block_ops`` includes the block operations of
+    the manager and of the host tier's pool. Without tiers ``tier_hits`` is ``{"device": hit_blocks}``.
     """
 
     requests_completed: int
@@ -146,6 +152,8 @@ class ReplayResult:
     timing: str
     policy: str = "lru"
     pinned_blocks: int = 0
+    tier_hits: dict[str, int] = field(default_factory=dict)
+    tiers: dict[str, Any] = field(default_factory=dict)
     timeline: list[Sample] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, object]:
@@ -168,7 +176,8 @@ def unbounded_num_blocks(requests: Sequence[TraceRequest], block_size: int) -> i
 def run_replay(requests: Sequence[TraceRequest], config: ReplayConfig = ReplayConfig(), *,
                 pool: BlockPool | None = None, progress: Callable[[int], object] | None = None,
                 record_timeline: bool = False, event_sink: KVEventSink | None = None,
-                observer: Callable[[float, BlockPool], object] | None = None) -> ReplayResult:
+                observer: Callable[[float, BlockPool], object] | None = None,
+                tiers: Sequence[TierBackend] = (), write_through: bool = False) -> ReplayResult:
     """Replay ``requests`` through ``pool`` (default: a fresh :class:`BlockPool` of ``config.num_blocks``
     with ``config.policy``, recording KV events into ``event_sink``) and return what it measured. The
     pool's event sink, if any, is flushed once per simulated step (the events carry the trace's hash ids
@@ -181,6 +190,11 @@ def run_replay(requests: Sequence[TraceRequest], config: ReplayConfig = ReplayCo
     ``trace`` timing). At the end every block is free and ``check_integrity()`` has passed. Raises
     :class:`ConfigError` for a block size that does not divide 512 on a trace with hash ids, or a pool that
     does not fit those rules.
+
+    ``tiers``: hash-only tiers (``block_bytes=0``; a host tier first, then disk, remote) chained under the
+    pool by an :class:`~kvpool.tiers.manager.OffloadManager` (inline, so the run is deterministic; evicted
+    blocks go down, or every published block with ``write_through``); a prefix found below is "loaded" into
+    new device blocks. No KV moves, only hashes. The manager detaches at the end (the tiers stay open).
     """
     if any(r.hash_ids is not None for r in requests):
         sub_blocks_per_hash_block(config.block_size)
@@ -196,11 +210,14 @@ def run_replay(requests: Sequence[TraceRequest], config: ReplayConfig = ReplayCo
 
         if pool is not None:
             raise ConfigError("a replay over KV cache groups builds its own coordinator: pass no pool")
-        if config.policy != "lru" or config.pin_prefix or observer is not None:
-            raise ConfigError("eviction policies, pins and the report follow one full-attention group: "
-                              "replay a uniform model (--num-blocks) for them")
+        if config.policy != "lru" or config.pin_prefix or observer is not None or tiers:
+            raise ConfigError("eviction policies, pins, tiers and the report follow one full-attention "
+                              "group: replay a uniform model (--num-blocks) for them")
         return GroupReplayer(requests, config, progress, record_timeline, event_sink).run(start)
-    return _Replayer(requests, config, pool, progress, record_timeline, event_sink, observer).run(start)
+    replayer = _Replayer(requests, config, pool, progress, record_timeline, event_sink, observer)
+    if tiers:
+        replayer.chain(tiers, write_through)
+    return replayer.run(start)
 
 
 def admission_order(requests: Sequence[TraceRequest], config: ReplayConfig, num_blocks: int
@@ -281,6 +298,15 @@ class _Replayer:
         self.prompt_blocks = self.hit_blocks = self.prompt_tokens = 0
         self.area = 0.0
         self.peak = 0
+        self.offload: Any = None
+        self.tier_hits = [0]  # device, then each tier
+
+    def chain(self, tiers: Sequence[TierBackend], write_through: bool) -> None:
+        """Put ``tiers`` under the pool (an inline :class:`~kvpool.tiers.manager.OffloadManager`)."""
+        from kvpool.tiers.manager import OffloadManager  # the tiers' extra, only when asked for
+
+        self.offload = OffloadManager(self.pool, tiers, write_through=write_through, asynchronous=False)
+        self.tier_hits = [0] * (len(tiers) + 1)
 
     def _new_pool(self, num_blocks: int, event_sink: KVEventSink | None) -> BlockPool:
         cfg = self.cfg
@@ -313,12 +339,24 @@ class _Replayer:
         if pool.num_used_blocks:
             raise IntegrityError(f"replay ended with {pool.num_used_blocks} blocks still in use")
         pool.check_integrity()
+        tier_hits, tiers = self._tier_report()
+        ops = self.ops + (self.offload.ops if self.offload is not None else 0)
         return ReplayResult(
             self.completed, self.rejected, self.prompt_blocks, self.hit_blocks,
             _ratio(self.hit_blocks, self.prompt_blocks), _ratio(self.hit_blocks * bs, self.prompt_tokens),
-            self.peak, _ratio(self.area, self.now), self.preemptions, self.ops, _ratio(self.ops, wall), wall,
+            self.peak, _ratio(self.area, self.now), self.preemptions, ops, _ratio(ops, wall), wall,
             pool.stats.evictions, self.now, pool.num_blocks, bs, self.cfg.timing, self.cfg.policy,
-            len(self.pinned), self.timeline or [])
+            len(self.pinned), tier_hits, tiers, timeline=self.timeline or [])
+
+    def _tier_report(self) -> tuple[dict[str, int], dict[str, Any]]:
+        """(hits by place, the manager's stats); checks every tier and detaches the manager."""
+        if self.offload is None:
+            return {"device": self.hit_blocks}, {}
+        self.offload.check_integrity()
+        names = ["device"] + [t.medium for t in self.offload.tiers]
+        stats = self.offload.stats()
+        self.offload.detach()
+        return dict(zip(names, self.tier_hits, strict=True)), stats
 
     # ---- pool calls (every block operation is counted here) -----------------------------------------
 
@@ -328,16 +366,21 @@ class _Replayer:
         timing, pool all free, nothing checked). Returns the chunk's tokens, or None (pool unchanged) when
         its blocks do not fit."""
         pool, hashes, bs = self.pool, seq.hashes, self.bs
-        hits = pool.lookup(hashes)
-        computed = len(hits) * bs
+        found = pool.lookup(hashes) if self.offload is None else self.offload.lookup(hashes)
+        computed = len(found) * bs
         chunk = seq.tokens - computed if budget is None else min(seq.tokens - computed, budget)
-        need = -(-(computed + chunk) // bs) - len(hits)
-        if budget is not None and not pool.can_allocate(hashes[:len(hits)], len(hits) + need):
-            return None  # a hit on a cached free block consumes a free block too
+        need = -(-(computed + chunk) // bs) - len(found)
+        if budget is not None and not pool.can_allocate(hashes[:len(found)], len(found) + need):
+            return None  # a hit on a cached free block consumes a free block too (and one found below)
         if self.belady is not None and not seq.admitted:
             self.belady.admitted(seq.req, hashes)  # the future moves on before any eviction for this request
-        pool.touch(hits)
-        seq.blocks = hits + pool.allocate(need)
+        if self.offload is None:
+            hits = found
+            pool.touch(hits)
+        else:  # blocks found below are loaded into new device blocks (shorter after a failed load)
+            hits = self.offload.acquire(found)
+            self._count_tier_hits(seq, found.where[:len(hits)])
+        seq.blocks = hits + pool.allocate(need + len(found) - len(hits))
         seq.computed = seq.published = len(hits)
         seq.computed *= bs
         self.ops += min(len(hits) + 1, len(hashes)) + len(hits) + need  # hashes examined, touched, allocated
@@ -347,6 +390,11 @@ class _Replayer:
             self.prompt_tokens += seq.req.input_tokens
             self.hit_blocks += len(hits)
         return chunk
+
+    def _count_tier_hits(self, seq: _Seq, where: list[int]) -> None:
+        if not seq.admitted:
+            for t in range(len(self.tier_hits)):
+                self.tier_hits[t] += where.count(t)
 
     def _reserve(self, seq: _Seq, n: int) -> bool:
         """Blocks for ``n`` more tokens of ``seq``; False, nothing changed, when too few are free."""
@@ -362,7 +410,10 @@ class _Replayer:
         after the forward that wrote its KV)."""
         full = min(seq.computed // self.bs, len(seq.hashes))
         if full > seq.published:
-            self.pool.cache_blocks(seq.blocks[seq.published:full], seq.hashes[seq.published:full])
+            ids, hashes = seq.blocks[seq.published:full], seq.hashes[seq.published:full]
+            self.pool.cache_blocks(ids, hashes)
+            if self.offload is not None:
+                self.offload.on_published(ids, hashes)
             self.ops += full - seq.published
             seq.published = full
         if self.pin_hashes and not self.pinned and self.pool.can_pin_prefix(self.pin_hashes):

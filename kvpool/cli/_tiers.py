@@ -1,0 +1,86 @@
+"""The tier options shared by ``kvpool generate`` and ``kvpool replay``, and the tiers they build.
+
+``--host-blocks N``, ``--disk-dir DIR`` with ``--disk-bytes BYTES`` (generate) or ``--disk-blocks N``
+(replay), ``--remote redis://HOST:PORT``, ``--write-through``. The tier modules (redis-py, xxhash: the
+``tiers`` extra) are imported only when a tier is asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from kvpool.cli._args import parse_bytes, positive_int
+from kvpool.errors import ConfigError
+
+
+def add_tier_arguments(parser: argparse.ArgumentParser, *, disk_in_blocks: bool) -> None:
+    """The tier options; the disk tier's size in blocks (a replay moves no bytes) or in bytes."""
+    group = parser.add_argument_group("tiers below the device pool (pip install kvpool[tiers])")
+    group.add_argument("--host-blocks", type=positive_int, metavar="N", help="a host (CPU) tier of N blocks")
+    group.add_argument("--disk-dir", metavar="DIR", help="a disk tier in DIR (created if missing)")
+    if disk_in_blocks:
+        group.add_argument("--disk-blocks", type=positive_int, metavar="N",
+                           help="the disk tier's size in blocks")
+    else:
+        group.add_argument("--disk-bytes", type=parse_bytes, metavar="BYTES",
+                           help="the disk tier's size, e.g. 4GiB (files with their 64-byte headers)")
+    group.add_argument("--remote", metavar="URL",
+                       help="a Redis server or Redis Cluster node shared by processes: redis://HOST:PORT")
+    group.add_argument("--write-through", action="store_true",
+                       help="store each block in every tier when it is published (default: when the device "
+                            "evicts it, cascading down)")
+
+
+def wants_tiers(args: argparse.Namespace) -> bool:
+    """Whether any tier option is given; ConfigError for half a disk tier or write-through alone."""
+    size = getattr(args, "disk_blocks", None) if hasattr(args, "disk_blocks") else args.disk_bytes
+    size_name = "--disk-blocks" if hasattr(args, "disk_blocks") else "--disk-bytes"
+    if (args.disk_dir is None) != (size is None):
+        raise ConfigError(f"a disk tier needs both --disk-dir and {size_name}")
+    some = bool(args.host_blocks or args.disk_dir or args.remote)
+    if args.write_through and not some:
+        raise ConfigError("--write-through needs a tier (--host-blocks, --disk-dir, --remote)")
+    return some
+
+
+def check_tier_targets(args: argparse.Namespace) -> None:
+    """Fail early (before a model loads) on a malformed ``--remote`` URL or a ``--disk-dir`` that cannot be
+    a folder."""
+    if args.remote:
+        from kvpool.tiers.redis import check_url
+
+        check_url(args.remote)
+    if args.disk_dir:
+        folder = Path(args.disk_dir)
+        parent = next((p for p in (folder, *folder.parents) if p.exists()), None)
+        if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            raise ConfigError(f"--disk-dir {args.disk_dir!r}: not a folder that can be created or written")
+
+
+def leaves_process(args: argparse.Namespace) -> bool:
+    """Whether a tier keeps block hashes outside this process (disk, remote): they need a shared hasher."""
+    return bool(args.disk_dir or args.remote)
+
+
+def build_tiers(args: argparse.Namespace, namespace: Any, *, block_bytes: int, like: Any = None) -> list[Any]:
+    """The tiers the options ask for, fastest first (host, disk, remote), in ``namespace``; ``like``: the
+    device cache a host tier copies (None: hash-only)."""
+    from kvpool.tiers.backend import HEADER_BYTES
+    from kvpool.tiers.file import FileTier
+    from kvpool.tiers.host import HostTier
+    from kvpool.tiers.redis import RedisTier
+
+    check_tier_targets(args)
+    tiers: list[Any] = []
+    if args.host_blocks:
+        tiers.append(HostTier(args.host_blocks, namespace, like=like))
+    if args.disk_dir:
+        capacity = args.disk_blocks * (HEADER_BYTES + block_bytes) if hasattr(args, "disk_blocks") \
+            else args.disk_bytes
+        tiers.append(FileTier(args.disk_dir, namespace, capacity_bytes=capacity, block_bytes=block_bytes))
+    if args.remote:
+        tiers.append(RedisTier(args.remote, namespace, block_bytes=block_bytes))
+    return tiers

@@ -1,0 +1,135 @@
+"""``kvpool generate`` and ``kvpool replay`` with tiers: tokens identical to transformers with a device pool
+too small for the shared prefix, two processes sharing one Redis, the replay identity (an unbounded lower
+tier hits what an unbounded pool hits), a sweep's plot, and one clear line (exit 2) for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpool.cli import main
+
+pytest.importorskip("redis")
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = "A KV cache keeps keys and values of tokens seen."  # 48 bytes = 12 blocks of 4 byte-tokens
+PROMPTS = [SHARED + " first?", "z" * 52, SHARED + " second one?"]
+TINY = ["--model", "tiny-llama", "--block-size", "4", "--num-blocks", "17", "--max-new-tokens", "6",
+        "--threads", "1"]
+
+
+def kvpool(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The CLI in a process of its own (this checkout's code), as a user runs it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "kvpool", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+@pytest.fixture
+def prompts_file(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(PROMPTS) + "\n")
+    return path
+
+
+# ---- generate -----------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_generate_hits_the_host_and_disk_tiers_and_matches_transformers(prompts_file: Path, tmp_path: Path
+                                                                         ) -> None:
+    done = kvpool("generate", *TINY, "--prompts-file", str(prompts_file), "--host-blocks", "4",
+                  "--disk-dir", str(tmp_path / "disk"), "--disk-bytes", "1MiB", "--check", "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert all(r["matches_reference"] for r in out["requests"])
+    hits = out["stats"]["tier_hits"]
+    # the third prompt's 12 shared blocks: the 52-byte prompt pushed them off the 17-block device
+    assert hits["host"] > 0 and hits["disk"] > 0 and hits["device"] + hits["host"] + hits["disk"] == 12
+    assert out["stats"]["hashing"]["shared"] is True  # a disk tier keeps hashes beyond the process
+
+
+@pytest.mark.slow
+def test_two_processes_share_one_redis(prompts_file: Path, tmp_path: Path) -> None:
+    from redis_servers import redis_server
+
+    with redis_server(tmp_path / "redis") as server:
+        first = kvpool("generate", *TINY, "--prompts-file", str(prompts_file), "--remote", server.url,
+                       "--write-through", "--json")
+        assert first.returncode == 0, first.stderr
+        second = kvpool("generate", *TINY, "--prompts-file", str(prompts_file), "--remote", server.url,
+                        "--check", "--json")
+        assert second.returncode == 0, second.stderr
+    a, b = json.loads(first.stdout), json.loads(second.stdout)
+    assert [r["output_token_ids"] for r in a["requests"]] == [r["output_token_ids"] for r in b["requests"]]
+    assert all(r["matches_reference"] for r in b["requests"])
+    # the first finds only prompt 3's 12 shared blocks (device or its own remote writes); the second finds
+    # the first's blocks of every prompt: 13 + 12 + 14 full blocks of the first 54, 51, 59 tokens
+    assert sum(a["stats"]["tier_hits"].values()) == 12
+    assert sum(b["stats"]["tier_hits"].values()) == 13 + 12 + 14 and b["stats"]["tier_hits"]["remote"] >= 13
+    assert b["stats"]["tiers"]["remote"]["misses"] == 0
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--remote", "http://localhost:1"], "bad Redis URL"),
+    (["--remote", "redis://localhost"], "give the port"),
+    (["--disk-dir", "/proc/version/sub", "--disk-bytes", "1MiB"], "--disk-dir"),
+    (["--disk-dir", "x"], "needs both --disk-dir and --disk-bytes"),
+    (["--write-through"], "needs a tier"),
+])
+def test_generate_refuses_bad_tier_options_in_one_line(options: list[str], message: str, capsys) -> None:
+    assert main(["generate", *TINY, "--prompt", "hi", *options]) == 2  # before any model loads
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+# ---- replay -------------------------------------------------------------------------------------------
+
+def replay_json(*args: str, capsys) -> dict:
+    assert main(["replay", "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_replay_unbounded_host_tier_equals_the_unbounded_pool(capsys) -> None:
+    base = ["--max-requests", "400", "--block-size", "512"]
+    oracle = replay_json(*base, capsys=capsys)
+    for device in ("240", "400"):  # the largest of the first 400 requests holds 239 blocks of 512 tokens
+        tiered = replay_json(*base, "--num-blocks", device, "--host-blocks", str(oracle["num_blocks"]),
+                             capsys=capsys)
+        alone = replay_json(*base, "--num-blocks", device, capsys=capsys)
+        assert tiered["requests_rejected"] == 0 and tiered["hit_blocks"] == oracle["hit_blocks"]
+        assert tiered["tier_hits"]["host"] > 0 and alone["hit_blocks"] < oracle["hit_blocks"]
+        assert sum(tiered["tier_hits"].values()) == tiered["hit_blocks"]
+
+
+#: Conversations (2 blocks of 512 tokens each) revisited at short and long distances.
+ORDER = [6, 3, 6, 3, 0, 2, 4, 3, 3, 6, 6, 2, 3, 2, 4, 1, 0, 5, 6, 0, 1, 2]
+
+
+def test_replay_through_disk_and_redis_loses_nothing(tmp_path: Path, redis_single, capsys) -> None:
+    trace = tmp_path / "t.jsonl"
+    rows = [{"timestamp": i, "input_length": 1024, "output_length": 1, "hash_ids": [c * 10, c * 10 + 1]}
+            for i, c in enumerate(ORDER)]
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    oracle = replay_json(str(trace), "--block-size", "512", capsys=capsys)
+    out = replay_json(str(trace), "--block-size", "512", "--num-blocks", "3", "--host-blocks", "2",
+                      "--disk-dir", str(tmp_path / "disk"), "--disk-blocks", "4",
+                      "--remote", redis_single.url, capsys=capsys)
+    hits = out["tier_hits"]
+    assert all(hits[p] for p in ("device", "host", "disk", "remote")), hits
+    assert out["hit_blocks"] == sum(hits.values()) == oracle["hit_blocks"]  # the remote tier is unbounded
+    assert out["tiers"]["disk"]["blocks"] <= 4
+    assert not list((tmp_path / "disk").glob("*/*/*"))  # emptied after the run (only the lock file stays)
+
+
+def test_replay_sweep_plots_hit_ratio_by_tier(tmp_path: Path, capsys) -> None:
+    png = tmp_path / "sweep.png"
+    out = replay_json("--max-requests", "300", "--block-size", "512", "--sweep", "60,120", "--host-blocks",
+                      "200", "--plot", str(png), capsys=capsys)
+    assert [run["num_blocks"] for run in out["runs"]] == [60, 120]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["replay", "--max-requests", "50", "--sweep", "60", "--num-blocks", "5"]) == 2
