@@ -214,13 +214,15 @@ class BlockPool:
     def _evict_and_tell(self, m: int) -> list[int]:
         """:meth:`_evict` for any policy, then tell the event sink the hashes that left the index, and the
         eviction listener the ids and the hashes they held."""
-        index, hashes, lru, gone = self._index, self._hash, self._lru, []
-        if lru is None:
-            pop = self._policy.pop
-            out = [pop() for _ in range(m)]
-        else:
+        index, hashes, lru, out, gone = self._index, self._hash, self._lru, [], []
+        if lru is not None:
             popitem = lru.popitem
-            out = [popitem(False)[0] for _ in range(m)]
+            for _ in range(m):
+                out.append(popitem(False)[0])
+        else:
+            pop = self._policy.pop
+            for _ in range(m):
+                out.append(pop())
         for block in out:
             h = hashes[block]
             del index[h]
