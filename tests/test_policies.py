@@ -317,3 +317,24 @@ def test_free_with_a_bad_priority_changes_nothing() -> None:
         with pytest.raises(InvalidArgumentError, match="priority"):
             pool.free(blocks, "high")  # type: ignore[arg-type]
         assert [pool.ref_count(b) for b in blocks] == [1, 1]
+
+
+@pytest.mark.parametrize("name", ["lfu", "arc"])
+def test_events_and_the_eviction_listener_follow_the_policy(name: str) -> None:
+    from kvpool.events import BlockRemoved, BlockStored, KVEventSink, QueueEventPublisher
+
+    publisher, told = QueueEventPublisher(), []
+    pool = BlockPool(6, event_sink=KVEventSink(publisher, block_size=16), policy=name,
+                     admission=FrequencyAdmission(min_count=1))
+    pool.set_eviction_listener(lambda ids, hashes: told.append((ids, hashes)))
+    blocks = pool.allocate(5)
+    pool.cache_blocks(blocks, [1, 2, 3, 4, 5])
+    pool.free(blocks[::-1])
+    pool.touch([0])  # hash 1 hit: kept longest by both policies (LFU: one hit; ARC: T2)
+    pool.free([0])
+    assert pool.allocate(5) == [5, 4, 3, 2, 1]  # the uncached block, then the never-hit ones in free order
+    assert told == [([4, 3, 2, 1], [5, 4, 3, 2])]
+    pool.event_sink.flush()
+    events = [e for batch in publisher.drain() for e in batch.events]
+    assert [type(e) for e in events] == [BlockStored, BlockRemoved]
+    assert events[0].block_hashes == [1, 2, 3, 4, 5] and events[1].block_hashes == [5, 4, 3, 2]

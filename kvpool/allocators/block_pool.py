@@ -218,16 +218,19 @@ class BlockPool:
         if lru is not None:
             popitem = lru.popitem
             for _ in range(m):
-                out.append(popitem(False)[0])
+                block = popitem(False)[0]
+                h = hashes[block]
+                del index[h]
+                hashes[block] = None
+                out.append(block)
+                gone.append(h)
         else:
             pop = self._policy.pop
-            for _ in range(m):
-                out.append(pop())
-        for block in out:
-            h = hashes[block]
-            del index[h]
-            hashes[block] = None
-            gone.append(h)
+            out = [pop() for _ in range(m)]
+            gone = [hashes[block] for block in out]
+            for block, h in zip(out, gone, strict=True):
+                del index[h]
+                hashes[block] = None
         self._evictions += m
         if self._sink is not None:
             self._sink.removed(gone)
@@ -259,34 +262,19 @@ class BlockPool:
             refs = self._refs_of(ids)
             if refs and min(refs) <= 0:
                 raise DoubleFreeError(f"block {ids[refs.index(min(refs))]} is not allocated (ref count 0)")
+        if priority:  # read by the priority policy only; checked before anything changes
+            priority = as_int(priority, "priority")
         free, lru, hashes = self._free, self._lru, self._hash
-        if lru is None or priority:
-            self._release(ids, priority)
-            return
         for block in ids:
             r = ref[block] - 1
             ref[block] = r
             if r == 0:
                 if hashes[block] is None:
                     free.append(block)
-                else:
+                elif lru is not None:  # LRU inline; any other policy through its interface
                     lru[block] = None
-
-    def _release(self, ids: list[int], priority: int) -> None:
-        """``free`` of valid ids through the policy interface (LRU comes here only to check a priority)."""
-        priority = as_int(priority, "priority")
-        if self._lru is not None:
-            return self.free(ids)
-        free, ref, hashes, insert = self._free, self._ref, self._hash, self._policy.insert
-        for block in ids:
-            r = ref[block] - 1
-            ref[block] = r
-            if r == 0:
-                if hashes[block] is None:
-                    free.append(block)
                 else:
-                    insert(block, priority)
-        return None
+                    self._policy.insert(block, priority)
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Add one reference to each block (a prefix hit). A cached free block leaves the LRU and is
@@ -430,8 +418,14 @@ class BlockPool:
         self._check_publish(kept_ids, kept_hashes)
         sink.check_publish(kept_hashes, parent_hash, len(ids), token_ids, extra_keys)
         index, hashes, new = self._index, self._hash, []
+        inline = self._lru is not None and self._admission is None  # else through _enter
         for i, block, h in zip(keep, kept_ids, kept_hashes, strict=True):
-            if hashes[block] is None and h not in index and self._enter(block, h):
+            if hashes[block] is None and h not in index:
+                if inline:
+                    index[h] = block
+                    hashes[block] = h
+                elif not self._enter(block, h):
+                    continue
                 new.append(i)
         if new:
             sink.stored(block_hashes, new, parent_hash, token_ids, extra_keys, lora_name)
