@@ -5,6 +5,7 @@ Setting for most cases: block size B = 4, a sliding group with window W = 8 (gro
 (group 1); every expected number is worked out in the comments.
 """
 
+import numpy as np
 import pytest
 
 from kvpool.allocators.block_pool import BlockPool
@@ -195,3 +196,56 @@ def test_plain_block_pool_has_the_probe():
     assert pool.stats.hits == pool.stats.misses == 0
     with pytest.raises(InvalidArgumentError):
         pool.get_cached_block([1])  # unhashable
+
+
+def test_a_hit_whose_blocks_were_evicted_and_reused_is_stale():
+    # One full group, 4 blocks. "a" publishes 2 blocks and ends: they are cached free. The hit on them is
+    # taken, then "b" allocates all 4 blocks (both cached ones are evicted and now hold b's KV, in use).
+    # Sharing them with "c" would hand it b's KV for a's prefix: the hit must be refused as stale.
+    coord = coordinator(num_blocks=4, kinds=(F,))
+    tokens = list(range(8))
+    prefill(coord, "a", tokens)
+    coord.free("a")
+    hit = coord.find_longest_cache_hit(block_hashes(tokens, B), 2)
+    assert hit.num_blocks == 2 and hit.block_hashes == tuple(block_hashes(tokens, B))
+    coord.allocate("b", 16)  # 4 blocks: the 2 uncached first, then the 2 cached ones (evicted)
+    assert set(hit.blocks[0]) <= set(coord.block_tables("b")[0])
+    before = (coord.block_tables("b"), coord.num_free_blocks, coord.requests)
+    with pytest.raises(InvalidArgumentError, match="stale"):
+        coord.allocate("c", 8, hit)
+    assert (coord.block_tables("b"), coord.num_free_blocks, coord.requests) == before
+    coord.check_integrity()
+    coord.free("b")  # b published nothing, so its blocks go back uncached: a fresh lookup misses
+    assert coord.find_longest_cache_hit(block_hashes(tokens, B), 2).num_blocks == 0
+
+
+def test_a_hit_on_a_block_shared_with_a_running_request_is_not_stale():
+    coord = coordinator()
+    tokens = list(range(16))
+    prefill(coord, "a", tokens)  # a keeps running: its blocks are in use and published
+    hit = coord.find_longest_cache_hit(block_hashes(tokens, B), 3)
+    coord.allocate("b", 16, hit)  # shares a's 3 full-group blocks (and the sliding window's 2)
+    assert coord.block_tables("b")[1][:3] == coord.block_tables("a")[1][:3]
+    coord.check_integrity()
+
+
+@pytest.mark.parametrize("bad", [-4, 2.5, True, "8", None, np.int64(-1)])
+def test_counts_follow_the_integer_rule_and_change_nothing(bad):
+    # cache_blocks(r, hashes, -4) used to publish every block but the last (their KV unwritten): -4 // 4 = -1
+    coord = coordinator()
+    tokens = list(range(16))
+    coord.allocate("a", 16)
+    hashes = block_hashes(tokens, B)
+    state = (coord.block_tables("a"), coord.pool.num_cached_blocks, coord.num_free_blocks)
+    calls = [lambda: coord.cache_blocks("a", hashes, bad), lambda: coord.remove_skipped_blocks("a", bad),
+             lambda: coord.num_blocks_to_allocate("a", bad), lambda: coord.allocate("a", bad)]
+    if bad is not None:
+        calls.append(lambda: coord.find_longest_cache_hit(hashes, bad))
+    for call in calls:
+        with pytest.raises(InvalidArgumentError):
+            call()
+        assert (coord.block_tables("a"), coord.pool.num_cached_blocks, coord.num_free_blocks) == state
+    coord.cache_blocks("a", hashes, np.int64(8))  # a numpy count is the int it holds: 2 blocks x 2 groups
+    assert coord.pool.num_cached_blocks == 4
+    assert coord.find_longest_cache_hit(hashes, np.int64(1)).num_blocks == 1
+    coord.check_integrity()

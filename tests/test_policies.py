@@ -319,6 +319,22 @@ def test_free_with_a_bad_priority_changes_nothing() -> None:
         assert [pool.ref_count(b) for b in blocks] == [1, 1]
 
 
+@pytest.mark.parametrize("priority", [None, 0.0, False, "", []])
+@pytest.mark.parametrize("name", POLICIES)
+def test_a_falsy_priority_that_is_no_integer_changes_nothing(name: str, priority: object) -> None:
+    # free(ids, None) under "priority" reached the policy's key arithmetic after the first ref count had
+    # dropped: a TypeError that left a block neither in use nor free
+    pool = BlockPool(3, policy=name)
+    blocks = pool.allocate(2)
+    pool.cache_blocks(blocks, [10, 11])
+    with pytest.raises(InvalidArgumentError, match="priority"):
+        pool.free(blocks, priority)  # type: ignore[arg-type]
+    assert [pool.ref_count(b) for b in blocks] == [1, 1] and pool.evictable_blocks() == []
+    pool.check_integrity()
+    pool.free(blocks, 0)
+    assert sorted(pool.evictable_blocks()) == blocks and pool.num_free_blocks == 3
+
+
 @pytest.mark.parametrize("name", ["lfu", "arc"])
 def test_events_and_the_eviction_listener_follow_the_policy(name: str) -> None:
     from kvpool.events import BlockRemoved, BlockStored, KVEventSink, QueueEventPublisher

@@ -1,11 +1,18 @@
 """SWATokenToKVPoolAllocator (SGLang style): both pools per token, the full-to-SWA mapping, freeing out of
 the window, atomic allocation; sizes worked out by hand (slot 0 of each pool is padding)."""
 
+import numpy as np
 import pytest
 import torch
 
 from kvpool.allocators.swa_token import SWATokenToKVPoolAllocator
-from kvpool.errors import DoubleFreeError, IntegrityError, InvalidIdError, OutOfBlocksError
+from kvpool.errors import (
+    DoubleFreeError,
+    IntegrityError,
+    InvalidArgumentError,
+    InvalidIdError,
+    OutOfBlocksError,
+)
 
 
 def test_alloc_maps_each_full_slot_to_an_swa_slot():
@@ -55,3 +62,17 @@ def test_bad_frees_change_nothing():
     pool._full_to_swa[int(full[0])] = 0  # corrupt: an allocated SWA slot nobody maps to
     with pytest.raises(IntegrityError):
         pool.check_integrity()
+
+
+@pytest.mark.parametrize("count", [np.int64(5), torch.tensor(5)])
+def test_alloc_of_a_numpy_or_tensor_count_is_atomic_too(count):
+    # 63 full slots but 4 SWA slots free: 5 tokens cannot be had, and the full pool must not lose 5 slots
+    pool = SWATokenToKVPoolAllocator(64, 5)
+    with pytest.raises(OutOfBlocksError):
+        pool.alloc(count)
+    assert (pool.full_available_size, pool.swa_available_size) == (63, 4)
+    assert pool.alloc(np.int64(4)).numel() == 4 and pool.available_size == 0
+    with pytest.raises(InvalidArgumentError):
+        pool.alloc(True)
+    assert (pool.full_available_size, pool.swa_available_size) == (59, 0)
+    pool.check_integrity()

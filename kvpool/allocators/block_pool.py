@@ -262,8 +262,8 @@ class BlockPool:
             refs = self._refs_of(ids)
             if refs and min(refs) <= 0:
                 raise DoubleFreeError(f"block {ids[refs.index(min(refs))]} is not allocated (ref count 0)")
-        if priority:  # read by the priority policy only; checked before anything changes
-            priority = as_int(priority, "priority")
+        if priority or type(priority) is not int:  # read by the priority policy only; checked before
+            priority = as_int(priority, "priority")  # anything changes (a falsy None or 0.0 too)
         free, lru, hashes = self._free, self._lru, self._hash
         for block in ids:
             r = ref[block] - 1

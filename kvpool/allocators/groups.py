@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from kvpool.allocators.block_pool import BlockPool, BlockPoolStats
 from kvpool.errors import IntegrityError, InvalidArgumentError, InvalidIdError, OutOfBlocksError
-from kvpool.numeric import as_int
+from kvpool.numeric import as_int, as_optional_int
 from kvpool.spec import KVCacheGroup, LayerKind, cdiv
 from kvpool.units import plural
 
@@ -52,10 +52,14 @@ def split_group_key(key: Hashable) -> tuple[int, Hashable]:
 @dataclass(frozen=True)
 class CacheHit:
     """The longest cached prefix of a request, per group. ``num_blocks``: k, the prompt blocks every group
-    can restore; ``blocks[g]``: group g's first k table entries (the null block where g needs none)."""
+    can restore; ``blocks[g]``: group g's first k table entries (the null block where g needs none);
+    ``block_hashes``: the request's first k block hashes, which :meth:`KVCacheCoordinator.allocate` checks
+    each hit block still holds (under its group's key) before it touches it (empty: only that each block
+    still holds a hash)."""
 
     num_blocks: int
     blocks: tuple[list[int], ...]
+    block_hashes: tuple[Hashable, ...] = ()
 
 
 class KVCacheCoordinator:
@@ -111,8 +115,12 @@ class KVCacheCoordinator:
         bound shrinks to the minimum until no group lowers it. Every group's hit set is closed under that
         scan, so the fixed point is the longest common hit. Counts ``stats`` (hits = k, misses = bound - k).
         Changes no ref count: pass the hit to :meth:`allocate` at once.
+
+        Raises:
+            InvalidArgumentError: ``max_blocks`` not None or an integer >= 0.
         """
-        limit = len(block_hashes) if max_blocks is None else max(0, min(max_blocks, len(block_hashes)))
+        max_blocks = as_optional_int(max_blocks, "max_blocks", minimum=0)
+        limit = len(block_hashes) if max_blocks is None else min(max_blocks, len(block_hashes))
         probes: list[dict[int, int | None]] = [{} for _ in self.groups]
         k = limit if self.pool.enable_caching else 0
         changed = True
@@ -124,7 +132,8 @@ class KVCacheCoordinator:
                     k, changed = hit, True
         self._hits += k
         self._misses += limit - k
-        return CacheHit(k, tuple(self._hit_table(g, k, probes[g.index]) for g in self.groups))
+        return CacheHit(k, tuple(self._hit_table(g, k, probes[g.index]) for g in self.groups),
+                        tuple(block_hashes[:k]))
 
     def _probe(self, group: KVCacheGroup, hashes: Sequence[Hashable], i: int, memo: dict[int, int | None]
                ) -> int | None:
@@ -160,7 +169,9 @@ class KVCacheCoordinator:
                                ) -> int:
         """Free blocks that :meth:`allocate` would consume: new blocks for every group to cover
         ``num_tokens`` tokens, plus hit blocks that are cached free (touching them takes them off the free
-        list; as ``BlockPool.num_blocks_to_allocate``)."""
+        list; as ``BlockPool.num_blocks_to_allocate``). Raises InvalidArgumentError for a ``num_tokens`` that
+        is not an integer >= 0."""
+        num_tokens = as_int(num_tokens, "num_tokens", minimum=0)
         tables = self._tables.get(request_id)
         target = cdiv(num_tokens, self.block_size)
         if tables is not None:
@@ -179,7 +190,7 @@ class KVCacheCoordinator:
 
         Raises:
             InvalidArgumentError: ``num_tokens`` not an int >= 0, a hit for a running request, or a stale
-                hit (one of its blocks lost its hash since).
+                hit (one of its blocks lost its hash since, or holds another one now: evicted and reused).
             OutOfBlocksError: the pool has fewer free blocks than :meth:`num_blocks_to_allocate`; nothing
                 changed.
         """
@@ -220,13 +231,21 @@ class KVCacheCoordinator:
             table += blocks[i * grow:(i + 1) * grow]
 
     def _check_hit(self, hit: CacheHit) -> None:
-        if len(hit.blocks) != len(self.groups) or any(len(b) != hit.num_blocks for b in hit.blocks):
+        """Every hit block still holds a hash (with ``hit.block_hashes``: its own group's key of the hash at
+        its position), so a block evicted and handed to another request since the lookup is never shared."""
+        hashes = hit.block_hashes
+        if len(hit.blocks) != len(self.groups) or any(len(b) != hit.num_blocks for b in hit.blocks) or (
+                hashes and len(hashes) != hit.num_blocks):
             raise InvalidArgumentError("the cache hit does not match these groups")
         pool, null = self.pool, self.null_block
-        for blocks in hit.blocks:
-            for b in blocks:
-                if b != null and pool.ref_count(b) == 0 and pool.block_hash(b) is None:
-                    raise InvalidArgumentError(f"stale cache hit: block {b} lost its hash; look it up again")
+        for g, blocks in enumerate(hit.blocks):
+            for i, b in enumerate(blocks):
+                if b == null:
+                    continue
+                held = pool.block_hash(b)
+                if held is None if not hashes else held != group_key(g, hashes[i]):
+                    raise InvalidArgumentError(f"stale cache hit: block {b} no longer holds the hash it was "
+                                               "found under; look it up again")
 
     def _admit(self, request_id: Hashable, hit: CacheHit | None) -> list[list[int]]:
         if hit is None:
@@ -249,8 +268,11 @@ class KVCacheCoordinator:
         block in their place. Returns how many blocks were freed. O(blocks freed) per group.
 
         Raises:
+            InvalidArgumentError: ``num_computed_tokens`` not an integer >= 0.
             InvalidIdError: an unknown request.
         """
+        if type(num_computed_tokens) is not int or num_computed_tokens < 0:
+            num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", minimum=0)
         if not self._windowed or num_computed_tokens < self._next_skip.get(request_id, 0):
             return 0  # fast path: no window, or none has moved past a block since the last call
         tables = self._tables_of(request_id)
@@ -286,9 +308,11 @@ class KVCacheCoordinator:
 
         Raises:
             InvalidIdError: an unknown request.
-            InvalidArgumentError: fewer hashes than full blocks, a table that does not cover them, or
-                fewer token ids than ``num_tokens``.
+            InvalidArgumentError: ``num_tokens`` not an integer >= 0, fewer hashes than full blocks, a table
+                that does not cover them, or fewer token ids than ``num_tokens``.
         """
+        if type(num_tokens) is not int or num_tokens < 0:
+            num_tokens = as_int(num_tokens, "num_tokens", minimum=0)
         full, start = num_tokens // self.block_size, self._published.get(request_id, -1)
         if 0 <= full <= start:
             return  # fast path: no block filled since the last call

@@ -17,7 +17,7 @@ import torch
 
 from kvpool.allocators.token import IdsLike, TokenToKVPoolAllocator
 from kvpool.errors import IntegrityError, InvalidIdError, OutOfBlocksError
-from kvpool.numeric import as_id_tensor
+from kvpool.numeric import as_id_tensor, as_int
 
 
 class SWATokenToKVPoolAllocator:
@@ -58,7 +58,9 @@ class SWATokenToKVPoolAllocator:
             InvalidArgumentError: ``n`` negative or not an int.
             OutOfBlocksError: either pool has fewer than ``n`` free slots (nothing is handed out).
         """
-        if type(n) is int and n > self.available_size:
+        if type(n) is not int:  # a numpy or 0-d tensor count as the int it holds: checked against both
+            n = as_int(n, "n", minimum=0)  # pools before either hands anything out
+        if n > self.available_size:
             raise OutOfBlocksError(f"asked for {n} tokens; {self.full.available_size} full and "
                                    f"{self.swa.available_size} sliding-window slots are free")
         full = self.full.alloc(n)

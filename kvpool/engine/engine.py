@@ -341,7 +341,7 @@ class LLMEngine:
         blocks = self.offload.acquire(found)  # shorter when a load below failed: those are computed
         self.pool.free(blocks[::-1])  # cached free again: the coordinator touches them back
         req.num_offloaded_blocks = len(blocks)
-        return CacheHit(len(blocks), (blocks,))
+        return CacheHit(len(blocks), (blocks,), tuple(req.block_hashes[:len(blocks)]))
 
     def _preempt(self, req: Request) -> None:
         self._release(req)
