@@ -48,7 +48,7 @@ from typing import Any
 import msgspec
 
 from kvpool.errors import ConfigError, InvalidArgumentError
-from kvpool.numeric import as_int, as_optional_int
+from kvpool.numeric import as_id_list, as_int, as_optional_int
 
 # ---- the wire types (vLLM 0.33) -------------------------------------------------------------------------
 
@@ -166,11 +166,17 @@ def _runs(positions: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
+#: Token ids msgpack (and vLLM's ``list[int]``) can carry: an int64 or a uint64.
+_TOKEN_MIN, _TOKEN_MAX = -(1 << 63), (1 << 64) - 1
+
+
 def _int_list(values: Sequence[int]) -> list[int]:
-    """Token ids as a list of Python ints (a tensor or array through ``tolist()``)."""
-    if type(values) is list:
-        return values
-    return values.tolist() if hasattr(values, "tolist") else list(values)  # type: ignore[union-attr]
+    """Token ids as a list of Python ints (a numpy int, a 0-d tensor, a tensor or array converted, as
+    :mod:`kvpool.numeric` reads ids); InvalidArgumentError for anything else or one msgpack cannot carry."""
+    out = as_id_list(values, "token_ids", error=InvalidArgumentError)
+    if out and not (min(out) >= _TOKEN_MIN and max(out) <= _TOKEN_MAX):
+        raise InvalidArgumentError(f"token_ids must lie in [-2**63, 2**64), got {min(out)} .. {max(out)}")
+    return out
 
 
 def wire_extra_keys(keys: tuple | None) -> tuple[Any, ...] | None:
@@ -190,8 +196,9 @@ class EventPublisher:
     """Takes :class:`KVEventBatch` es and sends them somewhere; :meth:`publish` never blocks.
 
     Counters: ``published_batches`` / ``published_events`` (accepted), ``dropped_batches`` /
-    ``dropped_events`` (refused because a bounded buffer was full). ``enabled`` is False only for the null
-    publisher: an engine given it records nothing. Use as a context manager, or call :meth:`close`.
+    ``dropped_events`` (refused because a bounded buffer was full, or, from a sink flushing itself, because
+    the publisher was closed). ``enabled`` is False only for the null publisher: an engine given it records
+    nothing. Use as a context manager, or call :meth:`close`.
     """
 
     enabled = True
@@ -208,12 +215,24 @@ class EventPublisher:
         """
         if self._closed:
             raise InvalidArgumentError(f"{type(self).__name__} is closed")
-        if self._offer(batch):
+        self.offer(batch)
+
+    def offer(self, batch: KVEventBatch) -> bool:
+        """:meth:`publish` that never raises: a closed publisher drops and counts the batch. What a sink
+        calls in the middle of a pool's call (see :meth:`KVEventSink.flush`). Returns whether it was taken."""
+        taken = not self._closed and self._offer(batch)
+        if taken:
             self.published_batches += 1
             self.published_events += len(batch.events)
         else:
             self.dropped_batches += 1
             self.dropped_events += len(batch.events)
+        return taken
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
 
     def _offer(self, batch: KVEventBatch) -> bool:
         """Take the batch; False when it had to be dropped."""
@@ -346,14 +365,15 @@ class KVEventSink:
 
         Raises:
             InvalidArgumentError: a hash (or the parent hash) with no wire form, ``token_ids`` not
-                ``block_size`` per block, or ``extra_keys`` not one entry per block.
+                ``block_size`` integers per block (each in [-2**63, 2**64)), or ``extra_keys`` not one entry
+                per block.
         """
         for h in block_hashes:
             wire_hash(self._key(h)[1], self.hash_format)
         if parent_hash is not None:
             wire_hash(self._key(parent_hash)[1], self.hash_format)
         n = num_blocks
-        if token_ids is not None and len(token_ids) != n * self.block_size:
+        if token_ids is not None and len(_int_list(token_ids)) != n * self.block_size:
             raise InvalidArgumentError(f"token_ids must hold {n} blocks x {self.block_size} = "
                                        f"{n * self.block_size} tokens, got {len(token_ids)}")
         if extra_keys is not None and len(extra_keys) != n:
@@ -422,8 +442,8 @@ class KVEventSink:
 
     def _record(self, event: BlockStored | BlockRemoved | AllBlocksCleared) -> None:
         self._events.append(event)
-        if len(self._events) >= self.max_batch_events:
-            self._owner.flush()
+        if len(self._events) >= self.max_batch_events:  # inside a pool's call: must not raise
+            self._owner.flush(strict=False)
 
     # ---- called by the pool's owner
     @property
@@ -438,11 +458,18 @@ class KVEventSink:
         self._events.clear()
         return events
 
-    def flush(self, ts: float | None = None) -> int:
-        """Publish the buffered events as one batch stamped ``ts`` (default: now); returns how many."""
+    def flush(self, ts: float | None = None, *, strict: bool = True) -> int:
+        """Publish the buffered events as one batch stamped ``ts`` (default: now); returns how many.
+        ``strict=False`` (how the sink flushes itself at ``max_batch_events``, in the middle of a pool's
+        call) never raises: a closed publisher drops and counts the batch.
+
+        Raises:
+            InvalidArgumentError: (strict) the publisher is closed.
+        """
         events = self.take_events()
         if events:
-            self.publisher.publish(KVEventBatch(time.time() if ts is None else ts, events))
+            batch = KVEventBatch(time.time() if ts is None else ts, events)
+            self.publisher.publish(batch) if strict else self.publisher.offer(batch)
         return len(events)
 
 
@@ -510,6 +537,8 @@ class ZmqEventPublisher(EventPublisher):
     vLLM's replay request ``(identity, b"", start_seq as 8 bytes)`` with ``(identity, b"", topic, seq,
     payload)`` for each kept batch from ``start_seq`` on, then ``(identity, b"", b"", END_SEQ, b"")``.
     ``data_parallel_rank`` is written into batches that carry none (vLLM writes its rank, 0 by default).
+    A batch the thread cannot encode (a value msgpack cannot carry, e.g. in a caller's extra keys) is
+    skipped and counted in ``unsent_batches``; its number is a gap, as a dropped batch's.
 
     Raises:
         ConfigError: a malformed endpoint, or one that cannot be bound (an address in use).
@@ -539,6 +568,7 @@ class ZmqEventPublisher(EventPublisher):
             self._pub_close()
             raise
         self._seq = itertools.count()
+        self.unsent_batches = 0  # taken, but not encodable: skipped by the sending thread (a gap)
         self._queue: queue.Queue[tuple[int, KVEventBatch] | None] = queue.Queue(max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._stop = threading.Event()
@@ -575,7 +605,11 @@ class ZmqEventPublisher(EventPublisher):
             if item is None:
                 return
             seq, batch = item
-            payload = encode(batch)
+            try:
+                payload = encode(batch)
+            except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
+                self.unsent_batches += 1  # a value msgpack cannot carry (an extra key): a gap, not a
+                continue  # dead thread that would silently drop every later batch
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
             self._buffer.append((seq, payload))
 

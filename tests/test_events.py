@@ -154,6 +154,59 @@ def test_sink_flushes_itself_at_its_bound() -> None:
     assert [len(b.events) for b in pub.drain()] == [3, 3] and sink.pending_events == 2
 
 
+def test_a_sink_flushing_itself_into_a_closed_publisher_never_breaks_the_pool() -> None:
+    # An evicting allocate records BlockRemoved after taking the victim; the sink then fills up and flushes
+    # itself. A closed publisher used to raise there, leaving the victim neither in use nor free.
+    from kvpool.allocators.block_pool import BlockPool
+
+    pub = QueueEventPublisher()
+    pool = BlockPool(2, event_sink=KVEventSink(pub, block_size=1, max_batch_events=1))
+    blocks = pool.allocate(2)
+    pool.cache_blocks(blocks, [1, 2])  # BlockStored: a full sink, published
+    pool.free(blocks)
+    pub.close()
+    assert pool.allocate(1) == [blocks[0]]  # evicts hash 1; its BlockRemoved batch is dropped, counted
+    pool.check_integrity()
+    assert (pub.published_batches, pub.dropped_batches, pub.dropped_events) == (1, 1, 1) and pub.closed
+    owner = KVEventSink(pub, block_size=1)
+    owner.cleared()
+    with pytest.raises(InvalidArgumentError, match="closed"):  # the owner's own flush still says so
+        owner.flush()
+
+
+def test_token_ids_are_integers_by_the_rule_and_msgpack_can_carry_them() -> None:
+    import numpy as np
+    import torch
+
+    pub = QueueEventPublisher()
+    sink = KVEventSink(pub, block_size=2)
+    for tokens in ([np.int64(5), 6], torch.tensor([5, 6]), np.array([5, 6])):
+        sink.check_publish([H[0]], None, 1, tokens, None)
+        sink.stored([H[0]], [0], None, tokens, None, None)
+    events = [e for b in (sink.flush(), *pub.drain()) if not isinstance(b, int) for e in b.events]
+    assert [type(t) for e in events for t in e.token_ids] == [int] * 6  # plain ints: encodable
+    msgspec.msgpack.encode(KVEventBatch(0.0, events))
+    for bad in ([1.5, 2], [True, 2], ["1", "2"], [2**64, 0], [-(2**63) - 1, 0]):
+        with pytest.raises(InvalidArgumentError, match="token_ids"):
+            sink.check_publish([H[0]], None, 1, bad, None)
+
+
+def test_an_unencodable_batch_is_skipped_not_the_end_of_the_stream() -> None:
+    # An extra key msgpack cannot carry used to kill the sending thread: every later batch was lost silently
+    live = tcp(free_port())
+    pub = ZmqEventPublisher(live)
+    try:
+        with KVEventSubscriber(live) as sub:
+            _wait_for(lambda: pub.publish(KVEventBatch(0.0, [AllBlocksCleared()])) or sub.recv(timeout=0.05))
+            bad = BlockStored([H[1]], None, [], 1, None, "GPU", None, extra_keys=[(object(),)])
+            pub.publish(KVEventBatch(0.0, [bad]))
+            pub.publish(KVEventBatch(0.0, [BlockRemoved([H[2]], "GPU", 0)]))
+            seq, batch = _wait_for(lambda: sub.recv(timeout=0.05))
+            assert batch.events[0].block_hashes == [H[2]] and pub.unsent_batches == 1
+    finally:
+        pub.close()
+
+
 def test_a_sink_for_another_medium_shares_the_buffer() -> None:
     pub = QueueEventPublisher()
     device = KVEventSink(pub, block_size=1)
