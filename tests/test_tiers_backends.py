@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpool.errors import ConfigError, InvalidArgumentError
+from kvpool.errors import ConfigError, IntegrityError, InvalidArgumentError
 from kvpool.spec import KVCacheSpec
 from kvpool.storage.paged import PagedKVCache
 from kvpool.tiers.backend import (
@@ -296,6 +296,9 @@ def test_a_damaged_file_is_a_counted_miss_and_is_deleted(tmp_path: Path, damage:
     else:
         raw = bytearray()
     path.write_bytes(bytes(raw))
+    if damage in ("truncate", "append", "empty"):  # the index still has the old size: said so, by name
+        with pytest.raises(IntegrityError, match="1 file and the index disagree"):
+            t.check_integrity()
     out = torch.zeros(3, BPB, dtype=torch.uint8)
     assert t.get(keys(3), out) == 1 and torch.equal(out[0], data[0])
     assert t.stats().corrupt == 1 and not path.exists() and t.exists(keys(3)) == 1
@@ -370,7 +373,11 @@ def test_a_block_larger_than_the_disk_tier_is_refused(tmp_path: Path) -> None:
 # ---- faults: Redis --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:6379", "redis://", "redis://127.0.0.1", "redis://h:x",
-                                 "redis://h:99999", "redis://h:1/notadb", "127.0.0.1:6379"])
+                                 "redis://h:99999", "redis://h:1/notadb", "127.0.0.1:6379",
+                                 # redis-py reads ?options only at the first connect, where a bad one raised
+                                 # out of every call: refused up front (and a DB that is not ASCII digits)
+                                 "redis://127.0.0.1:6379/?socket_timeout=abc", "redis://127.0.0.1:6379/0?foo=1",
+                                 "redis://127.0.0.1:6379/0#x", "redis://h:1/\u00b2", "redis://h:1/99999999999"])
 def test_a_bad_redis_url_is_a_config_error(url: str) -> None:
     with pytest.raises(ConfigError, match="Redis URL"):
         RedisTier(url, NS, block_bytes=BPB)

@@ -26,6 +26,7 @@ import torch
 from kvpool.errors import ConfigError, IntegrityError
 from kvpool.numeric import as_int
 from kvpool.tiers.backend import HEADER_BYTES, Namespace, TierBackend, block_keys, encode_header, verify_parts
+from kvpool.units import plural
 
 #: ``listener(keys, payloads)``: blocks a store is about to evict, with their verified payloads.
 Cascade = Callable[[list[bytes], list[bytes]], None]
@@ -158,8 +159,9 @@ class FileTier(TierBackend):
         with self._lock:
             files = {p.name: p.stat().st_size for p in self._dir.glob("*/*")}
             indexed = {key.hex(): size for key, size in self._index.items()}
-            _require(files == indexed, f"{len(set(files) ^ set(indexed))} files and index entries disagree "
-                                       f"in {self._dir}")
+            differ = set(files.items()) ^ set(indexed.items())  # a name in one only, or another size
+            _require(not differ, f"{plural(len({name for name, _ in differ}), 'file')} and the index "
+                                 f"disagree (name or size) in {self._dir}")
             _require(self._used == sum(indexed.values()) and self._used <= self._capacity,
                      f"used {self._used} B is not the files' sum or exceeds {self._capacity} B")
 

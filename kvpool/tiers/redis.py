@@ -40,8 +40,12 @@ _FIELDS = (b"h", b"p")
 
 
 def check_url(url: str) -> str:
-    """``url`` if it reads ``redis://HOST:PORT[/DB]`` (or ``rediss://``, user and password allowed);
-    ConfigError naming what is wrong otherwise."""
+    """``url`` if it reads ``redis://HOST:PORT[/DB]`` (or ``rediss://``, user and password allowed; DB in
+    ASCII digits); ConfigError naming what is wrong otherwise. A query string (redis-py's connection
+    options: its values are only parsed at the first connection, which must never raise) or a fragment is
+    refused: the tier sets its own timeouts (``timeout_s``)."""
+    if not isinstance(url, str):
+        raise ConfigError(f"bad Redis URL {url!r}: expected a str")
     try:
         parts = urllib.parse.urlsplit(url)
         port = parts.port
@@ -51,8 +55,11 @@ def check_url(url: str) -> str:
         raise ConfigError(f"bad Redis URL {url!r}: expected redis://HOST:PORT (or rediss://)")
     if port is None or not port > 0:
         raise ConfigError(f"bad Redis URL {url!r}: give the port, e.g. redis://127.0.0.1:6379")
-    if parts.path.strip("/") and not parts.path.strip("/").isdigit():
+    db = parts.path.strip("/")
+    if db and not (db.isascii() and db.isdigit() and int(db) < 2**31):
         raise ConfigError(f"bad Redis URL {url!r}: the path may only name a database number")
+    if parts.query or parts.fragment or url.rstrip().endswith(("?", "#")):
+        raise ConfigError(f"bad Redis URL {url!r}: no ?options or #fragment (give redis://HOST:PORT[/DB])")
     return url
 
 
