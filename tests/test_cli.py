@@ -125,6 +125,19 @@ HOSTILE: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "nested trace row": (_replay("t.jsonl", DEEP + "\n"), "nested too deeply"),
     "huge Azure field": (_replay("t.csv", f"{AZURE_HEADER}2023-11-16 18:15:47.0,{'9' * 140_000},5\n"),
                          "field larger than"),
+    # torch.set_num_threads(99999) hung the process at its first parallel op (thread stacks past memory)
+    "99,999 threads": (lambda tmp: ["generate", "--model", "tiny-llama", "--threads", "99999"],
+                       "--threads: '99999' must be an integer in [0, "),
+    "seed 2**64": (lambda tmp: ["generate", "--model", "tiny-llama", "--seed", str(2**64)],
+                   "at most 2**64 - 1"),
+    # options that size a pool from a model config were ignored without one
+    "--tp-size without a config": (lambda tmp: ["replay", "--num-blocks", "64", "--tp-size", "2"],
+                                   "--tp-size sizes the pool from a model config"),
+    "--kv-cache-dtype in a sweep": (lambda tmp: ["replay", "--sweep", "8,16", "--kv-cache-dtype", "fp8"],
+                                    "--kv-cache-dtype sizes the pool from a model config"),
+    # redis-py parses ?options at the first connect only, where a bad one raised out of the run
+    "--remote with ?options": (lambda tmp: ["replay", "--num-blocks", "64", "--remote",
+                                            "redis://127.0.0.1:6379/?socket_timeout=abc"], "no ?options"),
 }
 
 

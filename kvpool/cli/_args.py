@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -25,9 +26,10 @@ def _integer(text: str, minimum: int, maximum: int) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value is None or not minimum <= value <= maximum:
         shown = text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
+        named = {INT64_MAX: "2**63 - 1", SEED_MAX: "2**64 - 1"}.get(maximum)
         raise argparse.ArgumentTypeError(f"{shown!r} must be an integer in [{minimum}, {maximum}]"
-                                         if maximum < INT64_MAX else f"{shown!r} must be an integer >= "
-                                         f"{minimum} (at most 2**63 - 1)")
+                                         if named is None else f"{shown!r} must be an integer >= "
+                                         f"{minimum} (at most {named})")
     return value
 
 
@@ -146,12 +148,18 @@ class HelpFormatter(argparse.HelpFormatter):
 DEFAULT_THREADS = 1
 
 
+def threads(text: str) -> int:
+    """A torch thread count: 0 (torch's own) up to 4 x this machine's CPUs (``torch.set_num_threads`` of a
+    huge count starts that many OpenMP threads at the first parallel op: the machine runs out of memory)."""
+    return _integer(text, 0, 4 * (os.cpu_count() or 1))
+
+
 def add_threads_argument(parser: argparse.ArgumentParser) -> None:
-    """``--threads N``, the one convention of every command that runs torch: N >= 1 threads, or 0 for
-    torch's own default (one per core). The default is 1: on a small machine busy with other work, more
-    intra-op threads wait for the busy cores and run several times slower (see README)."""
-    parser.add_argument("--threads", type=non_negative_int, default=DEFAULT_THREADS, metavar="N",
-                        help="torch CPU threads; 0 = torch's own (one per core)")
+    """``--threads N``, the one convention of every command that runs torch: N >= 1 threads (at most 4 per
+    CPU), or 0 for torch's own default (one per core). The default is 1: on a small machine busy with other
+    work, more intra-op threads wait for the busy cores and run several times slower (see README)."""
+    parser.add_argument("--threads", type=threads, default=DEFAULT_THREADS, metavar="N",
+                        help="torch CPU threads, at most 4 per CPU; 0 = torch's own (one per core)")
 
 
 def apply_threads(args: argparse.Namespace) -> int:

@@ -151,6 +151,8 @@ def _plan_runs(args: argparse.Namespace
         raise ConfigError("give either --sweep or one pool size (--num-blocks, --model-config), not both")
     if args.policies and args.policy != "lru":
         raise ConfigError("give either --policy or --policies, not both")
+    if args.sweep:
+        _refuse_unused_memory_options(args)
     num_blocks, spec, pool_plan = (None, None, None) if args.sweep else sizing_from_args(args)
     sizes: list[int | None] = [*args.sweep] if args.sweep else [num_blocks]
     hybrid = spec is not None and (spec.has_windows or len(spec.groups) > 1)
@@ -207,8 +209,7 @@ def sizing_from_args(args: argparse.Namespace) -> tuple[int | None, KVCacheSpec 
     """The pool size: ``--num-blocks``; or, with ``--model-config`` and ``--gpu-memory``, the planner's
     num_blocks with the spec and plan (a hybrid spec is replayed per KV cache group); or None (unbounded)."""
     if args.model_config is None:
-        if args.gpu_memory is not None:
-            raise ConfigError("--gpu-memory needs --model-config (or give --num-blocks)")
+        _refuse_unused_memory_options(args)
         return args.num_blocks, None, None
     if args.num_blocks is not None:
         raise ConfigError("give either --num-blocks or --model-config, not both")
@@ -216,6 +217,17 @@ def sizing_from_args(args: argparse.Namespace) -> tuple[int | None, KVCacheSpec 
         raise ConfigError("--model-config needs --gpu-memory BYTES (the device memory per rank)")
     spec, plan = plan_from_args(args.model_config, args)
     return plan.num_blocks, spec, plan
+
+
+def _refuse_unused_memory_options(args: argparse.Namespace) -> None:
+    """The options that size a pool from a model config do nothing without ``--model-config``: refused
+    rather than ignored (ConfigError naming the first one given)."""
+    given = [option for option, value, default in (
+        ("--gpu-memory", args.gpu_memory, None), ("--tp-size", args.tp_size, 1),
+        ("--kv-cache-dtype", args.kv_cache_dtype, "auto"), ("--non-kv-memory", args.non_kv_memory, 0),
+        ("--gpu-memory-utilization", args.gpu_memory_utilization, 0.9)) if value != default]
+    if given:
+        raise ConfigError(f"{given[0]} sizes the pool from a model config: give --model-config with it")
 
 
 def _progress_bar(total: int, *, off: bool) -> Any:
