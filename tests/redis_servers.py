@@ -42,6 +42,17 @@ def _need_redis() -> None:
         pytest.skip("redis-server not installed (apt-get install -y redis-server)")
 
 
+def die_with_parent() -> None:
+    """In the child before exec (Linux): SIGKILL when the process that started it dies, even by SIGKILL,
+    so no server outlives a test run that was killed (prctl PR_SET_PDEATHSIG; elsewhere a no-op)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _cli(port: int, *args: str, timeout: float = 10.0) -> str:
     out = subprocess.run(["redis-cli", "-h", "127.0.0.1", "-p", str(port), *args], capture_output=True,
                          text=True, timeout=timeout)
@@ -64,7 +75,7 @@ class Server:
         self.proc = subprocess.Popen(
             ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly",
              "no", "--dir", str(self.folder), *self.extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
         deadline = time.monotonic() + START_TIMEOUT_S
         while _cli(self.port, "ping").strip() != "PONG":
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -288,7 +288,7 @@ def _redis(url: str | None, notes: list[str]) -> Iterator[str | None]:
     folder = tempfile.mkdtemp(prefix="kvpool-bench-redis-")
     proc = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
                              "--appendonly", "no", "--dir", folder], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                            stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
     try:
         _wait_for_redis(f"redis://127.0.0.1:{port}")
         yield f"redis://127.0.0.1:{port}"
@@ -296,6 +296,16 @@ def _redis(url: str | None, notes: list[str]) -> Iterator[str | None]:
         proc.kill()
         proc.wait(timeout=10)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGKILL when this process dies, even killed (prctl PR_SET_PDEATHSIG)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _wait_for_redis(url: str, timeout_s: float = 15.0) -> None:
