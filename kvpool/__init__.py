@@ -11,7 +11,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from kvpool.errors import (
+from kvpool import _native
+
+_native.activate()  # compiled or interpreted hot modules: decided before any of them is imported
+
+from kvpool.errors import (  # noqa: E402
     ConfigError,
     DoubleFreeError,
     InsufficientMemoryError,
@@ -23,7 +27,7 @@ from kvpool.errors import (
     PinLimitError,
     TraceFormatError,
 )
-from kvpool.spec import AttentionKind, KVCacheGroup, KVCacheSpec, LayerKind, parse_kv_dtype
+from kvpool.spec import AttentionKind, KVCacheGroup, KVCacheSpec, LayerKind, parse_kv_dtype  # noqa: E402
 
 __version__ = "0.1.0"
 

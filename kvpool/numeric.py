@@ -24,10 +24,21 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Iterable
+from typing import TypeAlias
 
 import torch
 
 from kvpool.errors import InvalidArgumentError, InvalidIdError
+
+#: The annotation of an integer argument before it is checked by this rule: any object (an ``int``, a numpy
+#: integer, a 0-d integer tensor, or a wrong value that the check refuses with the caller's error). Compiled
+#: modules (:mod:`kvpool._native`) check a parameter annotated ``int`` themselves, with a ``TypeError`` for a
+#: numpy integer and none for a bool; annotated ``IntArg``, the value reaches :func:`as_int` as it does
+#: interpreted.
+IntArg: TypeAlias = object
+#: The same for a real-number argument (checked by :func:`as_real`; a compiled ``float`` parameter would
+#: take a bool as 1.0).
+RealArg: TypeAlias = object
 
 INT64_MAX = 2**63 - 1
 SEED_MAX = 2**64 - 1

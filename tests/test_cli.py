@@ -31,7 +31,8 @@ def parsers(parser: argparse.ArgumentParser | None = None, path: tuple[str, ...]
 
 def test_version(capsys: pytest.CaptureFixture) -> None:
     assert main(["--version"]) == 0
-    assert capsys.readouterr().out == f"kvpool {kvpool.__version__}\n"
+    # the hot path's line is kvpool._native's own (tests/test_native.py checks what it says)
+    assert capsys.readouterr().out == f"kvpool {kvpool.__version__} (hot path {kvpool._native.describe()})\n"
 
 
 @pytest.mark.parametrize("argv", [[], ["bench"]])

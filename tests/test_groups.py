@@ -173,7 +173,8 @@ def test_decoding_past_the_window_is_bounded():
 def test_check_integrity_finds_a_corrupted_table():
     coord = coordinator()
     coord.allocate("a", 8)
-    coord._tables["a"][1].append(coord._tables["a"][0][0])  # a block in two groups' tables
+    tables = coord._reqs["a"].tables
+    tables[1].append(tables[0][0])  # a block in two groups' tables
     with pytest.raises(IntegrityError):
         coord.check_integrity()
 

@@ -454,5 +454,64 @@ def test_freeing_one_pages_slots_takes_the_one_page_path_with_the_same_checks():
     with pytest.raises(DoubleFreeError):
         a.free([5, 6])
     a.free(torch.tensor([9, 9, 8]))                  # page 2, a slot repeated: released once
+
+
+# ------------------------------------------------------------------ one page without a torch op
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ATen ops run inside it (a slice, a copy, an index write: every torch op)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_one_page_pairs_run_no_torch_op_once_warm(page_size):
+    # the issue's bound: alloc(1) + free(1) with at most one torch call; once every page has its view, none
+    a = TokenToKVPoolAllocator(64 * page_size, page_size=page_size)
+    for x in [a.alloc(page_size) for _ in range(8)]:
+        a.free(x)
+    with _CountOps() as counted:
+        held = [a.alloc(page_size) for _ in range(8)]
+        for x in held:
+            a.free(x)
+    assert counted.ops == []
+    # the stack is LIFO: the 8 pages come back in the order they were freed, 8 first
+    assert [int(x[0]) // page_size for x in held] == [8, 7, 6, 5, 4, 3, 2, 1]
+    assert [x.tolist() for x in held[:1]] == [list(range(8 * page_size, 9 * page_size))]
+    a.check_integrity()
+    assert a.num_free_pages == 63
+
+
+def test_a_write_into_a_returned_view_is_read_by_value_and_the_ids_are_rebuilt():
+    a = TokenToKVPoolAllocator(16)
+    x, y = a.alloc(1), a.alloc(1)                   # slots 1 and 2
+    assert (int(x), int(y)) == (1, 2)
+    x.fill_(2)                                      # the caller's tensor now names slot 2
+    a.free(x)                                       # read by value: slot 2 is freed, slot 1 stays held
+    with pytest.raises(DoubleFreeError):
+        a.free(y)                                   # y's slot 2 is free already
+    assert a.alloc(1).tolist() == [2]               # rebuilt ids: the value is the slot, not a stale 2
+    assert a.alloc(1).tolist() == [3]
+    a.free(torch.tensor([1]))
+    a.check_integrity()
+    assert a.num_free_pages == 15 - 2
+
+
+def test_freed_view_is_checked_like_any_id():
+    a = TokenToKVPoolAllocator(16)
+    x = a.alloc(1)
+    a.free(x)
+    with pytest.raises(DoubleFreeError):
+        a.free(x)                                   # the same view twice: slot 1 is free
+    a.free_group_begin()
+    y = a.alloc(1)
+    a.free(y)                                       # inside a group: collected, released at the end
+    assert a.num_free_pages == 14
+    a.free_group_end()
     assert a.num_free_pages == 15
     a.check_integrity()

@@ -48,7 +48,7 @@ from kvpool.errors import (
     OutOfBlocksError,
     PinLimitError,
 )
-from kvpool.numeric import as_id_list, as_int, as_real
+from kvpool.numeric import IntArg, RealArg, as_id_list, as_int, as_real
 from kvpool.units import plural
 
 #: ``listener(block_ids, block_hashes)``: see :meth:`BlockPool.set_eviction_listener`.
@@ -108,9 +108,9 @@ class BlockPool:
             a pool; ``pin_cap`` not in (0, 1]; ``admission`` not a FrequencyAdmission.
     """
 
-    def __init__(self, num_blocks: int, *, enable_caching: bool = True, reserve_null_block: bool = False,
-                 event_sink: KVEventSink | None = None, policy: str | EvictionPolicy = "lru",
-                 pin_cap: float = 0.5, admission: FrequencyAdmission | None = None) -> None:
+    def __init__(self, num_blocks: IntArg, *, enable_caching: bool = True, reserve_null_block: bool = False,
+                 event_sink: KVEventSink | None = None, policy: str | EvictionPolicy | object = "lru",
+                 pin_cap: RealArg = 0.5, admission: FrequencyAdmission | object = None) -> None:
         num_blocks = as_int(num_blocks, "num_blocks", minimum=2 if reserve_null_block else 1)
         pin_cap = as_real(pin_cap, "pin_cap", minimum=0.0, maximum=1.0, open_min=True)
         if admission is not None and not isinstance(admission, FrequencyAdmission):
@@ -160,7 +160,7 @@ class BlockPool:
 
     # ---- allocation -------------------------------------------------------------------------------------
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: IntArg) -> list[int]:
         """Hand out ``n`` blocks, each with ref count 1: uncached free blocks first, then cached free blocks
         in the policy's eviction order (each loses its hash before it is handed out, so a stale entry never
         matches).
@@ -189,7 +189,7 @@ class BlockPool:
             ref[block] = 1
         return ids
 
-    def _check_count(self, n: int) -> int:
+    def _check_count(self, n: IntArg) -> int:
         if type(n) is not int or n < 0:
             n = as_int(n, "block count", minimum=0)
         if n > len(self._free) + self.num_evictable_blocks:
@@ -238,7 +238,7 @@ class BlockPool:
             self._on_evict(out, gone)
         return out
 
-    def free(self, block_ids: Iterable[int], priority: int = 0) -> None:
+    def free(self, block_ids: Iterable[int], priority: IntArg = 0) -> None:
         """Drop one reference from each block; a block that reaches 0 becomes free.
 
         Pass ids in **eviction order, first to evict first**: a request frees its blocks tail first
@@ -262,8 +262,8 @@ class BlockPool:
             refs = self._refs_of(ids)
             if refs and min(refs) <= 0:
                 raise DoubleFreeError(f"block {ids[refs.index(min(refs))]} is not allocated (ref count 0)")
-        if priority or type(priority) is not int:  # read by the priority policy only; checked before
-            priority = as_int(priority, "priority")  # anything changes (a falsy None or 0.0 too)
+        level = priority if type(priority) is int else as_int(priority, "priority")  # the priority policy's:
+        # checked before anything changes (a falsy None or 0.0 too)
         free, lru, hashes = self._free, self._lru, self._hash
         for block in ids:
             r = ref[block] - 1
@@ -274,7 +274,7 @@ class BlockPool:
                 elif lru is not None:  # LRU inline; any other policy through its interface
                     lru[block] = None
                 else:
-                    self._policy.insert(block, priority)
+                    self._policy.insert(block, level)
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Add one reference to each block (a prefix hit). A cached free block leaves the LRU and is
@@ -629,7 +629,7 @@ class BlockPool:
 
     # ---- admission --------------------------------------------------------------------------------------
 
-    def num_blocks_to_allocate(self, block_hashes: Sequence[Hashable], num_blocks: int) -> int:
+    def num_blocks_to_allocate(self, block_hashes: Sequence[Hashable], num_blocks: IntArg) -> int:
         """Free blocks a request of ``num_blocks`` blocks (prefix hashes ``block_hashes``) would consume:
         ``num_blocks`` minus its cached-prefix blocks that are **in use**. A hit on a cached *free* block
         still consumes a free block (it leaves the free set when touched), as in nano-vllm's ``can_allocate``.
@@ -642,17 +642,17 @@ class BlockPool:
         ref = self._ref
         return num_blocks - sum(1 for block in self._match(block_hashes) if ref[block] > 0)
 
-    def can_allocate(self, block_hashes: Sequence[Hashable], num_blocks: int) -> bool:
+    def can_allocate(self, block_hashes: Sequence[Hashable], num_blocks: IntArg) -> bool:
         """Whether :meth:`num_blocks_to_allocate` fits in :attr:`num_free_blocks` right now."""
         return self.num_blocks_to_allocate(block_hashes, num_blocks) <= self.num_free_blocks
 
     # ---- state ------------------------------------------------------------------------------------------
 
-    def ref_count(self, block_id: int) -> int:
+    def ref_count(self, block_id: IntArg) -> int:
         """References held on ``block_id`` (0 = free). Raises InvalidIdError for a bad id."""
         return self._refs_of(_ints([block_id]))[0]
 
-    def block_hash(self, block_id: int) -> Hashable | None:
+    def block_hash(self, block_id: IntArg) -> Hashable | None:
         """The published hash ``block_id`` holds, or None. Raises InvalidIdError for a bad id."""
         ids = _ints([block_id])
         self._refs_of(ids)

@@ -26,11 +26,11 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvpool.allocators.block_pool import BlockPool, BlockPoolStats
 from kvpool.errors import IntegrityError, InvalidArgumentError, InvalidIdError, OutOfBlocksError
-from kvpool.numeric import as_int, as_optional_int
+from kvpool.numeric import IntArg, as_int, as_optional_int
 from kvpool.spec import KVCacheGroup, LayerKind, cdiv
 from kvpool.units import plural
 
@@ -46,7 +46,20 @@ def group_key(group: int, block_hash: Hashable) -> Hashable:
 
 def split_group_key(key: Hashable) -> tuple[int, Hashable]:
     """The ``(group, block hash)`` a :func:`group_key` names (a KV event sink reads the pool's keys so)."""
-    return (key[0], key[1]) if _key_group(key) else (0, key)
+    return (key[0], key[1]) if _key_group(key) else (0, key)  # type: ignore[index]
+
+
+class _Request:
+    """One request's state: a block table per group, each group's leading null entries, the full blocks
+    published, and the computed tokens at which a window next moves past a block."""
+
+    __slots__ = ("tables", "skipped", "published", "next_skip")
+
+    def __init__(self, tables: list[list[int]], skipped: list[int], published: int) -> None:
+        self.tables = tables
+        self.skipped = skipped
+        self.published = published
+        self.next_skip = 0
 
 
 @dataclass(frozen=True)
@@ -66,8 +79,11 @@ class KVCacheCoordinator:
     """Block tables of every KV cache group of ``groups`` over one :class:`BlockPool` of ``num_blocks``.
 
     Typical request life: ``hit = find_longest_cache_hit(hashes[:max_hit])``, ``allocate(r, tokens, hit)``;
-    then each step ``remove_skipped_blocks(r, computed)``, ``allocate(r, computed + new)``, run the
-    model, ``cache_blocks(r, hashes, computed + new)``; at the end (or on preemption) ``free(r)``.
+    then each step ``reserve(r, computed, computed + new)`` (``remove_skipped_blocks`` then ``allocate``),
+    run the model, ``cache_blocks(r, hashes, computed + new)``; at the end (or on preemption) ``free(r)``.
+
+    ``pool`` is the :class:`BlockPool` (typed loosely: a wrapper with its methods may replace it, as the
+    tensor-parallel leader's recording pool does).
 
     Args:
         groups: the model's groups (``KVCacheSpec.groups``), indexed 0, 1, ... with one block size.
@@ -80,7 +96,7 @@ class KVCacheCoordinator:
         InvalidArgumentError: no groups, groups not indexed in order, or mixed block sizes.
     """
 
-    def __init__(self, groups: Sequence[KVCacheGroup], num_blocks: int, *,
+    def __init__(self, groups: Sequence[KVCacheGroup], num_blocks: IntArg, *,
                  enable_caching: bool = True, event_sink: KVEventSink | None = None) -> None:
         groups = tuple(groups)
         if not groups or [g.index for g in groups] != list(range(len(groups))):
@@ -92,21 +108,18 @@ class KVCacheCoordinator:
         windowed = any(g.kind is not LayerKind.FULL for g in groups)
         if event_sink is not None:
             event_sink.use_groups(split_group_key, {g.index: (g.kind.value, g.window) for g in groups})
-        self.pool = BlockPool(num_blocks, enable_caching=enable_caching, reserve_null_block=windowed,
-                              event_sink=event_sink)
+        self.pool: Any = BlockPool(num_blocks, enable_caching=enable_caching,  # type: ignore[arg-type]
+                                   reserve_null_block=windowed, event_sink=event_sink)
         self.null_block: int = self.pool.null_block if windowed else -1  # type: ignore[assignment]
         # full groups first: their hit is a prefix scan, and it bounds the windowed groups' scans
         self._hit_order = sorted(groups, key=lambda g: g.kind is not LayerKind.FULL)
         self._windowed = [g for g in groups if g.kind is not LayerKind.FULL]
-        self._tables: dict[Hashable, list[list[int]]] = {}
-        self._skipped: dict[Hashable, list[int]] = {}  # per request, per group: leading null entries
-        self._published: dict[Hashable, int] = {}
-        self._next_skip: dict[Hashable, int] = {}  # per request: computed tokens at which a window moves on
+        self._reqs: dict[Hashable, _Request] = {}
         self._hits = self._misses = 0
 
     # ---- prefix cache -----------------------------------------------------------------------------------
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[Hashable], max_blocks: int | None = None
+    def find_longest_cache_hit(self, block_hashes: Sequence[Hashable], max_blocks: IntArg | None = None
                                ) -> CacheHit:
         """The longest prefix of ``block_hashes`` (at most ``max_blocks`` blocks) every group can restore.
 
@@ -165,24 +178,23 @@ class KVCacheCoordinator:
 
     # ---- allocation -------------------------------------------------------------------------------------
 
-    def num_blocks_to_allocate(self, request_id: Hashable, num_tokens: int, hit: CacheHit | None = None
+    def num_blocks_to_allocate(self, request_id: Hashable, num_tokens: IntArg, hit: CacheHit | None = None
                                ) -> int:
         """Free blocks that :meth:`allocate` would consume: new blocks for every group to cover
         ``num_tokens`` tokens, plus hit blocks that are cached free (touching them takes them off the free
         list; as ``BlockPool.num_blocks_to_allocate``). Raises InvalidArgumentError for a ``num_tokens`` that
         is not an integer >= 0."""
-        num_tokens = as_int(num_tokens, "num_tokens", minimum=0)
-        tables = self._tables.get(request_id)
-        target = cdiv(num_tokens, self.block_size)
-        if tables is not None:
-            return sum(max(0, target - len(t)) for t in tables)
+        req = self._reqs.get(request_id)
+        target = cdiv(as_int(num_tokens, "num_tokens", minimum=0), self.block_size)
+        if req is not None:
+            return sum(max(0, target - len(t)) for t in req.tables)
         if hit is None:
             return target * len(self.groups)
         ref, null = self.pool.ref_count, self.null_block
         revived = sum(1 for blocks in hit.blocks for b in blocks if b != null and ref(b) == 0)
         return max(0, target - hit.num_blocks) * len(self.groups) + revived
 
-    def allocate(self, request_id: Hashable, num_tokens: int, hit: CacheHit | None = None) -> None:
+    def allocate(self, request_id: Hashable, num_tokens: IntArg, hit: CacheHit | None = None) -> None:
         """Give every group of ``request_id`` blocks for its first ``num_tokens`` tokens.
 
         A new request may start from ``hit`` (from :meth:`find_longest_cache_hit`, just before): its blocks
@@ -194,15 +206,15 @@ class KVCacheCoordinator:
             OutOfBlocksError: the pool has fewer free blocks than :meth:`num_blocks_to_allocate`; nothing
                 changed.
         """
-        tables = self._tables.get(request_id)
-        if tables is not None and hit is None and type(num_tokens) is int and num_tokens >= 0:
-            grow = -(-num_tokens // self.block_size) - len(tables[0])
+        req = self._reqs.get(request_id)
+        if req is not None and hit is None and type(num_tokens) is int and num_tokens >= 0:
+            grow = -(-num_tokens // self.block_size) - len(req.tables[0])
             if grow > 0:  # a running request: every group's table has one length, so all grow alike
-                self._grow(request_id, tables, grow)
+                self._grow(request_id, req.tables, grow)
             return
         num_tokens = as_int(num_tokens, "num_tokens", minimum=0)
         if hit is not None:
-            if tables is not None:
+            if req is not None:
                 raise InvalidArgumentError(f"request {request_id!r} is running: a cache hit is for a new one")
             self._check_hit(hit)
         need = self.num_blocks_to_allocate(request_id, num_tokens, hit)
@@ -210,20 +222,48 @@ class KVCacheCoordinator:
             raise OutOfBlocksError(f"request {request_id!r} needs {plural(need, 'block')} for "
                                    f"{plural(num_tokens, 'token')} over {plural(len(self.groups), 'group')}, "
                                    f"{self.pool.num_free_blocks} free")
-        if tables is None:
-            tables = self._admit(request_id, hit)
+        tables = self._admit(request_id, hit) if req is None else req.tables
         target, allocate = cdiv(num_tokens, self.block_size), self.pool.allocate
         for table in tables:
             if len(table) < target:
                 table += allocate(target - len(table))
 
+    def reserve(self, request_id: Hashable, num_computed_tokens: IntArg, num_tokens: IntArg) -> bool:
+        """One step of a running request: :meth:`remove_skipped_blocks` for its ``num_computed_tokens``,
+        then :meth:`allocate` for ``num_tokens``. Returns False, with no block handed out (the windows'
+        blocks are freed all the same), when the pool is short; what an engine's scheduler calls.
+
+        Raises:
+            InvalidIdError: an unknown request.
+            InvalidArgumentError: ``num_tokens`` not an int >= 0.
+        """
+        req = self._reqs.get(request_id)
+        if req is None:
+            raise InvalidIdError(f"no request {request_id!r} holds blocks")
+        if type(num_tokens) is not int or num_tokens < 0:
+            num_tokens = as_int(num_tokens, "num_tokens", minimum=0)
+        if self._windowed:
+            if type(num_computed_tokens) is not int or num_computed_tokens < 0:
+                num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", minimum=0)
+            if num_computed_tokens >= req.next_skip:
+                self._remove_skipped(req, num_computed_tokens)
+        grow = -(-num_tokens // self.block_size) - len(req.tables[0])
+        if grow > 0:
+            try:
+                self._grow(request_id, req.tables, grow)
+            except OutOfBlocksError:
+                return False
+        return True
+
     def _grow(self, request_id: Hashable, tables: list[list[int]], grow: int) -> None:
         """Add ``grow`` > 0 blocks to every table of a running request, in one pool call."""
         need = grow * len(tables)
-        if need > self.pool.num_free_blocks:
+        try:
+            blocks = self.pool.allocate(need)  # hands out nothing when it raises
+        except OutOfBlocksError:
+            free = self.pool.num_free_blocks
             raise OutOfBlocksError(f"request {request_id!r} needs {plural(need, 'block')} over "
-                                   f"{plural(len(tables), 'group')}, {self.pool.num_free_blocks} free")
-        blocks = self.pool.allocate(need)
+                                   f"{plural(len(tables), 'group')}, {free} free") from None
         if len(tables) == 1:
             tables[0] += blocks
             return
@@ -257,12 +297,10 @@ class KVCacheCoordinator:
             null = self.null_block
             for table in tables:
                 self.pool.touch([b for b in table if b != null])
-        self._tables[request_id] = tables
-        self._skipped[request_id] = skipped
-        self._published[request_id] = hit.num_blocks if hit is not None else 0
+        self._reqs[request_id] = _Request(tables, skipped, hit.num_blocks if hit is not None else 0)
         return tables
 
-    def remove_skipped_blocks(self, request_id: Hashable, num_computed_tokens: int) -> int:
+    def remove_skipped_blocks(self, request_id: Hashable, num_computed_tokens: IntArg) -> int:
         """Free, in every windowed group, the blocks no query at position ``>= num_computed_tokens`` reads,
         oldest first (they were published when full, so they stay cached until evicted), and put the null
         block in their place. Returns how many blocks were freed. O(blocks freed) per group.
@@ -273,10 +311,17 @@ class KVCacheCoordinator:
         """
         if type(num_computed_tokens) is not int or num_computed_tokens < 0:
             num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", minimum=0)
-        if not self._windowed or num_computed_tokens < self._next_skip.get(request_id, 0):
-            return 0  # fast path: no window, or none has moved past a block since the last call
-        tables = self._tables_of(request_id)
-        skipped, freed, next_skip = self._skipped[request_id], 0, 2**62
+        if not self._windowed:
+            return 0  # fast path: no window
+        req = self._reqs.get(request_id)
+        if req is None:
+            raise InvalidIdError(f"no request {request_id!r} holds blocks")
+        if num_computed_tokens < req.next_skip:
+            return 0  # fast path: no window has moved past a block since the last call
+        return self._remove_skipped(req, num_computed_tokens)
+
+    def _remove_skipped(self, req: _Request, num_computed_tokens: int) -> int:
+        tables, skipped, freed, next_skip = req.tables, req.skipped, 0, 2**62
         for group in self._windowed:
             g = group.index
             table = tables[g]
@@ -288,7 +333,7 @@ class KVCacheCoordinator:
                 freed += end - skipped[g]
                 skipped[g] = end
             next_skip = min(next_skip, self._skip_moves_at(group, dead) if end == dead else 0)
-        self._next_skip[request_id] = next_skip
+        req.next_skip = next_skip
         return freed
 
     def _skip_moves_at(self, group: KVCacheGroup, dead: int) -> int:
@@ -298,7 +343,7 @@ class KVCacheCoordinator:
             return first_live + group.window - 1  # type: ignore[operator]
         return group.window * cdiv(first_live, group.window)  # type: ignore[operator,arg-type]
 
-    def cache_blocks(self, request_id: Hashable, block_hashes: Sequence[Hashable], num_tokens: int, *,
+    def cache_blocks(self, request_id: Hashable, block_hashes: Sequence[Hashable], num_tokens: IntArg, *,
                      token_ids: Sequence[int] | None = None) -> None:
         """Publish, in every group, the full blocks of the first ``num_tokens`` tokens whose KV is now
         written (the blocks not published yet; ``block_hashes`` are the request's chained hashes, one per
@@ -311,13 +356,15 @@ class KVCacheCoordinator:
             InvalidArgumentError: ``num_tokens`` not an integer >= 0, fewer hashes than full blocks, a table
                 that does not cover them, or fewer token ids than ``num_tokens``.
         """
+        req = self._reqs.get(request_id)
         if type(num_tokens) is not int or num_tokens < 0:
             num_tokens = as_int(num_tokens, "num_tokens", minimum=0)
-        full, start = num_tokens // self.block_size, self._published.get(request_id, -1)
-        if 0 <= full <= start:
+        full = num_tokens // self.block_size
+        if req is not None and full <= req.published:
             return  # fast path: no block filled since the last call
         tables = self._tables_of(request_id)
-        if len(block_hashes) < full or any(len(t) < full for t in tables):
+        start = req.published  # type: ignore[union-attr]  # _tables_of raised when req is None
+        if len(block_hashes) < full or len(tables[0]) < full:  # every group's table has one length
             raise InvalidArgumentError(f"{num_tokens} tokens need {full} hashes and blocks in every group, "
                                        f"got {len(block_hashes)} hashes")
         hashes, events = list(block_hashes[start:full]), self.pool.event_sink is not None
@@ -327,7 +374,7 @@ class KVCacheCoordinator:
                 ids = ids + tables[g][start:full]
                 keys = keys + [(g, h) for h in hashes]
             self.pool.cache_blocks(ids, keys)
-            self._published[request_id] = full
+            req.published = full  # type: ignore[union-attr]
             return
         if token_ids is not None and len(token_ids) < full * self.block_size:
             raise InvalidArgumentError(f"{num_tokens} tokens published but {len(token_ids)} token ids given")
@@ -336,16 +383,15 @@ class KVCacheCoordinator:
             keys = hashes if g == 0 else [(g, h) for h in hashes]
             parent = group_key(g, block_hashes[start - 1]) if start else None
             self.pool.cache_blocks(table[start:full], keys, parent_hash=parent, token_ids=tokens)
-        self._published[request_id] = full
+        req.published = full  # type: ignore[union-attr]
 
     def free(self, request_id: Hashable) -> None:
         """Release every block of ``request_id``: position by position from the tail, every group's block at
         a position together, so a prefix's head is evicted last in all groups. No-op for an unknown id."""
-        tables = self._tables.pop(request_id, None)
-        if tables is None:
+        req = self._reqs.pop(request_id, None)
+        if req is None:
             return
-        del self._skipped[request_id], self._published[request_id]
-        self._next_skip.pop(request_id, None)
+        tables = req.tables
         longest, null = max(len(t) for t in tables), self.null_block
         if len(tables) == 1:
             order = tables[0][::-1]
@@ -356,10 +402,10 @@ class KVCacheCoordinator:
     # ---- state ------------------------------------------------------------------------------------------
 
     def _tables_of(self, request_id: Hashable) -> list[list[int]]:
-        tables = self._tables.get(request_id)
-        if tables is None:
+        req = self._reqs.get(request_id)
+        if req is None:
             raise InvalidIdError(f"no request {request_id!r} holds blocks")
-        return tables
+        return req.tables
 
     def block_tables(self, request_id: Hashable) -> tuple[list[int], ...]:
         """Every group's block table of ``request_id`` (copies). Raises InvalidIdError for an unknown id."""
@@ -367,13 +413,13 @@ class KVCacheCoordinator:
 
     def num_blocks_held(self, request_id: Hashable) -> int:
         """Blocks ``request_id`` holds over all groups (null entries not counted)."""
-        skipped = self._skipped.get(request_id)
-        return 0 if skipped is None else sum(map(len, self._tables[request_id])) - sum(skipped)
+        req = self._reqs.get(request_id)
+        return 0 if req is None else sum(map(len, req.tables)) - sum(req.skipped)
 
     @property
     def requests(self) -> list[Hashable]:
         """Ids of the requests that hold blocks."""
-        return list(self._tables)
+        return list(self._reqs)
 
     @property
     def num_free_blocks(self) -> int:
@@ -398,9 +444,9 @@ class KVCacheCoordinator:
         owners: dict[int, int] = {}
         counts: dict[int, int] = {}
         null = self.null_block
-        for request_id, tables in self._tables.items():
-            for g, table in enumerate(tables):
-                skipped = self._skipped[request_id][g]
+        for request_id, req in self._reqs.items():
+            for g, table in enumerate(req.tables):
+                skipped = req.skipped[g]
                 _require(all(b == null for b in table[:skipped]) and null not in table[skipped:],
                          f"request {request_id!r} group {g}: null entries are not exactly its skipped prefix")
                 _require(skipped == 0 or self.groups[g].kind is not LayerKind.FULL,
@@ -416,7 +462,7 @@ class KVCacheCoordinator:
         _require(len(counts) == self.pool.num_used_blocks, "a block is in use outside every table")
 
     def __repr__(self) -> str:
-        return (f"KVCacheCoordinator(groups={len(self.groups)}, requests={len(self._tables)}, "
+        return (f"KVCacheCoordinator(groups={len(self.groups)}, requests={len(self._reqs)}, "
                 f"pool={self.pool!r})")
 
 

@@ -37,13 +37,16 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
+from mypy_extensions import mypyc_attr
+
 from kvpool.errors import InvalidArgumentError
-from kvpool.numeric import as_int, as_optional_int, as_real
+from kvpool.numeric import IntArg, RealArg, as_int, as_optional_int, as_real
 
 #: Policy names a pool accepts (``belady`` needs a trace: :mod:`kvpool.trace.belady`).
 POLICIES = ("lru", "fifo", "lfu", "slru", "priority", "arc")
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled, yet subclassed outside (trace.belady)
 class EvictionPolicy(ABC):
     """The order of a pool's evictable blocks (see the module docstring for the calls and their order)."""
 
@@ -282,7 +285,7 @@ class PriorityPolicy(_HeapPolicy):
 
     name = "priority"
 
-    def __init__(self, retention_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, retention_s: RealArg = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         self.retention_s = as_real(retention_s, "retention_s", minimum=0.0, open_min=True, finite=True)
         self.clock = clock
@@ -344,7 +347,7 @@ class SLRUPolicy(EvictionPolicy):
 
     name = "slru"
 
-    def __init__(self, protected_fraction: float = 0.8) -> None:
+    def __init__(self, protected_fraction: RealArg = 0.8) -> None:
         super().__init__()
         self.protected_fraction = as_real(protected_fraction, "protected_fraction", minimum=0.0, maximum=1.0,
                                           open_min=True)
@@ -505,8 +508,8 @@ class ARCPolicy(EvictionPolicy):
         return len(self.t1) + len(self.t2)
 
 
-def make_policy(name: str, *, retention_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
-                protected_fraction: float = 0.8) -> EvictionPolicy:
+def make_policy(name: object, *, retention_s: RealArg = 60.0, clock: Callable[[], float] = time.monotonic,
+                protected_fraction: RealArg = 0.8) -> EvictionPolicy:
     """A fresh policy by name (:data:`POLICIES`); the options apply to ``priority`` and ``slru`` only.
 
     Raises:
@@ -548,7 +551,7 @@ class FrequencyAdmission:
         InvalidArgumentError: ``min_count`` or ``max_tracked`` not an integer >= 1.
     """
 
-    def __init__(self, min_count: int = 2, max_tracked: int | None = None) -> None:
+    def __init__(self, min_count: IntArg = 2, max_tracked: IntArg | None = None) -> None:
         self.min_count = as_int(min_count, "min_count", minimum=1)
         self.max_tracked = as_optional_int(max_tracked, "max_tracked", minimum=1)
         self.counts: dict[Hashable, int] = {}

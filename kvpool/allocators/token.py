@@ -7,10 +7,17 @@ padding slot that kernels write padded tokens into: it is never handed out, not 
 Bookkeeping lives in host memory: a stack of free page ids (an ``array`` that is also a torch int64 tensor,
 free entries ``stack[head:]``) and one state byte per page (free / allocated / padding), also a torch view.
 A single alloc, or a free of one slot or of one page's slots, is therefore plain Python plus at most one
-torch call, and every bulk path (alloc(n), a free of many, ``alloc_extend``, ``alloc_decode``) is a fixed
-number of vectorized torch ops: no Python loop over requests or tokens, and no free costs O(pool size)
-(SGLang's ``torch.cat`` of the whole free list does).
+torch call (none for one page, below), and every bulk path (alloc(n), a free of many, ``alloc_extend``,
+``alloc_decode``) is a fixed number of vectorized torch ops: no Python loop over requests or tokens, and no
+free costs O(pool size) (SGLang's ``torch.cat`` of the whole free list does).
 The ids returned are int64 tensors on ``device``; the checks need their values on the host anyway.
+
+**One page, no torch call.** On the host, ``alloc(page_size)`` returns a read-only-by-contract view of one
+page's slots in a constant ``arange`` of every slot id, made once per page and kept (the first
+:data:`MAX_CACHED_VIEWS` pages; others get a fresh view each time), and ``free`` recognises such a view by
+identity and reads its page from the view's storage offset: a pair is plain Python plus attribute reads,
+no torch op. Writing into a returned tensor is allowed (it is the caller's tensor) and is noticed by the
+``arange``'s version counter: the ids are then rebuilt, and that tensor is read by value like any other.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 
@@ -28,14 +36,17 @@ from kvpool.errors import (
     InvalidIdError,
     OutOfBlocksError,
 )
-from kvpool.numeric import as_id_tensor, as_int
+from kvpool.numeric import IntArg, as_id_tensor, as_int
 from kvpool.units import plural
 
 _FREE, _USED, _PAD = 0, 1, 2
 
 #: Slot ids, lengths or locations: an int tensor of any shape (any device), a sequence of integers, or one
 #: integer (the rule of :mod:`kvpool.numeric`: never bools).
-IdsLike = torch.Tensor | Sequence[int] | int
+IdsLike: TypeAlias = "torch.Tensor | Sequence[int] | int"
+
+#: At most this many one-page views are kept (~600 B each): see :meth:`TokenToKVPoolAllocator.alloc`.
+MAX_CACHED_VIEWS = 65_536
 
 
 @dataclass(frozen=True)
@@ -67,7 +78,7 @@ class TokenToKVPoolAllocator:
     once, and freeing another slot of an already released page raises ``DoubleFreeError``.
     """
 
-    def __init__(self, size: int, *, page_size: int = 1, device: torch.device | str = "cpu") -> None:
+    def __init__(self, size: IntArg, *, page_size: IntArg = 1, device: torch.device | str = "cpu") -> None:
         page_size = as_int(page_size, "page_size", minimum=1)
         size = as_int(size, "size", minimum=2 * page_size)
         if size % page_size:
@@ -88,6 +99,10 @@ class TokenToKVPoolAllocator:
         self._mask = self._mask_ext[:self.num_pages]
         self._stamp = torch.empty(self.num_pages, dtype=torch.int64)  # scratch for deduplication
         self._offsets = torch.arange(page_size)
+        self._slot_ids = torch.arange(size)                  # values of the one-page views alloc returns
+        self._slot_version = self._slot_ids._version         # bumped by any write into one of them
+        self._views: list[torch.Tensor | None] = [None] * self.num_pages
+        self._num_views = 0
         self._head = 0
         self._group: list[torch.Tensor] | None = None
         self._backup: _Backup | None = None
@@ -115,7 +130,7 @@ class TokenToKVPoolAllocator:
         return self._stack[self._head:].clone()
 
     # ------------------------------------------------------------------------------------ allocation
-    def alloc(self, n: int) -> torch.Tensor:
+    def alloc(self, n: IntArg) -> torch.Tensor:
         """``n`` free slot ids, int64 ``[n]`` on ``device`` (whole pages, ascending inside each page).
 
         Raises InvalidArgumentError if n < 0 or (paged) not a multiple of page_size, OutOfBlocksError if
@@ -174,7 +189,7 @@ class TokenToKVPoolAllocator:
         new_slots = pages[(opens.cumsum(0) - 1).clamp_(min=0)] * ps
         return self._out(torch.where(opens, new_slots, last + 1))
 
-    def alloc_contiguous(self, n: int) -> torch.Tensor:
+    def alloc_contiguous(self, n: IntArg) -> torch.Tensor:
         """``n`` consecutive slot ids (the lowest run of free pages that fits, first fit): int64 ``[n]``.
 
         Costs O(pool size). Raises OutOfBlocksError when no run of n free slots exists (nothing changes).
@@ -200,6 +215,11 @@ class TokenToKVPoolAllocator:
         Inside a free group the ids are copied and released at ``free_group_end()``. Raises InvalidIdError,
         DoubleFreeError (see the class docstring); nothing is released then.
         """
+        if getattr(slots, "_base", None) is self._slot_ids and self._group is None:
+            page = slots.storage_offset() // self.page_size  # type: ignore[union-attr]
+            if self._views[page] is slots and self._slot_ids._version == self._slot_version:  # type: ignore[union-attr]
+                self._free_page(page)  # a one-page view alloc handed out, unchanged: no torch call
+                return
         ids = as_id_tensor(slots, "slots", flatten=True)
         if self._group is not None:
             self._group.append(ids.clone())
@@ -289,7 +309,7 @@ class TokenToKVPoolAllocator:
             raise IntegrityError(f"free + allocated != {p - 1} pages")
 
     # ------------------------------------------------------------------------------------- internals
-    def _pages_for(self, n: int) -> int:
+    def _pages_for(self, n: IntArg) -> int:
         n = as_int(n, "n", minimum=0)
         if n % self.page_size:
             raise InvalidArgumentError(f"n must be a multiple of page_size={self.page_size}, got {n}")
@@ -302,9 +322,26 @@ class TokenToKVPoolAllocator:
         page = self._ids[head]
         self._state[page] = _USED
         self._head = head + 1
-        if self.page_size == 1:
-            return self._out(self._stack.narrow_copy(0, head, 1))
-        return self._out(self._offsets + page * self.page_size)
+        if not self._on_host:
+            return self._out(self._offsets + page * self.page_size)
+        view = self._views[page]
+        if view is None or self._slot_ids._version != self._slot_version:
+            view = self._page_view(page)
+        return view
+
+    def _page_view(self, page: int) -> torch.Tensor:
+        """The view of ``page``'s slot ids, cached; rebuilds every id first if one was written into."""
+        if self._slot_ids._version != self._slot_version:
+            self._slot_ids = torch.arange(self.size)
+            self._slot_version = self._slot_ids._version
+            self._views = [None] * self.num_pages
+            self._num_views = 0
+        ps = self.page_size
+        view = self._slot_ids[page * ps:page * ps + ps]
+        if self._num_views < MAX_CACHED_VIEWS:
+            self._views[page] = view
+            self._num_views += 1
+        return view
 
     def _take(self, k: int) -> torch.Tensor:
         """Mark the top k free pages allocated; returns them as a view valid until the next push."""
@@ -368,7 +405,9 @@ class TokenToKVPoolAllocator:
     def _free_one(self, slot: int) -> None:
         if not 0 <= slot < self.size:
             raise InvalidIdError(f"slot {slot} out of range [0, {self.size})")
-        page = slot // self.page_size
+        self._free_page(slot // self.page_size)
+
+    def _free_page(self, page: int) -> None:
         if self._state[page] != _USED:
             raise self._not_allocated(page)
         if self._head > self._frozen:

@@ -4,10 +4,11 @@ and what the windows save when the Mooncake trace is replayed per group.
 Per-step cost: R requests decode S steps each at block size 16; a step of one request is what an engine
 does for its next token. Baseline (one plain ``BlockPool``, a full-attention model, the engine's code before
 groups): reserve ``cdiv(n, B) - len(table)`` blocks when free, publish the blocks that filled. Coordinator:
-``remove_skipped_blocks``, ``allocate`` and ``cache_blocks`` every step, for one full group (the
-coordinator's own overhead) and for gpt-oss's two groups (sliding W 128 + full). ``ratio`` = coordinator ns
-/ baseline ns, timed in the same run (target for two groups: within 1.5x). Replay: the shipped trace with a
-hybrid config, per group and all full on the same memory (:func:`kvpool.trace.group_replay.compare_all_full`).
+``reserve`` (``remove_skipped_blocks`` + ``allocate``) and ``cache_blocks`` every step, for one full group
+(the coordinator's own overhead) and for gpt-oss's two groups (sliding W 128 + full). ``ratio`` =
+coordinator ns / baseline ns, timed in the same run (target for two groups: within 1.5x). Replay: the shipped
+trace with a hybrid config, per group and all full on the same memory
+(:func:`kvpool.trace.group_replay.compare_all_full`).
 """
 
 from __future__ import annotations
@@ -82,13 +83,12 @@ def _plain_steps(requests: int, steps: int) -> None:
 def _coordinator_steps(groups: tuple, requests: int, steps: int) -> None:
     coord = KVCacheCoordinator(groups, 1 + len(groups) * requests * (steps // B + 2))
     hashes = [[(r, i) for i in range(steps // B + 1)] for r in range(requests)]
-    remove, allocate, publish = coord.remove_skipped_blocks, coord.allocate, coord.cache_blocks
+    reserve, publish = coord.reserve, coord.cache_blocks
     for r in range(requests):
-        allocate(r, 0)
+        coord.allocate(r, 0)
     for n in range(steps):
         for r in range(requests):
-            remove(r, n)
-            allocate(r, n + 1)
+            reserve(r, n, n + 1)  # remove_skipped_blocks + allocate, as the engine's scheduler calls it
             publish(r, hashes[r], n + 1)
     for r in range(requests):
         coord.free(r)

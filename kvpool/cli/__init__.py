@@ -2,8 +2,9 @@
 
 Every subcommand sets ``func(args) -> int``. Bad input (any :class:`KVPoolError`, or a missing optional
 dependency) prints one line on stderr and exits with status 2, without a traceback. ``kvpool`` alone prints
-the usage and the subcommands; ``kvpool --version`` the version. When stdout is closed early
-(``kvpool ... | head``) the command ends quietly, with the status a pipe-killed program has (141).
+the usage and the subcommands; ``kvpool --version`` the version and whether the hot path runs compiled.
+When stdout is closed early (``kvpool ... | head``) the command ends quietly, with the status a pipe-killed
+program has (141).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import importlib
 import os
 import sys
 
-from kvpool import __version__
+from kvpool import __version__, _native
 from kvpool.cli._args import OneLineErrorParser
 from kvpool.errors import KVPoolError
 
@@ -24,7 +25,8 @@ BROKEN_PIPE_STATUS = 141
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog="kvpool", description="The KV cache memory pool for LLM inference.")
-    parser.add_argument("--version", action="version", version=f"kvpool {__version__}")
+    parser.add_argument("--version", action="version",
+                        version=f"kvpool {__version__} (hot path {_native.describe()})")
     parser.set_defaults(func=lambda _args: _usage(parser))
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for name in SUBCOMMANDS:

@@ -304,12 +304,7 @@ class LLMEngine:
     def _reserve(self, req: Request, n: int) -> bool:
         """Free what ``req``'s windows left behind, give it the blocks for ``n`` more tokens; False (no
         block handed out) when the pool is short."""
-        self.kv.remove_skipped_blocks(req.request_id, req.num_computed_tokens)
-        try:
-            self.kv.allocate(req.request_id, req.num_computed_tokens + n)
-        except OutOfBlocksError:
-            return False
-        return True
+        return self.kv.reserve(req.request_id, req.num_computed_tokens, req.num_computed_tokens + n)
 
     def _admit(self, req: Request, budget: int) -> int:
         """Touch ``req``'s cached prefix, allocate its first chunk; returns its tokens (0: no room).

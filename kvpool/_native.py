@@ -1,0 +1,155 @@
+"""Which of kvpool's hot modules run compiled and which interpreted, decided once, when kvpool is imported.
+
+The modules of :data:`COMPILED_MODULES` are ordinary typed Python, the one source of truth. ``setup.py``
+compiles them with mypyc at install time (``pip install -e .``, ``scripts/setup.sh``) into extension
+modules beside the sources, plus ``kvpool._native_manifest``: the SHA-256 of every source it compiled, built
+into the same shared library as the compiled code (so the digests cannot drift from the code they describe).
+
+CPython prefers an extension module over a ``.py`` of the same name in one folder, so the choice is made by
+an import hook, not by the file layout: :func:`activate` (run by ``kvpool/__init__.py``, before any
+submodule is imported) puts a finder at the head of ``sys.meta_path`` that loads the ``.py`` source of every
+kvpool module whose extension must not run. The compiled modules run only when all of these hold:
+
+* ``KVPOOL_PURE_PYTHON`` is unset or ``0`` (``KVPOOL_PURE_PYTHON=1`` forces the interpreted code);
+* the manifest imports (a build finished here, for this Python);
+* every source it lists still has the digest it was compiled from, and every listed module has its
+  extension. Otherwise the interpreted code runs for all of them (never a mix of two builds) and a
+  ``RuntimeWarning`` says which source changed: a compiled module built from an older source is never used.
+
+An extension whose module is not in the manifest (left over from an older build) is never used either.
+:func:`status` tells which case holds (``kvpool --version`` prints it). This module imports only the
+standard library: it runs before everything else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+#: The modules setup.py compiles (read there with ``ast``, without importing kvpool).
+COMPILED_MODULES = (
+    "kvpool.allocators.policies",
+    "kvpool.allocators.block_pool",
+    "kvpool.allocators.groups",
+    "kvpool.allocators.token",
+)
+#: Set to 1 (or true / yes) to run the interpreted code even where compiled modules exist.
+PURE_ENV = "KVPOOL_PURE_PYTHON"
+MANIFEST = "kvpool._native_manifest"
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+_state: dict[str, object] = {}
+
+
+class _SourceFinder(importlib.abc.MetaPathFinder):
+    """Loads the ``.py`` source of the named modules, ahead of the extension that shadows it."""
+
+    def __init__(self, sources: dict[str, Path]) -> None:
+        self.sources = sources
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None
+                  ) -> importlib.machinery.ModuleSpec | None:
+        source = self.sources.get(fullname)
+        return None if source is None else importlib.util.spec_from_file_location(fullname, source)
+
+
+def pure_requested(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
+    """Whether ``KVPOOL_PURE_PYTHON`` asks for the interpreted code (anything but unset, '', '0', 'false',
+    'no')."""
+    return environ.get(PURE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def source_digest(path: Path) -> str:
+    """SHA-256 (hex) of a source file's bytes: what the manifest records for it."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def module_source(name: str) -> Path:
+    """The ``.py`` file of kvpool module ``name`` (``kvpool.allocators.token``: ``allocators/token.py``)."""
+    return PACKAGE_DIR.joinpath(*name.split(".")[1:]).with_suffix(".py")
+
+
+def _extensions() -> dict[str, Path]:
+    """kvpool modules with an extension file beside a ``.py`` of the same name: module -> the ``.py``."""
+    found: dict[str, Path] = {}
+    suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
+    for folder, _dirs, files in os.walk(PACKAGE_DIR):
+        names = set(files)
+        for file in files:
+            if file.endswith(suffixes):
+                stem = file.split(".", 1)[0]
+                if f"{stem}.py" in names:
+                    rel = Path(folder, stem).relative_to(PACKAGE_DIR)
+                    found[".".join(("kvpool", *rel.parts))] = Path(folder, f"{stem}.py")
+    return found
+
+
+def _load_manifest() -> dict[str, str] | None:
+    try:
+        manifest = importlib.import_module(MANIFEST)
+    except ImportError:  # no build here (or one for another Python): nothing compiled can run
+        return None
+    if not is_compiled(manifest):  # the generated source, seen mid-build: only the build's own counts
+        return None
+    return dict(manifest.SOURCES)
+
+
+def _stale(sources: dict[str, str], shadowing: dict[str, Path]) -> str | None:
+    """Why the build cannot run (a changed source, a missing extension), or None."""
+    for name, digest in sources.items():
+        path = module_source(name)
+        if name not in shadowing:
+            return f"{name} has no compiled module"
+        if path.exists() and source_digest(path) != digest:
+            return f"{path.relative_to(PACKAGE_DIR.parent)} changed since it was compiled"
+    return None
+
+
+def activate() -> None:
+    """Decide compiled or interpreted once per process and install the finder (idempotent)."""
+    if _state:
+        return
+    shadowing = _extensions()
+    compiled: tuple[str, ...] = ()
+    if pure_requested():
+        reason = f"{PURE_ENV}=1"
+    else:
+        sources = _load_manifest()
+        if sources is None:
+            reason = "not compiled (no build for this Python here)"
+        elif (stale := _stale(sources, shadowing)) is not None:
+            reason = f"stale compiled modules ({stale}): rebuild with `pip install -e .`"
+            warnings.warn(f"kvpool: {reason}; running the interpreted code", RuntimeWarning, stacklevel=3)
+        else:
+            compiled, reason = tuple(sorted(sources)), "mypyc"
+    interpreted = {name: path for name, path in shadowing.items() if name not in compiled}
+    if interpreted:
+        sys.meta_path.insert(0, _SourceFinder(interpreted))
+    _state.update(compiled=compiled, reason=reason)
+
+
+def status() -> dict[str, object]:
+    """``{"compiled": bool, "modules": [compiled module names], "reason": str}``: how this process runs."""
+    activate()
+    modules = list(_state["compiled"])  # type: ignore[call-overload]
+    return {"compiled": bool(modules), "modules": modules, "reason": _state["reason"]}
+
+
+def describe() -> str:
+    """One line for people: ``compiled (mypyc): 2 modules`` or ``interpreted (KVPOOL_PURE_PYTHON=1)``."""
+    s = status()
+    if s["compiled"]:
+        return f"compiled ({s['reason']}): {len(s['modules'])} modules"  # type: ignore[arg-type]
+    return f"interpreted ({s['reason']})"
+
+
+def is_compiled(module: ModuleType) -> bool:
+    """Whether ``module`` was loaded from an extension (not from its ``.py``)."""
+    return not str(getattr(module, "__file__", "") or "").endswith(".py")

@@ -1,0 +1,110 @@
+"""The compiled / interpreted switch (kvpool._native): which file each hot module is loaded from.
+
+Each case runs a fresh interpreter on a copy of the package (so the real tree is never touched), with
+extension files put beside the sources by hand where the case needs them: an extension file that is not
+a real build stands in for a stale or foreign one, and the rule says it must never be loaded.
+"""
+
+import importlib.machinery
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpool import _native
+
+PACKAGE = Path(_native.__file__).resolve().parent
+SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
+COMPILED_HERE = _native.status()["compiled"]
+PROBE = """
+import json, kvpool, importlib
+from kvpool import _native
+mods = {m: importlib.import_module(m).__file__ for m in _native.COMPILED_MODULES + ("kvpool.units",)}
+print(json.dumps({"status": _native.status(), "files": mods}))
+"""
+
+
+def copy_package(tmp_path: Path) -> Path:
+    """A copy of the kvpool package under tmp_path (trace data and caches left out), extensions included."""
+    shutil.copytree(PACKAGE, tmp_path / "kvpool",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.jsonl", "*.csv"))
+    return tmp_path / "kvpool"
+
+
+def probe(root: Path, **env: str) -> tuple[dict, str]:
+    """Import kvpool from ``root`` in a fresh interpreter: (its status and module files, its stderr)."""
+    environ = {k: v for k, v in os.environ.items() if k != _native.PURE_ENV}
+    environ.update(env, PYTHONPATH=str(root))
+    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=environ,
+                          cwd=root, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def fake_extension(source: Path) -> Path:
+    """An extension file beside ``source`` that is no build at all: loading it would fail."""
+    ext = source.with_name(source.stem + SUFFIX)
+    ext.write_bytes(b"not a shared object")
+    return ext
+
+
+@pytest.mark.parametrize(("value", "pure"), [("1", True), ("yes", True), ("true", True), ("0", False),
+                                             ("", False), ("no", False), ("false", False)])
+def test_pure_env_values(value, pure):
+    assert _native.pure_requested({_native.PURE_ENV: value}) is pure
+    assert _native.pure_requested({}) is False
+
+
+def test_an_extension_that_is_no_build_of_ours_is_never_loaded(tmp_path):
+    # CPython prefers an extension over the .py of the same name: without the finder these imports fail
+    pkg = copy_package(tmp_path)
+    for name in (*_native.COMPILED_MODULES, "kvpool.units"):
+        fake_extension(pkg.joinpath(*name.split(".")[1:]).with_suffix(".py"))
+    for path in pkg.rglob(f"*{SUFFIX}"):  # a real build's manifest would make its modules eligible
+        if path.name.startswith(("_native__mypyc", "_native_manifest")):
+            path.unlink()
+    result, _ = probe(tmp_path)
+    assert result["status"]["compiled"] is False
+    assert "not compiled" in result["status"]["reason"]
+    assert all(f.endswith(".py") for f in result["files"].values()), result["files"]
+
+
+def test_pure_env_forces_the_sources_beside_extensions(tmp_path):
+    pkg = copy_package(tmp_path)
+    for name in _native.COMPILED_MODULES:
+        source = pkg.joinpath(*name.split(".")[1:]).with_suffix(".py")
+        if not source.with_name(source.stem + SUFFIX).exists():
+            fake_extension(source)
+    result, _ = probe(tmp_path, KVPOOL_PURE_PYTHON="1")
+    assert result["status"] == {"compiled": False, "modules": [], "reason": "KVPOOL_PURE_PYTHON=1"}
+    assert all(f.endswith(".py") for f in result["files"].values()), result["files"]
+
+
+@pytest.mark.skipif(not COMPILED_HERE, reason="no compiled build here (scripts/setup.sh builds it)")
+def test_the_build_runs_compiled_and_its_digests_are_the_sources():
+    import kvpool._native_manifest as manifest
+
+    assert sorted(manifest.SOURCES) == sorted(_native.COMPILED_MODULES)
+    for name, digest in manifest.SOURCES.items():
+        assert digest == _native.source_digest(_native.module_source(name))
+    result, _ = probe(PACKAGE.parent)
+    assert result["status"]["compiled"] is True
+    for name in _native.COMPILED_MODULES:
+        assert result["files"][name].endswith(SUFFIX)
+    assert result["files"]["kvpool.units"].endswith("units.py")
+
+
+@pytest.mark.skipif(not COMPILED_HERE, reason="no compiled build here (scripts/setup.sh builds it)")
+def test_a_build_from_an_older_source_is_refused_with_a_warning(tmp_path):
+    pkg = copy_package(tmp_path)
+    token = pkg / "allocators" / "token.py"
+    token.write_text(token.read_text() + "\n# edited after the build\n")
+    result, stderr = probe(tmp_path)
+    assert result["status"]["compiled"] is False
+    assert "kvpool/allocators/token.py changed since it was compiled" in result["status"]["reason"]
+    assert "RuntimeWarning" in stderr and "running the interpreted code" in stderr
+    assert all(f.endswith(".py") for f in result["files"].values()), result["files"]  # none of the build
