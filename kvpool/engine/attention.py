@@ -23,6 +23,22 @@ ATTENTION_NAME = "kvpool_paged"
 
 
 @dataclass
+class DecodeBatch:
+    """A decode step's contexts padded into one batch (every request computes one token), so each layer
+    attends all requests in one SDPA call instead of one per request.
+
+    Attributes:
+        slots: ``[R * width]`` int64: request i's context slots, then its first slot repeated up to ``width``.
+        width: the longest context.
+        mask: ``[R, 1, 1, width]`` bool, False on the padding; None when no context is padded.
+    """
+
+    slots: torch.Tensor
+    width: int
+    mask: torch.Tensor | None
+
+
+@dataclass
 class GroupStep:
     """One KV cache group's index tensors for a step.
 
@@ -32,11 +48,14 @@ class GroupStep:
         context_slots: per request, ``[ctx]`` int64 flat slots of the tokens its queries may read in this
             group (from the first one its window reaches, to the last new one).
         masks: per request, ``[q_len, ctx]`` bool (True = attend), or None when every query sees every key.
+        decode: the contexts as one padded batch, when every request of the step decodes one token and
+            there are several (see :class:`DecodeBatch`); else None.
     """
 
     slot_mapping: torch.Tensor
     context_slots: list[torch.Tensor]
     masks: list[torch.Tensor | None]
+    decode: DecodeBatch | None = None
 
 
 @dataclass
@@ -106,8 +125,22 @@ def build_step_metadata(cache: Any, groups: Sequence[KVCacheGroup],
             slots = block_slots(table, end - lo // size * size, size)[lo % size:]
             contexts.append(slots.to(device))
             new.append(contexts[-1][start - lo:])
-        steps.append(GroupStep(torch.cat(new), contexts, [m for _, m in shapes[key]]))
+        decode = _decode_batch(contexts, device) if len(spans) > 1 and starts[-1] == len(spans) else None
+        steps.append(GroupStep(torch.cat(new), contexts, [m for _, m in shapes[key]], decode))
     return StepMetadata(cache, starts, steps)
+
+
+def _decode_batch(contexts: list[torch.Tensor], device: torch.device | str) -> DecodeBatch:
+    """Pad each context with its own first slot (a real slot: the mask hides it) to the longest one."""
+    lengths = [c.numel() for c in contexts]
+    width = max(lengths)
+    padded = [c if n == width else torch.cat((c, c[:1].expand(width - n))) for c, n in zip(contexts, lengths,
+                                                                                          strict=True)]
+    mask = None
+    if min(lengths) < width:
+        keys = torch.arange(width, device=device)
+        mask = (keys[None, :] < torch.tensor(lengths, device=device)[:, None])[:, None, None, :]
+    return DecodeBatch(torch.cat(padded), width, mask)
 
 
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -124,7 +157,9 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 
     Returns:
         ``([1, T, Hq, D], None)``. GQA runs through ``enable_gqa`` (KV heads are not repeated in memory).
-        ``index_select`` gathers a request's K/V (4x faster on CPU than advanced indexing).
+        ``index_select`` gathers a request's K/V (4x faster on CPU than advanced indexing). A decode step
+        of several requests runs as one padded batch (:class:`DecodeBatch`): one gather per K and V and one
+        attention call per layer, not one per request.
 
     Raises:
         InvalidArgumentError: attention sinks (gpt-oss's ``s_aux``), or a ``sliding_window`` the model
@@ -138,6 +173,8 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     meta.cache.store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), step.slot_mapping, layer,
                         check=False)
     k_flat, v_flat = meta.cache.flat_k_cache(layer), meta.cache.flat_v_cache(layer)
+    if step.decode is not None:
+        return _decode_attention(query, k_flat, v_flat, step.decode, scaling, softcap), None
     starts, outputs = meta.query_starts, []
     for i, slots in enumerate(step.context_slots):
         k = k_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(query.dtype)  # [1, Hkv, ctx, D]
@@ -150,6 +187,22 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
             outputs.append(_softcapped_attention(q, k, v, step.masks[i], scaling, softcap))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     return out.transpose(1, 2), None
+
+
+def _decode_attention(query: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, batch: DecodeBatch,
+                      scaling: float | None, softcap: float | None) -> torch.Tensor:
+    """Every request's one new query ``query[0, :, i]`` over its padded context: one gather per K and V and
+    one attention call for the whole batch. Returns ``[1, R, Hq, D]``."""
+    rows = query.shape[2]
+    shape = (rows, batch.width, k_flat.shape[1], k_flat.shape[2])
+    k = k_flat.index_select(0, batch.slots).view(shape).transpose(1, 2).to(query.dtype)  # [R, Hkv, W, D]
+    v = v_flat.index_select(0, batch.slots).view(shape).transpose(1, 2).to(query.dtype)
+    q = query[0].transpose(0, 1).unsqueeze(2)  # [R, Hq, 1, D]
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=scaling, enable_gqa=True)
+    else:
+        out = _softcapped_attention(q, k, v, batch.mask, scaling, softcap)
+    return out.transpose(1, 2).transpose(0, 1)  # [R, 1, Hq, D] -> [1, R, Hq, D]
 
 
 def _check_layer_kwargs(group: KVCacheGroup, kwargs: dict[str, Any]) -> None:
