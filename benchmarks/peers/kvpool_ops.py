@@ -6,7 +6,7 @@ from __future__ import annotations
 import patterns as p
 
 import kvpool
-from kvpool import BlockPool, TokenToKVPoolAllocator
+from kvpool import BlockPool, TokenToKVPoolAllocator, _native
 
 
 def main() -> None:
@@ -21,7 +21,7 @@ def main() -> None:
     rows[f"paged allocator alloc({p.PAGE})+free({p.PAGE})"] = p.pairs_per_pair(
         lambda: TokenToKVPoolAllocator(p.SLOTS, page_size=p.PAGE), lambda a: a.alloc(p.PAGE),
         lambda a, x: a.free(x))
-    p.report("kvpool", kvpool.__version__, rows)
+    p.report("kvpool", kvpool.__version__, rows, hot_path=_native.describe())
 
 
 if __name__ == "__main__":

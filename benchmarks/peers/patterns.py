@@ -66,7 +66,7 @@ def pairs_per_pair(make_allocator: Callable[[], Any], alloc: Callable[[Any], Any
     return _median(run, repeat)
 
 
-def report(side: str, version: str, rows: dict[str, float]) -> None:
+def report(side: str, version: str, rows: dict[str, float], **extra: str) -> None:
     """One JSON line on stdout: what the comparison reads back."""
-    json.dump({"side": side, "version": version, "ns": rows}, sys.stdout)
+    json.dump({"side": side, "version": version, "ns": rows, **extra}, sys.stdout)
     print()
