@@ -34,8 +34,15 @@ def _warn(message: str) -> None:
     print(f"kvpool: {message}; the interpreted code will run", file=sys.stderr)
 
 
+#: setup.py commands that build code; the others (pip's metadata step: dist_info, egg_info) compile nothing,
+#: so one install type-checks and generates the C once.
+BUILD_COMMANDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "install", "develop", "bdist"}
+
+
 def ext_modules() -> list:
     if os.environ.get("KVPOOL_COMPILE", "1").strip().lower() in ("0", "false", "no"):
+        return []
+    if not BUILD_COMMANDS & set(sys.argv[1:]):
         return []
     try:
         from mypyc.build import mypycify
