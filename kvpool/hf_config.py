@@ -236,7 +236,10 @@ def _attention_layers(lm: dict[str, Any], model_type: str | None, num_layers: An
     types = lm.get("layer_types")
     if types is None and isinstance(num_layers, int) and num_layers > 0:
         types = _computed_layer_types(lm, model_type, num_layers, window, chunk)
-    return {"layer_types": None if types is None else list(types), "attention_chunk_size": chunk}
+    if types is not None and not isinstance(types, list):  # an int, a str, an object: never iterated
+        raise ConfigError(f"config.json field 'layer_types' must be a list of layer type names, got "
+                          f"{types!r:.60}")
+    return {"layer_types": types, "attention_chunk_size": chunk}
 
 
 def _computed_layer_types(lm: dict[str, Any], model_type: str | None, num_layers: int,
@@ -244,6 +247,9 @@ def _computed_layer_types(lm: dict[str, Any], model_type: str | None, num_layers
     if model_type in ("llama4", "llama4_text"):
         rope = lm.get("no_rope_layers") or [int((i + 1) % _LLAMA4_NOPE_INTERVAL != 0)
                                             for i in range(num_layers)]
+        if not isinstance(rope, list):  # read by truthiness per layer, as Llama4TextConfig reads it
+            raise ConfigError(f"config.json field 'no_rope_layers' must be a list (1 = RoPE layer), got "
+                              f"{rope!r:.60}")
         return ["chunked_attention" if r and chunk is not None else "full_attention" for r in rope]
     if window is None:
         return None

@@ -252,11 +252,11 @@ class KVCacheSpec:
             raise ConfigError(f"layer_types has {len(self.layer_types)} entries but num_layers is "
                               f"{self.num_layers}")
         known = ", ".join(k.value for k in LayerKind)
-        try:
-            kinds = tuple(LayerKind(k) for k in self.layer_types)
-        except ValueError:
-            bad = next(k for k in self.layer_types if k not in {m.value for m in LayerKind})
-            raise ConfigError(f"unknown layer type {bad!r} in layer_types; known: {known}") from None
+        names = {m.value for m in LayerKind}
+        bad = [k for k in self.layer_types if not isinstance(k, str) or k not in names]
+        if bad:  # None, a number, a list (not even hashable): no layer type name
+            raise ConfigError(f"unknown layer type {bad[0]!r} in layer_types; known: {known}")
+        kinds = tuple(LayerKind(k) for k in self.layer_types)
         if LayerKind.SLIDING in kinds and self.sliding_window is None:
             raise ConfigError("layer_types has sliding_attention layers but sliding_window is not set")
         if LayerKind.CHUNKED in kinds:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.cli import main
 from kvpool.errors import ConfigError
 from kvpool.hf_config import load_config, read_kv_fields
 from kvpool.planner import MemoryReadings, plan_pool
@@ -192,6 +193,8 @@ def test_minimum_counts_every_group():
     ({"layer_types": ["full_attention"] * 3}, "layer_types has 3 entries but num_layers is 4"),
     ({"layer_types": ["full_attention"] * 3 + ["linear_attention"]}, "unknown layer type 'linear_attention'"),
     ({"layer_types": "full_attention"}, "layer_types must be a list"),
+    ({"layer_types": [["full_attention"]] * 4}, r"unknown layer type \['full_attention'\]"),  # unhashable
+    ({"layer_types": [None] * 4}, "unknown layer type None"),
     ({"layer_types": ["sliding_attention"] * 4}, "sliding_window is not set"),
     ({"layer_types": ["sliding_attention"] * 4, "sliding_window": 0}, "sliding_window must be an integer"),
     ({"layer_types": ["sliding_attention"] * 4, "sliding_window": -16}, "sliding_window must be"),
@@ -217,6 +220,23 @@ def test_hf_config_with_bad_layer_types(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and "unknown layer type 'mamba'" in result.stderr
+
+
+@pytest.mark.parametrize(("name", "field", "value", "error"), [
+    # each of these was a TypeError traceback from `kvpool plan` (exit 1): never iterated or hashed now
+    ("gpt-oss-20b", "layer_types", 5, "'layer_types' must be a list of layer type names, got 5"),
+    ("gpt-oss-20b", "layer_types", True, "'layer_types' must be a list of layer type names, got True"),
+    ("gpt-oss-20b", "layer_types", [[1]] * 24, "unknown layer type [1]"),
+    ("llama-4-scout-17b-16e", "no_rope_layers", 5, "'no_rope_layers' must be a list (1 = RoPE layer), got 5"),
+])
+def test_hostile_layer_fields_are_one_line(tmp_path, capsys, name, field, value, error):
+    config = json.loads((CONFIGS / f"{name}.json").read_text())
+    (config.get("text_config") or config)[field] = value
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert main(["plan", str(path), "--gpu-memory", "80GiB"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and error in err, err
 
 
 def test_group_rules_by_hand():
