@@ -749,7 +749,7 @@ class KVEventSubscriber:
         now = time.monotonic()
         if self._asked and now - self._asked < 25 * self._idle_s:
             return
-        if self._replay is not None and self._next is not None:
+        if self._replay is not None and self._next is not None and self._next <= _U64:  # past the last
             self._replay.send_multipart((b"", self._next.to_bytes(8, "big")))
             self._asked = self._last_heard = now
 

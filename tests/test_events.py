@@ -389,6 +389,34 @@ def test_subscriber_without_replay_counts_gaps() -> None:
     assert first[0] == 0 and [(seq, b.events[0].block_hashes) for seq, b in got] == [(1, [1]), (5, [5])]
 
 
+def test_the_last_sequence_number_is_no_crash_and_nan_prints_as_null() -> None:
+    # A publisher's seq 2**64 - 1 made the subscriber ask its replay socket for 2**64: OverflowError, a
+    # traceback from `kvpool events`. And a NaN timestamp printed as NaN, which no JSON parser reads.
+    from kvpool.cli.events import event_dict
+
+    ctx = zmq.Context()
+    raw, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    live, replay = tcp(free_port()), tcp(free_port())
+    raw.bind(live)
+    router.bind(replay)
+    payload = msgspec.msgpack.encode(VKVEventBatch(float("nan"), [VBlockRemoved([7], "GPU")]))
+    try:
+        with KVEventSubscriber(live, replay_endpoint=replay, idle_s=0.05) as sub:
+            def step():
+                raw.send_multipart((b"", (2**64 - 1).to_bytes(8, "big"), payload))
+                while router.poll(0):  # answer every replay request: nothing kept
+                    ident = router.recv_multipart()[0]
+                    router.send_multipart((ident, b"", b"", END_SEQ, b""))
+                return sub.recv(timeout=0.05)
+            seq, batch = _wait_for(step)
+            assert seq == 2**64 - 1 and sub.recv(timeout=0.3) is None  # idle asks: none past the last
+    finally:
+        raw.close(linger=0)
+        router.close(linger=0)
+        ctx.term()
+    assert event_dict(seq, batch.ts, None, batch.events[0])["ts"] is None
+
+
 def test_endpoints_are_checked() -> None:
     for good in ("tcp://127.0.0.1:5557", "tcp://*:5557", "tcp://localhost:1", "tcp://[::1]:80", "ipc:///tmp/x",
                  "inproc://kv"):

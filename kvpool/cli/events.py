@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
@@ -50,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             pass
         if sub.missed or sub.malformed:
-            print(f"kvpool events: {sub.missed} batches missed, {sub.malformed} malformed", file=sys.stderr)
+            print(f"kvpool events: {plural(sub.missed, 'message')} missed, {sub.malformed} malformed",
+                  file=sys.stderr)
     return 0
 
 
@@ -59,14 +61,17 @@ def event_dict(seq: int, ts: float, rank: int | None, event: Any) -> dict[str, A
     import msgspec
 
     fields = {name: _plain(value) for name, value in msgspec.structs.asdict(event).items()}
-    return {"seq": seq, "ts": ts, "data_parallel_rank": rank, "type": type(event).__name__, **fields}
+    return {"seq": seq, "ts": _plain(ts), "data_parallel_rank": rank, "type": type(event).__name__, **fields}
 
 
 def _plain(value: Any) -> Any:
+    """JSON-ready: bytes as hex, a NaN or infinite number (which no JSON parser reads) as None."""
     if isinstance(value, bytes):
         return value.hex()
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
     return value
 
 
