@@ -206,6 +206,19 @@ def test_a_short_environment_seed_is_a_config_error(monkeypatch: pytest.MonkeyPa
     assert BlockHasher(shared=True).seeded
 
 
+def test_a_seed_that_is_not_utf8_is_its_own_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # $KVPOOL_HASH_SEED of random bytes (not UTF-8) reaches Python as surrogate escapes; encoding it as UTF-8
+    # raised UnicodeEncodeError (a traceback from every command). The root is the bytes' formula's.
+    secret = bytes(range(128, 160))  # 32 bytes, none valid UTF-8 on its own
+    monkeypatch.setenv(SEED_ENV, secret.decode("utf-8", "surrogateescape"))
+    from_env = BlockHasher("sha256", shared=True)
+    root = reference_root(secret)
+    assert from_env.block_hashes(TOKENS, 4)[0] == hashlib.sha256(root + struct.pack("<q4q", 4, *TOKENS[:4])
+                                                                 ).digest()[:16]
+    with pytest.raises(ConfigError, match="surrogate"):
+        BlockHasher(seed="\ud800" * 16)
+
+
 # ---- extra keys -----------------------------------------------------------------------------------------
 
 

@@ -356,7 +356,10 @@ def _check_unseeded(algorithm: str, seed_source: str) -> None:
 
 
 def _derive_root(seed: str | bytes, what: str) -> bytes:
-    raw = seed.encode("utf-8") if isinstance(seed, str) else seed
+    try:  # surrogateescape: an environment value that is not UTF-8 is its own bytes (as os.environb holds)
+        raw = seed.encode("utf-8", "surrogateescape") if isinstance(seed, str) else seed
+    except UnicodeEncodeError:
+        raise ConfigError(f"{what} holds a lone surrogate: give bytes or text") from None
     if type(raw) is not bytes:
         raise ConfigError(f"{what} must be str or bytes, got {type(seed).__name__}")
     if len(raw) < MIN_SEED_BYTES:
