@@ -7,7 +7,10 @@ the ``skipped_blocks`` prefix of the last ``remove_skipped_blocks`` (or of the h
 against a brute-force hit: the longest k for which every group has a cached block under its own key at each
 position ``skipped_blocks(k * B) .. k - 1``, tried for every k (O(k^2), independent of the coordinator's
 fixed-point scan); the hit's blocks must be those cached blocks. Allocation must raise exactly when the
-pool has fewer free blocks than the model's count, and change nothing then.
+pool has fewer free blocks than the model's count, and change nothing then. A hit taken before another
+request took its blocks over must be refused as stale exactly when a hit block no longer holds its group's
+key; counts that break the integer rule change nothing. Every step, the set of keys rebuilt from the pool's
+KV events alone (each event's group and kind) equals the pool's prefix index.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvpool.allocators.groups import KVCacheCoordinator, group_key
 from kvpool.allocators.hashing import block_hashes
-from kvpool.errors import OutOfBlocksError
+from kvpool.errors import InvalidArgumentError, OutOfBlocksError
+from kvpool.events import BlockRemoved, BlockStored, KVEventSink, QueueEventPublisher
 from kvpool.spec import LayerKind, cdiv, kv_cache_groups
 
 S, F, C = LayerKind.SLIDING, LayerKind.FULL, LayerKind.CHUNKED
@@ -44,11 +48,15 @@ class Req:
 
 
 class CoordinatorMachine(RuleBasedStateMachine):
-    @initialize(layout=st.sampled_from(sorted(LAYOUTS)), n=st.integers(6, 40))
-    def setup(self, layout: str, n: int) -> None:
+    @initialize(layout=st.sampled_from(sorted(LAYOUTS)), n=st.integers(6, 40),
+                batch=st.sampled_from([1, 3, 4096]))
+    def setup(self, layout: str, n: int, batch: int) -> None:
         kinds, windows = LAYOUTS[layout]
         self.groups = kv_cache_groups(kinds, windows, B)
-        self.coord = KVCacheCoordinator(self.groups, n)
+        self.publisher = QueueEventPublisher(maxsize=100_000)
+        sink = KVEventSink(self.publisher, block_size=B, max_batch_events=batch)
+        self.coord = KVCacheCoordinator(self.groups, n, event_sink=sink)
+        self.seen: set = set()  # the prefix index as the events tell it
         self.null = self.coord.null_block  # 0, or -1 (none) for a model without windows
         self.reqs: dict[int, Req] = {}
         self.next_id = 0
@@ -134,6 +142,45 @@ class CoordinatorMachine(RuleBasedStateMachine):
     def finish_one(self, data: st.DataObject) -> None:
         self.finish(data.draw(st.sampled_from(sorted(self.reqs))))
 
+    @rule(prefix=st.integers(0, 1), cut=st.integers(5, 40))
+    def stale_hit(self, prefix: int, cut: int) -> None:
+        """Take a hit, let another request take every free block (cached ones evicted and reused), then
+        offer the old hit: stale exactly when a hit block no longer holds the key it was found under."""
+        tokens = PREFIXES[prefix][:cut] + [0]
+        hashes = block_hashes(tokens, B)
+        hit = self.coord.find_longest_cache_hit(hashes, (len(tokens) - 1) // B)
+        filler = self.next_id
+        self.next_id += 2
+        per_group = self.coord.num_free_blocks // len(self.groups)
+        self.coord.allocate(filler, per_group * B)  # publishes nothing
+        pool = self.coord.pool
+        stale = any(b != self.null and pool.block_hash(b) != group_key(g, hashes[i])
+                    for g, blocks in enumerate(hit.blocks) for i, b in enumerate(blocks))
+        free = self.coord.num_free_blocks
+        try:
+            self.coord.allocate(filler + 1, hit.num_blocks * B, hit)
+        except InvalidArgumentError:
+            assert stale and self.coord.num_free_blocks == free and filler + 1 not in self.coord.requests
+        except OutOfBlocksError:
+            assert not stale and self.coord.num_free_blocks == free
+        else:
+            assert not stale
+            self.coord.free(filler + 1)
+        self.coord.free(filler)
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data(), bad=st.sampled_from([-4, 2.5, True, "8", None]))
+    def bad_counts(self, data: st.DataObject, bad: object) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.reqs)))
+        state = (self.coord.block_tables(rid), self.coord.num_free_blocks, self.coord.pool.num_cached_blocks)
+        for call in (lambda: self.coord.cache_blocks(rid, self.reqs[rid].hashes, bad),
+                     lambda: self.coord.remove_skipped_blocks(rid, bad),
+                     lambda: self.coord.allocate(rid, bad)):
+            with pytest.raises(InvalidArgumentError):
+                call()
+        assert state == (self.coord.block_tables(rid), self.coord.num_free_blocks,
+                         self.coord.pool.num_cached_blocks)
+
     def finish(self, rid: int) -> None:
         self.coord.free(rid)
         del self.reqs[rid]
@@ -155,6 +202,22 @@ class CoordinatorMachine(RuleBasedStateMachine):
                 assert table[:nulls] == [self.null] * nulls and self.null not in table[nulls:]
                 held += len(table) - nulls
         assert self.coord.num_used_blocks <= held  # shared hit blocks count once
+        self.coord.pool.event_sink.flush()
+        for batch in self.publisher.drain():
+            for event in batch.events:
+                keys = {group_key(event.group_idx, h) for h in getattr(event, "block_hashes", ())}
+                if isinstance(event, BlockStored):
+                    kind = self.groups[event.group_idx].kind
+                    assert event.kv_cache_spec_kind == {S: "sliding_window", F: "full_attention",
+                                                        C: "chunked_local_attention"}[kind]
+                    assert not keys & self.seen
+                    self.seen |= keys
+                elif isinstance(event, BlockRemoved):
+                    assert keys <= self.seen
+                    self.seen -= keys
+        pool = self.coord.pool
+        assert len(self.seen) == pool.num_cached_blocks and all(pool.get_cached_block(k) is not None
+                                                                for k in self.seen)
 
     def teardown(self) -> None:
         if hasattr(self, "coord"):
