@@ -347,6 +347,31 @@ def test_acquire_without_room_changes_nothing(tmp_path: Path) -> None:
     assert m.pool.num_free_blocks == 0 and m.tiers[0].pool.num_used_blocks == 0
 
 
+def test_a_stale_device_hit_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    # The hit names device blocks 0 (hash 1) and 1 (hash 2). Another request then takes block 1 (evicted
+    # first: freed first, tail first). Acquiring the old hit touched block 1 anyway: the request would have
+    # run on the other request's KV for its second block.
+    m = build([("host", 8)], tmp_path, None, device=10, write_through=False)
+    run_request(m, [1, 2], 0)
+    hit = m.lookup([1, 2])
+    assert (hit.where, hit.device_ids) == ([0, 0], [0, 1])
+    other = m.pool.allocate(9)  # the 8 uncached blocks, then block 1 (hash 2 goes to the host)
+    m.pool.free(other[:3])
+    assert 1 in other and m.pool.block_hash(1) is None
+
+    def state() -> tuple:
+        pool = m.pool
+        return [pool.ref_count(b) for b in range(10)], pool.num_free_blocks, m.tiers[0].pool.num_used_blocks
+
+    before = state()
+    with pytest.raises(InvalidArgumentError, match="stale"):
+        m.acquire(hit)
+    assert state() == before
+    fresh = m.lookup([1, 2])  # looked up again: block 0 on the device, hash 2 on the host
+    assert fresh.where == [0, 1] and m.acquire(fresh)[0] == 0
+    m.check_integrity()
+
+
 # ---- faults through the manager -------------------------------------------------------------------------
 
 def test_redis_killed_mid_run_is_a_miss_and_the_kv_stays_right(tmp_path: Path) -> None:

@@ -175,7 +175,14 @@ class OffloadManager:
         touched, the others loaded into new device blocks and published. Returns the block ids of the
         prefix actually available (shorter than ``hit`` when a load failed; the blocks past it are
         released). Raises :class:`OutOfBlocksError` (nothing changed) when the pool cannot give the new
-        blocks: check :meth:`num_blocks_to_allocate` first."""
+        blocks: check :meth:`num_blocks_to_allocate` first; :class:`InvalidArgumentError` (nothing changed)
+        for a stale hit, a device block of which no longer holds its hash (evicted, maybe handed to another
+        request, since the lookup: look up again)."""
+        cached = self.pool.get_cached_block
+        for i, b in enumerate(hit.device_ids):
+            if b is not None and cached(hit.hashes[i]) != b:
+                raise InvalidArgumentError(f"stale prefix hit: device block {b} no longer holds the hash it "
+                                           "was found under; look it up again")
         on_device = [b for b in hit.device_ids if b is not None]
         below = [i for i, w in enumerate(hit.where) if w != DEVICE]
         revived = len(on_device) - self._device_hits_in_use(hit)
