@@ -25,13 +25,24 @@ BROKEN_PIPE_STATUS = 141
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog="kvpool", description="The KV cache memory pool for LLM inference.")
-    parser.add_argument("--version", action="version",
-                        version=f"kvpool {__version__} (hot path {_native.describe()})")
+    parser.add_argument("--version", action=_Version, help="show the version and the hot path, and exit")
     parser.set_defaults(func=lambda _args: _usage(parser))
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for name in SUBCOMMANDS:
         importlib.import_module(f"kvpool.cli.{name}").register(subparsers)
     return parser
+
+
+class _Version(argparse.Action):
+    """``--version``: one line on stdout, never wrapped (argparse's own version action wraps its text at the
+    terminal's width, so a long hot-path description broke the line in two)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=kwargs.get("help"))
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        print(f"kvpool {__version__} (hot path {_native.describe()})")
+        parser.exit(0)
 
 
 def _usage(parser: argparse.ArgumentParser) -> int:
