@@ -236,10 +236,14 @@ def test_counts_follow_the_integer_rule_and_change_nothing(bad):
     coord = coordinator()
     tokens = list(range(16))
     coord.allocate("a", 16)
+    full = coordinator(kinds=(F,))
+    full.allocate("a", 16)
     hashes = block_hashes(tokens, B)
     state = (coord.block_tables("a"), coord.pool.num_cached_blocks, coord.num_free_blocks)
     calls = [lambda: coord.cache_blocks("a", hashes, bad), lambda: coord.remove_skipped_blocks("a", bad),
-             lambda: coord.num_blocks_to_allocate("a", bad), lambda: coord.allocate("a", bad)]
+             lambda: coord.num_blocks_to_allocate("a", bad), lambda: coord.allocate("a", bad),
+             lambda: coord.reserve("a", bad, 16), lambda: coord.reserve("a", 0, bad),
+             lambda: full.reserve("a", bad, 16)]  # a model without windows checks the computed count too
     if bad is not None:
         calls.append(lambda: coord.find_longest_cache_hit(hashes, bad))
     for call in calls:

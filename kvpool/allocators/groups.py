@@ -235,18 +235,18 @@ class KVCacheCoordinator:
 
         Raises:
             InvalidIdError: an unknown request.
-            InvalidArgumentError: ``num_tokens`` not an int >= 0.
+            InvalidArgumentError: ``num_computed_tokens`` or ``num_tokens`` not an int >= 0 (whether or not
+                a group has a window).
         """
         req = self._reqs.get(request_id)
         if req is None:
             raise InvalidIdError(f"no request {request_id!r} holds blocks")
         if type(num_tokens) is not int or num_tokens < 0:
             num_tokens = as_int(num_tokens, "num_tokens", minimum=0)
-        if self._windowed:
-            if type(num_computed_tokens) is not int or num_computed_tokens < 0:
-                num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", minimum=0)
-            if num_computed_tokens >= req.next_skip:
-                self._remove_skipped(req, num_computed_tokens)
+        if type(num_computed_tokens) is not int or num_computed_tokens < 0:
+            num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", minimum=0)
+        if self._windowed and num_computed_tokens >= req.next_skip:
+            self._remove_skipped(req, num_computed_tokens)
         grow = -(-num_tokens // self.block_size) - len(req.tables[0])
         if grow > 0:
             try:
