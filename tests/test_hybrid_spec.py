@@ -27,7 +27,7 @@ from kvpool.planner import MemoryReadings, plan_pool
 from kvpool.spec import KVCacheGroup, KVCacheSpec, LayerKind, kv_cache_groups
 
 CONFIGS = Path(__file__).parent / "configs"
-GiB = 2**30
+GiB, MiB = 2**30, 2**20
 F, S, C = LayerKind.FULL, LayerKind.SLIDING, LayerKind.CHUNKED
 
 
@@ -174,6 +174,14 @@ def test_gpt_oss_gets_twice_the_requests():
     assert plan.num_blocks == 158378
     assert plan.max_concurrency == pytest.approx(158378 / 8201)
     assert plan.all_full_max_concurrency == pytest.approx((58 * GiB // (24 * 32768)) / 8192)
+
+
+def test_mistral_at_32k_slides_every_layer():
+    # the README's figure: bf16, 2 x 32 x 8 x 128 x 2 B x 16 tokens = 2 MiB per block; 80 GiB x 0.9 - 15 GiB
+    # = 57 GiB = 29184 blocks; a 32K request holds cdiv(4095, 16) + 1 = 257 of them (2048 all full)
+    plan = plan_pool(spec_of("mistral-7b-v0.1"), MemoryReadings(80 * GiB, 15 * GiB), max_model_len=32768)
+    assert plan.num_blocks == 57 * GiB // (2 * MiB) == 29184 and plan.blocks_per_request == 257
+    assert round(plan.max_concurrency, 2) == 113.56 and plan.all_full_max_concurrency == 29184 / 2048 == 14.25
 
 
 def test_minimum_counts_every_group():

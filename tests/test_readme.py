@@ -1,16 +1,30 @@
 """The README's examples run as written (issue 9, item 18). Each ```python block follows a marker:
 ``<!-- doc-test: NAME -->`` (blocks of one NAME run in order in one fresh namespace, so a later block may
 use an earlier one's names; their own assertions must hold) or ``<!-- doc-test skipped: why -->``. A block
-without a marker fails the test, so a new example cannot go untested unnoticed."""
+without a marker fails the test, so a new example cannot go untested unnoticed.
+
+A ```bash block after ``<!-- doc-test: shell -->`` runs in bash (``set -euo pipefail``, every command must
+succeed) in a fresh folder, with ``kvpool`` this checkout's CLI; its loopback ports become free ones of the
+tests' range and ``/tmp/`` the test's own folder, and background jobs it starts are stopped at its end. Mark
+the command blocks that run in seconds (tiny models, short replays): a newcomer copies them first."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from _ports import free_port
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+SHELL = re.compile(r"<!-- doc-test: shell -->\n```bash\n(?P<code>.*?)```", re.S)
+PORT = re.compile(r"(?<=127\.0\.0\.1:)\d+|(?<=localhost:)\d+|(?<=--metrics-port )\d+")
 BLOCK = re.compile(r"(?:<!-- doc-test(?P<skip> skipped)?: (?P<name>[^>]*?) -->\n)?"
                    r"```python\n(?P<code>.*?)```", re.S)
 
@@ -42,3 +56,37 @@ def test_readme_block_runs(name: str) -> None:
         pool = namespace["pool"]
         assert pool.num_used_blocks == 0 and pool.num_cached_blocks == 2
         pool.check_integrity()
+
+
+def shell_blocks() -> list[str]:
+    return [m["code"] for m in SHELL.finditer(README.read_text())]
+
+
+def test_the_quick_commands_are_tested() -> None:
+    codes = shell_blocks()
+    assert any("--disk-dir" in code for code in codes) and any("--kv-events" in code for code in codes)
+
+
+@pytest.mark.parametrize("index", range(len(shell_blocks())))
+def test_readme_shell_block_runs(index: int, tmp_path: Path) -> None:
+    ports: dict[str, int] = {}
+    code = PORT.sub(lambda m: str(ports.setdefault(m.group(), free_port())), shell_blocks()[index])
+    code = code.replace("/tmp/", f"{tmp_path}/")
+    bin_dir, work = tmp_path / "bin", tmp_path / "work"
+    bin_dir.mkdir()
+    work.mkdir()
+    (bin_dir / "kvpool").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m kvpool "$@"\n')
+    (bin_dir / "kvpool").chmod(0o755)
+    script = f"trap 'kill $(jobs -p) 2>/dev/null || true' EXIT\nset -euo pipefail\n{code}"
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
+           "HF_HUB_OFFLINE": "1"}
+    log = tmp_path / "output.txt"
+    with log.open("w") as out:
+        proc = subprocess.Popen(["bash", "-c", script], cwd=work, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code_returned = proc.wait(timeout=300)
+        finally:  # whatever the block left running (a subscriber in the background) goes with it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert code_returned == 0, f"README shell block {index} failed:\n{code}\n{log.read_text()[-3000:]}"
