@@ -2,11 +2,21 @@
 timings it reports (the ratios are the suites' own definitions, recomputed here). No timing is asserted."""
 
 import json
+import logging
 import os
 
 import pytest
 
 from kvpool.cli import main
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def bench(capsys: pytest.CaptureFixture, *argv: str) -> dict:
@@ -75,7 +85,13 @@ def test_engine_bench_on_a_tiny_model_sizes_the_pool_from_its_prompts(capsys: py
     from kvpool.engine.models import DEFAULT_PROMPTS
 
     pytest.importorskip("transformers")
-    result = bench(capsys, "engine", "--model", "tiny-llama", "--max-new-tokens", "2", "--skip-padded")
+    warnings = _Records()
+    logging.getLogger("ContinuousBatchingLogger").addHandler(warnings)  # transformers' own, not propagated
+    try:
+        result = bench(capsys, "engine", "--model", "tiny-llama", "--max-new-tokens", "2", "--skip-padded")
+    finally:
+        logging.getLogger("ContinuousBatchingLogger").removeHandler(warnings)
+    assert warnings.messages == []  # generate_batch is told EOS is off, so it does not warn that it is unset
     longest = max(len(text.encode("utf-8")) for text in DEFAULT_PROMPTS)  # bytes are the tiny models' tokens
     assert result["prompt_tokens"] == [len(text.encode("utf-8")) for text in DEFAULT_PROMPTS]
     assert result["num_blocks"] == -(-(longest + 2 - 1) // 16) > 64

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -52,12 +53,24 @@ def test_help_has_no_markup_and_names_every_default(path: tuple[str, ...]) -> No
         assert markup not in text
     formatter = parser._get_formatter()
     for action in parser._actions:
-        if action.option_strings and not any(action.default is x for x in (None, False, argparse.SUPPRESS)):
-            line = formatter._expand_help(action)
+        line = formatter._expand_help(action) if action.help else ""
+        # no empty default, and no default given twice: "(32) (default: 32)"
+        assert "(default: )" not in line and not re.search(r"\((\S+?)[;)].*\(default: \1\)", line), line
+        empty = isinstance(action.default, list) and not action.default  # none given: nothing to show
+        if action.option_strings and not empty and \
+                not any(action.default is x for x in (None, False, argparse.SUPPRESS)):
             assert "default" in line, f"{path} {action.option_strings}: {line!r}"
             values = action.default if isinstance(action.default, list) else [action.default]
             forms = (" ".join(map(str, values)), ",".join(map(str, values)))
             assert any(form in line for form in forms), line
+
+
+def test_descriptions_keep_the_names_they_start_with() -> None:
+    """A suite's description is its help as a sentence; a lower-case name stays lower case."""
+    found = dict(parsers())
+    assert found[("bench", "engine")].description.startswith("kvpool generate tokens/s")
+    assert found[("bench", "storage")].description.startswith("store_kv bandwidth")
+    assert found[("bench", "replay")].description.startswith("Trace replay")
 
 
 def test_every_command_that_runs_torch_has_one_threads_option() -> None:

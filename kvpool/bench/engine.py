@@ -33,7 +33,7 @@ NUM_BLOCKS, BLOCK_SIZE, BATCH_TOKENS = 64, 16, 256  # the peer's CPU settings (D
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", help="smollm2 (default), tiny-llama, ... or a folder")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per prompt (32)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per prompt")
     parser.add_argument("--num-blocks", type=int, default=None, metavar="N",
                         help=f"KV blocks of {BLOCK_SIZE} tokens for kvpool and generate_batch (default: "
                              f"{NUM_BLOCKS}, or what the longest prompt needs)")
@@ -179,8 +179,9 @@ def _generate_batch(model: Any, prompts: list[list[int]], max_new_tokens: int, n
     config = ContinuousBatchingConfig(page_size=BLOCK_SIZE, num_blocks=num_blocks,
                                       max_batch_tokens=BATCH_TOKENS, auto_switch_to_flash=False,
                                       use_cuda_graph=False)
-    outputs = model.generate_batch(prompts, _greedy_config(model, max_new_tokens),
-                                   continuous_batching_config=config)
+    greedy = _greedy_config(model, max_new_tokens)
+    greedy.eos_token_id = -1  # EOS ignored, as generate_batch says it (given None, it warns and sets -1)
+    outputs = model.generate_batch(prompts, greedy, continuous_batching_config=config)
     ordered = sorted(outputs.values(), key=lambda out: _request_index(out.request_id))
     return [out.generated_tokens for out in ordered]
 

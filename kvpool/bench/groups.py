@@ -32,11 +32,11 @@ GPT_OSS_20B = KVCacheSpec(num_layers=24, num_kv_heads=8, head_dim=64, dtype="bfl
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=64, metavar="R", help="requests decoding (64)")
-    parser.add_argument("--steps", type=int, default=512, metavar="S", help="decode steps per request (512)")
-    parser.add_argument("--repeat", type=int, default=5, metavar="N", help="timed repetitions (5)")
+    parser.add_argument("--requests", type=int, default=64, metavar="R", help="requests decoding")
+    parser.add_argument("--steps", type=int, default=512, metavar="S", help="decode steps per request")
+    parser.add_argument("--repeat", type=int, default=5, metavar="N", help="timed repetitions")
     parser.add_argument("--max-requests", type=int, default=2000, metavar="N",
-                        help="trace requests to replay (2000; 0 skips the replay rows)")
+                        help="trace requests to replay (0 skips the replay rows)")
     parser.add_argument("--model-config", metavar="PATH",
                         help="a hybrid config.json for the replay rows (default: gpt-oss-20b's KV layout: 24 "
                              "layers alternating sliding 128 and full, 8 KV heads of 64)")

@@ -132,14 +132,14 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 class HelpFormatter(argparse.HelpFormatter):
     """``--help`` that shows every option's default: ``(default: X)`` is appended to a help text that does
-    not name its default already, unless the default is None, False or suppressed."""
+    not name its default already, unless the default is None, False, an empty list or suppressed."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
         if "default" in text or any(default is x for x in (None, False, argparse.SUPPRESS)) \
-                or not action.option_strings:  # identity: 0 and 0.0 are defaults to show, unlike False
-            return text
+                or not action.option_strings or default in ([], ()):  # identity: 0 and 0.0 are shown
+            return text  # an empty list (no ids given) says no more than None
         shown = " ".join(map(str, default)) if isinstance(default, list) else "%(default)s"
         return f"{text} (default: {shown})"
 

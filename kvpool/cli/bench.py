@@ -31,11 +31,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=lambda _args: _usage(parser))
     suites = parser.add_subparsers(dest="suite", metavar="SUITE", title="suites")
     for name, help_text in SUITES.items():
-        sub = suites.add_parser(name, help=help_text, description=f"{help_text[0].upper()}{help_text[1:]}.")
+        sub = suites.add_parser(name, help=help_text, description=_sentence(help_text))
         sub.add_argument("--json", action="store_true", help="print one JSON object")
         add_threads_argument(sub)
         sub.set_defaults(func=_run)
         importlib.import_module(f"kvpool.bench.{name}").add_arguments(sub)
+
+
+def _sentence(help_text: str) -> str:
+    """A suite's help as its description: capitalized, unless it starts with a name that is spelled in lower
+    case (``kvpool generate``, ``store_kv``)."""
+    first = help_text.split(" ", 1)[0]
+    keep = first == "kvpool" or "_" in first
+    return f"{help_text if keep else help_text[0].upper() + help_text[1:]}."
 
 
 def _usage(parser: argparse.ArgumentParser) -> int:
