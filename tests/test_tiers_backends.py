@@ -171,6 +171,7 @@ def test_a_stored_key_is_kept_and_delete_removes(tier) -> None:
     tier.set(keys(4), data)
     assert tier.set(keys(2), rows(2, seed=99)) == 2  # already held: refreshed, not rewritten
     assert tier.stats().stored == (6 if tier.medium == "remote" else 4)  # Redis writes again (no index)
+    assert tier.num_blocks == 4  # a rewrite is no new block (Redis counted it twice)
     out = torch.zeros(4, BPB, dtype=torch.uint8)
     tier.get(keys(4), out)
     assert torch.equal(out[2:], data[2:])

@@ -141,11 +141,13 @@ class RedisTier(TierBackend):
                       for i, k in enumerate(part)]
             done = self._pipelined("hset", [self._name(k) for k in part], values)
             ok = sum(1 for r in done if isinstance(r, int)) if done is not None else 0
+            # HSET answers the fields it added: 0 for a key that was there (a rewrite, no new block)
+            fresh = sum(1 for r in done if isinstance(r, int) and r) if done is not None else 0
             with self._lock:
                 self._stats.stored += ok
                 self._stats.stored_bytes += ok * self.block_bytes
                 self._stats.store_failures += len(part) - ok
-                self._stored_keys += ok
+                self._stored_keys += fresh
             stored += ok
         return stored
 
