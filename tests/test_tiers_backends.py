@@ -87,6 +87,21 @@ def test_weights_fingerprint_follows_the_bits() -> None:
     assert weights_fingerprint([torch.ones(12)]) != weights_fingerprint([torch.ones(3, 4)])  # shape counts
 
 
+def test_config_fingerprint_follows_what_computes_the_kv() -> None:
+    # The same weights with another rope_theta compute other keys: generate's namespace used the weights
+    # alone, so two such processes on one Redis would have shared wrong KV.
+    from kvpool.tiers.backend import config_fingerprint
+
+    base = {"model_type": "llama", "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "torch_dtype": torch.float32,
+            "_name_or_path": "/a/b", "transformers_version": "5.24.0"}
+    same = {**base, "_name_or_path": "/elsewhere", "transformers_version": "5.25.0"}  # loaded elsewhere
+    assert config_fingerprint(base) == config_fingerprint(dict(reversed(same.items())))
+    for change in ({"rope_theta": 500000.0}, {"rope_scaling": {"type": "yarn", "factor": 4.0}},
+                   {"rms_norm_eps": 1e-6}, {"torch_dtype": torch.bfloat16}):
+        assert config_fingerprint({**base, **change}) != config_fingerprint(base), change
+    assert len(config_fingerprint(base)) == 32
+
+
 def test_block_key_forms() -> None:
     h = bytes(range(16))
     assert block_key(h) == h

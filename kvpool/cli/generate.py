@@ -196,10 +196,12 @@ def _check(model: Any, prompts: list[list[int]], results: list[dict[str, Any]], 
 
 def _enable_tiers(engine: Any, loaded: Any, args: argparse.Namespace) -> Any:
     """The tiers the options ask for, under the engine's pool; their namespace names the model by its
-    weights (so two processes share blocks exactly when they run the same weights)."""
-    from kvpool.tiers.backend import Namespace, weights_fingerprint
+    weights and its config (so two processes share blocks exactly when they compute the same KV)."""
+    from kvpool.tiers.backend import Namespace, config_fingerprint, weights_fingerprint
 
-    model_id = f"{args.model}:{weights_fingerprint(loaded.model.parameters())}"
+    model = loaded.model
+    model_id = (f"{args.model}:{weights_fingerprint(model.parameters())}:"
+                f"{config_fingerprint(model.config.to_dict())}")
     ns = Namespace.for_cache(engine.cache, model=model_id, hash_scheme=engine.hasher.algorithm)
     tiers = build_tiers(args, ns, block_bytes=engine.cache.bytes_per_block, like=engine.cache)
     return engine.enable_offload(tiers, write_through=args.write_through)

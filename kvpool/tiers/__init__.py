@@ -15,6 +15,7 @@ _LAZY = {
     "TierBackend": "kvpool.tiers.backend",
     "TierStats": "kvpool.tiers.backend",
     "weights_fingerprint": "kvpool.tiers.backend",
+    "config_fingerprint": "kvpool.tiers.backend",
     "HostTier": "kvpool.tiers.host",
     "FileTier": "kvpool.tiers.file",
     "RedisTier": "kvpool.tiers.redis",

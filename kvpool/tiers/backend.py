@@ -35,10 +35,11 @@ is detected.
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -63,8 +64,8 @@ class Namespace:
     layouts, ranks or layer groups never match.
 
     Args:
-        model: the model's identity, e.g. its name plus a fingerprint of its weights
-            (:func:`weights_fingerprint`).
+        model: the model's identity, e.g. its name plus fingerprints of its weights and its config
+            (:func:`weights_fingerprint`, :func:`config_fingerprint`).
         kv_dtype: the KV storage dtype (``"bfloat16"``).
         layout: the block layout and shape (:func:`block_layout`).
         tp_rank, tp_size: the tensor-parallel rank and world size.
@@ -128,6 +129,21 @@ def weights_fingerprint(tensors: Iterable[torch.Tensor]) -> str:
         if flat.numel():
             digest.update(memoryview(flat.view(torch.uint8).numpy()))
     return digest.hexdigest()
+
+
+#: Config entries that never change a block's KV: where the files came from, the library that saved them.
+_CONFIG_NOISE = ("transformers_version",)
+
+
+def config_fingerprint(config: Mapping[str, Any]) -> str:
+    """32 hex digits of XXH3-128 over a model config (``model.config.to_dict()``), its keys sorted, without
+    entries that name no computation (keys starting with ``_`` such as ``_name_or_path``, and
+    ``transformers_version``). The weights alone do not fix the KV: the same weights with another
+    ``rope_theta``, ``rope_scaling``, sliding window or norm epsilon compute other keys and values, so a
+    namespace names both (:func:`weights_fingerprint` and this)."""
+    kept = {k: v for k, v in config.items() if not str(k).startswith("_") and k not in _CONFIG_NOISE}
+    text = json.dumps(kept, sort_keys=True, default=str, separators=(",", ":"))
+    return xxhash.xxh3_128_hexdigest(text.encode())
 
 
 def block_key(block_hash: Hashable) -> bytes:
