@@ -153,3 +153,17 @@ def describe() -> str:
 def is_compiled(module: ModuleType) -> bool:
     """Whether ``module`` was loaded from an extension (not from its ``.py``)."""
     return not str(getattr(module, "__file__", "") or "").endswith(".py")
+
+
+def interpreted(name: str) -> ModuleType:
+    """An interpreted copy of kvpool module ``name``, run from its source as ``name + "__interpreted"``
+    (cached), for benchmarks that time both ways in one process. Its own imports resolve as usual (compiled
+    where this process runs compiled)."""
+    alias = f"{name}__interpreted"
+    if alias not in sys.modules:
+        spec = importlib.util.spec_from_file_location(alias, module_source(name))
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[alias] = module  # dataclasses look their module up while the class is made
+        spec.loader.exec_module(module)
+    return sys.modules[alias]

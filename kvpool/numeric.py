@@ -134,7 +134,7 @@ def as_id_list(ids: Iterable[object], what: str = "ids", *, error: type[Exceptio
     if isinstance(ids, torch.Tensor):
         if ids.ndim != 1:
             raise error(f"{what} must be a sequence or a 1-D integer tensor, got {_show(ids)}")
-        return id_tensor(ids, what, error=error).tolist()
+        return _readable(ids, what, error).tolist()  # any integer dtype: no int64 copy first
     if getattr(ids, "ndim", None) is not None and hasattr(ids, "tolist") and hasattr(ids, "dtype"):
         return _numpy_ids(ids, what, error)
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
@@ -175,13 +175,17 @@ def id_tensor(t: torch.Tensor, what: str = "ids", *, error: type[Exception] = In
               to_host: bool = True) -> torch.Tensor:
     """An integer tensor of any shape as int64, on the host unless ``to_host`` is False (no copy when it
     already is)."""
+    t = _readable(t, what, error, to_host)
+    return t if t.dtype is torch.int64 else t.long()
+
+
+def _readable(t: torch.Tensor, what: str, error: type[Exception], to_host: bool = True) -> torch.Tensor:
+    """``t`` checked to be an integer tensor with values (on the host unless ``to_host`` is False)."""
     if t.dtype not in INT_DTYPES:
         raise error(f"{what} must be an integer tensor (never bool), got dtype {t.dtype}")
     if t.is_meta:
         raise error(f"{what} is a meta tensor: it has no values to read")
-    if to_host and not t.is_cpu:
-        t = t.cpu()
-    return t if t.dtype is torch.int64 else t.long()
+    return t.cpu() if to_host and not t.is_cpu else t
 
 
 def _numpy_ids(arr: object, what: str, error: type[Exception]) -> list[int]:

@@ -550,3 +550,25 @@ def test_check_integrity_guards_the_null_block(name: str, corrupt) -> None:
     corrupt(pool)
     with pytest.raises(IntegrityError, match="null block"):
         pool.check_integrity()
+
+
+# ---- batched tensor forms --------------------------------------------------------------------------------
+
+
+def test_allocate_tensor_hands_out_what_allocate_would_as_int32_or_int64():
+    pool = BlockPool(8)
+    row = pool.allocate_tensor(3)                      # a fresh pool hands out 0, 1, 2 (the stack's top)
+    assert row.dtype == torch.int32 and row.tolist() == [0, 1, 2]
+    wide = pool.allocate_tensor(2, torch.int64)
+    assert wide.dtype == torch.int64 and wide.tolist() == [3, 4]
+    for bad in (torch.float32, torch.bool, "int32"):
+        with pytest.raises(InvalidArgumentError):
+            pool.allocate_tensor(1, bad)
+    with pytest.raises(OutOfBlocksError):
+        pool.allocate_tensor(4)                        # 3 free
+    assert pool.num_free_blocks == 3
+    pool.free(row.flip(0))                             # int32 tensors come back as they are
+    pool.free(np.array([4, 3], dtype=np.int32))        # numpy int32 too
+    assert pool.num_free_blocks == 8
+    assert pool.allocate(5) == [3, 4, 0, 1, 2]         # freed last, handed out first
+    pool.check_integrity()

@@ -37,7 +37,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from kvpool.allocators.policies import EvictionPolicy, FrequencyAdmission, LRUPolicy, make_policy
 from kvpool.errors import (
@@ -188,6 +190,21 @@ class BlockPool:
         for block in ids:
             ref[block] = 1
         return ids
+
+    def allocate_tensor(self, n: IntArg, dtype: Any = None) -> Any:
+        """:meth:`allocate` as a 1-D CPU tensor: ``[n]`` block ids of ``dtype`` (``torch.int32``, the
+        default, as kernels' block tables are, or ``torch.int64``), for a block table row; the ids are
+        converted in one C-level call, no Python loop over them. ``free``, ``touch`` and ``cache_blocks``
+        take such tensors (any integer dtype) back.
+
+        Raises:
+            InvalidArgumentError: ``dtype`` is neither int32 nor int64, or as :meth:`allocate`.
+            OutOfBlocksError: as :meth:`allocate`.
+        """
+        dtype = torch.int32 if dtype is None else dtype
+        if dtype is not torch.int32 and dtype is not torch.int64:
+            raise InvalidArgumentError(f"block id tensors are torch.int32 or torch.int64, got {dtype!r}")
+        return torch.tensor(self.allocate(n), dtype=dtype)
 
     def _check_count(self, n: IntArg) -> int:
         if type(n) is not int or n < 0:

@@ -97,6 +97,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows += [row for size in args.sizes for row in _policy_rows(size, args.ops, args.repeat)]
         rows += _hash_rows(args.repeat)
         rows += _token_rows(args.sizes, args.repeat)
+        rows += [row for size in args.sizes for row in _tensor_rows(size, args.ops, args.repeat)]
+        rows += [row for size in args.sizes for row in _interpreted_rows(size, args.ops, args.repeat)]
     finally:
         gc.enable()
     result = {"suite": "alloc", "unit": "ns per block (token rows: ns per alloc(1)+free(1) pair)",
@@ -243,6 +245,52 @@ def _evict_ns(size: int, n: int, k: int, repeat: int, sink: Any = None, policy: 
         state["chunks"] = [pool.allocate(n) for _ in range(k // n)]
 
     return median_ns(allocate, ops=k, repeat=repeat, setup=fill_lru)
+
+
+def _tensor_rows(size: int, ops: int, repeat: int) -> list[dict[str, Any]]:
+    """allocate_tensor(256) (int32) and free of those tensors, against the list API in the same run."""
+    k = min(size, ops) // 256 * 256
+    lists = _alloc_free_ns(lambda: BlockPool(size), 256, k, repeat)["allocate+free"]
+    tensors = _alloc_free_ns(lambda: _TensorPool(size), 256, k, repeat)["allocate+free"]
+    return [_row("allocate_tensor(256)+free, int32", size, tensors, lists, "list API, same op")]
+
+
+class _TensorPool:
+    """A BlockPool driven through its tensor form (the bench's free order reverses the chunk: a tensor)."""
+
+    def __init__(self, size: int) -> None:
+        self.pool = BlockPool(size)
+
+    def allocate(self, n: int) -> Any:
+        return _Reversible(self.pool.allocate_tensor(n))
+
+    def free(self, ids: Any) -> None:
+        self.pool.free(ids.tensor)
+
+
+class _Reversible:
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+
+    def __getitem__(self, key: slice) -> _Reversible:  # chunk[::-1]: the ids tail first
+        return _Reversible(self.tensor.flip(0))
+
+
+def _interpreted_rows(size: int, ops: int, repeat: int) -> list[dict[str, Any]]:
+    """Where the pool runs compiled: the same ops on the same source interpreted, in the same run (ratio =
+    interpreted / compiled)."""
+    from kvpool import _native
+
+    if "kvpool.allocators.block_pool" not in _native.status()["modules"]:  # type: ignore[operator]
+        return []
+    slow = _native.interpreted("kvpool.allocators.block_pool").BlockPool
+    rows = []
+    for n in (1, 256):
+        k = min(size, ops) // n * n
+        compiled = _alloc_free_ns(lambda: BlockPool(size), n, k, repeat)["allocate+free"]
+        interp = _alloc_free_ns(lambda: slow(size), n, k, repeat)["allocate+free"]
+        rows.append(_row(f"allocate({n})+free, interpreted", size, interp, compiled, "compiled, same op"))
+    return rows
 
 
 # ---- KV event recording -------------------------------------------------------------------------------
