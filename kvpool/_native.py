@@ -11,7 +11,8 @@ submodule is imported) puts a finder at the head of ``sys.meta_path`` that loads
 kvpool module whose extension must not run. The compiled modules run only when all of these hold:
 
 * ``KVPOOL_PURE_PYTHON`` is unset or ``0`` (``KVPOOL_PURE_PYTHON=1`` forces the interpreted code);
-* the manifest imports (a build finished here, for this Python);
+* the manifest imports from this package folder (a build finished here, for this Python; a manifest an
+  import hook finds in another tree, such as an editable install's, is not this tree's build);
 * every source it lists still has the digest it was compiled from, and every listed module has its
   extension. Otherwise the interpreted code runs for all of them (never a mix of two builds) and a
   ``RuntimeWarning`` says which source changed: a compiled module built from an older source is never used.
@@ -97,6 +98,10 @@ def _load_manifest() -> dict[str, str] | None:
     except ImportError:  # no build here (or one for another Python): nothing compiled can run
         return None
     if not is_compiled(manifest):  # the generated source, seen mid-build: only the build's own counts
+        return None
+    if Path(manifest.__file__).resolve().parent != PACKAGE_DIR:
+        # another tree's build, found by a finder after the path search (an editable install's: setuptools
+        # maps every kvpool.* name to the installed tree): it says nothing about the sources here
         return None
     return dict(manifest.SOURCES)
 

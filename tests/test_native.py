@@ -35,12 +35,13 @@ def copy_package(tmp_path: Path) -> Path:
     return tmp_path / "kvpool"
 
 
-def probe(root: Path, **env: str) -> tuple[dict, str]:
-    """Import kvpool from ``root`` in a fresh interpreter: (its status and module files, its stderr)."""
+def probe(root: Path, prelude: str = "", **env: str) -> tuple[dict, str]:
+    """Import kvpool from ``root`` in a fresh interpreter, after running ``prelude``: (its status and module
+    files, its stderr)."""
     environ = {k: v for k, v in os.environ.items() if k != _native.PURE_ENV}
     environ.update(env, PYTHONPATH=str(root))
-    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=environ,
-                          cwd=root, timeout=120)
+    done = subprocess.run([sys.executable, "-c", prelude + PROBE], capture_output=True, text=True,
+                          env=environ, cwd=root, timeout=120)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
@@ -52,6 +53,17 @@ def fake_extension(source: Path) -> Path:
     return ext
 
 
+def copy_with_fake_extensions(tmp_path: Path) -> Path:
+    """A package copy where every hot module (and units) has a fake extension and no manifest exists."""
+    pkg = copy_package(tmp_path)
+    for name in (*_native.COMPILED_MODULES, "kvpool.units"):
+        fake_extension(pkg.joinpath(*name.split(".")[1:]).with_suffix(".py"))
+    for path in pkg.rglob(f"*{SUFFIX}"):  # a real build's manifest would make its modules eligible
+        if path.name.startswith(("_native__mypyc", "_native_manifest")):
+            path.unlink()
+    return pkg
+
+
 @pytest.mark.parametrize(("value", "pure"), [("1", True), ("yes", True), ("true", True), ("0", False),
                                              ("", False), ("no", False), ("false", False)])
 def test_pure_env_values(value, pure):
@@ -61,13 +73,32 @@ def test_pure_env_values(value, pure):
 
 def test_an_extension_that_is_no_build_of_ours_is_never_loaded(tmp_path):
     # CPython prefers an extension over the .py of the same name: without the finder these imports fail
-    pkg = copy_package(tmp_path)
-    for name in (*_native.COMPILED_MODULES, "kvpool.units"):
-        fake_extension(pkg.joinpath(*name.split(".")[1:]).with_suffix(".py"))
-    for path in pkg.rglob(f"*{SUFFIX}"):  # a real build's manifest would make its modules eligible
-        if path.name.startswith(("_native__mypyc", "_native_manifest")):
-            path.unlink()
+    copy_with_fake_extensions(tmp_path)
     result, _ = probe(tmp_path)
+    assert result["status"]["compiled"] is False
+    assert "not compiled" in result["status"]["reason"]
+    assert all(f.endswith(".py") for f in result["files"].values()), result["files"]
+
+
+#: What an editable install adds (setuptools appends such a finder to sys.meta_path): kvpool.* names that the
+#: path search does not find resolve to the installed tree, here the real compiled package.
+EDITABLE_FINDER = """
+import importlib.abc, importlib.util, sys
+class Editable(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "kvpool._native_manifest":
+            return importlib.util.spec_from_file_location(name, {manifest!r})
+sys.meta_path.append(Editable())
+"""
+
+
+@pytest.mark.skipif(not COMPILED_HERE, reason="no compiled build here (scripts/setup.sh builds it)")
+def test_the_manifest_of_another_tree_is_not_this_trees_build(tmp_path):
+    # CI's failure: the copy had no manifest, the editable install's finder found the installed tree's, and
+    # the copy's fake extensions were loaded as if that build were theirs
+    copy_with_fake_extensions(tmp_path)
+    manifest = next(PACKAGE.glob(f"_native_manifest{SUFFIX}"))
+    result, _ = probe(tmp_path, prelude=EDITABLE_FINDER.format(manifest=str(manifest)))
     assert result["status"]["compiled"] is False
     assert "not compiled" in result["status"]["reason"]
     assert all(f.endswith(".py") for f in result["files"].values()), result["files"]
