@@ -79,7 +79,8 @@ def test_two_processes_share_one_redis(prompts_file: Path, tmp_path: Path) -> No
     (["--remote", "redis://localhost"], "give the port"),
     (["--disk-dir", "/proc/version/sub", "--disk-bytes", "1MiB"], "--disk-dir"),
     (["--disk-dir", "x"], "needs both --disk-dir and --disk-bytes"),
-    (["--write-through"], "needs a tier"),
+    (["--write-through"], "need a tier"),
+    (["--tier-admission", "2"], "need a tier"),
 ])
 def test_generate_refuses_bad_tier_options_in_one_line(options: list[str], message: str, capsys) -> None:
     assert main(["generate", *TINY, "--prompt", "hi", *options]) == 2  # before any model loads
@@ -124,6 +125,31 @@ def test_replay_through_disk_and_redis_loses_nothing(tmp_path: Path, redis_singl
     assert out["hit_blocks"] == sum(hits.values()) == oracle["hit_blocks"]  # the remote tier is unbounded
     assert out["tiers"]["disk"]["blocks"] <= 4
     assert not list((tmp_path / "disk").glob("*/*/*"))  # emptied after the run (only the lock file stays)
+
+
+@pytest.mark.parametrize(("k", "host_hits", "refused"), [(1, 8, 0), (2, 4, 6), (3, 0, 8)])
+def test_replay_tier_admission_stores_a_block_at_its_kth_eviction(k: int, host_hits: int, refused: int,
+                                                                   tmp_path: Path, capsys) -> None:
+    # Requests 1-6 are A B A B A B, two blocks each, on a device of 3 blocks: each request evicts the one
+    # before it, so A is offered when requests 1, 3, 5 are evicted, B when 2 and 4 are (6 never is).
+    # k=1 stores every offer: requests 3-6 hit the host, 8 blocks. k=2 admits the second offers (3 and 4):
+    # requests 5 and 6 hit, 4 blocks; refused 1, 2 and 5 (A's count started over): 6 blocks. k=3 admits
+    # only A's third offer (5), which no request follows: no hit; refused 1, 2, 3, 4: 8 blocks.
+    trace = tmp_path / "abab.jsonl"
+    rows = [{"timestamp": i, "input_length": 1024, "output_length": 1, "hash_ids": [c * 10, c * 10 + 1]}
+            for i, c in enumerate([0, 1, 0, 1, 0, 1])]
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = replay_json(str(trace), "--block-size", "512", "--num-blocks", "3", "--host-blocks", "8",
+                      "--tier-admission", str(k), capsys=capsys)
+    assert out["tier_hits"] == {"device": 0, "host": host_hits}
+    assert out["tiers"]["not_admitted"] == refused
+
+
+def test_replay_refuses_tier_admission_without_a_tier_or_below_1(capsys) -> None:
+    assert main(["replay", "--tier-admission", "2"]) == 2
+    assert main(["replay", "--host-blocks", "4", "--tier-admission", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--tier-admission need a tier" in err and "must be an integer >= 1" in err and err.count("\n") == 2
 
 
 def test_replay_sweep_plots_hit_ratio_by_tier(tmp_path: Path, capsys) -> None:

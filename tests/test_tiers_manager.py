@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from kvpool.allocators.block_pool import BlockPool
+from kvpool.allocators.policies import FrequencyAdmission
 from kvpool.errors import InvalidArgumentError, OutOfBlocksError
 from kvpool.spec import KVCacheSpec
 from kvpool.storage.paged import PagedKVCache
@@ -37,7 +38,11 @@ from kvpool.tiers.redis import RedisTier  # noqa: E402
 class ChainModel:
     """Device pool of ``device`` blocks; tiers by name with a capacity in blocks (None: unbounded)."""
 
-    def __init__(self, device: int, tiers: list[tuple[str, int | None]], write_through: bool) -> None:
+    def __init__(self, device: int, tiers: list[tuple[str, int | None]], write_through: bool,
+                 min_count: int = 1) -> None:
+        self.min_count = min_count  # frequency admission: a hash enters the tiers at its min_count-th offer
+        self.offers: dict[int, int] = {}
+        self.refused = 0
         self.free = device  # uncached free device blocks
         self.dev: OrderedDict[int, None] = OrderedDict()  # cached free device blocks, LRU order
         self.in_use: set[int] = set()  # hashes published on in-use device blocks
@@ -91,7 +96,7 @@ class ChainModel:
         published = [h for h in new if self.where(h) != 0]
         self.in_use |= set(published)
         if self.wt:
-            self.store_all(published)
+            self.store_all(self.admitted(published))
         mine = list(prefix) + [h for h in new if h in published]
         for h in reversed(hashes):  # free tail first: hashed blocks join the LRU
             if h in self.in_use and h in mine:
@@ -105,7 +110,18 @@ class ChainModel:
         self.free -= take
         evicted = [self.dev.popitem(last=False)[0] for _ in range(n - take)]
         if evicted and not self.wt and self.tiers:
-            self.store(0, evicted)
+            self.store(0, self.admitted(evicted))
+
+    def admitted(self, batch: list[int]) -> list[int]:
+        """Count one offer of each hash; keep those offered min_count times (their count starts over)."""
+        keep = []
+        for h in batch:
+            self.offers[h] = self.offers.get(h, 0) + 1
+            if self.offers[h] >= self.min_count:
+                del self.offers[h]
+                keep.append(h)
+        self.refused += len(batch) - len(keep)
+        return keep
 
     def store(self, t: int, batch: list[int]) -> None:
         """Eviction mode: ``batch`` arrives at tier ``t`` (cascading what it evicts to ``t + 1``)."""
@@ -154,7 +170,7 @@ NS = Namespace("model-test", "none", "hash-only", hash_scheme="trace")
 
 def build(kinds: list[tuple[str, int | None]], tmp_path: Path, redis_url: str | None, *, device: int,
           write_through: bool, asynchronous: bool = False, cache: PagedKVCache | None = None,
-          ns: Namespace = NS) -> OffloadManager:
+          ns: Namespace = NS, admission: FrequencyAdmission | None = None) -> OffloadManager:
     bpb = cache.bytes_per_block if cache is not None else 0
     tiers = []
     for name, cap in kinds:
@@ -166,7 +182,7 @@ def build(kinds: list[tuple[str, int | None]], tmp_path: Path, redis_url: str | 
         else:
             tiers.append(RedisTier(redis_url, ns, block_bytes=bpb))
     return OffloadManager(BlockPool(device), tiers, cache=cache, write_through=write_through,
-                          asynchronous=asynchronous, staging_blocks=8)
+                          asynchronous=asynchronous, staging_blocks=8, admission=admission)
 
 
 def run_request(m: OffloadManager, hashes: list[int], extra: int, fill=None) -> tuple[list[int], list[int]]:
@@ -232,13 +248,28 @@ CHAINS = [
 ]
 
 
-@pytest.mark.parametrize("write_through", [False, True], ids=["evict", "write-through"])
-@pytest.mark.parametrize("kinds", CHAINS, ids=lambda k: "+".join(n for n, _ in k))
-def test_chain_matches_the_brute_force_model(kinds, write_through: bool, tmp_path: Path, request) -> None:
+#: Chains with frequency admission (kinds, write-through, min_count).
+ADMITTED_CHAINS = [([("host", 8), ("disk", 12)], False, 2), ([("host", 7), ("remote", None)], True, 2),
+                   ([("disk", 11)], False, 3)]
+
+
+def chain_case(kinds, write_through: bool, min_count: int = 1):
+    return pytest.param(kinds, write_through, min_count,
+                        id="+".join(n for n, _ in kinds) + ("-write-through" if write_through else "-evict")
+                        + (f"-admit{min_count}" if min_count > 1 else ""))
+
+
+@pytest.mark.parametrize(("kinds", "write_through", "min_count"),
+                         [chain_case(k, wt) for k in CHAINS for wt in (False, True)]
+                         + [chain_case(*case) for case in ADMITTED_CHAINS])
+def test_chain_matches_the_brute_force_model(kinds, write_through: bool, min_count: int, tmp_path: Path,
+                                             request) -> None:
     redis_url = request.getfixturevalue("redis_single").url if any(n == "remote" for n, _ in kinds) else None
     ns = Namespace("model-test", "none", "hash-only", hash_scheme=f"{request.node.name}")
-    m = build(kinds, tmp_path, redis_url, device=DEVICE_BLOCKS, write_through=write_through, ns=ns)
-    model = ChainModel(DEVICE_BLOCKS, kinds, write_through)
+    admission = FrequencyAdmission(min_count, max_tracked=1 << 20) if min_count > 1 else None  # no halving
+    m = build(kinds, tmp_path, redis_url, device=DEVICE_BLOCKS, write_through=write_through, ns=ns,
+              admission=admission)
+    model = ChainModel(DEVICE_BLOCKS, kinds, write_through, min_count)
     hits_by_tier = [0] * (len(kinds) + 1)
     seen: set[int] = set()
     for i, (hashes, extra) in enumerate(workload(seed=len(kinds) * 2 + write_through, n=300)):
@@ -255,6 +286,8 @@ def test_chain_matches_the_brute_force_model(kinds, write_through: bool, tmp_pat
                 assert remote_keys(m.tiers[-1], seen) == set(lru), f"request {i}: the remote tier's keys"
         assert [m.pool.block_hash(b) for b in m.pool.evictable_blocks()] == list(model.dev)
     assert all(hits_by_tier), f"every place served hits: {hits_by_tier}"  # the workload reaches each tier
+    if min_count > 1:  # the filter kept blocks out: the offers it refused, as the model counted them
+        assert m.stats()["not_admitted"] == model.refused > 0
     m.check_integrity()
     assert m.pool.num_used_blocks == 0
     m.close()
@@ -330,6 +363,11 @@ def test_bad_chains_are_refused(tmp_path: Path) -> None:
         OffloadManager(BlockPool(4), [disk, HostTier(2, ns, like=cache)], cache=cache)
     with pytest.raises(InvalidArgumentError, match="B blocks"):
         OffloadManager(BlockPool(4), [HostTier(2, ns)], cache=cache)  # hash-only tier, data manager
+    with pytest.raises(InvalidArgumentError, match="FrequencyAdmission"):
+        OffloadManager(BlockPool(4), [], cache=cache, admission=2)
+    shared = FrequencyAdmission(2)
+    with pytest.raises(InvalidArgumentError, match="not the pool's"):  # one filter would count two streams
+        OffloadManager(BlockPool(4, admission=shared), [], cache=cache, admission=shared)
     pool = BlockPool(4)
     OffloadManager(pool, [], cache=cache)
     with pytest.raises(InvalidArgumentError, match="listener"):

@@ -32,6 +32,9 @@ def add_tier_arguments(parser: argparse.ArgumentParser, *, disk_in_blocks: bool)
     group.add_argument("--write-through", action="store_true",
                        help="store each block in every tier when it is published (default: when the device "
                             "evicts it, cascading down)")
+    group.add_argument("--tier-admission", type=positive_int, default=1, metavar="K",
+                       help="frequency admission: a block goes down only once it has been offered K times "
+                            "(evicted, or published with --write-through); 1 stores every block")
 
 
 def wants_tiers(args: argparse.Namespace) -> bool:
@@ -41,9 +44,17 @@ def wants_tiers(args: argparse.Namespace) -> bool:
     if (args.disk_dir is None) != (size is None):
         raise ConfigError(f"a disk tier needs both --disk-dir and {size_name}")
     some = bool(args.host_blocks or args.disk_dir or args.remote)
-    if args.write_through and not some:
-        raise ConfigError("--write-through needs a tier (--host-blocks, --disk-dir, --remote)")
+    if (args.write_through or args.tier_admission > 1) and not some:
+        raise ConfigError("--write-through and --tier-admission need a tier (--host-blocks, --disk-dir, "
+                          "--remote)")
     return some
+
+
+def tier_admission(args: argparse.Namespace) -> Any:
+    """The :class:`~kvpool.allocators.policies.FrequencyAdmission` ``--tier-admission`` asks for, or None."""
+    from kvpool.allocators.policies import FrequencyAdmission
+
+    return FrequencyAdmission(args.tier_admission) if args.tier_admission > 1 else None
 
 
 def check_tier_targets(args: argparse.Namespace) -> None:

@@ -26,7 +26,14 @@ from kvpool.cli._args import (
     seed,
 )
 from kvpool.cli._observe import Observers, add_event_arguments, add_metrics_arguments
-from kvpool.cli._tiers import add_tier_arguments, build_tiers, check_tier_targets, leaves_process, wants_tiers
+from kvpool.cli._tiers import (
+    add_tier_arguments,
+    build_tiers,
+    check_tier_targets,
+    leaves_process,
+    tier_admission,
+    wants_tiers,
+)
 from kvpool.cli._tp import add_tp_argument, report_rank_failure, run_ranks, tp_size_of
 from kvpool.errors import ConfigError, OutOfBlocksError, RankFailedError
 from kvpool.units import plural
@@ -204,7 +211,7 @@ def _enable_tiers(engine: Any, loaded: Any, args: argparse.Namespace) -> Any:
                 f"{config_fingerprint(model.config.to_dict())}")
     ns = Namespace.for_cache(engine.cache, model=model_id, hash_scheme=engine.hasher.algorithm)
     tiers = build_tiers(args, ns, block_bytes=engine.cache.bytes_per_block, like=engine.cache)
-    return engine.enable_offload(tiers, write_through=args.write_through)
+    return engine.enable_offload(tiers, write_through=args.write_through, admission=tier_admission(args))
 
 
 def _generate_or_explain(engine: Any, prompts: list[list[int]], params: list[Any], texts: list[str]

@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
                              progress=bar and bar.update,
                              event_sink=observers.event_sink(block_size=args.block_size),
                              tiers=_tier_factory(args, trace) if wants_tiers(args) else None,
-                             write_through=args.write_through)
+                             write_through=args.write_through, tier_admission=args.tier_admission)
         finally:
             if bar is not None:
                 bar.close()

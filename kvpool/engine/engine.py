@@ -40,6 +40,7 @@ from kvpool.numeric import as_id_list, as_int, index_or_none
 from kvpool.units import plural
 
 if TYPE_CHECKING:  # the tiers and events need their extras: imported when they are enabled
+    from kvpool.allocators.policies import FrequencyAdmission
     from kvpool.events import EventPublisher, KVEventSink
     from kvpool.tiers.backend import TierBackend
     from kvpool.tiers.manager import OffloadManager
@@ -152,10 +153,12 @@ class LLMEngine:
         self.offload: OffloadManager | None = None
 
     def enable_offload(self, tiers: Sequence[TierBackend], *, write_through: bool = False,
-                       asynchronous: bool = True) -> OffloadManager:
+                       asynchronous: bool = True, admission: FrequencyAdmission | None = None
+                       ) -> OffloadManager:
         """Chain ``tiers`` (a :class:`~kvpool.tiers.host.HostTier` built ``like=self.cache`` first, then
         disk / remote tiers) under this engine's pool: evicted (or, with ``write_through``, published)
         blocks go down, and admission finds prefixes in every tier and loads them before the request runs.
+        ``admission``: a frequency filter on what goes down (see the manager).
         Returns the :class:`~kvpool.tiers.manager.OffloadManager` (``stats()``, ``tier_hits()``; ``close()``
         it at the end to finish the stores in flight).
 
@@ -180,7 +183,7 @@ class LLMEngine:
         if any(t.pool.num_cached_blocks or t.pool.event_sink is not None for t in hosts):
             raise ConfigError("with KV events, enable_offload needs a host tier that holds no block yet")
         self.offload = OffloadManager(self.pool, tiers, cache=self.cache, write_through=write_through,
-                                      asynchronous=asynchronous)
+                                      asynchronous=asynchronous, admission=admission)
         for host in hosts:  # its stores and evictions go out in this engine's batches, medium CPU
             host.pool.attach_event_sink(self.pool.event_sink.for_medium("CPU"))  # type: ignore[union-attr]
         return self.offload

@@ -5,7 +5,11 @@
 evictions cascade to the next tier (disk, else remote), and the disk tier's evictions to the remote one.
 With ``write_through=True`` every block is stored in every tier as soon as the consumer publishes it
 (:meth:`OffloadManager.on_published`), so a shared remote tier sees each block at once. A key a tier
-holds already is refreshed, not copied again.
+holds already is refreshed, not copied again. With ``admission`` (a
+:class:`~kvpool.allocators.policies.FrequencyAdmission`) a block enters the chain only once its hash has
+been offered ``min_count`` times (each device eviction of it, or each publish with write-through, is one
+offer): the others are dropped, counted in ``stats()["not_admitted"]`` (a key held below already is then
+not refreshed either). What enters the chain then moves down it unfiltered.
 
 **Lookups.** :meth:`lookup` finds the longest prefix of a request's block hashes held anywhere: at each
 position the device first, then the tiers in order. :meth:`acquire` turns it into device blocks, each with
@@ -35,6 +39,7 @@ from typing import Any
 import torch
 
 from kvpool.allocators.block_pool import BlockPool
+from kvpool.allocators.policies import FrequencyAdmission
 from kvpool.errors import IntegrityError, InvalidArgumentError, OutOfBlocksError
 from kvpool.storage.paged import BlockStore
 from kvpool.tiers.backend import TierBackend, gather_rows, scatter_rows
@@ -71,22 +76,34 @@ class OffloadManager:
         write_through: store each published block in every tier at once (else: on eviction, cascading).
         asynchronous: run the byte tiers' stores on a worker thread (else inline: deterministic).
         staging_blocks: staging rows for those stores (blocks in flight at most).
+        admission: frequency admission into the tiers (bound to the device pool's size: it tracks at most
+            4 x ``pool.num_blocks`` hashes unless built with ``max_tracked``); None stores every block. Give
+            the pool its own instance if it filters its publish step too (one filter counts one stream).
 
     Raises:
         InvalidArgumentError: a host tier not in first place, tiers whose ``block_bytes`` does not match
-            the cache (or 0 without one), or a pool that has an eviction listener already.
+            the cache (or 0 without one), a pool that has an eviction listener already, ``admission`` not a
+            FrequencyAdmission or the pool's own.
     """
 
     def __init__(self, pool: BlockPool, tiers: Sequence[TierBackend], *, cache: BlockStore | None = None,
-                 write_through: bool = False, asynchronous: bool = True, staging_blocks: int = 64) -> None:
+                 write_through: bool = False, asynchronous: bool = True, staging_blocks: int = 64,
+                 admission: FrequencyAdmission | None = None) -> None:
         self.pool, self.cache, self.tiers = pool, cache, list(tiers)
         self.write_through = write_through
         self._check_tiers()
+        if admission is not None and (not isinstance(admission, FrequencyAdmission)
+                                      or admission is getattr(pool, "_admission", None)):
+            raise InvalidArgumentError(f"admission must be a FrequencyAdmission of the tiers' own (not the "
+                                       f"pool's) or None, got {admission!r}")
+        if admission is not None:
+            admission.bind(pool.num_blocks)
+        self.admission = admission
         self.host = self.tiers[0] if self.tiers and isinstance(self.tiers[0], HostTier) else None
         self.lower = self.tiers[1:] if self.host is not None else self.tiers
         self.writer = Writer(self.lower, staging_blocks=staging_blocks, asynchronous=asynchronous)
         self._load_buf = torch.empty(0, dtype=torch.uint8)
-        self.device_hits = self.load_failures = self._ops = 0
+        self.device_hits = self.load_failures = self.not_admitted = self._ops = 0
         pool.set_eviction_listener(self._device_evicted)
         if self.host is not None and self.lower:  # with nothing below, a host eviction just drops the block
             self.host.pool.set_eviction_listener(self._host_evicted)
@@ -319,12 +336,21 @@ class OffloadManager:
         on to the first byte tier), else into the byte tiers ``lower``; with write-through into every byte
         tier as well, staged from the device blocks."""
         self._ops += len(block_ids)
-        if self.host is not None:
+        if self.admission is not None:
+            block_ids, hashes = self._admitted(block_ids, hashes)
+        if self.host is not None and block_ids:
             left_out = self.host.store_from_device(self.cache, block_ids, hashes, hold=hold)
             if not self.write_through:
                 block_ids, hashes = [block_ids[i] for i in left_out], [hashes[i] for i in left_out]
         if lower and block_ids:
             self._stage(lambda ids, out: gather_rows(self.cache, ids, out), block_ids, hashes, lower)
+
+    def _admitted(self, block_ids: list[int], hashes: list[Hashable]) -> tuple[list[int], list[Hashable]]:
+        """The blocks whose offer the admission filter accepts (one offer each, in order)."""
+        admit = self.admission.admit  # type: ignore[union-attr]
+        keep = [i for i, h in enumerate(hashes) if admit(h)]
+        self.not_admitted += len(hashes) - len(keep)
+        return [block_ids[i] for i in keep], [hashes[i] for i in keep]
 
     def _host_evicted(self, host_ids: list[int], hashes: list[Hashable]) -> None:
         """The host pool is about to reuse ``host_ids``: stage their KV for the next tier (eviction mode;
@@ -395,8 +421,10 @@ class OffloadManager:
 
     def stats(self) -> dict[str, Any]:
         """Per tier (by medium): its :class:`TierStats` plus ``blocks``, ``used_bytes`` and
-        ``capacity_bytes``; and ``device_hits``, ``load_failures``, ``pending_stores``."""
+        ``capacity_bytes``; and ``device_hits``, ``load_failures``, ``not_admitted`` (blocks the admission
+        filter kept out of the tiers), ``pending_stores``."""
         out: dict[str, Any] = {"device_hits": self.device_hits, "load_failures": self.load_failures,
+                               "not_admitted": self.not_admitted,
                                "pending_stores": self.writer.num_pending,
                                "writer_errors": self.writer.job_errors}
         for tier in self.tiers:

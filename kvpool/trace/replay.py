@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvpool.allocators.block_pool import BlockPool
-from kvpool.allocators.policies import POLICIES, EvictionPolicy, make_policy
+from kvpool.allocators.policies import POLICIES, EvictionPolicy, FrequencyAdmission, make_policy
 from kvpool.errors import ConfigError, IntegrityError, InvalidArgumentError
 from kvpool.numeric import as_int, as_optional_int, as_real
 from kvpool.spec import KVCacheGroup, LayerKind
@@ -177,7 +177,8 @@ def run_replay(requests: Sequence[TraceRequest], config: ReplayConfig = ReplayCo
                 pool: BlockPool | None = None, progress: Callable[[int], object] | None = None,
                 record_timeline: bool = False, event_sink: KVEventSink | None = None,
                 observer: Callable[[float, BlockPool], object] | None = None,
-                tiers: Sequence[TierBackend] = (), write_through: bool = False) -> ReplayResult:
+                tiers: Sequence[TierBackend] = (), write_through: bool = False, tier_admission: int = 1
+                ) -> ReplayResult:
     """Replay ``requests`` through ``pool`` (default: a fresh :class:`BlockPool` of ``config.num_blocks``
     with ``config.policy``, recording KV events into ``event_sink``) and return what it measured. The
     pool's event sink, if any, is flushed once per simulated step (the events carry the trace's hash ids
@@ -195,6 +196,8 @@ def run_replay(requests: Sequence[TraceRequest], config: ReplayConfig = ReplayCo
     pool by an :class:`~kvpool.tiers.manager.OffloadManager` (inline, so the run is deterministic; evicted
     blocks go down, or every published block with ``write_through``); a prefix found below is "loaded" into
     new device blocks. No KV moves, only hashes. The manager detaches at the end (the tiers stay open).
+    ``tier_admission`` K > 1: a block goes down only once it has been offered K times (a
+    :class:`~kvpool.allocators.policies.FrequencyAdmission` in the manager); 1 stores every block.
     """
     if any(r.hash_ids is not None for r in requests):
         sub_blocks_per_hash_block(config.block_size)
@@ -216,7 +219,7 @@ def run_replay(requests: Sequence[TraceRequest], config: ReplayConfig = ReplayCo
         return GroupReplayer(requests, config, progress, record_timeline, event_sink).run(start)
     replayer = _Replayer(requests, config, pool, progress, record_timeline, event_sink, observer)
     if tiers:
-        replayer.chain(tiers, write_through)
+        replayer.chain(tiers, write_through, tier_admission)
     return replayer.run(start)
 
 
@@ -301,11 +304,15 @@ class _Replayer:
         self.offload: Any = None
         self.tier_hits = [0]  # device, then each tier
 
-    def chain(self, tiers: Sequence[TierBackend], write_through: bool) -> None:
-        """Put ``tiers`` under the pool (an inline :class:`~kvpool.tiers.manager.OffloadManager`)."""
+    def chain(self, tiers: Sequence[TierBackend], write_through: bool, tier_admission: int = 1) -> None:
+        """Put ``tiers`` under the pool (an inline :class:`~kvpool.tiers.manager.OffloadManager`, with a
+        :class:`FrequencyAdmission` of ``tier_admission`` offers when that is above 1)."""
         from kvpool.tiers.manager import OffloadManager  # the tiers' extra, only when asked for
 
-        self.offload = OffloadManager(self.pool, tiers, write_through=write_through, asynchronous=False)
+        admission = FrequencyAdmission(tier_admission) if as_int(tier_admission, "tier_admission",
+                                                                 minimum=1) > 1 else None
+        self.offload = OffloadManager(self.pool, tiers, write_through=write_through, asynchronous=False,
+                                      admission=admission)
         self.tier_hits = [0] * (len(tiers) + 1)
 
     def _new_pool(self, num_blocks: int, event_sink: KVEventSink | None) -> BlockPool:

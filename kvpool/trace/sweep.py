@@ -40,13 +40,14 @@ class SweepRun:
 def run_sweep(requests: Sequence[TraceRequest], config: ReplayConfig, sizes: Sequence[int | None],
               policies: Sequence[str], *, record: bool = False,
               progress: Callable[[int], object] | None = None, event_sink: KVEventSink | None = None,
-              tiers: Callable[[], Sequence[TierBackend]] | None = None, write_through: bool = False
-              ) -> list[SweepRun]:
+              tiers: Callable[[], Sequence[TierBackend]] | None = None, write_through: bool = False,
+              tier_admission: int = 1) -> list[SweepRun]:
     """Replay ``requests`` with ``config`` for every pool size in ``sizes`` (None: unbounded) and policy in
     ``policies``, sizes outermost, in the given orders. ``record`` keeps each run's timeline and heat map
     (for :func:`kvpool.trace.report.write_report`); ``event_sink`` records every run's KV events (give it
     to a single run). ``tiers``: a factory of fresh (hash-only) tiers for each run, chained under its pool
-    (:func:`run_replay`'s ``tiers`` and ``write_through``); they are emptied and closed after the run.
+    (:func:`run_replay`'s ``tiers``, ``write_through`` and ``tier_admission``); they are emptied and
+    closed after the run.
     Raises :class:`~kvpool.errors.ConfigError` as :class:`ReplayConfig` and :func:`run_replay` do, before
     the first run for a bad name or size."""
     configs = [replace(config, num_blocks=size, policy=policy) for size in sizes for policy in policies]
@@ -56,7 +57,8 @@ def run_sweep(requests: Sequence[TraceRequest], config: ReplayConfig, sizes: Seq
         chain = tiers() if tiers is not None else ()
         try:
             result = run_replay(requests, cfg, progress=progress, record_timeline=record, observer=heatmap,
-                                event_sink=event_sink, tiers=chain, write_through=write_through)
+                                event_sink=event_sink, tiers=chain, write_through=write_through,
+                                tier_admission=tier_admission)
         finally:
             for tier in chain:
                 tier.clear()
