@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -230,6 +231,10 @@ def _generate_or_explain(engine: Any, prompts: list[list[int]], params: list[Any
 def _generate_with_progress(engine: Any, prompts: list[list[int]], params: list[Any]) -> list[Any]:
     from tqdm import tqdm
 
+    # tqdm's default lock holds a multiprocessing semaphore (even for a disabled bar): a rank the launcher
+    # stops after another rank failed would leave it behind, and the resource tracker would warn about it
+    # after the one-line error. One process writes this bar: a thread lock is all it needs.
+    tqdm.set_lock(threading.RLock())
     total = sum(p.max_new_tokens for p in params)
     quiet = not sys.stderr.isatty()  # as kvpool replay: a bar only at a terminal, so errors stay one line
     with tqdm(total=total, desc="generating", unit="tok", file=sys.stderr, leave=False, disable=quiet) as bar:
