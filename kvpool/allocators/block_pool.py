@@ -105,7 +105,7 @@ class BlockPool:
 
     Raises:
         InvalidArgumentError: ``num_blocks`` not an integer, < 1, < 2 with a null block, or too large for
-            this machine's memory (the bookkeeping takes ~60 bytes per block); an unknown policy (``belady``
+            this machine's memory (the bookkeeping takes ~70 bytes per block); an unknown policy (``belady``
             included: it needs a trace's future, see :mod:`kvpool.trace.belady`) or one that already serves
             a pool; ``pin_cap`` not in (0, 1]; ``admission`` not a FrequencyAdmission.
     """
@@ -127,9 +127,11 @@ class BlockPool:
             self._ref = [0] * num_blocks
             self._hash: list[Hashable | None] = [None] * num_blocks
             self._free = list(range(num_blocks - 1, self._reserved - 1, -1))  # stack: pop() hands out 0, 1..
+            self._mark = [0] * num_blocks  # the repeat check: a block seen by validation call k holds k
         except (MemoryError, OverflowError):
             raise InvalidArgumentError(f"num_blocks={num_blocks:,} does not fit in memory: the pool's "
-                                       "bookkeeping takes ~60 bytes per block") from None
+                                       "bookkeeping takes ~70 bytes per block") from None
+        self._calls = 0  # validations of several ids so far (the marks' epoch)
         order.bind(num_blocks)
         if admission is not None:
             admission.bind(num_blocks)
@@ -276,9 +278,9 @@ class BlockPool:
             ids = _ints(ids)  # general path; a single valid id skips it (the null block never does)
             if self._reserved:
                 ids = _without_null(ids)
-            refs = self._refs_of(ids)
-            if refs and min(refs) <= 0:
-                raise DoubleFreeError(f"block {ids[refs.index(min(refs))]} is not allocated (ref count 0)")
+            unreferenced = self._check_ids(ids)
+            if unreferenced >= 0:
+                raise DoubleFreeError(f"block {ids[unreferenced]} is not allocated (ref count 0)")
         level = priority if type(priority) is int else as_int(priority, "priority")  # the priority policy's:
         # checked before anything changes (a falsy None or 0.0 too)
         free, lru, hashes = self._free, self._lru, self._hash
@@ -332,30 +334,32 @@ class BlockPool:
         if self._reserved:
             ids = _without_null(ids)
         ref, hashes = self._ref, self._hash
-        if 0 in self._refs_of(ids):
+        if self._check_ids(ids) >= 0:
             for block in ids:
                 if hashes[block] is None and ref[block] == 0:
                     raise InvalidIdError(f"block {block} is free and holds no cached hash: allocate it")
         return ids
 
-    def _refs_of(self, ids: Sequence[int]) -> list[int]:
-        """Validate a whole call's ids (Python ints, as :func:`_ints` makes them; in range; none repeated)
-        and return their ref counts. O(len(ids)) with C-level set/min; an id >= num_blocks fails the list
-        indexing."""
-        ref = self._ref
-        if len(ids) == 1 and type(ids[0]) is int and 0 <= ids[0] < self._n:
-            return [ref[ids[0]]]
-        if not ids:
-            return []
-        try:  # the ids are Python ints already (_ints): a numpy int or 0-d tensor would hash apart
-            refs = [ref[b] for b in ids] if min(ids) >= 0 else None
-        except IndexError:
-            refs = None
-        if refs is None:
-            raise InvalidIdError(f"block ids must be integers in [0, {self._n}), got {_head(ids)}")
-        if len(ids) > 1 and len(set(ids)) != len(ids):
-            raise InvalidIdError(f"block ids repeated in one call: {_head(ids)}")
-        return refs
+    def _check_ids(self, ids: list[int]) -> int:
+        """Validate a whole call's ids (Python ints, as :func:`_ints` makes them; in range; none repeated):
+        InvalidIdError otherwise. Returns the position of the first id whose ref count is 0, or -1. One
+        pass: each id is marked with this call's number, so a repeat is one list read (no set of the ids)."""
+        ref, n = self._ref, self._n
+        if len(ids) == 1 and 0 <= ids[0] < n:
+            return 0 if ref[ids[0]] == 0 else -1
+        mark = self._mark
+        self._calls += 1
+        call = self._calls
+        unreferenced = -1
+        for pos, b in enumerate(ids):
+            if not 0 <= b < n:
+                raise InvalidIdError(f"block ids must be integers in [0, {n}), got {_head(ids)}")
+            if mark[b] == call:
+                raise InvalidIdError(f"block ids repeated in one call: {_head(ids)}")
+            mark[b] = call
+            if unreferenced < 0 and ref[b] == 0:
+                unreferenced = pos
+        return unreferenced
 
     # ---- prefix cache -----------------------------------------------------------------------------------
 
@@ -447,11 +451,12 @@ class BlockPool:
         if new:
             sink.stored(block_hashes, new, parent_hash, token_ids, extra_keys, lora_name)
 
-    def _check_publish(self, block_ids: Sequence[int], block_hashes: Sequence[Hashable]) -> None:
-        refs = self._refs_of(block_ids)
-        for block, h, r in zip(block_ids, block_hashes, refs, strict=True):
-            if r == 0:
-                raise InvalidIdError(f"block {block} is not allocated: only in-use blocks can be published")
+    def _check_publish(self, block_ids: list[int], block_hashes: Sequence[Hashable]) -> None:
+        unreferenced = self._check_ids(block_ids)
+        if unreferenced >= 0:
+            raise InvalidIdError(f"block {block_ids[unreferenced]} is not allocated: only in-use blocks can "
+                                 "be published")
+        for block, h in zip(block_ids, block_hashes, strict=True):
             if h is None or not _hashable(h):
                 raise InvalidArgumentError(f"block hash must be hashable and not None, got {h!r}")
             held = self._hash[block]
@@ -501,10 +506,10 @@ class BlockPool:
         ids = _ints(block_ids if type(block_ids) is list else as_id_list(block_ids, "block ids"))
         if self._reserved:
             ids = _without_null(ids)
-        refs = self._refs_of(ids)
+        self._check_ids(ids)
         index, hashes, lru, free, ref, gone = self._index, self._hash, self._lru, self._free, self._ref, []
-        for block, r in zip(ids, refs, strict=True):
-            h = hashes[block]
+        for block in ids:
+            r, h = ref[block], hashes[block]
             if h is not None:
                 del index[h]
                 hashes[block] = None
@@ -560,7 +565,7 @@ class BlockPool:
             PinLimitError: the call would pin more than :attr:`max_pinned_blocks` distinct blocks.
         """
         ids = _ints(block_ids if type(block_ids) is list else as_id_list(block_ids, "block ids"))
-        self._refs_of(ids)
+        self._check_ids(ids)
         for block in ids:
             if self._hash[block] is None:
                 raise InvalidIdError(f"block {block} holds no cached hash: only cached blocks can be pinned")
@@ -610,7 +615,7 @@ class BlockPool:
             InvalidIdError: a bad or repeated id, or a block that is not pinned.
         """
         ids = _ints(block_ids if type(block_ids) is list else as_id_list(block_ids, "block ids"))
-        self._refs_of(ids)
+        self._check_ids(ids)
         pins = self._pins
         for block in ids:
             if block not in pins:
@@ -667,12 +672,14 @@ class BlockPool:
 
     def ref_count(self, block_id: IntArg) -> int:
         """References held on ``block_id`` (0 = free). Raises InvalidIdError for a bad id."""
-        return self._refs_of(_ints([block_id]))[0]
+        ids = _ints([block_id])
+        self._check_ids(ids)
+        return self._ref[ids[0]]
 
     def block_hash(self, block_id: IntArg) -> Hashable | None:
         """The published hash ``block_id`` holds, or None. Raises InvalidIdError for a bad id."""
         ids = _ints([block_id])
-        self._refs_of(ids)
+        self._check_ids(ids)
         return self._hash[ids[0]]
 
     @property
@@ -801,13 +808,15 @@ class BlockPool:
                 f"cached={len(self._index)}{pins}{null})")
 
 
-_INT = {int}
 
 
-def _ints(ids: list) -> list[int]:
+def _ints(ids: list[Any]) -> list[int]:
     """``ids`` as Python ints (the same list when they already are): a numpy int or a 0-d tensor is the id
     it holds, a bool or anything else is an InvalidIdError (:mod:`kvpool.numeric`)."""
-    return ids if set(map(type, ids)) <= _INT else as_id_list(list(ids), "block ids")
+    for b in ids:
+        if type(b) is not int:
+            return as_id_list(list(ids), "block ids")
+    return ids
 
 
 def _hash_list(values: Iterable) -> list:
