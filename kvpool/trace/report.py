@@ -13,7 +13,8 @@ shown. A vendored JavaScript charting library would add hover read-outs, but als
 keep current and license, and a second charting stack beside the PNG plot; hand-written SVG would be
 charting code of our own to maintain. Exact values are in the page's tables instead.
 
-:class:`PoolHeatmap` records the heat map during a replay: pass it as ``run_replay(..., observer=...)``.
+:class:`PoolHeatmap` records the heat map during a replay: pass it as ``run_replay(..., observer=...)``;
+:class:`SweepRun` is one replay with its heat map, what :func:`write_report` draws (``run_sweep`` makes them).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import io
 import json
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +32,7 @@ from kvpool.allocators.block_pool import BLOCK_STATES, BlockPool
 from kvpool.trace.plot import COLORS, draw_timeline
 
 if TYPE_CHECKING:
-    from kvpool.trace.sweep import SweepRun
+    from kvpool.trace.replay import ReplayResult
 
 #: Tie order when a heat-map cell's blocks are in several states equally often: the rarer, more telling
 #: state wins (codes of :data:`BLOCK_STATES`).
@@ -78,6 +80,23 @@ class PoolHeatmap:
             cell = states[edges[r]:edges[r + 1]]
             out[r] = max(_PRECEDENCE, key=cell.count)
         return bytes(out)
+
+
+@dataclass(frozen=True)
+class SweepRun:
+    """One replay of a sweep: its result (with a timeline when recorded) and its heat map, if recorded."""
+
+    result: ReplayResult
+    heatmap: PoolHeatmap | None = None
+
+    @property
+    def policy(self) -> str:
+        return self.result.policy
+
+    @property
+    def num_blocks(self) -> int:
+        return self.result.num_blocks
+
 
 
 def write_report(path: str | Path, runs: Sequence[SweepRun], parameters: Mapping[str, object], *,

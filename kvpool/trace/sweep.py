@@ -9,32 +9,16 @@ policy like the others here.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvpool.trace.loaders import TraceRequest
-from kvpool.trace.replay import ReplayConfig, ReplayResult, run_replay
-from kvpool.trace.report import PoolHeatmap
+from kvpool.trace.replay import ReplayConfig, run_replay
+from kvpool.trace.report import PoolHeatmap, SweepRun
 
 if TYPE_CHECKING:
     from kvpool.events import KVEventSink
     from kvpool.tiers.backend import TierBackend
-
-
-@dataclass(frozen=True)
-class SweepRun:
-    """One replay of a sweep: its result (with a timeline when recorded) and its heat map, if recorded."""
-
-    result: ReplayResult
-    heatmap: PoolHeatmap | None = None
-
-    @property
-    def policy(self) -> str:
-        return self.result.policy
-
-    @property
-    def num_blocks(self) -> int:
-        return self.result.num_blocks
 
 
 def run_sweep(requests: Sequence[TraceRequest], config: ReplayConfig, sizes: Sequence[int | None],
