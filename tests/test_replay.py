@@ -19,7 +19,7 @@ from kvpool.errors import ConfigError
 from kvpool.trace.loaders import TraceRequest, load_trace
 from kvpool.trace.replay import ReplayConfig, run_replay
 
-replay_module = importlib.import_module("kvpool.trace.replay")
+replay_module = importlib.import_module("kvpool.trace.replayer")  # where FAST_FORWARD is read
 CONFIGS = Path(__file__).parent / "configs"
 UNIT_COSTS = {"step_s": 1.0, "prefill_token_s": 0.0, "decode_token_s": 0.0}  # every step lasts 1 s
 

@@ -21,9 +21,8 @@ from kvpool.allocators.groups import KVCacheCoordinator
 from kvpool.bench.timing import median_ns, print_table, require_at_least
 from kvpool.planner import MemoryReadings, plan_pool
 from kvpool.spec import KVCacheSpec, LayerKind, kv_cache_groups
-from kvpool.trace.group_replay import compare_all_full
 from kvpool.trace.loaders import load_trace
-from kvpool.trace.replay import ReplayConfig, run_replay
+from kvpool.trace.replay import ReplayConfig, compare_all_full, run_replay
 
 B = 16
 #: gpt-oss-20b's KV cache (its config.json: 24 layers, sliding window 128 on even layers, 8 KV heads of 64)

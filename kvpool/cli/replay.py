@@ -26,9 +26,8 @@ from kvpool.cli.plan import add_memory_arguments, plan_from_args
 from kvpool.errors import ConfigError
 from kvpool.planner import PoolPlan
 from kvpool.spec import KVCacheSpec
-from kvpool.trace.group_replay import compare_all_full
 from kvpool.trace.loaders import FORMATS, load_trace
-from kvpool.trace.replay import REPLAY_POLICIES, TIMINGS, ReplayConfig
+from kvpool.trace.replay import REPLAY_POLICIES, TIMINGS, ReplayConfig, compare_all_full
 from kvpool.trace.sweep import SweepRun, hit_ratio_table, run_sweep
 
 #: Requests above which a progress bar is drawn (on a terminal, without --json).

@@ -1,6 +1,6 @@
 """Trace replay of a hybrid model: blocks counted per KV cache group through a :class:`KVCacheCoordinator`.
 
-The same discrete-event replay as :mod:`kvpool.trace.replay` (instant or trace timing, preemption by
+The same discrete-event replay as :mod:`kvpool.trace.replayer` (instant or trace timing, preemption by
 recompute), with the pool calls of one plain pool replaced by the coordinator's: a request's admission takes
 the longest prefix every group can restore (full groups: every block; sliding: the blocks covering the last
 W - 1 tokens), its prompt is published in every group, and each time decoding starts a new block the
@@ -11,15 +11,14 @@ of the spec); ``peak_blocks_used`` and ``mean_blocks_used`` count them over all 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvpool.allocators.groups import KVCacheCoordinator
 from kvpool.errors import ConfigError, InvalidArgumentError
-from kvpool.spec import KVCacheSpec, cdiv
+from kvpool.spec import cdiv
 from kvpool.trace.loaders import TraceRequest
-from kvpool.trace.replay import ReplayConfig, ReplayResult, _Replayer, _Seq, run_replay
+from kvpool.trace.replayer import ReplayConfig, ReplayResult, _Replayer, _Seq
 
 if TYPE_CHECKING:
     from kvpool.events import KVEventSink
@@ -133,25 +132,3 @@ class GroupReplayer(_Replayer):
                 seq.computed += steps
             self._finish(seq)
             self._sample(force=True)
-
-
-def compare_all_full(requests: Sequence[TraceRequest], config: ReplayConfig, spec: KVCacheSpec,
-                     available_bytes: int, result: ReplayResult) -> dict[str, Any]:
-    """``result`` (a replay of ``config``, per group) in bytes, and the same requests replayed on the same
-    ``available_bytes`` with every layer full attention: one plain pool of ``available_bytes //
-    (bytes_per_token x B)`` blocks. ``mean_memory_saving = 1 - mean bytes / all-full mean bytes``."""
-    full_block = spec.bytes_per_token * spec.block_size
-    full_config = dataclasses.replace(config, groups=(), num_blocks=max(1, available_bytes // full_block))
-    full = run_replay(requests, full_config)
-    mean, full_mean = result.mean_blocks_used * spec.bytes_per_block, full.mean_blocks_used * full_block
-    return {
-        "kv_cache_groups": len(spec.groups), "bytes_per_block": spec.bytes_per_block,
-        "peak_bytes_used": result.peak_blocks_used * spec.bytes_per_block, "mean_bytes_used": round(mean),
-        "mean_memory_saving": 1 - mean / full_mean if full_mean else 0.0,
-        "all_full": {"num_blocks": full.num_blocks, "bytes_per_block": full_block,
-                     "block_hit_ratio": full.block_hit_ratio, "preemptions": full.preemptions,
-                     "requests_rejected": full.requests_rejected, "peak_blocks_used": full.peak_blocks_used,
-                     "mean_blocks_used": full.mean_blocks_used,
-                     "peak_bytes_used": full.peak_blocks_used * full_block,
-                     "mean_bytes_used": round(full_mean)},
-    }

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpool.trace.replay import ReplayResult
+from kvpool.trace.replayer import ReplayResult
 
 #: Colours of the pool states, shared by the timeline and the report's heat map.
 COLORS = {"in use": "#d62728", "cached": "#1f77b4", "free": "#d9d9d9", "pinned": "#ff7f0e", "null": "#000000"}

@@ -32,7 +32,7 @@ from kvpool.allocators.block_pool import BLOCK_STATES, BlockPool
 from kvpool.trace.plot import COLORS, draw_timeline
 
 if TYPE_CHECKING:
-    from kvpool.trace.replay import ReplayResult
+    from kvpool.trace.replayer import ReplayResult
 
 #: Tie order when a heat-map cell's blocks are in several states equally often: the rarer, more telling
 #: state wins (codes of :data:`BLOCK_STATES`).
