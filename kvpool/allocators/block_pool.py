@@ -719,6 +719,11 @@ class BlockPool:
         return self._policy
 
     @property
+    def admission(self) -> FrequencyAdmission | None:
+        """The frequency admission filter of the publish step (``admission=``), or None."""
+        return self._admission
+
+    @property
     def num_free_blocks(self) -> int:
         """Blocks ``allocate`` can hand out: uncached free plus cached free (evictable)."""
         return len(self._free) + self.num_evictable_blocks

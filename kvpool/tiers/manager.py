@@ -93,7 +93,7 @@ class OffloadManager:
         self.write_through = write_through
         self._check_tiers()
         if admission is not None and (not isinstance(admission, FrequencyAdmission)
-                                      or admission is getattr(pool, "_admission", None)):
+                                      or admission is pool.admission):
             raise InvalidArgumentError(f"admission must be a FrequencyAdmission of the tiers' own (not the "
                                        f"pool's) or None, got {admission!r}")
         if admission is not None:
