@@ -48,14 +48,20 @@ def small_trace(rng: random.Random, n: int, max_depth: int, branching: int) -> l
 class InstantModel:
     """The instant replay on a pool of ``n`` blocks, with the eviction choices left to ``choose``.
 
-    Per request: the hit is the longest cached prefix of its full prompt blocks; it takes its prompt blocks
+    Per request: the hit is the longest cached prefix of its full prompt blocks, among the full blocks of
+    its first input - 1 tokens (the last prompt token is always computed); it takes its prompt blocks
     (uncached free first, then evicting cached ones it does not hold), publishes each full prompt block
-    whose hash is not cached already, takes its output blocks the same way, and frees everything.
+    whose hash is not cached already, takes its output blocks the same way (its KV covers input + output
+    - 1 tokens: the last sampled token is never written), and frees everything.
     """
 
     def __init__(self, requests: list[TraceRequest], n: int) -> None:
-        self.reqs = [r for r in requests if math.ceil((r.input_tokens + r.output_tokens) / B) <= n]
+        self.reqs = [r for r in requests if self.blocks(r) <= n]
         self.n = n
+
+    @staticmethod
+    def blocks(r: TraceRequest) -> int:
+        return math.ceil((r.input_tokens + max(r.output_tokens - 1, 0)) / B)
 
     def full(self, i: int) -> tuple[int, ...]:
         r = self.reqs[i]
@@ -64,10 +70,10 @@ class InstantModel:
     def outcomes(self, i: int, cached: frozenset[int], choose: Chooser) -> list[tuple[int, frozenset[int]]]:
         """Every (hits, cached set afterwards) of request ``i`` from ``cached`` under ``choose``."""
         r, nodes = self.reqs[i], self.full(i)
-        h = 0
-        while h < len(nodes) and nodes[h] in cached:
+        h, limit = 0, min(len(nodes), (r.input_tokens - 1) // B)
+        while h < limit and nodes[h] in cached:
             h += 1
-        need, total = math.ceil(r.input_tokens / B), math.ceil((r.input_tokens + r.output_tokens) / B)
+        need, total = math.ceil(r.input_tokens / B), self.blocks(r)
         hit, out = set(nodes[:h]), []
         for first in choose(i, cached - hit, max(0, need - h - (self.n - len(cached)))):
             c1 = cached - first

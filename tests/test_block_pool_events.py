@@ -184,14 +184,14 @@ def test_a_hybrid_replay_names_each_group() -> None:
     from kvpool.allocators.groups import split_group_key
     from kvpool.spec import LayerKind, kv_cache_groups
     from kvpool.trace import ReplayConfig
-    from kvpool.trace.group_replay import GroupReplayer
     from kvpool.trace.loaders import TraceRequest
+    from kvpool.trace.replayer import Replayer
 
     groups = kv_cache_groups([LayerKind.SLIDING, LayerKind.FULL], {LayerKind.SLIDING: 32}, 16)
     requests = [TraceRequest(float(i), 600, 40, hash_ids=(i % 3, 10 + i % 5)) for i in range(40)]
     pub = QueueEventPublisher(100_000)
     config = ReplayConfig(block_size=16, groups=groups, timing="trace", num_blocks=200)
-    replayer = GroupReplayer(requests, config, None, False, KVEventSink(pub, block_size=16))
+    replayer = Replayer(requests, config, event_sink=KVEventSink(pub, block_size=16))
     result = replayer.run(time.perf_counter())
     cached: set = set()
     for event in (e for batch in pub.drain() for e in batch.events):

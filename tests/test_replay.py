@@ -50,37 +50,54 @@ class PrefixTrie:
 
 def unbounded_oracle(requests: list[TraceRequest], block_size: int) -> tuple[int, int, int]:
     """(hit blocks, full prompt blocks, prompt tokens): a block hits when it and every block before it
-    appeared as full blocks in an earlier request."""
+    appeared as full blocks in an earlier request, among the full blocks of the first input - 1 tokens
+    (the engine always computes the last prompt token, for its logits)."""
     trie, hits, blocks, tokens = PrefixTrie(), 0, 0, 0
     for req in requests:
-        hits += len(trie.path(req, block_size, create=False))
+        hits += min(len(trie.path(req, block_size, create=False)), (req.input_tokens - 1) // block_size)
         blocks += len(trie.path(req, block_size, create=True))
         tokens += req.input_tokens
     return hits, blocks, tokens
 
 
+def kv_blocks(req: TraceRequest, block_size: int) -> int:
+    """Blocks a request holds at its end: its KV covers input + output - 1 tokens (the last sampled token
+    is never written; a request without output holds its prompt)."""
+    return math.ceil((req.input_tokens + max(req.output_tokens - 1, 0)) / block_size)
+
+
 def lru_model(requests: list[TraceRequest], block_size: int, num_blocks: int) -> tuple[int, int, int]:
     """(hits, evictions, rejected) of a serial replay on a pool that hands out never-cached free blocks
-    first, then evicts the least recently freed cached block; requests free their blocks tail first."""
+    first, then evicts the least recently freed cached block. A request hits at most the full blocks of its
+    first input - 1 tokens, allocates the rest of its prompt's blocks, publishes its full prompt blocks
+    after the prefill (a hash held by another cached block stays there), allocates its decode blocks, and
+    frees its blocks tail first."""
     trie, cached, plain = PrefixTrie(), OrderedDict(), num_blocks
     hits = evictions = rejected = 0
+
+    def take(n: int) -> None:
+        nonlocal plain, evictions
+        got = min(plain, n)
+        plain -= got
+        for _ in range(n - got):
+            cached.popitem(last=False)
+            evictions += 1
+
     for req in requests:
-        total = math.ceil((req.input_tokens + req.output_tokens) / block_size)
+        total = kv_blocks(req, block_size)
         if total > num_blocks:
             rejected += 1
             continue
         nodes = trie.path(req, block_size, create=True)
-        h = 0
-        while h < len(nodes) and nodes[h] in cached:
+        h, limit = 0, min(len(nodes), (req.input_tokens - 1) // block_size)
+        while h < limit and nodes[h] in cached:
             del cached[nodes[h]]  # touched: in use now
             h += 1
         hits += h
-        take = min(plain, total - h)
-        plain -= take
-        for _ in range(total - h - take):
-            cached.popitem(last=False)
-            evictions += 1
+        prompt = math.ceil(req.input_tokens / block_size)
+        take(prompt - h)
         published = [n for n in nodes[h:] if n not in cached]  # a hash held elsewhere stays there
+        take(total - prompt)
         held = nodes[:h] + published
         plain += total - len(held)
         for node in reversed(held):
@@ -151,7 +168,7 @@ def test_unbounded_instant_replay_equals_oracle_at_16(mooncake: list[TraceReques
 def test_default_pool_is_unbounded(mooncake: list[TraceRequest]) -> None:
     requests = mooncake[:500]
     result = run_replay(requests, ReplayConfig(block_size=64))
-    assert result.num_blocks == sum(math.ceil((r.input_tokens + r.output_tokens) / 64) for r in requests)
+    assert result.num_blocks == sum(kv_blocks(r, 64) for r in requests)
     assert (result.evictions, result.preemptions, result.requests_rejected) == (0, 0, 0)
     assert result.hit_blocks == unbounded_oracle(requests, 64)[0]
 
@@ -163,7 +180,7 @@ def test_default_pool_is_unbounded(mooncake: list[TraceRequest]) -> None:
 @pytest.mark.parametrize("scale", [0.5, 1, 2, 5])
 def test_bounded_instant_replay_matches_lru_model(seed: int, block_size: int, scale: float) -> None:
     requests = synthetic_trace(seed)
-    biggest = max(math.ceil((r.input_tokens + r.output_tokens) / block_size) for r in requests)
+    biggest = max(kv_blocks(r, block_size) for r in requests)
     num_blocks = int(biggest * scale)
     pool = BlockPool(num_blocks)
     result = run_replay(requests, ReplayConfig(block_size=block_size, num_blocks=num_blocks), pool=pool)
@@ -179,27 +196,28 @@ def test_bounded_instant_replay_matches_lru_model(seed: int, block_size: int, sc
 # ---- trace timing: hand-computed schedules --------------------------------------------------------------
 
 def test_preemption_by_recompute_hand_schedule() -> None:
-    # Block size 4, 4 blocks; A and B: 4 prompt + 8 output tokens (3 blocks each), both at t = 0.
-    # t0 prefill A, B (2 blocks); t1 both decode into a 2nd block (4 used); t2-4 decode (4 used);
-    # t5 A needs a 3rd block, none free: B (newest) is preempted, A takes one (3 used); B needs 2 blocks
-    # (4 prompt + 4 generated tokens) but 1 is free. t6-8 A decodes and finishes; t9 B re-prefills
-    # (2 used); t10 B takes its 3rd block; t10-13 decodes, finishes at the end of step 14.
+    # Block size 4, 4 blocks; A and B: 4 prompt + 8 output tokens (KV of 11 tokens: 3 blocks each), both at
+    # t = 0. Step 1 prefills A and B (1 block each) and samples their first tokens; step 2 both decode
+    # position 4 into a 2nd block (4 used); steps 3-5 decode positions 5-7 (4 used). Step 6: A needs a 3rd
+    # block for position 8, none free: B (newest) is preempted, A takes one (3 used). Step 7: B (4 prompt +
+    # 5 generated = 9 tokens, 3 blocks) does not fit the 1 free block. Step 8: A samples its 8th token and
+    # finishes. Step 9: B recomputes its 9 tokens (3 used) and samples its 6th; steps 10-11 decode it.
     requests = [TraceRequest(0.0, 4, 8), TraceRequest(0.0, 4, 8)]
     pool = BlockPool(4)
     result = run_replay(requests, ReplayConfig(block_size=4, num_blocks=4, timing="trace", **UNIT_COSTS),
                         pool=pool)
     assert result.preemptions == 1 and result.requests_completed == 2
-    assert result.simulated_s == 14 and result.peak_blocks_used == 4
-    used_per_step = [2, 4, 4, 4, 4, 3, 3, 3, 3, 2, 3, 3, 3, 3]
-    assert result.mean_blocks_used == pytest.approx(sum(used_per_step) / 14)
+    assert result.simulated_s == 11 and result.peak_blocks_used == 4
+    used_per_step = [2, 4, 4, 4, 4, 3, 3, 3, 3, 3, 3]
+    assert result.mean_blocks_used == pytest.approx(sum(used_per_step) / 11)
     assert pool.num_used_blocks == 0
     pool.check_integrity()
 
 
 @pytest.mark.parametrize(("budget", "max_running", "expected_s"), [
-    (8192, 256, 2),  # step 1 prefills all three, step 2 decodes all three
-    (250, 256, 3),   # 100 + 100 fit, the third waits: it prefills in step 2 (budget 250 - 2 decodes)
-    (8192, 2, 4),    # two at a time: A, B prefill; A, B decode; C prefills; C decodes
+    (8192, 256, 1),  # step 1 prefills all three; each samples its one output token and finishes
+    (250, 256, 2),   # A and B prefill and finish in step 1 beside C's first 50 tokens; C's 50 more in step 2
+    (8192, 2, 2),    # two at a time: A, B prefill and finish; C prefills and finishes
 ])
 def test_token_budget_and_max_running(budget: int, max_running: int, expected_s: int) -> None:
     requests = [TraceRequest(0.0, 100, 1) for _ in range(3)]
@@ -211,14 +229,15 @@ def test_token_budget_and_max_running(budget: int, max_running: int, expected_s:
 
 def test_chunked_prefill_by_hand() -> None:
     """Issue 9, item 8: a prompt longer than the budget is prefilled in chunks, as the engine does.
-    100 tokens at a budget of 32, block 16, 2 output tokens: chunks 32, 32, 32, 4 (steps 1-4), then two
-    decode steps. Blocks held per step (allocated per chunk): 2, 4, 6, 7, then 7, 7 (102 tokens)."""
+    100 tokens at a budget of 32, block 16, 2 output tokens: chunks 32, 32, 32, 4 (steps 1-4; the last
+    samples the first output), then one decode step (position 100, the second output). Blocks held per
+    step (allocated per chunk): 2, 4, 6, 7, then 7 (101 tokens)."""
     pool = BlockPool(20)
     config = ReplayConfig(block_size=16, num_blocks=20, timing="trace", max_batched_tokens=32, **UNIT_COSTS)
     result = run_replay([TraceRequest(0.0, 100, 2)], config, pool=pool, record_timeline=True)
-    assert result.simulated_s == 6 and result.peak_blocks_used == 7
-    assert result.mean_blocks_used == pytest.approx((2 + 4 + 6 + 7 + 7 + 7) / 6)
-    assert [used for _, used, _, _ in result.timeline[:6]] == [2, 4, 6, 7, 7, 7]
+    assert result.simulated_s == 5 and result.peak_blocks_used == 7
+    assert result.mean_blocks_used == pytest.approx((2 + 4 + 6 + 7 + 7) / 5)
+    assert [used for _, used, _, _ in result.timeline[:5]] == [2, 4, 6, 7, 7]
 
 
 def test_chunked_prefill_publishes_each_full_block_after_its_chunk() -> None:
@@ -226,7 +245,8 @@ def test_chunked_prefill_publishes_each_full_block_after_its_chunk() -> None:
     24: the first request computes tokens 0-23 in step 1 (block 0 full: published), 24-47 in step 2
     (blocks 1, 2). The second, same prompt, arrives at t = 2; in step 3 the first takes its last 16 tokens
     and the second is admitted with the 8 tokens left: its lookup finds blocks 0, 1, 2, not block 3, which
-    the first publishes only after step 3."""
+    the first publishes only after step 3 (and which the second would not take anyway: it computes its
+    last prompt token, so it may hit the blocks of its first 63 tokens only)."""
     first, second = TraceRequest(0.0, 64, 1, (5,)), TraceRequest(2.0, 64, 1, (5,))
     config = ReplayConfig(block_size=16, num_blocks=20, timing="trace", max_batched_tokens=24, **UNIT_COSTS)
     result = run_replay([first, second], config)
@@ -236,23 +256,27 @@ def test_chunked_prefill_publishes_each_full_block_after_its_chunk() -> None:
 def test_a_long_prompt_no_longer_drains_the_server() -> None:
     """A decoding request keeps decoding while a prompt of 4x the budget is prefilled beside it. A: 16
     prompt tokens, 10 output, at t = 0; B: 256 prompt tokens, 1 output, at t = 1; budget 64 tokens, block
-    16. Step 1 prefills A; steps 2-11 decode A (1 token each) while steps 2-6 give B chunks of 63, 63, 63,
-    63 and 4 tokens (what A's decode leaves of the budget); B decodes in step 7. Without chunks B would
-    wait for an empty step: after A's last decode (step 11), then prefill and decode (steps 12, 13)."""
+    16. Step 1 prefills A (its first output); steps 2-10 decode A's 9 others (1 token each) while steps
+    2-6 give B chunks of 63, 63, 63, 63 and 4 tokens (what A's decode leaves of the budget): B samples
+    its one output in step 6 and finishes. Without chunks B would wait for an empty step, after A's last
+    decode (step 10)."""
     requests = [TraceRequest(0.0, 16, 10), TraceRequest(1.0, 256, 1)]
     config = ReplayConfig(block_size=16, num_blocks=40, timing="trace", max_batched_tokens=64, **UNIT_COSTS)
-    result = run_replay(requests, config)
-    assert result.simulated_s == 11 and result.requests_completed == 2
+    result = run_replay(requests, config, record_timeline=True)
+    assert result.simulated_s == 10 and result.requests_completed == 2
+    # B's blocks: 4, 8, 12, 16, 16 in steps 2-6 beside A's 2 (A needs its 2nd block at position 16, step 2)
+    assert [used for _, used, _, _ in result.timeline[1:7]] == [6, 10, 14, 18, 18, 2]
 
 
 def test_instant_time_model_by_hand() -> None:
     # Request 1: 100 prompt + 20 output tokens, block size 16. Prefill: 0.01 + 100 x 0.001 = 0.11 s holding
-    # 7 blocks; 20 decode steps of 0.012 s: tokens 101-112 on 7 blocks, 113-120 on 8 blocks.
-    # Request 2 arrives at t = 10: 16 tokens, no output: 0.01 + 16 x 0.001 = 0.026 s on 1 block.
+    # 7 blocks, sampling the first output; 19 decode steps of 0.012 s: positions 100-111 on 7 blocks,
+    # 112-118 on 8 blocks. Request 2 arrives at t = 10: 16 tokens, no output: 0.01 + 16 x 0.001 = 0.026 s
+    # on 1 block.
     requests = [TraceRequest(0.0, 100, 20), TraceRequest(10.0, 16, 0)]
     config = ReplayConfig(block_size=16, step_s=0.01, prefill_token_s=0.001, decode_token_s=0.002)
     result = run_replay(requests, config)
-    block_seconds = 7 * 0.11 + (12 * 7 + 8 * 8) * 0.012 + 1 * 0.026
+    block_seconds = 7 * 0.11 + (12 * 7 + 7 * 8) * 0.012 + 1 * 0.026
     assert result.simulated_s == pytest.approx(10.026)
     assert result.mean_blocks_used == pytest.approx(block_seconds / 10.026)
     assert result.peak_blocks_used == 8 and result.prompt_blocks == 6 + 1
@@ -261,7 +285,7 @@ def test_instant_time_model_by_hand() -> None:
 
 
 def test_oversized_request_is_rejected_and_counted() -> None:
-    requests = [TraceRequest(0.0, 100, 20), TraceRequest(1.0, 16, 0)]  # 8 blocks and 1 block
+    requests = [TraceRequest(0.0, 100, 20), TraceRequest(1.0, 16, 0)]  # KV of 119 tokens: 8 blocks; 1
     for timing in ("instant", "trace"):
         result = run_replay(requests, ReplayConfig(block_size=16, num_blocks=7, timing=timing))
         assert (result.requests_rejected, result.requests_completed, result.prompt_blocks) == (1, 1, 1)

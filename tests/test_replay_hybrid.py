@@ -22,24 +22,26 @@ def config(**kwargs) -> ReplayConfig:
 
 
 def test_blocks_in_use_by_hand():
-    # 16 prompt tokens (4 blocks per group), 8 output tokens, instant timing:
-    # prefill holds 4 + 4 = 8 blocks for 16 s; publishing frees sliding blocks before (16 - 8 + 1) // 4 = 2
-    # (6 left); token 16 starts block 4: 1 + 1 new = 8 blocks for 4 steps; token 20 starts block 5: the
-    # window frees 1 more ((20 - 7) // 4 = 3), 2 new: 9 blocks for 4 steps
+    # 16 prompt tokens (4 blocks per group), 8 output tokens (the prefill samples the first, 7 decode steps
+    # compute positions 16-22), instant timing: the prefill holds 4 + 4 = 8 blocks for 16 s. Before position
+    # 16 the window frees the sliding blocks before (16 - 8 + 1) // 4 = 2 (6 left) and position 16 starts
+    # block 4 in both groups: 8 blocks for positions 16-18; before 19 the window frees block 2
+    # ((19 - 7) // 4 = 3): 7 blocks; position 20 starts block 5 in both: 9 blocks for positions 20-22
     request = TraceRequest(0.0, 16, 8, hash_ids=(1,))
     result = run_replay([request], config(timing="instant"))
     assert result.peak_blocks_used == 9
-    assert result.mean_blocks_used == pytest.approx((8 * 16 + 8 * 4 + 9 * 4) / 24)
+    assert result.mean_blocks_used == pytest.approx((8 * 16 + 8 * 3 + 7 + 9 * 3) / 23)
     assert (result.requests_completed, result.prompt_blocks, result.hit_blocks) == (1, 4, 0)
 
 
 def test_second_request_hits_every_group():
-    # the same 16-token prompt twice: the second restores all 4 blocks (full: 0..3; sliding: the blocks of
-    # the last 7 tokens before token 16, 2 and 3, still cached after the first freed them)
+    # the same 16-token prompt twice: the second may hit the blocks of its first 15 tokens, 3 of them, and
+    # restores all 3 in both groups (full: 0..2; sliding: the blocks of the last 7 tokens before token 12,
+    # 1 and 2, still cached after the first request freed them)
     requests = [TraceRequest(0.0, 16, 8, hash_ids=(1,)), TraceRequest(100.0, 16, 8, hash_ids=(1,))]
     for timing in ("instant", "trace"):
         result = run_replay(requests, config(timing=timing))
-        assert (result.hit_blocks, result.prompt_blocks, result.block_hit_ratio) == (4, 8, 0.5)
+        assert (result.hit_blocks, result.prompt_blocks, result.block_hit_ratio) == (3, 8, 0.375)
 
 
 def test_trace_timing_preempts_and_finishes_everything():
@@ -64,3 +66,51 @@ def test_cli_hybrid_against_all_full(capsys):
     assert report["mean_bytes_used"] == round(report["mean_blocks_used"] * 786432)
     assert 0 < report["mean_memory_saving"] < 0.5  # the 12 full layers save nothing
     assert report["mean_bytes_used"] < report["all_full"]["mean_bytes_used"]
+
+
+# ---- every capability on a hybrid model -------------------------------------------------------------------
+
+@pytest.mark.parametrize("config_name", [pytest.param("gemma-3-27b-it.json", marks=pytest.mark.slow),
+                                         "gpt-oss-20b.json"])
+def test_unbounded_host_tier_under_a_hybrid_pool_hits_as_an_unbounded_pool(config_name: str) -> None:
+    """Every block a hybrid pool publishes stays on the device or goes down to an unbounded host tier, so
+    the chain hits exactly what an unbounded device pool hits (instant timing: one request at a time)."""
+    from kvpool.spec import KVCacheSpec
+    from kvpool.tiers.backend import Namespace
+    from kvpool.tiers.host import HostTier
+    from kvpool.trace.loaders import load_trace
+    from kvpool.trace.replay import request_blocks, unbounded_num_blocks
+
+    requests = load_trace(None, None, max_requests=200).requests
+    groups = KVCacheSpec.from_hf_config(CONFIGS / config_name, block_size=16).groups
+    unbounded = ReplayConfig(block_size=16, groups=groups)
+    oracle = run_replay(requests, unbounded)
+    device = max(request_blocks(r, unbounded) for r in requests)  # the largest request alone
+    host = HostTier(unbounded_num_blocks(requests, unbounded), Namespace("t", "none", "hash-only"))
+    tiered = run_replay(requests, ReplayConfig(block_size=16, groups=groups, num_blocks=device), tiers=[host])
+    alone = run_replay(requests, ReplayConfig(block_size=16, groups=groups, num_blocks=device))
+    assert len(groups) > 1 and oracle.evictions == 0 and tiered.requests_rejected == 0
+    assert tiered.hit_blocks == oracle.hit_blocks > alone.hit_blocks
+    assert tiered.tier_hits["host"] > 0 and sum(tiered.tier_hits.values()) == tiered.hit_blocks
+
+
+@pytest.mark.slow
+def test_cli_hybrid_takes_policies_pins_tiers_sweeps_and_the_report(tmp_path, redis_single, capsys):
+    """kvpool replay --model-config of a hybrid config with every option that once needed a uniform model
+    (gpt-oss-20b: a sliding and a full group; 2 GiB of KV)."""
+    gpt_oss = str(CONFIGS / "gpt-oss-20b.json")
+    base = ["--max-requests", "200", "--model-config", gpt_oss, "--json", "--no-progress"]
+    # the host tier holds every block the device evicts (no disk file written: files cost ~1 ms each here)
+    code = main(["replay", *base, "--gpu-memory", "80GiB", "--non-kv-memory", "70GiB", "--policy", "arc",
+                 "--pin-prefix", "0", "--host-blocks", "100000", "--disk-dir", str(tmp_path / "d"),
+                 "--disk-blocks", "20000", "--remote", redis_single.url])
+    one = json.loads(capsys.readouterr().out)
+    assert code == 0 and one["policy"] == "arc" and one["pinned_blocks"] > 0 and one["kv_cache_groups"] == 2
+    assert set(one["tier_hits"]) == {"device", "host", "disk", "remote"} and one["tier_hits"]["host"] > 0
+    report = tmp_path / "r.html"
+    code = main(["replay", *base, "--sweep", "1000,3000", "--policies", "lru,lfu", "--host-blocks", "20000",
+                 "--report", str(report)])
+    sweep = json.loads(capsys.readouterr().out)
+    assert code == 0 and len(sweep["runs"]) == 4 and report.stat().st_size > 10_000
+    assert {r["num_blocks"] for r in sweep["runs"]} == {1000, 3000}
+    assert all(r["tier_hits"]["host"] > 0 for r in sweep["runs"] if r["num_blocks"] == 1000)

@@ -194,8 +194,7 @@ def run_request(m: OffloadManager, hashes: list[int], extra: int, fill=None) -> 
     new_ids, new_hashes = fresh[:len(hashes) - len(got)], hashes[len(got):]
     if fill is not None:
         fill(new_ids, new_hashes)
-    m.pool.cache_blocks(new_ids, new_hashes)
-    m.on_published(new_ids, new_hashes)
+    m.pool.cache_blocks(new_ids, new_hashes)  # with write-through the manager stores what the pool publishes
     m.pool.free((got + fresh)[::-1])
     return hit.where[:len(got)], got
 

@@ -146,6 +146,7 @@ class BlockPool:
         self._hits = self._misses = self._evictions = 0
         self._sink = event_sink
         self._on_evict: EvictionListener | None = None
+        self._on_publish: EvictionListener | None = None
 
     def set_eviction_listener(self, listener: EvictionListener | None) -> None:
         """Call ``listener(block_ids, block_hashes)`` each time ``allocate`` evicts cached free blocks: the
@@ -161,6 +162,20 @@ class BlockPool:
         if listener is not None and (self._on_evict is not None or not callable(listener)):
             raise InvalidArgumentError("this pool has an eviction listener already, or it is not callable")
         self._on_evict = listener
+
+    def set_publish_listener(self, listener: EvictionListener | None) -> None:
+        """Call ``listener(block_ids, block_hashes)`` after each ``cache_blocks`` with the blocks whose
+        hashes entered the prefix index in that call (in call order; not the ones already published, kept
+        private or refused by the admission filter). A write-through tier chain stores them here. The
+        listener must not call this pool and must not raise. None removes it.
+
+        Raises:
+            InvalidArgumentError: a listener is set already (remove it first), or ``listener`` is not
+                callable.
+        """
+        if listener is not None and (self._on_publish is not None or not callable(listener)):
+            raise InvalidArgumentError("this pool has a publish listener already, or it is not callable")
+        self._on_publish = listener
 
     # ---- allocation -------------------------------------------------------------------------------------
 
@@ -406,6 +421,12 @@ class BlockPool:
         if not self._caching:
             return
         index, hashes = self._index, self._hash
+        if self._on_publish is not None:
+            entered = [i for i, (block, h) in enumerate(zip(ids, block_hashes, strict=True))
+                       if hashes[block] is None and h not in index and self._enter(block, h)]
+            if entered:
+                self._on_publish([ids[i] for i in entered], [block_hashes[i] for i in entered])
+            return
         if self._lru is None or self._admission is not None:
             for block, h in zip(ids, block_hashes, strict=True):
                 if hashes[block] is None and h not in index:
@@ -450,6 +471,8 @@ class BlockPool:
                 new.append(i)
         if new:
             sink.stored(block_hashes, new, parent_hash, token_ids, extra_keys, lora_name)
+            if self._on_publish is not None:
+                self._on_publish([ids[i] for i in new], [block_hashes[i] for i in new])
 
     def _check_publish(self, block_ids: list[int], block_hashes: Sequence[Hashable]) -> None:
         unreferenced = self._check_ids(block_ids)

@@ -24,13 +24,13 @@ every group's tables against it.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpool.allocators.block_pool import BlockPool, BlockPoolStats
 from kvpool.errors import IntegrityError, InvalidArgumentError, InvalidIdError, OutOfBlocksError
-from kvpool.numeric import IntArg, as_int, as_optional_int
+from kvpool.numeric import IntArg, RealArg, as_int, as_optional_int
 from kvpool.spec import KVCacheGroup, LayerKind, cdiv
 from kvpool.units import plural
 
@@ -91,13 +91,23 @@ class KVCacheCoordinator:
         enable_caching: prefix caching (as ``BlockPool``).
         event_sink: KV events of the pool (:class:`kvpool.events.KVEventSink`): told how to read group
             keys, so each event names its group, its kind and its window.
+        policy, pin_cap, admission: the pool's eviction policy (a name or a fresh
+            :class:`~kvpool.allocators.policies.EvictionPolicy`), pin cap and publish-step admission filter,
+            as :class:`BlockPool` takes them. One policy orders the cached free blocks of every group (they
+            share one pool); a windowed group's blocks that left the window are freed to it as they leave.
+        pool: an existing all-free :class:`BlockPool` to use instead of building one (``num_blocks`` must
+            then be its size and it must reserve the null block exactly when a group has a window; the other
+            pool options must be left at their defaults).
 
     Raises:
-        InvalidArgumentError: no groups, groups not indexed in order, or mixed block sizes.
+        InvalidArgumentError: no groups, groups not indexed in order, mixed block sizes, or a ``pool`` that
+            does not fit these rules; as :class:`BlockPool` for the pool options.
     """
 
     def __init__(self, groups: Sequence[KVCacheGroup], num_blocks: IntArg, *,
-                 enable_caching: bool = True, event_sink: KVEventSink | None = None) -> None:
+                 enable_caching: bool = True, event_sink: KVEventSink | None = None,
+                 policy: str | object = "lru", pin_cap: RealArg = 0.5, admission: object = None,
+                 pool: BlockPool | None = None) -> None:
         groups = tuple(groups)
         if not groups or [g.index for g in groups] != list(range(len(groups))):
             raise InvalidArgumentError("groups must be a non-empty sequence indexed 0, 1, ...")
@@ -106,10 +116,14 @@ class KVCacheCoordinator:
         self.groups = groups
         self.block_size = groups[0].block_size
         windowed = any(g.kind is not LayerKind.FULL for g in groups)
+        if pool is not None:
+            self._check_pool(pool, num_blocks, windowed, event_sink)
+            event_sink = pool.event_sink
         if event_sink is not None:
             event_sink.use_groups(split_group_key, {g.index: (g.kind.value, g.window) for g in groups})
-        self.pool: Any = BlockPool(num_blocks, enable_caching=enable_caching,  # type: ignore[arg-type]
-                                   reserve_null_block=windowed, event_sink=event_sink)
+        self.pool: Any = pool if pool is not None else BlockPool(
+            num_blocks, enable_caching=enable_caching, reserve_null_block=windowed,  # type: ignore[arg-type]
+            event_sink=event_sink, policy=policy, pin_cap=pin_cap, admission=admission)
         self.null_block: int = self.pool.null_block if windowed else -1  # type: ignore[assignment]
         # full groups first: their hit is a prefix scan, and it bounds the windowed groups' scans
         self._hit_order = sorted(groups, key=lambda g: g.kind is not LayerKind.FULL)
@@ -117,17 +131,33 @@ class KVCacheCoordinator:
         self._reqs: dict[Hashable, _Request] = {}
         self._hits = self._misses = 0
 
+    @staticmethod
+    def _check_pool(pool: BlockPool, num_blocks: IntArg, windowed: bool, sink: KVEventSink | None) -> None:
+        if not isinstance(pool, BlockPool) or pool.num_used_blocks or pool.num_blocks != num_blocks or \
+                (pool.null_block is not None) != windowed or sink is not None:
+            raise InvalidArgumentError(f"pool must be an all-free BlockPool of {num_blocks} blocks that "
+                                       f"{'reserves' if windowed else 'does not reserve'} the null block "
+                                       f"(and no event_sink beside it), got {pool!r}")
+
     # ---- prefix cache -----------------------------------------------------------------------------------
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[Hashable], max_blocks: IntArg | None = None
-                               ) -> CacheHit:
+    def find_longest_cache_hit(self, block_hashes: Sequence[Hashable], max_blocks: IntArg | None = None, *,
+                               probe: Callable[[int, Sequence[Hashable], int], int | None] | None = None,
+                               count: bool = True) -> CacheHit:
         """The longest prefix of ``block_hashes`` (at most ``max_blocks`` blocks) every group can restore.
 
         Each group's hit is the longest prefix not longer than the current bound that the group can restore
         (full: a prefix scan; windowed: a scan down from the bound, skipping past each miss, O(bound)); the
         bound shrinks to the minimum until no group lowers it. Every group's hit set is closed under that
-        scan, so the fixed point is the longest common hit. Counts ``stats`` (hits = k, misses = bound - k).
-        Changes no ref count: pass the hit to :meth:`allocate` at once.
+        scan, so the fixed point is the longest common hit. With ``count``, counts ``stats`` (hits = k,
+        misses = bound - k). Changes no ref count: pass the hit to :meth:`allocate` at once.
+
+        ``probe(g, block_hashes, i)`` says where block ``i`` of group ``g`` (its key ``group_key(g,
+        block_hashes[i])``) is held, in place of the pool's ``get_cached_block``: a block id of this pool, an
+        int below -1 for a block held outside the pool (the offload manager's tiers: see
+        :meth:`kvpool.tiers.manager.OffloadManager.probe`), or None; it is asked at most once per (g, i).
+        Such a hit is a plan, not a device hit: its tables hold those codes, and :meth:`allocate` refuses
+        it.
 
         Raises:
             InvalidArgumentError: ``max_blocks`` not None or an integer >= 0.
@@ -140,32 +170,35 @@ class KVCacheCoordinator:
         while changed and k:
             changed = False
             for group in self._hit_order:
-                hit = self._group_hit(group, block_hashes, k, probes[group.index])
+                hit = self._group_hit(group, block_hashes, k, probes[group.index], probe)
                 if hit < k:
                     k, changed = hit, True
-        self._hits += k
-        self._misses += limit - k
+        if count:
+            self._hits += k
+            self._misses += limit - k
         return CacheHit(k, tuple(self._hit_table(g, k, probes[g.index]) for g in self.groups),
                         tuple(block_hashes[:k]))
 
-    def _probe(self, group: KVCacheGroup, hashes: Sequence[Hashable], i: int, memo: dict[int, int | None]
-               ) -> int | None:
+    def _probe(self, group: KVCacheGroup, hashes: Sequence[Hashable], i: int, memo: dict[int, int | None],
+               probe: Callable[[int, Sequence[Hashable], int], int | None] | None) -> int | None:
         if i not in memo:
-            memo[i] = self.pool.get_cached_block(group_key(group.index, hashes[i]))
+            memo[i] = self.pool.get_cached_block(group_key(group.index, hashes[i])) if probe is None \
+                else probe(group.index, hashes, i)
         return memo[i]
 
     def _group_hit(self, group: KVCacheGroup, hashes: Sequence[Hashable], bound: int,
-                   memo: dict[int, int | None]) -> int:
+                   memo: dict[int, int | None],
+                   probe: Callable[[int, Sequence[Hashable], int], int | None] | None) -> int:
         """The longest k <= bound whose blocks ``skipped_blocks(k * B) .. k - 1`` are cached in ``group``."""
         if group.kind is LayerKind.FULL:
             k = 0
-            while k < bound and self._probe(group, hashes, k, memo) is not None:
+            while k < bound and self._probe(group, hashes, k, memo, probe) is not None:
                 k += 1
             return k
         k, i = bound, bound - 1
         while k > 0:
             start = group.skipped_blocks(k * self.block_size)
-            while i >= start and self._probe(group, hashes, i, memo) is not None:
+            while i >= start and self._probe(group, hashes, i, memo, probe) is not None:
                 i -= 1
             if i < start:
                 return k
@@ -182,8 +215,9 @@ class KVCacheCoordinator:
                                ) -> int:
         """Free blocks that :meth:`allocate` would consume: new blocks for every group to cover
         ``num_tokens`` tokens, plus hit blocks that are cached free (touching them takes them off the free
-        list; as ``BlockPool.num_blocks_to_allocate``). Raises InvalidArgumentError for a ``num_tokens`` that
-        is not an integer >= 0."""
+        list; as ``BlockPool.num_blocks_to_allocate``), plus one per entry a probed hit found outside the
+        pool (a block to load it into). Raises InvalidArgumentError for a ``num_tokens`` that is not an
+        integer >= 0."""
         req = self._reqs.get(request_id)
         target = cdiv(as_int(num_tokens, "num_tokens", minimum=0), self.block_size)
         if req is not None:
@@ -191,7 +225,7 @@ class KVCacheCoordinator:
         if hit is None:
             return target * len(self.groups)
         ref, null = self.pool.ref_count, self.null_block
-        revived = sum(1 for blocks in hit.blocks for b in blocks if b != null and ref(b) == 0)
+        revived = sum(1 for blocks in hit.blocks for b in blocks if b != null and (b < 0 or ref(b) == 0))
         return max(0, target - hit.num_blocks) * len(self.groups) + revived
 
     def allocate(self, request_id: Hashable, num_tokens: IntArg, hit: CacheHit | None = None) -> None:
@@ -282,6 +316,9 @@ class KVCacheCoordinator:
             for i, b in enumerate(blocks):
                 if b == null:
                     continue
+                if b < 0:
+                    raise InvalidArgumentError("the cache hit names blocks held outside the pool (a probed "
+                                               "plan): load them first, then look the prefix up again")
                 held = pool.block_hash(b)
                 if held is None if not hashes else held != group_key(g, hashes[i]):
                     raise InvalidArgumentError(f"stale cache hit: block {b} no longer holds the hash it was "
@@ -385,9 +422,14 @@ class KVCacheCoordinator:
             self.pool.cache_blocks(table[start:full], keys, parent_hash=parent, token_ids=tokens)
         req.published = full  # type: ignore[union-attr]
 
-    def free(self, request_id: Hashable) -> None:
+    def free(self, request_id: Hashable, priority: IntArg = 0) -> None:
         """Release every block of ``request_id``: position by position from the tail, every group's block at
-        a position together, so a prefix's head is evicted last in all groups. No-op for an unknown id."""
+        a position together, so a prefix's head is evicted last in all groups. ``priority``: the request's
+        retention priority, as :meth:`BlockPool.free` takes it (only the ``priority`` policy reads it).
+        No-op for an unknown id. Raises InvalidArgumentError (nothing freed) for a ``priority`` that is not
+        an integer."""
+        if type(priority) is not int:
+            priority = as_int(priority, "priority")
         req = self._reqs.pop(request_id, None)
         if req is None:
             return
@@ -397,7 +439,70 @@ class KVCacheCoordinator:
             order = tables[0][::-1]
         else:
             order = [t[i] for i in range(longest - 1, -1, -1) for t in tables if i < len(t)]
-        self.pool.free([b for b in order if b != null] if self._windowed else order)
+        ids = [b for b in order if b != null] if self._windowed else order
+        if priority:
+            self.pool.free(ids, priority)
+        else:
+            self.pool.free(ids)
+
+    # ---- pins -------------------------------------------------------------------------------------------
+
+    def pin_prefix(self, block_hashes: Sequence[Hashable]) -> list[int]:
+        """Pin what every group needs to restore the prefix ``block_hashes`` (a system prompt's: full groups
+        every block, a windowed group the blocks of its window at the prefix's end) and return those block
+        ids (pass them to :meth:`unpin`). Counts no stats.
+
+        Raises:
+            InvalidIdError: some group cannot restore the whole prefix now (nothing is pinned).
+            PinLimitError: as :meth:`BlockPool.pin`.
+        """
+        ids = self._prefix_blocks(block_hashes)
+        if ids is None:
+            raise InvalidIdError(f"the prefix of {plural(len(block_hashes), 'block')} is not cached in every "
+                                 "KV cache group: a pin needs all of it")
+        self.pool.pin(ids)
+        return ids
+
+    def can_pin_prefix(self, block_hashes: Sequence[Hashable]) -> bool:
+        """Whether :meth:`pin_prefix` would succeed now (every group restores the prefix, room under the
+        pin cap). Counts no stats."""
+        ids = self._prefix_blocks(block_hashes)
+        if ids is None:
+            return False
+        pinned = self.pool.pinned_blocks()
+        return self.pool.num_pinned_blocks + sum(1 for b in ids if b not in pinned) <= \
+            self.pool.max_pinned_blocks
+
+    def unpin(self, block_ids: Sequence[int]) -> None:
+        """Undo :meth:`pin_prefix` (as :meth:`BlockPool.unpin`)."""
+        self.pool.unpin(block_ids)
+
+    def _prefix_blocks(self, block_hashes: Sequence[Hashable]) -> list[int] | None:
+        """The distinct non-null blocks a hit of all of ``block_hashes`` uses, or None when shorter."""
+        hit = self.find_longest_cache_hit(block_hashes, count=False)
+        if hit.num_blocks < len(block_hashes):
+            return None
+        null = self.null_block
+        return [b for blocks in hit.blocks for b in blocks if b != null]
+
+    def num_tokens_without_change(self, request_id: Hashable, num_computed_tokens: IntArg) -> int:
+        """Tokens ``request_id`` can compute from ``num_computed_tokens`` on (one per decode step) with no
+        block allocated or freed: up to the end of its tables and, with windows, until a block leaves a
+        window (``reserve`` then frees it). A replay runs that many decode steps in one go.
+
+        Raises:
+            InvalidIdError: an unknown request.
+            InvalidArgumentError: ``num_computed_tokens`` not an integer >= 0.
+        """
+        if type(num_computed_tokens) is not int or num_computed_tokens < 0:
+            num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", minimum=0)
+        req = self._reqs.get(request_id)
+        if req is None:
+            raise InvalidIdError(f"no request {request_id!r} holds blocks")
+        end = len(req.tables[0]) * self.block_size
+        if self._windowed:
+            end = min(end, req.next_skip)
+        return max(0, end - num_computed_tokens)
 
     # ---- state ------------------------------------------------------------------------------------------
 
@@ -410,6 +515,12 @@ class KVCacheCoordinator:
     def block_tables(self, request_id: Hashable) -> tuple[list[int], ...]:
         """Every group's block table of ``request_id`` (copies). Raises InvalidIdError for an unknown id."""
         return tuple(list(t) for t in self._tables_of(request_id))
+
+    def num_published_blocks(self, request_id: Hashable) -> int:
+        """Leading full blocks of ``request_id`` published in every group (its hit included); 0 for an
+        unknown id."""
+        req = self._reqs.get(request_id)
+        return 0 if req is None else req.published
 
     def num_blocks_held(self, request_id: Hashable) -> int:
         """Blocks ``request_id`` holds over all groups (null entries not counted)."""
@@ -437,9 +548,9 @@ class KVCacheCoordinator:
 
     def check_integrity(self) -> None:
         """The pool's invariants, and every group's tables against it: ref counts equal the table entries
-        naming each block; a block appears in one group only; full groups hold no null entry and windowed
-        groups only a prefix of them; a published block holds its own group's key. O(blocks in tables +
-        num_blocks). Raises IntegrityError naming what broke."""
+        naming each block plus its pins; a block appears in one group only; full groups hold no null entry
+        and windowed groups only a prefix of them; a published block holds its own group's key. O(blocks in
+        tables + num_blocks). Raises IntegrityError naming what broke."""
         self.pool.check_integrity()
         owners: dict[int, int] = {}
         counts: dict[int, int] = {}
@@ -454,12 +565,15 @@ class KVCacheCoordinator:
                 for b in table[skipped:]:
                     _require(owners.setdefault(b, g) == g, f"block {b} is in the tables of two groups")
                     counts[b] = counts.get(b, 0) + 1
+        pins = self.pool.pinned_blocks()
         for b, n in counts.items():
-            _require(self.pool.ref_count(b) == n, f"block {b} has ref count {self.pool.ref_count(b)} but "
-                                                  f"{n} table entries")
+            _require(self.pool.ref_count(b) == n + pins.get(b, 0),
+                     f"block {b} has ref count {self.pool.ref_count(b)} but {n} table entries and "
+                     f"{pins.get(b, 0)} pins")
             h = self.pool.block_hash(b)
             _require(h is None or _key_group(h) == owners[b], f"block {b} holds another group's key")
-        _require(len(counts) == self.pool.num_used_blocks, "a block is in use outside every table")
+        _require(len(counts.keys() | pins.keys()) == self.pool.num_used_blocks,
+                 "a block is in use outside every table and pin")
 
     def __repr__(self) -> str:
         return (f"KVCacheCoordinator(groups={len(self.groups)}, requests={len(self._reqs)}, "

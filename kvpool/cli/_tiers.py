@@ -1,32 +1,38 @@
 """The tier options shared by ``kvpool generate`` and ``kvpool replay``, and the tiers they build.
 
-``--host-blocks N``, ``--disk-dir DIR`` with ``--disk-bytes BYTES`` (generate) or ``--disk-blocks N``
-(replay), ``--remote redis://HOST:PORT``, ``--write-through``. The tier modules (redis-py, xxhash: the
-``tiers`` extra) are imported only when a tier is asked for.
+``--tier URL`` (repeatable; :mod:`kvpool.tiers.from_url`: ``host://?blocks=N``, ``file:///DIR?bytes=SIZE``
+or ``?blocks=N``, ``redis://HOST:PORT``) names each tier below the device pool; the older spellings
+``--host-blocks N``, ``--disk-dir DIR`` with ``--disk-bytes BYTES`` or ``--disk-blocks N``, and ``--remote
+redis://HOST:PORT`` say the same and keep working (both commands take all of them). The chain runs fastest
+first: host, disk, remote. ``--write-through``, ``--tier-admission K``. The tier modules (redis-py, xxhash:
+the ``tiers`` extra) are imported only when a tier is asked for.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-from pathlib import Path
 from typing import Any
 
 from kvpool.cli._args import parse_bytes, positive_int
 from kvpool.errors import ConfigError
+from kvpool.tiers.from_url import check_chain, disk_url, host_url, tiers_from_urls
+
+_ORDER = {"host": 0, "disk": 1, "remote": 2}
 
 
-def add_tier_arguments(parser: argparse.ArgumentParser, *, disk_in_blocks: bool) -> None:
-    """The tier options; the disk tier's size in blocks (a replay moves no bytes) or in bytes."""
+def add_tier_arguments(parser: argparse.ArgumentParser, *, disk_in_blocks: bool = False) -> None:
+    """The tier options (``disk_in_blocks`` is kept for callers: both disk sizes are always offered)."""
     group = parser.add_argument_group("tiers below the device pool (pip install kvpool[tiers])")
-    group.add_argument("--host-blocks", type=positive_int, metavar="N", help="a host (CPU) tier of N blocks")
-    group.add_argument("--disk-dir", metavar="DIR", help="a disk tier in DIR (created if missing)")
-    if disk_in_blocks:
-        group.add_argument("--disk-blocks", type=positive_int, metavar="N",
-                           help="the disk tier's size in blocks")
-    else:
-        group.add_argument("--disk-bytes", type=parse_bytes, metavar="BYTES",
-                           help="the disk tier's size, e.g. 4GiB (files with their 64-byte headers)")
+    group.add_argument("--tier", action="append", default=[], metavar="URL",
+                       help="a tier, repeatable, fastest first: host://?blocks=N, file:///DIR?bytes=SIZE "
+                            "(or ?blocks=N), redis://HOST:PORT")
+    group.add_argument("--host-blocks", type=positive_int, metavar="N",
+                       help="a host (CPU) tier of N blocks (as --tier host://?blocks=N)")
+    group.add_argument("--disk-dir", metavar="DIR", help="a disk tier in DIR (created if missing), sized by "
+                                                        "--disk-bytes or --disk-blocks")
+    group.add_argument("--disk-bytes", type=parse_bytes, metavar="BYTES",
+                       help="the disk tier's size, e.g. 4GiB (files with their 64-byte headers)")
+    group.add_argument("--disk-blocks", type=positive_int, metavar="N", help="the disk tier's size in blocks")
     group.add_argument("--remote", metavar="URL",
                        help="a Redis server or Redis Cluster node shared by processes: redis://HOST:PORT")
     group.add_argument("--write-through", action="store_true",
@@ -37,17 +43,37 @@ def add_tier_arguments(parser: argparse.ArgumentParser, *, disk_in_blocks: bool)
                             "(evicted, or published with --write-through); 1 stores every block")
 
 
+def tier_urls(args: argparse.Namespace) -> list[str]:
+    """The chain the options ask for, as URLs, fastest first. Raises ConfigError for half a disk tier, a
+    disk tier given two sizes, or a malformed chain (:func:`kvpool.tiers.from_url.check_chain`)."""
+    urls = list(args.tier)
+    if args.host_blocks:
+        urls.append(host_url(args.host_blocks))
+    sizes = [s for s in (args.disk_bytes, args.disk_blocks) if s is not None]
+    if (args.disk_dir is None) != (not sizes) or len(sizes) > 1:
+        raise ConfigError("a disk tier needs --disk-dir and one size: --disk-bytes or --disk-blocks")
+    if args.disk_dir:
+        urls.append(disk_url(args.disk_dir, bytes=args.disk_bytes, blocks=args.disk_blocks))
+    if args.remote:
+        urls.append(args.remote if "://" in args.remote else f"redis://{args.remote}")
+    chain = check_chain(urls)
+    order = sorted(range(len(urls)), key=lambda i: _ORDER[chain[i].medium])
+    return [urls[i] for i in order]
+
+
 def wants_tiers(args: argparse.Namespace) -> bool:
-    """Whether any tier option is given; ConfigError for half a disk tier or write-through alone."""
-    size = getattr(args, "disk_blocks", None) if hasattr(args, "disk_blocks") else args.disk_bytes
-    size_name = "--disk-blocks" if hasattr(args, "disk_blocks") else "--disk-bytes"
-    if (args.disk_dir is None) != (size is None):
-        raise ConfigError(f"a disk tier needs both --disk-dir and {size_name}")
-    some = bool(args.host_blocks or args.disk_dir or args.remote)
+    """Whether any tier is asked for (the chain checked); ConfigError for write-through or admission
+    without a tier."""
+    some = bool(tier_urls(args))
     if (args.write_through or args.tier_admission > 1) and not some:
-        raise ConfigError("--write-through and --tier-admission need a tier (--host-blocks, --disk-dir, "
-                          "--remote)")
+        raise ConfigError("--write-through and --tier-admission need a tier (--tier, --host-blocks, "
+                          "--disk-dir, --remote)")
     return some
+
+
+def check_tier_targets(args: argparse.Namespace) -> None:
+    """Fail early (before a model loads) on any malformed tier."""
+    tier_urls(args)
 
 
 def tier_admission(args: argparse.Namespace) -> Any:
@@ -57,41 +83,12 @@ def tier_admission(args: argparse.Namespace) -> Any:
     return FrequencyAdmission(args.tier_admission) if args.tier_admission > 1 else None
 
 
-def check_tier_targets(args: argparse.Namespace) -> None:
-    """Fail early (before a model loads) on a malformed ``--remote`` URL or a ``--disk-dir`` that cannot be
-    a folder."""
-    if args.remote:
-        from kvpool.tiers.redis import check_url
-
-        check_url(args.remote)
-    if args.disk_dir:
-        folder = Path(args.disk_dir)
-        parent = next((p for p in (folder, *folder.parents) if p.exists()), None)
-        if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-            raise ConfigError(f"--disk-dir {args.disk_dir!r}: not a folder that can be created or written")
-
-
 def leaves_process(args: argparse.Namespace) -> bool:
     """Whether a tier keeps block hashes outside this process (disk, remote): they need a shared hasher."""
-    return bool(args.disk_dir or args.remote)
+    return any(t.medium != "host" for t in check_chain(tier_urls(args)))
 
 
 def build_tiers(args: argparse.Namespace, namespace: Any, *, block_bytes: int, like: Any = None) -> list[Any]:
-    """The tiers the options ask for, fastest first (host, disk, remote), in ``namespace``; ``like``: the
-    device cache a host tier copies (None: hash-only)."""
-    from kvpool.tiers.backend import HEADER_BYTES
-    from kvpool.tiers.file import FileTier
-    from kvpool.tiers.host import HostTier
-    from kvpool.tiers.redis import RedisTier
-
-    check_tier_targets(args)
-    tiers: list[Any] = []
-    if args.host_blocks:
-        tiers.append(HostTier(args.host_blocks, namespace, like=like))
-    if args.disk_dir:
-        capacity = args.disk_blocks * (HEADER_BYTES + block_bytes) if hasattr(args, "disk_blocks") \
-            else args.disk_bytes
-        tiers.append(FileTier(args.disk_dir, namespace, capacity_bytes=capacity, block_bytes=block_bytes))
-    if args.remote:
-        tiers.append(RedisTier(args.remote, namespace, block_bytes=block_bytes))
-    return tiers
+    """The tiers the options ask for, fastest first, in ``namespace``; ``like``: the device cache a host
+    tier copies (None: hash-only)."""
+    return tiers_from_urls(tier_urls(args), namespace, block_bytes=block_bytes, like=like)

@@ -29,10 +29,10 @@ from kvpool.cli._args import (
 from kvpool.cli._observe import Observers, add_event_arguments, add_metrics_arguments
 from kvpool.cli._tiers import (
     add_tier_arguments,
-    build_tiers,
     check_tier_targets,
     leaves_process,
     tier_admission,
+    tier_urls,
     wants_tiers,
 )
 from kvpool.cli._tp import add_tp_argument, report_rank_failure, run_ranks, tp_size_of
@@ -129,8 +129,6 @@ def run(args: argparse.Namespace) -> int:
     params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              seed=args.seed + i) for i in range(len(texts))]  # bad input fails before loading
     tp_size = tp_size_of(args, args.model)
-    if tp_size > 1 and wants_tiers(args):
-        raise ConfigError("tiers (--host-blocks, --disk-dir, --remote) run with one rank only for now")
     try:
         out = run_ranks(generate_on_rank, tp_size, args, texts, params, hasher, command="generate")
     except RankFailedError as exc:
@@ -172,7 +170,7 @@ def generate_on_rank(tp: Any, args: argparse.Namespace, texts: list[str], params
                            kv_events=observers.publisher)
         observers.watch_engine(engine)
         prompts = [loaded.encode(text) for text in texts]
-        offload = _enable_tiers(engine, loaded, args) if wants_tiers(args) else None
+        offload = _enable_tiers(engine, args) if wants_tiers(args) else None
 
         def lead(engine: Any) -> list[Any]:
             return _generate_or_explain(engine, prompts, params, texts)
@@ -202,17 +200,12 @@ def _check(model: Any, prompts: list[list[int]], results: list[dict[str, Any]], 
         result["matches_reference"] = reference == result["output_token_ids"]
 
 
-def _enable_tiers(engine: Any, loaded: Any, args: argparse.Namespace) -> Any:
-    """The tiers the options ask for, under the engine's pool; their namespace names the model by its
-    weights and its config (so two processes share blocks exactly when they compute the same KV)."""
-    from kvpool.tiers.backend import Namespace, config_fingerprint, weights_fingerprint
-
-    model = loaded.model
-    model_id = (f"{args.model}:{weights_fingerprint(model.parameters())}:"
-                f"{config_fingerprint(model.config.to_dict())}")
-    ns = Namespace.for_cache(engine.cache, model=model_id, hash_scheme=engine.hasher.algorithm)
-    tiers = build_tiers(args, ns, block_bytes=engine.cache.bytes_per_block, like=engine.cache)
-    return engine.enable_offload(tiers, write_through=args.write_through, admission=tier_admission(args))
+def _enable_tiers(engine: Any, args: argparse.Namespace) -> Any:
+    """The tiers the options ask for, under the engine's pool, in the engine's namespace: the model by its
+    weights (this rank's shard) and its config, and the tensor-parallel rank (so two processes share
+    blocks exactly when they compute the same KV shard)."""
+    return engine.enable_offload(tier_urls(args), write_through=args.write_through,
+                                 admission=tier_admission(args), namespace=engine.tier_namespace(args.model))
 
 
 def _generate_or_explain(engine: Any, prompts: list[list[int]], params: list[Any], texts: list[str]

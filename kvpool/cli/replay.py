@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
                 bar.close()
     head = {"trace": trace.path, "format": trace.format, "skipped_rows": trace.skipped}
     report = {**head, **runs[0].result.to_dict()} if len(runs) == 1 else _sweep_report(head, config, runs)
-    if config.groups:  # a hybrid model: one run, beside the same pool counted as all full attention
+    if config.groups and pool_plan is not None:  # a hybrid model's one run, beside the same memory all full
         report.update(compare_all_full(trace.requests, config, spec, pool_plan.available_kv_bytes,
                                        runs[0].result))
     if args.plot:
@@ -146,13 +146,18 @@ def _plan_runs(args: argparse.Namespace
     ``--model-config`` the spec and the plan that sized the pool."""
     _check_output(args.plot, "--plot", ".png")
     _check_output(args.report, "--report", ".html")
-    if args.sweep and (args.num_blocks is not None or args.model_config is not None):
-        raise ConfigError("give either --sweep or one pool size (--num-blocks, --model-config), not both")
+    if args.sweep and args.num_blocks is not None:
+        raise ConfigError("give either --sweep or one pool size (--num-blocks), not both")
     if args.policies and args.policy != "lru":
         raise ConfigError("give either --policy or --policies, not both")
-    if args.sweep:
-        _refuse_unused_memory_options(args)
-    num_blocks, spec, pool_plan = (None, None, None) if args.sweep else sizing_from_args(args)
+    if args.sweep:  # pool sizes in blocks; --model-config then gives the KV cache groups only
+        _refuse_unused_memory_options(args, allowed=("--tp-size", "--kv-cache-dtype"))
+        num_blocks, pool_plan = None, None
+        spec = None if args.model_config is None else KVCacheSpec.from_hf_config(
+            args.model_config, tp_size=args.tp_size, kv_cache_dtype=args.kv_cache_dtype,
+            block_size=args.block_size)
+    else:
+        num_blocks, spec, pool_plan = sizing_from_args(args)
     sizes: list[int | None] = [*args.sweep] if args.sweep else [num_blocks]
     hybrid = spec is not None and (spec.has_windows or len(spec.groups) > 1)
     policies: list[str] = args.policies or [args.policy]
@@ -218,14 +223,18 @@ def sizing_from_args(args: argparse.Namespace) -> tuple[int | None, KVCacheSpec 
     return plan.num_blocks, spec, plan
 
 
-def _refuse_unused_memory_options(args: argparse.Namespace) -> None:
-    """The options that size a pool from a model config do nothing without ``--model-config``: refused
-    rather than ignored (ConfigError naming the first one given)."""
+def _refuse_unused_memory_options(args: argparse.Namespace, allowed: tuple[str, ...] = ()) -> None:
+    """The options that size a pool from a model config do nothing without ``--model-config`` (nor with
+    ``--sweep``, which gives the sizes, but for ``allowed``, which shape the spec): refused rather than
+    ignored (ConfigError naming the first one given)."""
     given = [option for option, value, default in (
         ("--gpu-memory", args.gpu_memory, None), ("--tp-size", args.tp_size, 1),
         ("--kv-cache-dtype", args.kv_cache_dtype, "auto"), ("--non-kv-memory", args.non_kv_memory, 0),
-        ("--gpu-memory-utilization", args.gpu_memory_utilization, 0.9)) if value != default]
+        ("--gpu-memory-utilization", args.gpu_memory_utilization, 0.9))
+        if value != default and not (option in allowed and args.model_config is not None)]
     if given:
+        if args.sweep and args.model_config is not None:
+            raise ConfigError(f"{given[0]} sizes one pool from a model config, but --sweep gives the sizes")
         raise ConfigError(f"{given[0]} sizes the pool from a model config: give --model-config with it")
 
 

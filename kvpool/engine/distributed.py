@@ -18,6 +18,14 @@ Who decides and who follows (docs/DESIGN.md argues the choice):
   counters); the digests are all-gathered, and any difference raises :class:`IntegrityError` on every rank.
 * **One pool size.** :meth:`TPGroup.min_int` (``all_reduce`` MIN) makes every rank size its pool by the
   rank with the least room.
+* **Tiers.** Each rank keeps its own KV shard in its own tiers (their namespace names the rank). Stores
+  follow the pool: a device eviction (or, with write-through, a publish) fires the same listener on every
+  rank as its pool replays rank 0's calls. A restore from the tiers is one message ``("restore", log,
+  plan)``: every rank runs the same :meth:`~kvpool.tiers.manager.OffloadManager.restore` on its own pool
+  and tiers, and the ranks keep only the blocks every rank loaded (``all_reduce`` MIN of the count), so a
+  rank whose tier misses where rank 0 hit makes it a miss for all: no rank restores a prefix another lacks.
+  (On CUDA a host tier's copies complete at each rank's own pace, so the ranks' host tiers may hold
+  different blocks for a while: the agreement keeps that a miss, never a divergence of the device pools.)
 
 Messages are pickles broadcast on a gloo group over CPU tensors (the ranks of one job trust each other, as
 ``torch.distributed.broadcast_object_list`` does): one broadcast of a fixed :data:`FRAME_BYTES` frame that
@@ -44,7 +52,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from kvpool.errors import CollectiveError, ConfigError, IntegrityError, KVPoolError
+from kvpool.errors import CollectiveError, IntegrityError, KVPoolError
 from kvpool.spec import cdiv
 
 FRAME_BYTES = 16384  # a step's message is ~0.2-3 KB for a few requests: one broadcast nearly always
@@ -312,12 +320,20 @@ class Leader:
 
     def __init__(self, tp: TPGroup, engine: Any) -> None:
         self.tp, self.engine, self.channel = tp, engine, Channel(tp)
-        if getattr(engine, "offload", None) is not None:
-            raise ConfigError("offloading KV to tiers is not supported under tensor parallelism yet")
         self.stats, self.in_forward, self.last_batch = ShipStats(), False, None
         self.pool = RecordingPool(engine.kv.pool, self.check)
-        engine.kv.pool = engine.pool = self.pool  # the KV cache groups coordinator allocates through it
+        engine.kv.pool = self.pool  # the KV cache groups coordinator allocates through it
         engine.runner = _ShippingRunner(self, engine.runner)
+        tiers = getattr(engine, "offload", None)
+        if tiers is not None:  # every rank restores from its own tiers, in step with rank 0
+            restore = tiers.restore
+
+            def restore_everywhere(plan: Any) -> Any:
+                self.send("restore", plan)
+                return restore(plan)
+
+            tiers.restore = restore_everywhere
+            tiers.agree = tp.min_int
 
     def send(self, kind: str, batch: Any = None) -> None:
         start = time.perf_counter()
@@ -369,12 +385,19 @@ class Follower:
     @torch.inference_mode()
     def run(self) -> None:
         pool, runner, rank = self.engine.pool, self.engine.runner, self.tp.rank
+        tiers = getattr(self.engine, "offload", None)
+        if tiers is not None:
+            tiers.agree = self.tp.min_int
         while True:
             data = self.channel.recv()
             start = time.perf_counter()
             kind, log, batch = pickle.loads(data)
+            if tiers is not None:  # copies complete at each rank's own pace (CUDA); restores agree anyway
+                tiers.poll()
             replay(pool, log, rank)
-            if kind == "step":
+            if kind == "restore" and tiers is not None:
+                tiers.restore(batch)
+            elif kind == "step":
                 check_batch_blocks(pool, batch.spans, self.engine.block_size, rank)
                 self.apply_s += time.perf_counter() - start
                 runner.execute(batch)

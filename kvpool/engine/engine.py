@@ -1,43 +1,37 @@
 """``LLMEngine``: continuous batching of a Hugging Face causal LM whose KV lives in kvpool.
 
-One :meth:`LLMEngine.step` = decide, execute, sample, publish, finish. The engine *decides* (schedules and
-does every block operation) and writes the step's outcome into a :class:`~kvpool.engine.runner.StepBatch`;
-its :class:`~kvpool.engine.runner.ModelRunner` *executes* the batch (one packed forward). Under tensor
-parallelism the same engine decides on rank 0, and a runner that ships each batch to the other ranks first
-takes the place of its own (:mod:`kvpool.engine.distributed`). Scheduling (nano-vllm / vLLM v1 style) under
-a token budget of ``max_num_batched_tokens`` per step:
-
-1. Running requests, oldest first, each get their next tokens (a decode token, or the next prefill chunk).
-   When the pool has too few free blocks, the newest running request is preempted by recompute: its blocks
-   are freed tail first (its published full blocks stay cached, so the recompute often hits them) and it
-   goes back to the front of the queue. The oldest request can always run, since every request fits alone
-   (checked on arrival), so the engine never deadlocks.
-2. Then, unless a request was preempted in this step, waiting requests join in arrival order: the longest
-   cached prefix of full blocks is looked up and touched (always leaving the last prompt token to compute,
-   which yields the first logits), and fresh blocks cover the rest of the chunk.
+One :meth:`LLMEngine.step` = decide, execute, sample, update. The engine owns the model and sampling; the
+request path owns everything else: the :class:`~kvpool.requests.scheduler.Scheduler` decides the step
+(running requests first, preempting the newest when blocks run out; then waiting requests first come,
+first served, with chunked prefill) and the :class:`~kvpool.requests.kv_manager.KVCacheManager` does every
+block operation (prefix hits on the device and in the tiers, every KV cache group, the eviction policy,
+pins, KV events), exactly as for a trace replay. The step's outcome is a
+:class:`~kvpool.engine.runner.StepBatch` that the :class:`~kvpool.engine.runner.ModelRunner` executes (one
+packed forward). Under tensor parallelism the same engine decides on rank 0, and a runner that ships each
+batch to the other ranks first takes the place of its own (:mod:`kvpool.engine.distributed`).
 
 A full block is published to the prefix cache only after the forward that wrote its KV.
 """
 
 from __future__ import annotations
 
-import enum
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvpool.allocators.groups import CacheHit, KVCacheCoordinator
+from kvpool.allocators.groups import KVCacheCoordinator
 from kvpool.allocators.hashing import BlockHasher, default_hasher
 from kvpool.engine.models import kv_spec
 from kvpool.engine.runner import ModelRunner, StepBatch
 from kvpool.engine.sampling import SamplingParams, sample
-from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError, KVPoolError, OutOfBlocksError
+from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError, KVPoolError
 from kvpool.numeric import as_id_list, as_int, index_or_none
-from kvpool.units import plural
+from kvpool.requests.kv_manager import KVCacheManager
+from kvpool.requests.request import Request, RequestStatus
+from kvpool.requests.scheduler import Scheduler, SchedulerOutput
 
 if TYPE_CHECKING:  # the tiers and events need their extras: imported when they are enabled
     from kvpool.allocators.policies import FrequencyAdmission
@@ -45,47 +39,14 @@ if TYPE_CHECKING:  # the tiers and events need their extras: imported when they 
     from kvpool.tiers.backend import TierBackend
     from kvpool.tiers.manager import OffloadManager
 
-
-class RequestStatus(enum.Enum):
-    """WAITING (queued, holds no blocks) -> RUNNING (holds blocks) -> FINISHED or ABORTED; a preempted
-    request goes back to WAITING."""
-
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-    ABORTED = "aborted"
-
-
-@dataclass(eq=False)
-class Request:
-    """One generation request; its blocks (a table per KV cache group) are in ``LLMEngine.kv`` under its id.
-    ``block_hashes`` are the chained hashes of its full blocks of ``token_ids``."""
-
-    request_id: int
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    generator: torch.Generator
-    output_token_ids: list[int] = field(default_factory=list)
-    block_hashes: list[Any] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    num_offloaded_blocks: int = 0  # full blocks handed to the offload manager's write-through
-    status: RequestStatus = RequestStatus.WAITING
-    logits: list[torch.Tensor] | None = None
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+__all__ = ["EngineStats", "LLMEngine", "Request", "RequestStatus"]
 
 
 @dataclass
 class EngineStats:
     """Counters over the engine's life. ``peak_blocks_used``: most blocks in use after any step's scheduling;
-    ``prefix_hit_tokens``: tokens found in the prefix cache on admission (a re-admission after preemption
-    counts again); ``elapsed_s``: wall time inside :meth:`LLMEngine.generate`."""
+    ``prefix_hit_tokens``: tokens found in the prefix cache (device or tiers) on admission (a re-admission
+    after preemption counts again); ``elapsed_s``: wall time inside :meth:`LLMEngine.generate`."""
 
     num_blocks: int
     peak_blocks_used: int = 0
@@ -102,8 +63,8 @@ class EngineStats:
 
 class LLMEngine:
     """Runs ``model`` (a transformers causal LM) with a :class:`PagedKVCache` of ``num_blocks`` blocks of
-    ``block_size`` tokens, a block table per KV cache group managed by a :class:`KVCacheCoordinator`
-    (one group for a full-attention model; sliding and chunked groups free blocks out of their window).
+    ``block_size`` tokens, a block table per KV cache group (one group for a full-attention model; sliding
+    and chunked groups free blocks out of their window), on the request path of :mod:`kvpool.requests`.
 
     Args:
         model: a Hugging Face causal LM in eval mode; each step switches its attention to
@@ -123,13 +84,25 @@ class LLMEngine:
             is published at the end of every step (medium ``GPU``, vLLM's name for the engine's own KV
             pool on any device; each event names its KV cache group). A host tier given to
             :meth:`enable_offload` then publishes into the same batches, medium ``CPU``.
+        policy: the eviction policy of cached free blocks, a name of
+            :data:`~kvpool.allocators.policies.POLICIES` or a fresh
+            :class:`~kvpool.allocators.policies.EvictionPolicy` (default ``"lru"``); the ``priority``
+            policy keeps the blocks of requests added with a higher ``priority`` longer.
+        pin_cap: the largest fraction of the pool that :meth:`pin_prefix` may pin.
+        admission: a :class:`~kvpool.allocators.policies.FrequencyAdmission` the pool asks before it
+            publishes a new block hash (None: publish every full block).
+
+    Attributes: ``kv_manager`` (the :class:`~kvpool.requests.kv_manager.KVCacheManager`), ``scheduler``,
+    ``kv`` (its :class:`KVCacheCoordinator`), ``pool`` (its :class:`BlockPool`), ``cache`` (the KV tensors),
+    ``requests`` (every request by id), ``stats``.
     """
 
     def __init__(self, model: Any, *, num_blocks: int, block_size: int = 16,
                  max_num_batched_tokens: int = 256, max_num_seqs: int = 64, eos_token_ids: Sequence[int] = (),
                  enable_prefix_caching: bool = True, kv_dtype: torch.dtype | None = None,
                  keep_logits: bool = False, hasher: BlockHasher | None = None, tp_size: int = 1,
-                 kv_events: EventPublisher | None = None) -> None:
+                 kv_events: EventPublisher | None = None, policy: Any = "lru", pin_cap: float = 0.5,
+                 admission: FrequencyAdmission | None = None) -> None:
         max_num_batched_tokens = as_int(max_num_batched_tokens, "max_num_batched_tokens", minimum=1)
         max_num_seqs = as_int(max_num_seqs, "max_num_seqs", minimum=1)
         self.model, self.block_size, self.device = model, block_size, model.device
@@ -137,56 +110,110 @@ class LLMEngine:
         self.runner = ModelRunner(model, spec, num_blocks)
         self.cache = self.runner.cache
         sink = self._event_sink(kv_events)
-        self.kv = KVCacheCoordinator(spec.groups, num_blocks, enable_caching=enable_prefix_caching,
-                                     event_sink=sink)
-        self.pool = self.kv.pool
-        self.caching, self.keep_logits = enable_prefix_caching, keep_logits
         self.hasher = hasher or (default_hasher() if sink is None else BlockHasher(shared=True))
+        self.kv_manager = KVCacheManager(spec.groups, num_blocks, enable_caching=enable_prefix_caching,
+                                         hasher=self.hasher, policy=policy, pin_cap=pin_cap,
+                                         admission=admission, event_sink=sink)
+        self.tp_size = tp_size
+        self.scheduler = Scheduler(self.kv_manager, max_num_batched_tokens=max_num_batched_tokens,
+                                   max_num_seqs=max_num_seqs)
+        self.caching, self.keep_logits = enable_prefix_caching, keep_logits
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
         self.requests: dict[int, Request] = {}
         self.stats = EngineStats(num_blocks)
         self.max_model_len: int | None = getattr(model.config, "max_position_embeddings", None)
         self.vocab_size: int = model.get_input_embeddings().num_embeddings
-        self.offload: OffloadManager | None = None
 
-    def enable_offload(self, tiers: Sequence[TierBackend], *, write_through: bool = False,
-                       asynchronous: bool = True, admission: FrequencyAdmission | None = None
-                       ) -> OffloadManager:
+    # ---- the request path's parts, by their old names -----------------------------------------------
+
+    @property
+    def kv(self) -> KVCacheCoordinator:
+        """The KV cache groups coordinator (block tables per group) under :attr:`kv_manager`."""
+        return self.kv_manager.coordinator
+
+    @property
+    def pool(self) -> Any:
+        """The :class:`BlockPool` (a tensor-parallel leader's recording wrapper once it took over)."""
+        return self.kv_manager.pool
+
+    @pool.setter
+    def pool(self, pool: Any) -> None:
+        self.kv_manager.coordinator.pool = pool
+
+    @property
+    def offload(self) -> OffloadManager | None:
+        """The tier chain of :meth:`enable_offload`, or None."""
+        return self.kv_manager.tiers
+
+    @property
+    def waiting(self) -> Any:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.scheduler.running
+
+    def enable_offload(self, tiers: Sequence[TierBackend | str], *, write_through: bool = False,
+                       asynchronous: bool = True, admission: FrequencyAdmission | None = None,
+                       namespace: Any = None) -> OffloadManager:
         """Chain ``tiers`` (a :class:`~kvpool.tiers.host.HostTier` built ``like=self.cache`` first, then
-        disk / remote tiers) under this engine's pool: evicted (or, with ``write_through``, published)
-        blocks go down, and admission finds prefixes in every tier and loads them before the request runs.
-        ``admission``: a frequency filter on what goes down (see the manager).
-        Returns the :class:`~kvpool.tiers.manager.OffloadManager` (``stats()``, ``tier_hits()``; ``close()``
-        it at the end to finish the stores in flight).
+        disk / remote tiers; or their URLs, :mod:`kvpool.tiers.from_url`, built in ``namespace``, by default
+        :meth:`tier_namespace`) under this engine's pool, for every KV cache group: evicted (or, with
+        ``write_through``, published) blocks go down, and admission finds prefixes in every tier and loads
+        the blocks each group's hit needs before the request runs. ``admission``: a frequency filter on what
+        goes down (see the manager). Returns the :class:`~kvpool.tiers.manager.OffloadManager`
+        (``stats()``, ``tier_hits()``; ``close()`` it at the end to finish the stores in flight).
 
         Raises:
-            ConfigError: prefix caching is off, an offload is attached already, the model has more than one
-                KV cache group (sliding or chunked layers: not offloaded yet), or a tier keeps blocks
+            ConfigError: prefix caching is off, an offload is attached already, or a tier keeps blocks
                 outside this process (disk, remote) while the block hasher is process-local
                 (``hasher=BlockHasher(shared=True)`` and ``$KVPOOL_HASH_SEED``), or (with KV events) a host
-                tier that holds blocks already.
+                tier that holds blocks already; a malformed tier URL.
             InvalidArgumentError: as :class:`~kvpool.tiers.manager.OffloadManager`.
         """
-        if not self.caching or self.offload is not None or len(self.kv.groups) > 1:
-            raise ConfigError("offloading needs prefix caching, one KV cache group (a full-attention model) "
-                              "and no offload attached already")
+        if any(isinstance(t, str) for t in tiers):
+            from kvpool.tiers.from_url import tiers_from_urls
+
+            urls = [t for t in tiers if isinstance(t, str)]
+            if len(urls) != len(tiers):
+                raise ConfigError("give enable_offload tiers or tier URLs, not both")
+            tiers = tiers_from_urls(urls, namespace if namespace is not None else self.tier_namespace(),
+                                    block_bytes=self.cache.bytes_per_block, like=self.cache)
         if not self.hasher.shared and any(t.medium != "host" for t in tiers):
             raise ConfigError("disk and remote tiers keep block hashes beyond this process: give the engine "
                               "a shared hasher (BlockHasher(shared=True); $KVPOOL_HASH_SEED for a fleet)")
-        from kvpool.tiers.host import HostTier
-        from kvpool.tiers.manager import OffloadManager
+        return self.kv_manager.attach_tiers(tiers, cache=self.cache, write_through=write_through,
+                                            asynchronous=asynchronous, admission=admission)
 
-        hosts = [t for t in tiers if isinstance(t, HostTier)] if self.pool.event_sink is not None else []
-        if any(t.pool.num_cached_blocks or t.pool.event_sink is not None for t in hosts):
-            raise ConfigError("with KV events, enable_offload needs a host tier that holds no block yet")
-        self.offload = OffloadManager(self.pool, tiers, cache=self.cache, write_through=write_through,
-                                      asynchronous=asynchronous, admission=admission)
-        for host in hosts:  # its stores and evictions go out in this engine's batches, medium CPU
-            host.pool.attach_event_sink(self.pool.event_sink.for_medium("CPU"))  # type: ignore[union-attr]
-        return self.offload
+    def tier_namespace(self, model_name: str = "model") -> Any:
+        """The :class:`~kvpool.tiers.backend.Namespace` of this engine's blocks in a tier: the model named by
+        ``model_name``, its weights (this rank's shard) and its config, the cache's dtype and layout, the
+        tensor-parallel rank, the hash scheme; two processes share blocks exactly when they compute the same
+        KV. Hashes the weights once (~50 GB/s)."""
+        from kvpool.tiers.backend import Namespace, config_fingerprint, weights_fingerprint
+
+        model = self.model
+        model_id = (f"{model_name}:{weights_fingerprint(model.parameters())}:"
+                    f"{config_fingerprint(model.config.to_dict())}")
+        dist = torch.distributed
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return Namespace.for_cache(self.cache, model=model_id, hash_scheme=self.hasher.algorithm,
+                                   tp_rank=rank, tp_size=self.tp_size)
+
+    def pin_prefix(self, token_ids: Sequence[int]) -> bool:
+        """Pin the full blocks of ``token_ids`` (a system prompt) in every KV cache group as soon as they
+        are cached (now, or after the step that publishes the last of them), so no eviction takes them;
+        they stay pinned for the engine's life. Returns whether they are pinned now.
+
+        Raises:
+            InvalidArgumentError: token ids that are not integers in ``[0, vocab_size)``.
+            ConfigError: prefix caching is off, or the prefix is over the pool's pin cap.
+        """
+        if not self.caching:
+            raise ConfigError("pinning a prefix needs prefix caching")
+        tokens = self._checked_tokens(token_ids)
+        return self.kv_manager.pin_when_cached(self.hasher.block_hashes(tokens, self.block_size))
 
     def _event_sink(self, publisher: EventPublisher | None) -> KVEventSink | None:
         if publisher is None or not publisher.enabled:
@@ -196,52 +223,52 @@ class LLMEngine:
         return KVEventSink(publisher, block_size=self.block_size, medium=MEDIUM_GPU, group_idx=0)
 
     # ---- requests
-    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None) -> int:
-        """Queue a request; returns its id.
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, *,
+                    priority: int = 0) -> int:
+        """Queue a request; returns its id. ``priority``: its blocks' retention priority under the
+        ``priority`` eviction policy (higher = kept longer; other policies ignore it).
 
         Raises:
             InvalidArgumentError: an empty prompt, a token id that is not an integer in ``[0, vocab_size)``
                 (never a bool), params that are not :class:`SamplingParams`, or prompt + max_new_tokens
                 past max_position_embeddings.
-            OutOfBlocksError: the request could never fit: ``ceil((prompt + max_new_tokens - 1) /
-                block_size)`` blocks (the last sampled token is never written) exceed the pool; its
-                ``blocks_needed`` is the ``num_blocks`` that would hold it.
+            OutOfBlocksError: the request could never fit: its KV (prompt + max_new_tokens - 1 tokens: the
+                last sampled token is never written) needs more blocks than the pool has over its KV cache
+                groups; its ``blocks_needed`` is the ``num_blocks`` that would hold it.
         """
-        return self._enqueue(*self._checked(prompt_token_ids, params))
+        return self._enqueue(self._checked(prompt_token_ids, params, priority))
 
-    def _checked(self, prompt_token_ids: Sequence[int], params: SamplingParams | None
-                 ) -> tuple[list[int], SamplingParams]:
-        """The prompt as a list of ints, and the params, checked as :meth:`add_request` says; no change."""
+    def _checked_tokens(self, token_ids: Sequence[int]) -> list[int]:
+        tokens = as_id_list(token_ids, "token ids", error=InvalidArgumentError)
+        if tokens and not 0 <= min(tokens) <= max(tokens) < self.vocab_size:
+            raise InvalidArgumentError(f"token ids must be in [0, {self.vocab_size}), got "
+                                       f"{min(tokens)} .. {max(tokens)}")
+        return tokens
+
+    def _checked(self, prompt_token_ids: Sequence[int], params: SamplingParams | None, priority: int = 0
+                 ) -> Request:
+        """The request, checked as :meth:`add_request` says; nothing queued."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidArgumentError(f"params must be SamplingParams, got {type(params).__name__}")
-        prompt = as_id_list(prompt_token_ids, "token ids", error=InvalidArgumentError)
+        prompt = self._checked_tokens(prompt_token_ids)
         if not prompt:
             raise InvalidArgumentError("empty prompt")
-        if not 0 <= min(prompt) <= max(prompt) < self.vocab_size:
-            raise InvalidArgumentError(f"token ids must be in [0, {self.vocab_size}), got "
-                                       f"{min(prompt)} .. {max(prompt)}")
         total = len(prompt) + params.max_new_tokens
         if self.max_model_len is not None and total > self.max_model_len:
             raise InvalidArgumentError(f"prompt + max_new_tokens = {total} tokens exceed the model's "
                                        f"max_position_embeddings {self.max_model_len}")
-        chunk = self.max_num_batched_tokens  # the last sampled token is never written: total - 1 tokens
-        need = sum(g.max_blocks(total - 1, min(chunk, total - 1)) for g in self.kv.groups)
-        null = self.pool.null_block is not None
-        if need > self.pool.num_blocks - null:
-            groups = f" over {len(self.kv.groups)} KV cache groups" if len(self.kv.groups) > 1 else ""
-            raise OutOfBlocksError(
-                f"the prompt ({plural(len(prompt), 'token')}) + {plural(params.max_new_tokens, 'new token')} "
-                f"need {plural(need, 'block')} of {self.block_size} tokens{groups}, but the pool has "
-                f"{plural(self.pool.num_blocks - null, 'block')}", blocks_needed=need + null)
-        return prompt, params
+        stop = frozenset() if params.ignore_eos else self.eos_token_ids
+        req = Request(len(self.requests), prompt, params.max_new_tokens, stop_token_ids=stop, params=params,
+                      priority=priority, keep_logits=self.keep_logits)
+        self.scheduler.check_fits(req)
+        return req
 
-    def _enqueue(self, prompt: list[int], params: SamplingParams) -> int:
-        req = Request(len(self.requests), prompt, params, params.make_generator(),
-                      logits=[] if self.keep_logits else None)
-        self._extend_hashes(req)
+    def _enqueue(self, req: Request) -> int:
+        req.request_id = len(self.requests)
+        req.generator = req.params.make_generator()
+        self.scheduler.add_request(req)
         self.requests[req.request_id] = req
-        self.waiting.append(req)
         return req.request_id
 
     def abort(self, request_id: int) -> None:
@@ -251,17 +278,10 @@ class LLMEngine:
         req = None if rid is None else self.requests.get(rid)
         if req is None:
             raise InvalidIdError(f"no request {request_id!r}")
-        if req.status is RequestStatus.WAITING:
-            self.waiting.remove(req)
-        elif req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
-            self._release(req)
-        else:
-            return
-        req.status = RequestStatus.ABORTED
+        self.scheduler.abort(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_unfinished()
 
     # ---- one step
     @torch.inference_mode()
@@ -270,168 +290,42 @@ class LLMEngine:
         finished in this step."""
         if self.offload is not None:
             self.offload.poll()
-        scheduled = self._schedule()
-        if not scheduled:
+        out = self.scheduler.schedule()
+        self.stats.preemptions += len(out.preempted)
+        if not out.scheduled:
             return []
         self.stats.steps += 1
         self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, self.pool.num_used_blocks)
-        finished = self._postprocess(scheduled, self.runner.execute(self._prepare(scheduled)))
-        if self.pool.event_sink is not None:
-            self.pool.event_sink.flush()  # this step's KV events, as one batch
+        self.stats.prefix_hit_tokens += sum(req.num_computed_tokens for req in out.admitted)
+        logits = self.runner.execute(self._prepare(out))
+        sampling = [req for (req, _), samples in zip(out.scheduled, out.sampled, strict=True) if samples]
+        tokens = [sample(logits[j], req.params, req.generator) for j, req in enumerate(sampling)]
+        rows = [logits[j].float().cpu() for j in range(len(sampling))] if self.keep_logits else ()
+        finished = self.scheduler.update(out, tokens, rows)
+        self.stats.generated_tokens += len(tokens)
+        self.kv_manager.flush_events()  # this step's KV events, as one batch
         return finished
 
-    def _schedule(self) -> list[tuple[Request, int]]:
-        budget, scheduled, i = self.max_num_batched_tokens, [], 0
-        preempted = False
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self._reserve(req, n):
-                scheduled.append((req, n))
-                budget, i = budget - n, i + 1
-            else:  # the newest gives way; when that is req itself, the loop ends (i == len(running))
-                self._preempt(self.running.pop())
-                preempted = True
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            n = self._admit(req, budget)
-            if not n:
-                break
-            self.waiting.popleft()
-            self.running.append(req)
-            req.status = RequestStatus.RUNNING
-            scheduled.append((req, n))
-            budget -= n
-        return scheduled
-
-    def _reserve(self, req: Request, n: int) -> bool:
-        """Free what ``req``'s windows left behind, give it the blocks for ``n`` more tokens; False (no
-        block handed out) when the pool is short."""
-        return self.kv.reserve(req.request_id, req.num_computed_tokens, req.num_computed_tokens + n)
-
-    def _admit(self, req: Request, budget: int) -> int:
-        """Touch ``req``'s cached prefix, allocate its first chunk; returns its tokens (0: no room).
-        The hit covers full blocks of the first ``num_tokens - 1`` tokens (the last is always computed) that
-        every KV cache group can restore."""
-        limit = (req.num_tokens - 1) // self.block_size if self.caching else 0
-        hit = self.kv.find_longest_cache_hit(req.block_hashes, limit) if self.offload is None else \
-            self._take_from_tiers(req, budget, limit)
-        if hit is None:
-            return 0
-        computed = hit.num_blocks * self.block_size
-        n = min(req.num_tokens - computed, budget)
-        if self.kv.num_blocks_to_allocate(req.request_id, computed + n, hit) > self.pool.num_free_blocks:
-            return 0
-        self.kv.allocate(req.request_id, computed + n, hit)
-        req.num_computed_tokens = computed
-        self.stats.prefix_hit_tokens += computed
-        return n
-
-    def _take_from_tiers(self, req: Request, budget: int, limit: int) -> CacheHit | None:
-        """The longest prefix on the device or in a lower tier, as a cache hit for the coordinator (blocks
-        found below loaded into new device blocks and published); None when it would not fit."""
-        assert self.offload is not None
-        found = self.offload.lookup(req.block_hashes[:limit])
-        n = min(req.num_tokens - len(found) * self.block_size, budget)
-        target = -(-(len(found) * self.block_size + n) // self.block_size)
-        if self.offload.num_blocks_to_allocate(found, target) > self.pool.num_free_blocks:
-            return None
-        blocks = self.offload.acquire(found)  # shorter when a load below failed: those are computed
-        self.pool.free(blocks[::-1])  # cached free again: the coordinator touches them back
-        req.num_offloaded_blocks = len(blocks)
-        return CacheHit(len(blocks), (blocks,), tuple(req.block_hashes[:len(blocks)]))
-
-    def _preempt(self, req: Request) -> None:
-        self._release(req)
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
-        self.stats.preemptions += 1
-
-    def _release(self, req: Request) -> None:
-        self.kv.free(req.request_id)  # tail first: the prefix stays cached longest
-
-    def _prepare(self, scheduled: list[tuple[Request, int]]) -> StepBatch:
+    def _prepare(self, out: SchedulerOutput) -> StepBatch:
         """The step's decisions as plain data: packed token ids, positions, rows to sample, block tables."""
         ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []
-        for req, n in scheduled:
+        spans = []
+        for (req, n), samples in zip(out.scheduled, out.sampled, strict=True):
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             ids += req.token_ids[start:end]
             positions += range(start, end)
-            if end == req.num_tokens:
+            if samples:
                 rows.append(len(ids) - 1)
-        spans = [(self.kv.block_tables(r.request_id), r.num_computed_tokens, r.num_computed_tokens + n)
-                 for r, n in scheduled]
+            spans.append((self.kv_manager.block_tables(req), start, end))
         return StepBatch(ids, positions, rows, spans)
-
-    def _postprocess(self, scheduled: list[tuple[Request, int]], logits: torch.Tensor) -> list[Request]:
-        finished, row = [], 0
-        for req, n in scheduled:
-            req.num_computed_tokens += n
-            self._publish(req)
-            if req.num_computed_tokens < req.num_tokens:
-                continue  # mid-prefill chunk: nothing to sample yet
-            if req.logits is not None:
-                req.logits.append(logits[row].float().cpu())
-            token = sample(logits[row], req.params, req.generator)
-            row += 1
-            req.output_token_ids.append(token)
-            self.stats.generated_tokens += 1
-            self._extend_hashes(req)
-            if self._done(req, token):
-                self.running.remove(req)
-                self._release(req)
-                req.status = RequestStatus.FINISHED
-                finished.append(req)
-        return finished
-
-    def _done(self, req: Request, token: int) -> bool:
-        eos = token in self.eos_token_ids and not req.params.ignore_eos
-        return eos or len(req.output_token_ids) >= req.params.max_new_tokens
-
-    def _extend_hashes(self, req: Request) -> None:
-        """Hash the full blocks of ``req.token_ids`` not hashed yet (chained on the last one)."""
-        done = len(req.block_hashes) * self.block_size
-        if self.caching and req.num_tokens - done >= self.block_size:
-            parent = req.block_hashes[-1] if req.block_hashes else None
-            req.block_hashes += self.hasher.block_hashes(req.token_ids[done:], self.block_size, parent=parent)
-
-    def _publish(self, req: Request) -> None:
-        """Publish the full blocks whose KV is now written (the forward has run), in every group."""
-        if self.caching:
-            tokens = None if self.pool.event_sink is None else req.token_ids  # what BlockStored carries
-            self.kv.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens, token_ids=tokens)
-            if self.offload is not None and self.offload.write_through:
-                self._offer(req)
-
-    def _offer(self, req: Request) -> None:
-        """Hand the blocks published since the last call to the offload manager (write-through)."""
-        full, start = req.num_computed_tokens // self.block_size, req.num_offloaded_blocks
-        if full > start:
-            table = self.kv.block_tables(req.request_id)[0]
-            assert self.offload is not None
-            self.offload.on_published(table[start:full], req.block_hashes[start:full])
-            req.num_offloaded_blocks = full
 
     def num_token_slots_used(self) -> int:
         """Token slots holding KV now: the tokens written in each block in use, a block that requests share
         counted once (for the ``kvpool_token_slots_used`` metric; a partly filled block counts its tokens).
         O(blocks in use); safe to call from another thread between steps."""
-        filled: dict[int, int] = {}
-        bs, null = self.block_size, self.kv.null_block
-        for req in list(self.running):
-            try:
-                tables = self.kv.block_tables(req.request_id)
-            except InvalidIdError:  # released since the list was copied
-                continue
-            for table in tables:
-                for i, block in enumerate(table):
-                    n = min(bs, req.num_computed_tokens - i * bs)
-                    if block != null and n > filled.get(block, 0):
-                        filled[block] = n
-        return sum(filled.values())
+        return self.kv_manager.num_token_slots_used(self.running)
 
     # ---- convenience
     def generate(self, prompts: Sequence[Sequence[int]],
@@ -449,7 +343,7 @@ class LLMEngine:
             raise InvalidArgumentError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         checked = [_numbered(i, self._checked, p, sp)
                    for i, (p, sp) in enumerate(zip(prompts, params_list, strict=True))]
-        ids = [self._enqueue(*c) for c in checked]
+        ids = [self._enqueue(req) for req in checked]
         start = time.perf_counter()
         while self.has_unfinished():
             before = self.stats.generated_tokens

@@ -148,12 +148,20 @@ def config_fingerprint(config: Mapping[str, Any]) -> str:
 
 def block_key(block_hash: Hashable) -> bytes:
     """The 16-byte key of a block hash: a 16-byte ``bytes`` hash as it is; an int (a trace's block id) as
-    16 bytes big-endian two's complement. Raises :class:`InvalidArgumentError` for anything else."""
+    16 bytes big-endian two's complement; a KV cache group's key ``(g, hash)`` with ``g >= 1``
+    (:func:`kvpool.allocators.groups.group_key`) as BLAKE2b-128 of the hash's key then ``g`` as 4 bytes
+    big-endian (vLLM's offload key is the block hash followed by the group index so), so blocks of two
+    groups never share a key. Raises :class:`InvalidArgumentError` for anything else."""
     if type(block_hash) is bytes and len(block_hash) == KEY_BYTES:
         return block_hash
     if type(block_hash) is int and -(2**127) <= block_hash < 2**127:
         return block_hash.to_bytes(KEY_BYTES, "big", signed=True)
-    raise InvalidArgumentError(f"a tier keys blocks by 16-byte hashes or ints, got {block_hash!r}")
+    if type(block_hash) is tuple and len(block_hash) == 2 and type(block_hash[0]) is int \
+            and 1 <= block_hash[0] < 2**32:
+        data = block_key(block_hash[1]) + block_hash[0].to_bytes(4, "big")
+        return hashlib.blake2b(data, digest_size=KEY_BYTES, person=b"kvpool-group").digest()
+    raise InvalidArgumentError(f"a tier keys blocks by 16-byte hashes, ints or (group, hash) pairs, got "
+                               f"{block_hash!r}")
 
 
 def block_keys(block_hashes: Sequence[Hashable]) -> list[bytes]:

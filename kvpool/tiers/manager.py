@@ -1,23 +1,30 @@
 """``OffloadManager``: the tier chain under a device :class:`BlockPool`: device -> host -> disk -> remote.
 
+Keys are the device pool's keys: a block hash for KV cache group 0, ``(g, hash)`` for group ``g``
+(:func:`~kvpool.allocators.groups.group_key`); a tier stores a group's block under a key that names the
+group (:func:`~kvpool.tiers.backend.block_key`, as vLLM's offload keys are the block hash plus the group
+index), so one chain serves every group of a hybrid model.
+
 **Stores.** In the default *eviction* mode a cached block's KV goes down when the device pool evicts it
 (the pool's eviction listener, called before the block is reused): into the host tier, whose own
 evictions cascade to the next tier (disk, else remote), and the disk tier's evictions to the remote one.
-With ``write_through=True`` every block is stored in every tier as soon as the consumer publishes it
-(:meth:`OffloadManager.on_published`), so a shared remote tier sees each block at once. A key a tier
-holds already is refreshed, not copied again. With ``admission`` (a
+With ``write_through=True`` every block is stored in every tier as soon as the device pool publishes it
+(the pool's publish listener), so a shared remote tier sees each block at once. A key a tier holds
+already is refreshed, not copied again. With ``admission`` (a
 :class:`~kvpool.allocators.policies.FrequencyAdmission`) a block enters the chain only once its hash has
 been offered ``min_count`` times (each device eviction of it, or each publish with write-through, is one
 offer): the others are dropped, counted in ``stats()["not_admitted"]`` (a key held below already is then
 not refreshed either). What enters the chain then moves down it unfiltered.
 
-**Lookups.** :meth:`lookup` finds the longest prefix of a request's block hashes held anywhere: at each
-position the device first, then the tiers in order. :meth:`acquire` turns it into device blocks, each with
-a reference: device hits are touched; blocks found below are loaded into freshly allocated device blocks
-(grouped into one batched copy per run of blocks from the same tier) and published in the device pool, so
-the request runs on them and later requests hit them on the device. Loaded blocks stay in their tier (the
-chain is inclusive). A block whose load fails (a fault below) ends the prefix there: the request computes
-the rest, and the failure is counted (a miss, never wrong KV).
+**Lookups.** :meth:`OffloadManager.probe` tells where each key of a request's prefix is held (the device
+first, then the tiers in order); the KV cache coordinator's longest-hit search runs on it, so a prefix
+found below is restored for exactly the blocks each group's hit rule needs (a sliding group only its
+window). :meth:`OffloadManager.restore` then loads those blocks into freshly allocated device blocks
+(one batched copy per run of blocks from the same tier) and publishes them in the device pool, so the
+request runs on them and later requests hit them on the device. Loaded blocks stay in their tier (the
+chain is inclusive). A block whose load fails (a fault below) ends the restore there: the request
+computes the rest, and the failure is counted (a miss, never wrong KV). :meth:`OffloadManager.lookup` and
+:meth:`OffloadManager.acquire` do the same for one sequence of hashes (a pool of one group).
 
 **Copies and references.** Device <-> host copies are one batched swap each (:class:`HostTier`; on CUDA
 on a side stream with events, the device blocks of a write-through store holding a reference until the
@@ -27,18 +34,21 @@ written they are served from staging. A host block never leaves the host pool wh
 
 Built without a device cache (``cache=None``) the manager moves no data, only hashes (a trace replay).
 Everything here runs on the consumer's thread except the writer's worker; the pools are not thread-safe
-and only this thread touches them.
+and only this thread touches them. Every pool call the manager makes goes to the pool it was built with,
+on every tensor-parallel rank alike (:mod:`kvpool.engine.distributed` runs :meth:`restore` on each rank).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import warnings
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvpool.allocators.block_pool import BlockPool
+from kvpool.allocators.groups import group_key
 from kvpool.allocators.policies import FrequencyAdmission
 from kvpool.errors import IntegrityError, InvalidArgumentError, OutOfBlocksError
 from kvpool.storage.paged import BlockStore
@@ -49,6 +59,17 @@ from kvpool.units import plural
 
 DEVICE = 0  # PrefixHit.where value of a device block; tier i of the manager is where == i + 1
 LOAD_BATCH = 64  # blocks per load from a byte tier (the load buffer's rows)
+
+
+def tier_code(t: int) -> int:
+    """The code :meth:`OffloadManager.probe` gives a key held in tier ``t`` (``-2 - t``: below -1, so it
+    never names a device block, nor the null block's -1 of a pool without one)."""
+    return -2 - t
+
+
+def tier_of(code: int) -> int:
+    """The tier index a :func:`tier_code` names."""
+    return -2 - code
 
 
 @dataclass
@@ -104,7 +125,10 @@ class OffloadManager:
         self.writer = Writer(self.lower, staging_blocks=staging_blocks, asynchronous=asynchronous)
         self._load_buf = torch.empty(0, dtype=torch.uint8)
         self.device_hits = self.load_failures = self.not_admitted = self._ops = 0
+        self._restoring = False
         pool.set_eviction_listener(self._device_evicted)
+        if write_through:
+            pool.set_publish_listener(self._device_published)
         if self.host is not None and self.lower:  # with nothing below, a host eviction just drops the block
             self.host.pool.set_eviction_listener(self._host_evicted)
         if not write_through:
@@ -129,107 +153,100 @@ class OffloadManager:
             if isinstance(tier, HostTier) and (tier.host is None) != (self.cache is None):
                 raise InvalidArgumentError("a host tier holds data exactly when the manager has a cache")
 
-    # ---- lookups ------------------------------------------------------------------------------------
+    # ---- where a key is held ------------------------------------------------------------------------
 
-    def lookup(self, hashes: Sequence[Hashable]) -> PrefixHit:
-        """The longest prefix of ``hashes`` held on the device or in any tier. Counts the device pool's
-        lookup stats; changes nothing else (tier hits are counted by :meth:`acquire`)."""
-        hashes = list(hashes)
-        device = self.pool.lookup(hashes)
-        hit = PrefixHit(hashes, [DEVICE] * len(device), list(device), len(device))
-        if len(device) < len(hashes) and self.tiers:
-            self._walk(hit, len(device))
-        self._ops += min(len(hit) + 1, len(hashes))
-        return hit
-
-    def _walk(self, hit: PrefixHit, p: int) -> None:
-        """Extend ``hit`` from position ``p``: per block the device, else the first tier holding it (a
-        tier's run from a position, once asked, is reused while it lasts; a run of the chain's first tier
-        is taken whole, since no faster tier could be preferred inside it)."""
-        hashes, cached, where, ids = hit.hashes, self.pool.get_cached_block, hit.where, hit.device_ids
-        left: list[int | None] = [None] * len(self.tiers)  # blocks known held by tier t from p on
-        while p < len(hashes):
-            block = cached(hashes[p])
-            tier = DEVICE if block is not None else self._first_tier(hashes, p, left)
-            if tier is None:
-                return
-            run = left[0] if tier == 1 else 1
-            for q in range(p, p + run):  # the device first, even inside the run
-                block = cached(hashes[q]) if q > p else block
-                where.append(DEVICE if block is not None else tier)
-                ids.append(block)
-            left = [None if n is None or n <= run else n - run for n in left]
-            p += run
-
-    def _first_tier(self, hashes: list[Hashable], p: int, left: list[int | None], first: int = 0
-                    ) -> int | None:
-        """``t + 1`` for the first tier from ``first`` on that holds ``hashes[p]`` (``left[t]``: how many
-        blocks from ``p`` on tier ``t`` is known to hold, asked when None), or None."""
-        for t in range(first, len(self.tiers)):
-            tier = self.tiers[t]
-            if left[t] is None:
-                left[t] = tier.exists(hashes[p:]) if tier is self.host else self.writer.exists(
-                    t - (self.host is not None), hashes[p:])
-            if left[t]:
-                return t + 1
-        return None
-
-    def num_blocks_to_allocate(self, hit: PrefixHit, num_blocks: int) -> int:
-        """Free device blocks taking ``hit`` plus ``num_blocks - len(hit)`` new blocks consumes: all but
-        the device hits that are in use already (as :meth:`BlockPool.num_blocks_to_allocate`)."""
-        return num_blocks - self._device_hits_in_use(hit)
-
-    def _device_hits_in_use(self, hit: PrefixHit) -> int:
-        """Device hits with a reference already: the leading device prefix counted by the pool in one call,
-        the device hits after a gap one by one (rare)."""
-        d = hit.device_prefix
-        in_use = d - self.pool.num_blocks_to_allocate(hit.hashes[:d], d)
-        ref = self.pool.ref_count
-        return in_use + sum(1 for b in hit.device_ids[d:] if b is not None and ref(b) > 0)
-
-    def acquire(self, hit: PrefixHit) -> list[int]:
-        """Device blocks for ``hit``'s prefix, each with a reference held for the caller: device hits
-        touched, the others loaded into new device blocks and published. Returns the block ids of the
-        prefix actually available (shorter than ``hit`` when a load failed; the blocks past it are
-        released). Raises :class:`OutOfBlocksError` (nothing changed) when the pool cannot give the new
-        blocks: check :meth:`num_blocks_to_allocate` first; :class:`InvalidArgumentError` (nothing changed)
-        for a stale hit, a device block of which no longer holds its hash (evicted, maybe handed to another
-        request, since the lookup: look up again)."""
+    def probe(self) -> Callable[[int, Sequence[Hashable], int], int | None]:
+        """A fresh locator for one admission, the ``probe`` a
+        :meth:`~kvpool.allocators.groups.KVCacheCoordinator.find_longest_cache_hit` takes:
+        ``probe(g, hashes, i)`` is the device block holding ``hashes[i]`` in KV cache group ``g`` (its key
+        :func:`~kvpool.allocators.groups.group_key`), else ``tier_code(t)`` for the first tier ``t`` holding
+        it, else None. A tier is asked for the run of keys it holds from a position on (one ``exists`` call
+        per run and tier, reused while the run lasts), so a prefix found below costs one round trip per
+        tier and run, not one per block. Changes nothing, counts nothing."""
+        runs: dict[tuple[int, int], tuple[int, int]] = {}  # (group, tier) -> (start, length) known held
         cached = self.pool.get_cached_block
-        for i, b in enumerate(hit.device_ids):
-            if b is not None and cached(hit.hashes[i]) != b:
-                raise InvalidArgumentError(f"stale prefix hit: device block {b} no longer holds the hash it "
-                                           "was found under; look it up again")
-        on_device = [b for b in hit.device_ids if b is not None]
-        below = [i for i, w in enumerate(hit.where) if w != DEVICE]
-        revived = len(on_device) - self._device_hits_in_use(hit)
+
+        def locate(g: int, hashes: Sequence[Hashable], i: int) -> int | None:
+            block = cached(group_key(g, hashes[i]))
+            if block is not None:
+                return block
+            for t in range(len(self.tiers)):
+                start, n = runs.get((g, t), (0, 0))
+                if not start <= i < start + n:
+                    n = self._exists(t, [group_key(g, h) for h in hashes[i:]])
+                    runs[(g, t)] = (i, n)
+                if n:
+                    return tier_code(t)
+            return None
+
+        return locate
+
+    def _exists(self, t: int, keys: Sequence[Hashable]) -> int:
+        """How many leading ``keys`` tier ``t`` holds (pending stores included)."""
+        tier = self.tiers[t]
+        if tier is self.host:
+            return tier.exists(keys)
+        return self.writer.exists(t - (self.host is not None), keys)
+
+    # ---- restoring from the tiers -------------------------------------------------------------------
+
+    def restore(self, plan: Sequence[tuple[Hashable, int]]) -> dict[Hashable, int]:
+        """Bring a prefix found by :meth:`probe` onto the device: ``plan`` lists, in prefix order, ``(key,
+        where)`` for every block the hit needs, ``where`` a device block id or a :func:`tier_code`. The
+        device blocks are held while fresh blocks are allocated for the others; those are loaded (one
+        batched copy per run of one tier; a block a tier no longer gives is looked for in the tiers below
+        it) and published under their keys; then everything is released again, so the loaded blocks are
+        cached free device blocks that the caller's next device lookup finds and touches. Loading stops at
+        the first block no tier gives intact (a miss, counted in ``load_failures``: the caller's prefix
+        then ends before it, never on wrong KV). Returns the keys loaded, each with the index of the tier
+        it came from (in :attr:`tiers`).
+
+        Under tensor parallelism every rank runs the same ``restore`` on its own pool and tiers, and
+        :attr:`agree` (set by the leader and the followers) makes the ranks keep only what every rank
+        loaded: no rank restores a block another lacks.
+
+        Raises:
+            OutOfBlocksError: the pool has fewer free blocks than the plan's tier blocks plus its cached
+                free device blocks (nothing changed): check with the coordinator's
+                ``num_blocks_to_allocate`` first.
+        """
+        below = [(key, where) for key, where in plan if where < -1]
+        if not below:
+            return {}
+        device = list(dict.fromkeys(where for _, where in plan if where >= 0))
+        revived = sum(1 for b in device if self.pool.ref_count(b) == 0)
         if len(below) + revived > self.pool.num_free_blocks:
-            raise OutOfBlocksError(f"taking a prefix of {plural(len(hit), 'block')} needs "
+            raise OutOfBlocksError(f"restoring {plural(len(below), 'block')} from the tiers needs "
                                    f"{plural(len(below) + revived, 'free device block')}, "
                                    f"{self.pool.num_free_blocks} free")
-        self.pool.touch(on_device)
-        held = self._hold_below(hit, below)
-        fresh = self.pool.allocate(len(below)) if below else []
-        ids = list(hit.device_ids)
-        for i, block in zip(below, fresh, strict=True):
-            ids[i] = block
-        loaded = self._load(hit, below, fresh)
+        self.pool.touch(device)
+        held = self._hold_below(below)
+        fresh = self.pool.allocate(len(below))
+        keys, where = [k for k, _ in below], [w for _, w in below]
+        loaded = self.agree(self._load(keys, where, fresh))
+        if loaded:
+            self._restoring = True  # blocks that came from the tiers are not offered to them again
+            try:
+                self.pool.cache_blocks(fresh[:loaded], keys[:loaded])
+            finally:
+                self._restoring = False
+            self._count_loaded(where[:loaded])
         self._release_host(held)
-        end = below[loaded] if loaded < len(below) else len(hit)
-        good = [ids[i] for i in below[:loaded]]
-        if good:
-            self.pool.cache_blocks(good, [hit.hashes[i] for i in below[:loaded]])
-        self._count_hits(hit, end)
-        self.pool.free(ids[end:][::-1])  # past a failed load: back to the pool
-        self._ops += len(hit) + len(below)
-        return ids[:end]  # type: ignore[return-value]
+        self.pool.free(fresh[::-1] + device[::-1])
+        self._ops += len(plan) + 2 * len(below)
+        return {key: tier_of(w) for key, w in zip(keys[:loaded], where[:loaded], strict=True)}
 
-    def _hold_below(self, hit: PrefixHit, below: list[int]) -> list[int]:
+    def agree(self, loaded: int) -> int:
+        """How many leading blocks of a restore every rank loaded: ``loaded`` in one process; tensor
+        parallelism replaces it with the minimum over the ranks (:mod:`kvpool.engine.distributed`)."""
+        return loaded
+
+    def _hold_below(self, below: list[tuple[Hashable, int]]) -> list[int]:
         """Keep the blocks about to be loaded where they are while the device allocation's evictions
         cascade down: host blocks are touched (returned, to release), byte-tier blocks refreshed."""
         keys: list[list[Hashable]] = [[] for _ in self.tiers]
-        for i in below:
-            keys[hit.where[i] - 1].append(hit.hashes[i])
+        for key, where in below:
+            keys[tier_of(where)].append(key)
         for t, mine in enumerate(keys):
             if mine and self.tiers[t] is not self.host:
                 self.writer.refresh(t - (self.host is not None), mine)
@@ -243,45 +260,41 @@ class OffloadManager:
         if held:
             self.host.pool.free(held[::-1])  # type: ignore[union-attr]
 
-    def _load(self, hit: PrefixHit, below: list[int], fresh: list[int]) -> int:
-        """Load the blocks at positions ``below`` into ``fresh``, one run of same-tier positions at a time;
-        returns how many leading ones loaded."""
+    def _load(self, keys: list[Hashable], where: list[int], fresh: list[int]) -> int:
+        """Load ``keys`` into device blocks ``fresh``, one run of same-tier keys at a time (``where``: the
+        tier codes the probe found); returns how many leading ones loaded. ``where`` is updated to the tier
+        each block finally came from."""
         done = 0
-        while done < len(below):
-            where = hit.where[below[done]]
+        while done < len(keys):
+            t = tier_of(where[done])
             run = 1
-            while done + run < len(below) and hit.where[below[done + run]] == where:
+            while done + run < len(keys) and where[done + run] == where[done]:
                 run += 1
-            keys = [hit.hashes[i] for i in below[done:done + run]]
-            got = self._load_run(where - 1, keys, fresh[done:done + run])
-            if got < run:  # the rest may have moved down since the lookup (evictions cascading meanwhile)
-                rest = slice(done + got, done + run)
-                got += self._reload(hit, below[rest], where - 1, fresh[rest])
+            got = self._load_run(t, keys[done:done + run], fresh[done:done + run])
+            if got < run:  # the rest may have moved down since the probe (evictions cascading meanwhile)
+                got += self._reload(keys, where, done + got, done + run, t, fresh)
             done += got
             if got < run:
                 self.load_failures += 1
                 break
         return done
 
-    def _reload(self, hit: PrefixHit, positions: list[int], first: int, fresh: list[int]) -> int:
-        """The blocks at ``positions`` that tier ``first`` no longer gave: look for them again in it and the
-        tiers below, and load them; returns how many leading ones loaded (``hit.where`` updated)."""
-        keys = [hit.hashes[i] for i in positions]
-        left: list[int | None] = [None] * len(self.tiers)
-        done = 0
-        while done < len(keys):
-            t = self._first_tier(keys, done, left, first)
+    def _reload(self, keys: list[Hashable], where: list[int], start: int, stop: int, first: int,
+                fresh: list[int]) -> int:
+        """The blocks ``start .. stop - 1`` that tier ``first`` no longer gave: look for them again in it and
+        the tiers below, and load them; returns how many leading ones loaded (``where`` updated)."""
+        done = start
+        while done < stop:
+            t = next((t for t in range(first, len(self.tiers)) if self._exists(t, keys[done:stop])), None)
             if t is None:
                 break
-            run = left[t - 1] or 1
-            got = self._load_run(t - 1, keys[done:done + run], fresh[done:done + run])
-            for i in positions[done:done + got]:
-                hit.where[i] = t
+            run = self._exists(t, keys[done:stop])
+            got = self._load_run(t, keys[done:done + run], fresh[done:done + run])
+            where[done:done + got] = [tier_code(t)] * got
             done += got
             if got < run:
                 break
-            left = [None] * len(self.tiers)
-        return done
+        return done - start
 
     def _load_run(self, t: int, keys: list[Hashable], blocks: list[int]) -> int:
         tier = self.tiers[t]
@@ -307,21 +320,84 @@ class OffloadManager:
             self._load_buf = torch.empty(n * bpb, dtype=torch.uint8)
         return self._load_buf[:n * bpb].view(n, bpb)
 
-    def _count_hits(self, hit: PrefixHit, end: int) -> None:
-        where = hit.where[:end] if end < len(hit) else hit.where
-        self.device_hits += where.count(DEVICE)
+    def _count_loaded(self, where: list[int]) -> None:
         for t, tier in enumerate(self.tiers):
-            n = where.count(t + 1)
+            n = where.count(tier_code(t))
             if n:
                 tier.count_hits(n)
+
+    def count_device_hits(self, n: int) -> None:
+        """Count ``n`` prefix blocks a consumer found on the device (beside the tiers' restored hits)."""
+        self.device_hits += n
+
+    # ---- one sequence of hashes (a single KV cache group) --------------------------------------------
+
+    def lookup(self, hashes: Sequence[Hashable]) -> PrefixHit:
+        """The longest prefix of ``hashes`` (group 0's keys: the hashes themselves) held on the device or
+        in any tier. Counts the device pool's lookup stats; changes nothing else."""
+        hashes = list(hashes)
+        device = self.pool.lookup(hashes)
+        hit = PrefixHit(hashes, [DEVICE] * len(device), list(device), len(device))
+        locate = self.probe()
+        for i in range(len(device), len(hashes)):
+            where = locate(0, hashes, i)
+            if where is None:
+                break
+            hit.where.append(DEVICE if where >= 0 else tier_of(where) + 1)
+            hit.device_ids.append(where if where >= 0 else None)
+        self._ops += min(len(hit) + 1, len(hashes))
+        return hit
+
+    def num_blocks_to_allocate(self, hit: PrefixHit, num_blocks: int) -> int:
+        """Free device blocks taking ``hit`` plus ``num_blocks - len(hit)`` new blocks consumes: all but
+        the device hits that are in use already (as :meth:`BlockPool.num_blocks_to_allocate`)."""
+        ref = self.pool.ref_count
+        return num_blocks - sum(1 for b in hit.device_ids if b is not None and ref(b) > 0)
+
+    def acquire(self, hit: PrefixHit) -> list[int]:
+        """Device blocks for ``hit``'s prefix, each with a reference held for the caller: the blocks found
+        below are restored (:meth:`restore`), then the prefix on the device is touched. Returns the block
+        ids of the prefix actually available (shorter than ``hit`` when a load failed). Raises
+        :class:`OutOfBlocksError` (nothing changed) when the pool cannot give the new blocks: check
+        :meth:`num_blocks_to_allocate` first; :class:`InvalidArgumentError` (nothing changed) for a stale
+        hit, a device block of which no longer holds its hash (evicted, maybe handed to another request,
+        since the lookup: look up again)."""
+        cached = self.pool.get_cached_block
+        for i, b in enumerate(hit.device_ids):
+            if b is not None and cached(hit.hashes[i]) != b:
+                raise InvalidArgumentError(f"stale prefix hit: device block {b} no longer holds the hash it "
+                                           "was found under; look it up again")
+        plan = [(h, b if b is not None else tier_code(w - 1))
+                for h, b, w in zip(hit.hashes[:len(hit)], hit.device_ids, hit.where, strict=True)]
+        self.restore(plan)
+        ids = self._device_prefix(hit)
+        self.pool.touch(ids)
+        self.device_hits += sum(1 for w in hit.where[:len(ids)] if w == DEVICE)
+        self._ops += len(ids)
+        return ids
+
+    def _device_prefix(self, hit: PrefixHit) -> list[int]:
+        ids, cached = [], self.pool.get_cached_block
+        for h in hit.hashes[:len(hit)]:
+            b = cached(h)
+            if b is None:
+                break
+            ids.append(b)
+        return ids
 
     # ---- stores -------------------------------------------------------------------------------------
 
     def on_published(self, block_ids: Sequence[int], hashes: Sequence[Hashable]) -> None:
-        """The consumer published ``block_ids`` under ``hashes`` (their KV written): with write-through,
-        store them in every tier now. A no-op in eviction mode."""
-        if self.write_through and block_ids:
-            self._store(list(block_ids), list(hashes), range(len(self.lower)), hold=self.pool)
+        """Deprecated and a no-op: with write-through the manager listens to the pool's publishes itself
+        (:meth:`BlockPool.set_publish_listener`), so every published block is stored once."""
+        warnings.warn("OffloadManager.on_published is a no-op: with write_through the manager stores every "
+                      "block the pool publishes", DeprecationWarning, stacklevel=2)
+
+    def _device_published(self, block_ids: list[int], keys: list[Hashable]) -> None:
+        """The device pool published ``block_ids`` under ``keys`` (their KV written): with write-through,
+        store them in every tier now (not the blocks :meth:`restore` brought up from the tiers)."""
+        if not self._restoring:
+            self._store(block_ids, keys, range(len(self.lower)), hold=self.pool)
 
     def _device_evicted(self, block_ids: list[int], hashes: list[Hashable]) -> None:
         """The device pool is about to reuse ``block_ids``: copy their KV down first (eviction mode)."""
@@ -400,6 +476,8 @@ class OffloadManager:
         self.synchronize()
         self.writer.close()
         self.pool.set_eviction_listener(None)
+        if self.write_through:
+            self.pool.set_publish_listener(None)
         if self.host is not None and self.lower:
             self.host.pool.set_eviction_listener(None)
         for tier in self.lower:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Hashable, Sequence
 
+from kvpool.allocators.groups import group_key, split_group_key
 from kvpool.allocators.policies import EvictionPolicy, KeyedHeap
 from kvpool.errors import IntegrityError
 from kvpool.trace.loaders import TraceRequest
@@ -66,9 +67,10 @@ class BeladyPolicy(EvictionPolicy):
 
     name = "belady"
 
-    def __init__(self, future: TraceFuture) -> None:
+    def __init__(self, future: TraceFuture, num_groups: int = 1) -> None:
         super().__init__()
         self.future = future
+        self.num_groups = num_groups  # a hybrid model's blocks of group g hold the key (g, hash)
         self._width = future.max_depth + 1
         self._never = (future.never + 1) * self._width  # above every finite rank
         self._rank: dict[Hashable, int] = {}  # hashes with a next use: their rank from now on
@@ -83,7 +85,8 @@ class BeladyPolicy(EvictionPolicy):
 
     def admitted(self, req: TraceRequest, hashes: Sequence[Hashable]) -> None:
         """``req`` (block hashes ``hashes``) is admitted for the first time: each of its hashes is now next
-        used at the following request that holds it. Call before touching or allocating its blocks."""
+        used at the following request that holds it, in every KV cache group. Call before touching or
+        allocating its blocks."""
         i, future = self.position, self.future
         if i >= len(future.requests) or future.requests[i] is not req:
             raise IntegrityError(f"belady expected admitted request #{i} of its future, got another one")
@@ -94,16 +97,19 @@ class BeladyPolicy(EvictionPolicy):
                 rank[h] = u * width + j
             else:
                 rank.pop(h, None)
-            block = holder.get(h)
-            if block is not None and block in heap:
-                heap.push(block, -(u * width + j))
+            for g in range(self.num_groups):
+                block = holder.get(group_key(g, h))
+                if block is not None and block in heap:
+                    heap.push(block, -(u * width + j))
 
     def published(self, block: int, block_hash: Hashable) -> None:
         self._holder[block_hash] = block
         self._hash[block] = block_hash
 
     def insert(self, block: int, priority: int) -> None:
-        self._heap.push(block, -self._rank.get(self._hash[block], self._never))
+        key = self._hash[block]
+        self._heap.push(block, -self._rank.get(split_group_key(key)[1] if key is not None else None,
+                                               self._never))
 
     def remove(self, block: int) -> None:
         self._heap.discard(block)

@@ -1,9 +1,9 @@
-"""``run_replay``: a serving trace through the block pool, one plain pool or one per KV cache group.
+"""``run_replay``: a serving trace through the request path, and the all-full comparison of a hybrid model.
 
-The simulation (timing modes, the step-time model, eviction) is :mod:`kvpool.trace.replayer`; a config with
-sliding or chunked groups runs on :mod:`kvpool.trace.group_replay`'s coordinator instead, and
-:func:`compare_all_full` sets such a run beside the same trace with every layer full attention. The names
-callers use from the replayer are re-exported here.
+The simulation (timing modes, the step-time model, eviction) is :mod:`kvpool.trace.replayer`, on the same
+scheduler and KV cache manager as the engine, for a model of any KV cache groups, with any policy, pins and
+tiers; :func:`compare_all_full` sets a hybrid model's run beside the same trace with every layer full
+attention. The names callers use from the replayer are re-exported here.
 """
 
 from __future__ import annotations
@@ -15,15 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.allocators.block_pool import BlockPool
 from kvpool.errors import ConfigError
-from kvpool.spec import KVCacheSpec, LayerKind
-from kvpool.trace.group_replay import GroupReplayer
+from kvpool.spec import KVCacheSpec
 from kvpool.trace.loaders import TraceRequest, sub_blocks_per_hash_block
 from kvpool.trace.replayer import (
     REPLAY_POLICIES,
     TIMINGS,
     ReplayConfig,
+    Replayer,
     ReplayResult,
-    _Replayer,
     admission_order,
     request_blocks,
     unbounded_num_blocks,
@@ -46,22 +45,24 @@ def run_replay(requests: Sequence[TraceRequest], config: ReplayConfig = ReplayCo
     """Replay ``requests`` through ``pool`` (default: a fresh :class:`BlockPool` of ``config.num_blocks``
     with ``config.policy``, recording KV events into ``event_sink``) and return what it measured. The
     pool's event sink, if any, is flushed once per simulated step (the events carry the trace's hash ids
-    and no token ids).
+    and no token ids; a hybrid model's events name their group).
 
     ``pool`` must be all free, with ``config.policy`` (``belady``: a :class:`BeladyPolicy` over this
-    replay's future, see :func:`admission_order`) and, when ``config.num_blocks`` is set, of that size.
+    replay's future, see :func:`admission_order`), the null block reserved exactly when a group of
+    ``config.groups`` has a window and, when ``config.num_blocks`` is set, of that size.
     ``progress(n)`` is called as n more requests finish or are rejected; ``observer(t, pool)`` whenever the
-    timeline would take a sample (every event in ``instant`` timing, about :data:`TIMELINE_POINTS` times in
-    ``trace`` timing). At the end every block is free and ``check_integrity()`` has passed. Raises
-    :class:`ConfigError` for a block size that does not divide 512 on a trace with hash ids, or a pool that
-    does not fit those rules.
+    timeline would take a sample (every event in ``instant`` timing, about
+    :data:`~kvpool.trace.replayer.TIMELINE_POINTS` times in ``trace`` timing). At the end every block is
+    free and ``check_integrity()`` has passed. Raises :class:`ConfigError` for a block size that does not
+    divide 512 on a trace with hash ids, or a pool that does not fit those rules.
 
     ``tiers``: hash-only tiers (``block_bytes=0``; a host tier first, then disk, remote) chained under the
     pool by an :class:`~kvpool.tiers.manager.OffloadManager` (inline, so the run is deterministic; evicted
-    blocks go down, or every published block with ``write_through``); a prefix found below is "loaded" into
-    new device blocks. No KV moves, only hashes. The manager detaches at the end (the tiers stay open).
-    ``tier_admission`` K > 1: a block goes down only once it has been offered K times (a
-    :class:`~kvpool.allocators.policies.FrequencyAdmission` in the manager); 1 stores every block.
+    blocks go down, or every published block with ``write_through``), keyed by group and hash; a prefix
+    found below is "loaded" into new device blocks for every group its hit needs. No KV moves, only hashes.
+    The manager detaches at the end (the tiers stay open). ``tier_admission`` K > 1: a block goes down
+    only once it has been offered K times (a :class:`~kvpool.allocators.policies.FrequencyAdmission` in
+    the manager); 1 stores every block.
     """
     if any(r.hash_ids is not None for r in requests):
         sub_blocks_per_hash_block(config.block_size)
@@ -72,18 +73,11 @@ def run_replay(requests: Sequence[TraceRequest], config: ReplayConfig = ReplayCo
     start = time.perf_counter()
     if pool is not None and event_sink is not None:
         raise ConfigError("give the event sink to your pool (BlockPool(..., event_sink=...)), not to both")
-    if config.groups and (len(config.groups) > 1 or config.groups[0].kind is not LayerKind.FULL):
-        if pool is not None:
-            raise ConfigError("a replay over KV cache groups builds its own coordinator: pass no pool")
-        if config.policy != "lru" or config.pin_prefix or observer is not None or tiers:
-            raise ConfigError("eviction policies, pins, tiers and the report follow one full-attention "
-                              "group: replay a uniform model (--num-blocks) for them")
-        return GroupReplayer(requests, config, progress, record_timeline, event_sink).run(start)
-    replayer = _Replayer(requests, config, pool, progress, record_timeline, event_sink, observer)
+    replayer = Replayer(requests, config, pool=pool, progress=progress, record_timeline=record_timeline,
+                        event_sink=event_sink, observer=observer)
     if tiers:
         replayer.chain(tiers, write_through, tier_admission)
     return replayer.run(start)
-
 
 
 def compare_all_full(requests: Sequence[TraceRequest], config: ReplayConfig, spec: KVCacheSpec,

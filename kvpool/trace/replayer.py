@@ -1,28 +1,29 @@
-"""The discrete-event replay of a serving trace through the real :class:`BlockPool` (block ids only, no
-tensors): :class:`ReplayConfig`, :class:`ReplayResult` and the replayer of one plain pool, which
-:mod:`kvpool.trace.group_replay` extends to KV cache groups. :func:`kvpool.trace.replay.run_replay` picks one.
+"""The discrete-event replay of a serving trace on the request path: :class:`ReplayConfig`,
+:class:`ReplayResult` and the replayer. :func:`kvpool.trace.replay.run_replay` runs it.
 
-Per request: ``lookup`` the full prompt blocks' hashes (the longest cached prefix is the hit), ``touch`` the
-hits, ``allocate`` blocks for the prompt as it is prefilled, ``cache_blocks`` each full prompt block once a
-step has computed it, ``allocate`` one block each time decoding crosses a block boundary, and ``free`` every
-block tail first at the end. A request of ``ceil((input + output) / block_size)`` blocks holds that many at
-its last step; one larger than the whole pool is rejected and counted.
+The replay is the engine with a clock for a model: each trace request becomes a
+:class:`~kvpool.requests.request.Request` known by its counts and its prompt's block hashes, and the same
+:class:`~kvpool.requests.scheduler.Scheduler` and :class:`~kvpool.requests.kv_manager.KVCacheManager`
+that drive :class:`~kvpool.engine.engine.LLMEngine` drive it: prefix hits (at most the full blocks of the
+first ``num_tokens - 1`` tokens, the last one always computed), chunked prefill, publishing each full
+block after the step that wrote it, preemption by recompute, every KV cache group of a hybrid model, the
+eviction policy, pins and the tier chain. Like the engine, the step that completes a prefill samples the
+first output token; a request of ``output`` tokens decodes ``output - 1`` more steps and holds KV for
+``input + output - 1`` tokens at its peak. A request that could never fit the pool alone is rejected
+and counted (the engine's ``OutOfBlocksError``).
 
 Timing modes:
 
-* ``instant``: requests run one at a time in trace order; each prefills, then decodes to completion before
-  the next starts (no concurrency). The simulated clock still follows the step-time model below.
-* ``trace``: arrivals at trace timestamps; continuous batching with chunked prefill, as the reference
-  engine schedules (vLLM v1 style) under a budget of ``max_batched_tokens`` per step: running requests,
-  oldest first, each get their next tokens (one decode token, or the next chunk of a prefill that did not
-  fit one step), then waiting requests are admitted first-come first-served with a first chunk of what is
-  left of the budget (only the blocks of that chunk are allocated). When a running request needs blocks
-  and too few are free, the newest running request is preempted by recompute: its blocks are freed tail
-  first and it goes back to the front of the queue (on its return its prefix is usually still cached); a
-  step that preempted admits no one.
+* ``instant``: requests run one at a time in trace order (``max_num_seqs`` 1, no token budget): each
+  prefills, then decodes to completion before the next starts. The clock still follows the step-time
+  model; a request starts no earlier than its arrival.
+* ``trace``: arrivals at trace timestamps; continuous batching under ``max_batched_tokens`` per step and
+  ``max_running`` requests, exactly as the engine schedules.
 
-Step-time model (seconds): ``step_s + prefill_token_s * uncached prefill tokens + decode_token_s * decode
-tokens``. The defaults are illustrative only; set them for a model and device.
+Step-time model (seconds): ``step_s + prefill_token_s * prefill tokens + decode_token_s * decode tokens``
+(prefill tokens: the step's prefill chunks, cached tokens excluded). The defaults are illustrative only;
+set them for a model and device. Stretches of pure decode steps that change nothing in the pool (no block
+to allocate, free or publish, no one finishing, nobody who could be admitted) run in one go.
 
 Eviction: ``config.policy`` names the pool's eviction policy (:mod:`kvpool.allocators.policies`; the
 ``priority`` policy's retention clock is the simulated one), or ``belady``: the offline farthest-next-use
@@ -39,10 +40,14 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvpool.allocators.block_pool import BlockPool
+from kvpool.allocators.hashing import BlockHasher
 from kvpool.allocators.policies import POLICIES, EvictionPolicy, FrequencyAdmission, make_policy
-from kvpool.errors import ConfigError, IntegrityError, InvalidArgumentError
+from kvpool.errors import ConfigError, IntegrityError, InvalidArgumentError, OutOfBlocksError
 from kvpool.numeric import as_int, as_optional_int, as_real
-from kvpool.spec import KVCacheGroup
+from kvpool.requests.kv_manager import KVCacheManager, blocks_needed
+from kvpool.requests.request import Request
+from kvpool.requests.scheduler import Scheduler, SchedulerOutput
+from kvpool.spec import KVCacheGroup, LayerKind
 from kvpool.trace.belady import BeladyPolicy, TraceFuture
 from kvpool.trace.loaders import MOONCAKE_BLOCK_SIZE, TraceRequest
 
@@ -57,8 +62,10 @@ REPLAY_POLICIES = (*POLICIES, "belady")
 Sample = tuple[float, int, int, int]
 #: ``trace`` timing records about this many samples over the arrivals' span (instant: every event).
 TIMELINE_POINTS = 5000
-#: ``trace`` timing runs stretches of pure decode steps in one go (tests turn it off to compare).
+#: Runs stretches of pure decode steps in one go (tests turn it off to compare).
 FAST_FORWARD = True
+#: ``instant`` timing's token budget per step: a whole prompt at once.
+UNLIMITED_TOKENS = 2**62
 
 
 @dataclass(frozen=True)
@@ -67,19 +74,19 @@ class ReplayConfig:
 
     Args:
         block_size: tokens per block; must divide 512 for a trace with hash ids.
-        num_blocks: pool size in blocks; None means unbounded: the sum over the trace of every request's
-            ``ceil((input + output) / block_size)``, so that nothing is ever evicted or preempted.
+        num_blocks: pool size in blocks; None means unbounded: every request's :func:`request_blocks` at
+            once, so that nothing is ever evicted or preempted.
         timing: ``"instant"`` or ``"trace"`` (see the module docstring).
         max_batched_tokens: token budget of one step (``trace`` timing).
         max_running: most requests in flight at once (``trace`` timing).
         step_s, prefill_token_s, decode_token_s: the step-time model, in seconds.
         groups: a hybrid model's KV cache groups (``KVCacheSpec.groups``): blocks are counted per group
-            through a :class:`~kvpool.allocators.groups.KVCacheCoordinator` (windows free blocks, a hit is
-            the prefix every group restores); empty (default) or one full group: one plain pool.
+            (windows free blocks, a hit is the prefix every group restores); empty (default): one
+            full-attention group.
         policy: the pool's eviction policy, one of :data:`REPLAY_POLICIES` (``belady``: the offline bound).
         pin_prefix: trace hash ids (512-token blocks) of a prefix to pin, e.g. ``(0,)`` for the system
-            prompt every Mooncake request starts with: its blocks are pinned as soon as all are cached and
-            stay pinned to the end of the replay (``()``: pin nothing).
+            prompt every Mooncake request starts with: its blocks (in every group) are pinned as soon as
+            all are cached and stay pinned to the end of the replay (``()``: pin nothing).
 
     Raises:
         ConfigError: a value out of range.
@@ -115,24 +122,40 @@ class ReplayConfig:
             object.__setattr__(self, name, as_real(getattr(self, name), name, minimum=0, finite=True,
                                                    error=ConfigError))
 
+    @property
+    def kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
+        """:attr:`groups`, or one full-attention group when none are given."""
+        return self.groups or (KVCacheGroup(0, LayerKind.FULL, None, (0,), 1, self.block_size),)
+
+    @property
+    def step_tokens(self) -> int:
+        """The scheduler's token budget per step (``instant``: unlimited, a whole prompt at once)."""
+        return self.max_batched_tokens if self.timing == "trace" else UNLIMITED_TOKENS
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.max_running if self.timing == "trace" else 1
+
 
 @dataclass(frozen=True)
 class ReplayResult:
-    """What a replay measured. Blocks are ``block_size``-token blocks; ratios are in [0, 1].
+    """What a replay measured. Blocks are ``block_size``-token blocks of one KV cache group; ratios are in
+    [0, 1].
 
     ``prompt_blocks`` counts full prompt blocks of admitted requests and ``hit_blocks`` those found cached
-    at a request's first admission (a hit counts even where an engine would recompute the last token);
-    ``token_hit_ratio = hit_blocks * block_size / prompt tokens``. ``peak_blocks_used`` and
-    ``mean_blocks_used`` (time-weighted over the simulated run) count blocks with a reference. ``block_ops``
-    counts block ids and hashes handled by pool calls (hashes a lookup examined, blocks touched, allocated,
-    published and freed); ``block_ops_per_s = block_ops / wall_s``, ``wall_s`` the replay's own wall time.
-    ``timeline`` (only when recorded) holds :data:`Sample` rows; ``policy`` is the eviction policy's name;
-    ``pinned_blocks`` the blocks of ``config.pin_prefix`` that were pinned (0 if it never was all cached).
+    at a request's first admission (at most the full blocks of its first ``input - 1`` tokens: the engine
+    always computes the last prompt token); ``token_hit_ratio = hit_blocks * block_size / prompt tokens``.
+    ``peak_blocks_used`` and ``mean_blocks_used`` (time-weighted over the simulated run) count blocks with
+    a reference, over every group. ``block_ops`` counts block ids and hashes handled by pool calls (hashes
+    a lookup examined, blocks touched, allocated, published and freed); ``block_ops_per_s = block_ops /
+    wall_s``, ``wall_s`` the replay's own wall time. ``timeline`` (only when recorded) holds :data:`Sample`
+    rows; ``policy`` is the eviction policy's name; ``pinned_blocks`` the blocks of ``config.pin_prefix``
+    that were pinned (0 if it never was all cached).
 
-    With tiers below the pool, ``hit_blocks`` counts hits in every tier and ``tier_hits`` splits them by
-    where they were found (``device``, then each tier's medium: ``host``, ``disk``, ``remote``); ``tiers``
-    holds the :meth:`OffloadManager.stats` of the run, and ``block_ops`` includes the block operations of
-    the manager and of the host tier's pool. Without tiers ``tier_hits`` is ``{"device": hit_blocks}``.
+    ``tier_hits`` splits ``hit_blocks`` by where they were found (``device``, then each tier's medium:
+    ``host``, ``disk``, ``remote``); ``tiers`` holds the :meth:`OffloadManager.stats` of the run, and
+    ``block_ops`` includes the block operations of the manager and of the host tier's pool. Without tiers
+    ``tier_hits`` is ``{"device": hit_blocks}``.
     """
 
     requests_completed: int
@@ -165,14 +188,27 @@ class ReplayResult:
         return out
 
 
-def request_blocks(req: TraceRequest, block_size: int) -> int:
-    """Blocks a request holds at its end: ``ceil((input + output) / block_size)``."""
-    return -(-(req.input_tokens + req.output_tokens) // block_size)
+def trace_request(req: TraceRequest, request_id: int, block_size: int) -> Request:
+    """``req`` as a request of the request path: counts and the prompt's block hashes, no token ids."""
+    return Request(request_id, None, req.output_tokens, num_prompt_tokens=req.input_tokens,
+                   block_hashes=req.block_hashes(block_size), arrival_s=req.arrival_s)
 
 
-def unbounded_num_blocks(requests: Sequence[TraceRequest], block_size: int) -> int:
-    """Blocks to hold every request of the trace at once: the sum of :func:`request_blocks`."""
-    return max(1, sum(request_blocks(r, block_size) for r in requests))
+def request_blocks(req: TraceRequest, config: ReplayConfig | int) -> int:
+    """Pool blocks ``req`` needs at its peak alone (every group, the null block included): what the
+    scheduler checks on arrival (a request needing more than the pool is rejected). ``config`` may be a
+    block size (one full-attention group, instant timing)."""
+    config = ReplayConfig(block_size=config) if isinstance(config, int) else config
+    kv_tokens = req.input_tokens + max(req.output_tokens - 1, 0)
+    return blocks_needed(config.kv_cache_groups, kv_tokens, config.step_tokens)
+
+
+def unbounded_num_blocks(requests: Sequence[TraceRequest], config: ReplayConfig | int) -> int:
+    """Blocks to hold every request of the trace at once: the sum of :func:`request_blocks` (the null
+    block counted once). ``config`` may be a block size (one full-attention group)."""
+    config = ReplayConfig(block_size=config) if isinstance(config, int) else config
+    null = 1 if any(g.kind is not LayerKind.FULL for g in config.kv_cache_groups) else 0
+    return max(1 + null, sum(request_blocks(r, config) - null for r in requests) + null)
 
 
 def admission_order(requests: Sequence[TraceRequest], config: ReplayConfig, num_blocks: int
@@ -181,243 +217,211 @@ def admission_order(requests: Sequence[TraceRequest], config: ReplayConfig, num_
     trace order for ``instant`` timing, arrival order for ``trace`` timing (first come, first served),
     without the requests larger than the pool, which it rejects."""
     order = requests if config.timing == "instant" else sorted(requests, key=lambda r: r.arrival_s)
-    return [r for r in order if request_blocks(r, config.block_size) <= num_blocks]
+    return [r for r in order if request_blocks(r, config) <= num_blocks]
 
 
-def _blocks_area(tokens_before: int, steps: int, block_size: int) -> int:
-    """Sum over k = 1..steps of ceil((tokens_before + k) / block_size): block-steps of a decode run.
+class Replayer:
+    """One replay of ``requests`` (see the module docstring); :meth:`run` returns its result.
 
-    Uses F(L) = sum_{l=1..L} ceil(l / B) = B q (q + 1) / 2 + r (q + 1), with q, r = divmod(L, B).
+    ``pool``: an all-free :class:`BlockPool` to replay on (default: a fresh one of ``config.num_blocks``
+    with ``config.policy``); ``event_sink`` records its KV events (flushed once per simulated step);
+    ``observer(t, pool)`` and ``record_timeline`` sample the pool over time.
+
+    ``requests`` are trace requests, or fresh :class:`~kvpool.requests.request.Request` objects with token
+    ids (an engine's requests replayed): then ``hasher`` hashes their blocks as the engine's did and
+    ``next_token(request)`` is the model, a clock that gives each request's next sampled token (for
+    example the one the engine sampled), so the replay makes the engine's pool calls exactly (``belady``
+    needs trace requests).
     """
 
-    def prefix(length: int) -> int:
-        q, r = divmod(length, block_size)
-        return block_size * q * (q + 1) // 2 + r * (q + 1)
-
-    return prefix(tokens_before + steps) - prefix(tokens_before)
-
-
-class _Seq:
-    """A request in flight: its hashes (computed once), the blocks it holds and how far it has got."""
-
-    __slots__ = ("req", "hashes", "blocks", "generated", "computed", "published", "total_blocks", "admitted")
-
-    def __init__(self, req: TraceRequest, block_size: int) -> None:
-        self.req = req
-        self.hashes = req.block_hashes(block_size)
-        self.blocks: list[int] = []
-        self.generated = 0  # output tokens produced so far (kept across a preemption)
-        self.computed = 0  # tokens whose KV is written (hits included); < tokens while prefilling
-        self.published = 0  # leading prompt blocks in the prefix index (hits included)
-        self.total_blocks = request_blocks(req, block_size)
-        self.admitted = False
-
-    @property
-    def tokens(self) -> int:
-        """Tokens whose KV the request holds once (re)prefilled: prompt plus output so far."""
-        return self.req.input_tokens + self.generated
-
-    @property
-    def prefilling(self) -> bool:
-        """Whether some of :attr:`tokens` still need computing (a decode step follows only after)."""
-        return self.computed < self.tokens
-
-
-#: One request's share of a step: (request, tokens, whether they are a prefill chunk rather than a decode).
-_Scheduled = tuple[_Seq, int, bool]
-
-
-class _Replayer:
-    def __init__(self, requests: Sequence[TraceRequest], config: ReplayConfig, pool: BlockPool | None,
-                 progress: Callable[[int], object] | None, record_timeline: bool,
-                 event_sink: KVEventSink | None = None,
-                 observer: Callable[[float, BlockPool], object] | None = None) -> None:
-        self.requests, self.cfg, self.progress, self.observer = requests, config, progress, observer
+    def __init__(self, requests: Sequence[TraceRequest] | Sequence[Request], config: ReplayConfig, *,
+                 pool: BlockPool | None = None, progress: Callable[[int], object] | None = None,
+                 record_timeline: bool = False, event_sink: KVEventSink | None = None,
+                 observer: Callable[[float, BlockPool], object] | None = None,
+                 hasher: BlockHasher | None = None, next_token: Callable[[Request], int] | None = None
+                 ) -> None:
+        self.cfg, self.progress, self.observer = config, progress, observer
+        traced = all(isinstance(r, TraceRequest) for r in requests)
+        self.given: list[Any] | None = None if traced else list(requests)
+        self.requests: list[TraceRequest] = list(requests) if traced else \
+            [_as_trace(r) for r in requests if isinstance(r, Request)]  # type: ignore[arg-type]
+        if self.given is not None and (config.policy == "belady" or next_token is None or
+                                       len(self.requests) != len(self.given)):
+            raise ConfigError("replaying requests with token ids needs all of them so, a next_token clock, "
+                              "and a policy other than belady")
+        self.next_token = next_token
         self.bs = config.block_size
         self.now = 0.0
-        if pool is None:
-            num_blocks = config.num_blocks or unbounded_num_blocks(requests, self.bs)
-            try:
-                pool = self._new_pool(num_blocks, event_sink)
-            except InvalidArgumentError as exc:  # too large for memory
-                raise ConfigError(f"{exc}: give a smaller num_blocks (--num-blocks)") from None
-        self.pool = pool
-        self.belady = pool.policy if isinstance(pool.policy, BeladyPolicy) else None
-        self.pin_hashes = self._pin_hashes(config.pin_prefix)
-        self.pinned: list[int] = []
+        num_blocks = config.num_blocks or (pool.num_blocks if pool is not None else
+                                           unbounded_num_blocks(requests, config))
+        try:
+            self.kv = KVCacheManager(config.kv_cache_groups, num_blocks, event_sink=event_sink, hasher=hasher,
+                                     policy=self._policy(num_blocks) if pool is None else "lru", pool=pool)
+        except (MemoryError, InvalidArgumentError) as exc:  # too large for memory
+            raise ConfigError(f"a pool of {num_blocks:,} blocks cannot be built ({exc}): give a smaller "
+                              "num_blocks (--num-blocks)") from None
+        self.pool = self.kv.pool
+        self.sched = Scheduler(self.kv, max_num_batched_tokens=config.step_tokens,
+                               max_num_seqs=config.max_num_seqs)
+        self.belady = self.pool.policy if isinstance(self.pool.policy, BeladyPolicy) else None
+        if self.belady is not None:
+            self.kv.on_admit = self._announce
+        self._announced: set[int] = set()
+        if config.pin_prefix:
+            self.kv.pin_when_cached(self._pin_hashes(config.pin_prefix))
         self.timeline: list[Sample] | None = [] if record_timeline else None
         span = max((r.arrival_s for r in requests), default=0.0)
         self.sample_every = span / TIMELINE_POINTS if config.timing == "trace" else 0.0
         self.next_sample = 0.0
-        self.completed = self.rejected = self.preemptions = self.ops = 0
-        self.prompt_blocks = self.hit_blocks = self.prompt_tokens = 0
+        self.completed = self.rejected = 0
+        self.prompt_blocks = self.prompt_tokens = 0
         self.area = 0.0
         self.peak = 0
-        self.offload: Any = None
-        self.tier_hits = [0]  # device, then each tier
 
     def chain(self, tiers: Sequence[TierBackend], write_through: bool, tier_admission: int = 1) -> None:
         """Put ``tiers`` under the pool (an inline :class:`~kvpool.tiers.manager.OffloadManager`, with a
         :class:`FrequencyAdmission` of ``tier_admission`` offers when that is above 1)."""
-        from kvpool.tiers.manager import OffloadManager  # the tiers' extra, only when asked for
-
         admission = FrequencyAdmission(tier_admission) if as_int(tier_admission, "tier_admission",
                                                                  minimum=1) > 1 else None
-        self.offload = OffloadManager(self.pool, tiers, write_through=write_through, asynchronous=False,
-                                      admission=admission)
-        self.tier_hits = [0] * (len(tiers) + 1)
+        self.kv.attach_tiers(tiers, write_through=write_through, asynchronous=False, admission=admission)
 
-    def _new_pool(self, num_blocks: int, event_sink: KVEventSink | None) -> BlockPool:
+    def _policy(self, num_blocks: int) -> EvictionPolicy:
         cfg = self.cfg
         if cfg.policy == "belady":
             future = TraceFuture(admission_order(self.requests, cfg, num_blocks), self.bs)
-            policy: EvictionPolicy = BeladyPolicy(future)
-        else:
-            policy = make_policy(cfg.policy, clock=lambda: self.now)
-        return BlockPool(num_blocks, event_sink=event_sink, policy=policy)
+            return BeladyPolicy(future, num_groups=len(cfg.kv_cache_groups))
+        return make_policy(cfg.policy, clock=lambda: self.now)
+
+    def _announce(self, req: Request) -> None:
+        """Belady's future moves on at each request's first admission, before any eviction for it."""
+        if req.request_id not in self._announced:
+            self._announced.add(req.request_id)  # type: ignore[arg-type]
+            self.belady.admitted(self.requests[req.request_id], req.block_hashes)  # type: ignore[union-attr]
 
     def _pin_hashes(self, prefix: tuple[int, ...]) -> list[int]:
         """The block hashes of ``config.pin_prefix`` (trace hash ids) at this block size."""
-        if not prefix:
-            return []
-        hashes = TraceRequest(0.0, MOONCAKE_BLOCK_SIZE * len(prefix), 0, prefix).block_hashes(self.bs)
-        if len(hashes) > self.pool.max_pinned_blocks:
-            raise ConfigError(f"pin_prefix is {len(hashes)} blocks, over the pool's pin cap of "
-                              f"{self.pool.max_pinned_blocks}")
-        return hashes
+        return TraceRequest(0.0, MOONCAKE_BLOCK_SIZE * len(prefix), 0, prefix).block_hashes(self.bs)
+
+    # ---- the run ------------------------------------------------------------------------------------
 
     def run(self, start: float) -> ReplayResult:
         """Simulate; ``wall_s`` runs from ``start`` (before the pool was built) to the end, before the
         final ``check_integrity()``."""
-        self._run_instant() if self.cfg.timing == "instant" else self._run_trace()
-        self._flush_events()
+        order = range(len(self.requests))
+        pending = deque(order if self.cfg.timing == "instant" else
+                        sorted(order, key=lambda i: self.requests[i].arrival_s))
+        while pending or self.sched.has_unfinished():
+            self._arrive(pending)
+            if self.sched.has_unfinished():
+                self._step(pending)
+            elif pending:  # idle until the next arrival
+                self._sample(force=True)
+                self.now = max(self.now, self.requests[pending[0]].arrival_s)
+        self.kv.flush_events()
         wall = time.perf_counter() - start
-        pool, bs = self.pool, self.bs
-        if self.pinned:
-            pool.unpin(self.pinned)
-        if pool.num_used_blocks:
-            raise IntegrityError(f"replay ended with {pool.num_used_blocks} blocks still in use")
-        pool.check_integrity()
+        pinned = self.kv.unpin_all()
+        if self.pool.num_used_blocks:
+            raise IntegrityError(f"replay ended with {self.pool.num_used_blocks} blocks still in use")
         tier_hits, tiers = self._tier_report()
-        ops = self.ops + (self.offload.ops if self.offload is not None else 0)
+        self.kv.check_integrity()
+        kv, bs = self.kv, self.bs
+        hits = kv.first_stats.hit_blocks
+        ops = kv.ops + (kv.tiers.ops if kv.tiers is not None else 0)
+        if kv.tiers is not None:
+            kv.detach_tiers()
         return ReplayResult(
-            self.completed, self.rejected, self.prompt_blocks, self.hit_blocks,
-            _ratio(self.hit_blocks, self.prompt_blocks), _ratio(self.hit_blocks * bs, self.prompt_tokens),
-            self.peak, _ratio(self.area, self.now), self.preemptions, ops, _ratio(ops, wall), wall,
-            pool.stats.evictions, self.now, pool.num_blocks, bs, self.cfg.timing, self.cfg.policy,
-            len(self.pinned), tier_hits, tiers, timeline=self.timeline or [])
+            self.completed, self.rejected, self.prompt_blocks, hits,
+            _ratio(hits, self.prompt_blocks), _ratio(hits * bs, self.prompt_tokens),
+            self.peak, _ratio(self.area, self.now), self.sched.num_preemptions, ops, _ratio(ops, wall), wall,
+            self.pool.stats.evictions, self.now, self.pool.num_blocks, bs, self.cfg.timing, self.cfg.policy,
+            pinned, tier_hits, tiers, timeline=self.timeline or [])
 
     def _tier_report(self) -> tuple[dict[str, int], dict[str, Any]]:
-        """(hits by place, the manager's stats); checks every tier and detaches the manager."""
-        if self.offload is None:
-            return {"device": self.hit_blocks}, {}
-        self.offload.check_integrity()
-        names = ["device"] + [t.medium for t in self.offload.tiers]
-        stats = self.offload.stats()
-        self.offload.detach()
-        return dict(zip(names, self.tier_hits, strict=True)), stats
+        """(hits by place at first admissions, the manager's stats); checks every tier."""
+        places = dict(self.kv.first_stats.by_place)
+        if self.kv.tiers is None:
+            return places, {}
+        self.kv.tiers.synchronize()
+        out = {"device": places.get("device", 0)}
+        for tier in self.kv.tiers.tiers:
+            out[tier.medium] = places.get(tier.medium, 0)
+        return out, self.kv.tiers.stats()
 
-    # ---- pool calls (every block operation is counted here) -----------------------------------------
+    def _arrive(self, pending: deque[int]) -> None:
+        """Queue the requests that arrived (``trace``), or the next one when none runs (``instant``); a
+        request that could never fit the pool alone is rejected and counted."""
+        instant = self.cfg.timing == "instant"
+        while pending and (self.requests[pending[0]].arrival_s <= self.now if not instant else
+                           not self.sched.has_unfinished()):
+            i = pending.popleft()
+            trace_req = self.requests[i]
+            if instant:
+                self.now = max(self.now, trace_req.arrival_s)
+            req = trace_request(trace_req, i, self.bs) if self.given is None else self.given[i]
+            try:
+                self.sched.add_request(req)
+            except OutOfBlocksError:
+                self.rejected += 1
+                if self.progress is not None:
+                    self.progress(1)
 
-    def _admit(self, seq: _Seq, budget: int | None) -> int | None:
-        """Look up ``seq``'s cached prefix, touch it and allocate blocks for its first chunk of uncached
-        tokens: ``min(uncached, budget)`` (``trace`` timing), or all of them (``budget`` None: ``instant``
-        timing, pool all free, nothing checked). Returns the chunk's tokens, or None (pool unchanged) when
-        its blocks do not fit."""
-        pool, hashes, bs = self.pool, seq.hashes, self.bs
-        found = pool.lookup(hashes) if self.offload is None else self.offload.lookup(hashes)
-        computed = len(found) * bs
-        chunk = seq.tokens - computed if budget is None else min(seq.tokens - computed, budget)
-        need = -(-(computed + chunk) // bs) - len(found)
-        if budget is not None and not pool.can_allocate(hashes[:len(found)], len(found) + need):
-            return None  # a hit on a cached free block consumes a free block too (and one found below)
-        if self.belady is not None and not seq.admitted:
-            self.belady.admitted(seq.req, hashes)  # the future moves on before any eviction for this request
-        if self.offload is None:
-            hits = found
-            pool.touch(hits)
-        else:  # blocks found below are loaded into new device blocks (shorter after a failed load)
-            hits = self.offload.acquire(found)
-            self._count_tier_hits(seq, found.where[:len(hits)])
-        seq.blocks = hits + pool.allocate(need + len(found) - len(hits))
-        seq.computed = seq.published = len(hits)
-        seq.computed *= bs
-        self.ops += min(len(hits) + 1, len(hashes)) + len(hits) + need  # hashes examined, touched, allocated
-        if not seq.admitted:
-            seq.admitted = True
-            self.prompt_blocks += seq.req.input_tokens // bs
-            self.prompt_tokens += seq.req.input_tokens
-            self.hit_blocks += len(hits)
-        return chunk
+    def _step(self, pending: deque[int]) -> None:
+        """One engine step with the clock for a model, then the decode steps that change nothing."""
+        sched, cfg = self.sched, self.cfg
+        out = sched.schedule()
+        if not out.scheduled:
+            raise IntegrityError("a step scheduled nothing")
+        self._count_admitted(out)
+        self._tick(cfg.step_s + cfg.prefill_token_s * out.num_prefill_tokens
+                   + cfg.decode_token_s * out.num_decode_tokens)
+        finished = sched.update(out, self._tokens(out))
+        self.completed += len(finished)
+        if finished:
+            if self.progress is not None:
+                self.progress(len(finished))
+            if cfg.timing == "instant":
+                self._sample(force=True)
+        stalled = not sched.waiting or not (finished or out.admitted or out.preempted)
+        if FAST_FORWARD and stalled:
+            self._fast_forward(pending if not sched.waiting else None)
 
-    def _count_tier_hits(self, seq: _Seq, where: list[int]) -> None:
-        if not seq.admitted:
-            for t in range(len(self.tier_hits)):
-                self.tier_hits[t] += where.count(t)
+    def _tokens(self, out: SchedulerOutput) -> list[int | None]:
+        """The step's sampled tokens: the clock's for requests with token ids, counted (None) otherwise."""
+        if self.next_token is None:
+            return [None] * out.num_sampled
+        return [self.next_token(req) for (req, _), samples in zip(out.scheduled, out.sampled, strict=True)
+                if samples]
 
-    def _reserve(self, seq: _Seq, n: int) -> bool:
-        """Blocks for ``n`` more tokens of ``seq``; False, nothing changed, when too few are free."""
-        need = -(-(seq.computed + n) // self.bs) - len(seq.blocks)
-        if need > self.pool.num_free_blocks:
-            return False
-        if need > 0:
-            self._grow(seq, need)
-        return True
+    def _count_admitted(self, out: SchedulerOutput) -> None:
+        for req in out.admitted:
+            if req.num_preemptions == 0:  # a first admission
+                self.prompt_blocks += req.num_prompt_tokens // self.bs
+                self.prompt_tokens += req.num_prompt_tokens
 
-    def _publish(self, seq: _Seq) -> None:
-        """After a step: publish the full prompt blocks it computed (the engine publishes a block only
-        after the forward that wrote its KV)."""
-        full = min(seq.computed // self.bs, len(seq.hashes))
-        if full > seq.published:
-            ids, hashes = seq.blocks[seq.published:full], seq.hashes[seq.published:full]
-            self.pool.cache_blocks(ids, hashes)
-            if self.offload is not None:
-                self.offload.on_published(ids, hashes)
-            self.ops += full - seq.published
-            seq.published = full
-        if self.pin_hashes and not self.pinned and self.pool.can_pin_prefix(self.pin_hashes):
-            self.pinned = self.pool.pin_prefix(self.pin_hashes)
-
-    def _grow(self, seq: _Seq, n: int) -> None:
-        seq.blocks += self.pool.allocate(n)
-        self.ops += n
-
-    def _release(self, seq: _Seq) -> None:
-        """Free tail first: the prompt's head joins the LRU last, so it is evicted last."""
-        self.pool.free(seq.blocks[::-1])
-        self.ops += len(seq.blocks)
-        seq.blocks = []
-
-    def _finish(self, seq: _Seq) -> None:
-        self._release(seq)
-        self.completed += 1
-        if self.progress is not None:
-            self.progress(1)
-
-    def _reject(self, req: TraceRequest) -> bool:
-        """Count and drop a request that needs more blocks than the whole pool has."""
-        if request_blocks(req, self.bs) <= self.pool.num_blocks:
-            return False
-        self.rejected += 1
-        if self.progress is not None:
-            self.progress(1)
-        return True
+    def _fast_forward(self, pending: deque[int] | None) -> None:
+        """Run, in one go, the pure decode steps before the next event: a request needing a block,
+        freeing or publishing one, or finishing, or (``pending``, trace timing) an arrival that could be
+        admitted. Same result as stepping one at a time."""
+        k = self.sched.num_idle_decode_steps()
+        if k <= 0:
+            return
+        dt = self.cfg.step_s + self.cfg.decode_token_s * len(self.sched.running)
+        if pending and self.cfg.timing == "trace":  # only the steps that start before the arrival
+            k = min(k, math.ceil((self.requests[pending[0]].arrival_s - self.now) / dt) if dt > 0 else 0)
+        if k > 0:
+            self.sched.run_decode_steps(k)
+            self._tick(k * dt)
 
     # ---- clock and usage ----------------------------------------------------------------------------
 
-    def _tick(self, dt: float, block_seconds: float | None = None) -> None:
-        """Run ``dt`` seconds with the blocks now in use (or the given block-seconds); sample at the start."""
+    def _tick(self, dt: float) -> None:
+        """Run ``dt`` seconds with the blocks now in use; sample at the start; flush the step's events."""
         used = self.pool.num_used_blocks
         self.peak = max(self.peak, used)
         self._sample()
-        self.area += used * dt if block_seconds is None else block_seconds
+        self.area += used * dt
         self.now += dt
-        self._flush_events()
-
-    def _flush_events(self) -> None:
-        """Publish what the pool recorded since the last step (one batch per simulated step)."""
-        if self.pool.event_sink is not None:
-            self.pool.event_sink.flush()
+        self.kv.flush_events()
 
     def _sample(self, force: bool = False) -> None:
         """Record the pool state from now on (thinned in ``trace`` timing unless ``force``)."""
@@ -431,125 +435,10 @@ class _Replayer:
             if self.observer is not None:
                 self.observer(self.now, pool)
 
-    # ---- instant timing -----------------------------------------------------------------------------
 
-    def _run_instant(self) -> None:
-        cfg, bs = self.cfg, self.bs
-        decode_step = cfg.step_s + cfg.decode_token_s
-        for req in self.requests:
-            if self._reject(req):
-                continue
-            seq = _Seq(req, bs)
-            self.now = max(self.now, req.arrival_s)
-            new_tokens = self._admit(seq, None)
-            self._tick(cfg.step_s + cfg.prefill_token_s * new_tokens)
-            seq.computed = seq.tokens
-            self._publish(seq)
-            self._grow(seq, seq.total_blocks - len(seq.blocks))
-            out = req.output_tokens
-            self._tick(out * decode_step, _blocks_area(req.input_tokens, out, bs) * decode_step)
-            self._finish(seq)
-            self._sample(force=True)
-
-    # ---- trace timing -------------------------------------------------------------------------------
-
-    def _run_trace(self) -> None:
-        pending = deque(sorted(self.requests, key=lambda r: r.arrival_s))
-        waiting: deque[_Seq] = deque()
-        running: list[_Seq] = []
-        while pending or waiting or running:
-            while pending and pending[0].arrival_s <= self.now:
-                req = pending.popleft()
-                if not self._reject(req):
-                    waiting.append(_Seq(req, self.bs))
-            if waiting or running:
-                if self._step(waiting, running) and FAST_FORWARD:
-                    self._fast_forward(running, pending[0].arrival_s if pending and not waiting else None)
-            elif pending:  # idle until the next arrival
-                self._sample(force=True)
-                self.now = pending[0].arrival_s
-
-    def _step(self, waiting: deque[_Seq], running: list[_Seq]) -> bool:
-        """One engine step: the running requests' next tokens, then admissions, then the clock. Returns
-        whether the queue is stalled: nothing waiting, or a head that no pure decode step can admit (it was
-        refused, and no request finished, was preempted or was admitted, which would change the pool or the
-        token budget)."""
-        cfg, preemptions = self.cfg, self.preemptions
-        scheduled, budget = self._schedule_running(waiting, running)
-        admitted = self._schedule_waiting(waiting, running, budget) if self.preemptions == preemptions else []
-        assert scheduled or admitted, "a step scheduled nothing"
-        steps = scheduled + admitted
-        prefill = sum(n for _, n, is_prefill in steps if is_prefill)
-        decodes = sum(1 for *_, is_prefill in steps if not is_prefill)
-        self._tick(cfg.step_s + cfg.prefill_token_s * prefill + cfg.decode_token_s * decodes)
-        finished = False
-        for seq, n, is_prefill in steps:
-            if is_prefill:  # a chunk (an admission with every token cached computes 0 tokens)
-                seq.computed += n
-                self._publish(seq)
-                done = not seq.prefilling and seq.generated == seq.req.output_tokens
-            else:
-                seq.computed += 1
-                seq.generated += 1
-                done = seq.generated == seq.req.output_tokens
-            if done:
-                running.remove(seq)
-                self._finish(seq)
-                finished = True
-        return not waiting or not (finished or admitted or self.preemptions > preemptions)
-
-    def _schedule_running(self, waiting: deque[_Seq], running: list[_Seq]) -> tuple[list[_Scheduled], int]:
-        """Each running request, oldest first, gets its next tokens within the budget: one to decode, or
-        the next prefill chunk. While too few blocks are free, the newest running request is preempted (it
-        may be the one asking; then the loop ends). Returns what was scheduled and the budget left."""
-        budget, scheduled, i = self.cfg.max_batched_tokens, [], 0
-        while i < len(running) and budget > 0:
-            seq = running[i]
-            prefill = seq.prefilling
-            n = min(seq.tokens - seq.computed, budget) if prefill else 1
-            if self._reserve(seq, n):
-                scheduled.append((seq, n, prefill))
-                budget, i = budget - n, i + 1
-            else:
-                self._preempt(running.pop(), waiting)
-        return scheduled, budget
-
-    def _schedule_waiting(self, waiting: deque[_Seq], running: list[_Seq], budget: int) -> list[_Scheduled]:
-        """Admit waiting requests in order, each with a first chunk of what is left of the budget, while
-        their blocks fit and fewer than ``max_running`` run."""
-        admitted: list[_Scheduled] = []
-        while waiting and budget > 0 and len(running) < self.cfg.max_running:
-            chunk = self._admit(waiting[0], budget)
-            if chunk is None:
-                break
-            seq = waiting.popleft()
-            running.append(seq)
-            admitted.append((seq, chunk, True))
-            budget -= chunk
-        return admitted
-
-    def _fast_forward(self, running: list[_Seq], next_arrival: float | None) -> None:
-        """Run, in one go, the pure decode steps before the next event: a request needing a block or
-        finishing, or an arrival that could be admitted. Same result as stepping one at a time; only when
-        every running request decodes and all of them fit one step's budget."""
-        if not running or len(running) > self.cfg.max_batched_tokens or any(s.prefilling for s in running):
-            return
-        bs = self.bs
-        k = min(min(len(s.blocks) * bs - s.tokens, s.req.output_tokens - s.generated - 1) for s in running)
-        dt = self.cfg.step_s + self.cfg.decode_token_s * len(running)
-        if next_arrival is not None:  # steps that start before the arrival
-            k = min(k, math.ceil((next_arrival - self.now) / dt) if dt > 0 else 0)
-        if k > 0:
-            for seq in running:
-                seq.generated += k
-                seq.computed += k
-            self._tick(k * dt)
-
-    def _preempt(self, seq: _Seq, waiting: deque[_Seq]) -> None:
-        self._release(seq)
-        seq.computed = seq.published = 0
-        waiting.appendleft(seq)
-        self.preemptions += 1
+def _as_trace(req: Request) -> TraceRequest:
+    """The counts of a request with token ids, as a trace request (its arrival, prompt and output)."""
+    return TraceRequest(req.arrival_s, req.num_prompt_tokens, req.max_tokens)
 
 
 def _ratio(num: float, den: float) -> float:

@@ -1,0 +1,378 @@
+"""``KVCacheManager``: a request's KV life on the pool, written once for every consumer.
+
+The engine and the trace replay both drive requests through this one class (their scheduler is
+:class:`kvpool.requests.scheduler.Scheduler`), so whatever composes here composes everywhere: any model
+(one full-attention group, sliding-window or chunked groups), any eviction policy, pins, admission,
+KV events, a tier chain below the device, tensor parallelism. The life of a request:
+
+1. **Admission** (:meth:`KVCacheManager.admit`): the longest prefix of its block hashes that every KV cache
+   group can restore, on the device or in a lower tier (at most the blocks of its first ``num_tokens - 1``
+   tokens: the last token is always computed, for its logits, as vLLM does); blocks found below are
+   restored into device blocks first (:meth:`kvpool.tiers.manager.OffloadManager.restore`); then the hit
+   is touched and blocks are allocated for the first chunk. Refused (``None``, nothing allocated) when the
+   pool is short.
+2. **Each step** (:meth:`reserve`): blocks that left a window are freed, blocks for the step's tokens are
+   allocated; ``False`` (nothing allocated) when the pool is short: the scheduler then preempts.
+3. **After the forward** (:meth:`publish`): the full blocks whose KV is now written enter the prefix
+   index, in every group (write-through tiers store them as the pool publishes them).
+4. **The end** (:meth:`free`) or a **preemption** (:meth:`preempt`): every block is freed tail first, so
+   the prefix's head is evicted last; a preempted request is recomputed from scratch later.
+
+Prefix hits are counted once per admission that succeeded (:attr:`stats`; :attr:`first_stats` for first
+admissions only: what a replay's hit ratio counts), by where each hit block was found.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvpool.allocators.block_pool import BlockPool, BlockPoolStats
+from kvpool.allocators.groups import CacheHit, KVCacheCoordinator, group_key
+from kvpool.allocators.hashing import BlockHasher
+from kvpool.errors import ConfigError, InvalidIdError
+from kvpool.requests.request import Request
+from kvpool.spec import KVCacheGroup, LayerKind
+
+if TYPE_CHECKING:
+    from kvpool.allocators.policies import FrequencyAdmission
+    from kvpool.events import KVEventSink
+    from kvpool.storage.paged import BlockStore
+    from kvpool.tiers.backend import TierBackend
+    from kvpool.tiers.manager import OffloadManager
+
+DEVICE = "device"
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache counters of admissions, in blocks of ``block_size`` tokens: ``requests`` admitted,
+    ``queried_blocks`` (the blocks each admission could have hit: its full blocks of the first
+    ``num_tokens - 1`` tokens), ``hit_blocks`` (the prefix found), split in ``by_place`` by where each hit
+    block was found (``device``, then each tier's medium)."""
+
+    requests: int = 0
+    queried_blocks: int = 0
+    hit_blocks: int = 0
+    by_place: dict[str, int] = field(default_factory=lambda: {DEVICE: 0})
+
+    def record(self, queried: int, places: dict[str, int]) -> None:
+        self.requests += 1
+        self.queried_blocks += queried
+        for place, n in places.items():
+            self.hit_blocks += n
+            self.by_place[place] = self.by_place.get(place, 0) + n
+
+
+def blocks_needed(groups: Sequence[KVCacheGroup], num_tokens: int, chunk_tokens: int) -> int:
+    """Pool blocks a request holding KV for ``num_tokens`` tokens needs at its peak alone, prefilled in
+    chunks of at most ``chunk_tokens``: every group's :meth:`~kvpool.spec.KVCacheGroup.max_blocks`, plus the
+    null block a pool reserves when a group has a window. A request needing more than the pool never runs."""
+    chunk = max(1, min(chunk_tokens, num_tokens))
+    need = sum(g.max_blocks(num_tokens, chunk) for g in groups)
+    return need + any(g.kind is not LayerKind.FULL for g in groups)
+
+
+class KVCacheManager:
+    """The KV cache of ``groups`` (``KVCacheSpec.groups``) over one pool of ``num_blocks`` blocks.
+
+    Args:
+        groups: the model's KV cache groups (one full group for a plain model).
+        num_blocks: pool blocks (the null block included where a group has a window).
+        enable_caching: prefix caching.
+        hasher: hashes the full blocks of requests that carry token ids (None: requests bring their own
+            ``block_hashes``, as a trace's do; a request with token ids then gets none).
+        policy, pin_cap, admission: the pool's eviction policy, pin cap and publish-step
+            :class:`~kvpool.allocators.policies.FrequencyAdmission` (see :class:`BlockPool`).
+        event_sink: the pool's KV events (:class:`kvpool.events.KVEventSink`); :meth:`flush_events` once per
+            step publishes them.
+        pool: an all-free :class:`BlockPool` to use (see :class:`KVCacheCoordinator`).
+
+    Raises:
+        InvalidArgumentError: as :class:`KVCacheCoordinator`.
+    """
+
+    def __init__(self, groups: Sequence[KVCacheGroup], num_blocks: int, *, enable_caching: bool = True,
+                 hasher: BlockHasher | None = None, policy: Any = "lru", pin_cap: float = 0.5,
+                 admission: FrequencyAdmission | None = None, event_sink: KVEventSink | None = None,
+                 pool: BlockPool | None = None) -> None:
+        self.coordinator = KVCacheCoordinator(groups, num_blocks, enable_caching=enable_caching,
+                                              event_sink=event_sink, policy=policy, pin_cap=pin_cap,
+                                              admission=admission, pool=pool)
+        self.groups, self.block_size = self.coordinator.groups, self.coordinator.block_size
+        self.caching, self.hasher = enable_caching, hasher
+        self.tiers: OffloadManager | None = None
+        self.stats, self.first_stats = PrefixCacheStats(), PrefixCacheStats()
+        self.ops = 0  # block ids and hashes handled by pool calls (a replay reports block ops per second)
+        self._wanted_pins: list[list[Hashable]] = []
+        self.pins: list[list[int]] = []  # block ids of each prefix pinned, in pin order
+        #: Called with each request :meth:`admit` is about to touch or allocate for (its blocks fit), before
+        #: anything changes: a replay's offline eviction bound learns the admission order here.
+        self.on_admit: Callable[[Request], None] | None = None
+
+    # ---- the pool -----------------------------------------------------------------------------------
+
+    @property
+    def pool(self) -> Any:
+        """The coordinator's :class:`BlockPool` (a tensor-parallel leader may have wrapped it)."""
+        return self.coordinator.pool
+
+    @property
+    def null_block(self) -> int:
+        return self.coordinator.null_block
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.coordinator.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.coordinator.num_used_blocks
+
+    @property
+    def event_sink(self) -> KVEventSink | None:
+        return self.pool.event_sink
+
+    def flush_events(self) -> None:
+        """Publish the KV events recorded since the last call as one batch (once per step)."""
+        if self.pool.event_sink is not None:
+            self.pool.event_sink.flush()
+
+    # ---- tiers --------------------------------------------------------------------------------------
+
+    def attach_tiers(self, tiers: Sequence[TierBackend], *, cache: BlockStore | None = None,
+                     write_through: bool = False, asynchronous: bool = True,
+                     admission: FrequencyAdmission | None = None, staging_blocks: int = 64) -> OffloadManager:
+        """Chain ``tiers`` (a host tier first, then disk, remote) under the device pool, for every KV cache
+        group: evicted (or, with ``write_through``, published) blocks go down keyed by group and hash, and
+        :meth:`admit` finds prefixes in every tier. ``cache``: the device KV store whose blocks move (None:
+        hashes only, a replay). Returns the :class:`~kvpool.tiers.manager.OffloadManager`.
+
+        Raises:
+            ConfigError: prefix caching is off, or tiers are attached already; with KV events, a host tier
+                that holds blocks already.
+            InvalidArgumentError: as :class:`~kvpool.tiers.manager.OffloadManager`.
+        """
+        from kvpool.tiers.host import HostTier
+        from kvpool.tiers.manager import OffloadManager
+
+        if not self.caching or self.tiers is not None:
+            raise ConfigError("tiers need prefix caching and no tiers attached already")
+        sink = self.pool.event_sink
+        hosts = [t for t in tiers if isinstance(t, HostTier)] if sink is not None else []
+        if any(t.pool.num_cached_blocks or t.pool.event_sink is not None for t in hosts):
+            raise ConfigError("with KV events, the tiers need a host tier that holds no block yet")
+        raw = getattr(self.pool, "pool", self.pool)  # the BlockPool itself, under a recording wrapper
+        self.tiers = OffloadManager(raw, tiers, cache=cache, write_through=write_through,
+                                    asynchronous=asynchronous, admission=admission,
+                                    staging_blocks=staging_blocks)
+        for host in hosts:  # its stores and evictions go out in the same batches, medium CPU
+            host.pool.attach_event_sink(sink.for_medium("CPU"))
+        return self.tiers
+
+    def detach_tiers(self) -> None:
+        """Finish every store in flight and stop the tiers listening (the tiers stay open)."""
+        if self.tiers is not None:
+            self.tiers.detach()
+
+    # ---- a request's life ---------------------------------------------------------------------------
+
+    def blocks_needed(self, req: Request, chunk: int) -> int:
+        """:func:`blocks_needed` of ``req``'s :attr:`~Request.max_kv_tokens` in this manager's groups."""
+        return blocks_needed(self.groups, req.max_kv_tokens, chunk)
+
+    def hash_blocks(self, req: Request) -> None:
+        """Hash the full blocks of ``req``'s token ids not hashed yet (chained on the last one); a request
+        without token ids, or a manager without a hasher, keeps its hashes."""
+        if self.hasher is None or not self.caching or req.prompt_token_ids is None:
+            return
+        done = len(req.block_hashes) * self.block_size
+        if req.num_tokens - done >= self.block_size:
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            tokens = req.token_ids[done:]
+            req.block_hashes += self.hasher.block_hashes(tokens, self.block_size, parent=parent)
+
+    def admit(self, req: Request, budget: int) -> int | None:
+        """Admit ``req`` (holding no blocks) with its cached prefix and a first chunk of at most ``budget``
+        tokens; returns the chunk's tokens, or None (no block allocated) when the pool is short. Sets
+        ``req.num_computed_tokens`` to the prefix hit (and ``num_cached_tokens`` at a first admission)."""
+        coord, bs, hashes = self.coordinator, self.block_size, req.block_hashes
+        limit = min(len(hashes), (req.num_tokens - 1) // bs) if self.caching else 0
+        hit = coord.find_longest_cache_hit(hashes, limit, count=False,
+                                           probe=self.tiers.probe() if self.tiers is not None else None)
+        loaded: dict[Hashable, int] = {}
+        if self.tiers is not None and self._below(hit):
+            if self._need(req, hit, budget) > coord.num_free_blocks:
+                return None
+            if self.on_admit is not None:
+                self.on_admit(req)
+            loaded = self.tiers.restore(self._plan(hit))
+            hit = coord.find_longest_cache_hit(hashes, hit.num_blocks, count=False)
+        need = self._need(req, hit, budget)
+        if need > coord.num_free_blocks:
+            return None
+        if self.on_admit is not None:
+            self.on_admit(req)
+        computed = hit.num_blocks * bs
+        chunk = min(req.num_tokens - computed, budget)
+        coord.allocate(req.request_id, computed + chunk, hit)
+        self.ops += min(hit.num_blocks + 1, limit) + coord.num_blocks_held(req.request_id)
+        req.num_computed_tokens = computed
+        places = self._places(hit, loaded)
+        self.stats.record(limit, places)
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = computed
+            self.first_stats.record(limit, places)
+        return chunk
+
+    def _need(self, req: Request, hit: CacheHit, budget: int) -> int:
+        computed = hit.num_blocks * self.block_size
+        chunk = min(req.num_tokens - computed, budget)
+        return self.coordinator.num_blocks_to_allocate(req.request_id, computed + chunk, hit)
+
+    def _below(self, hit: CacheHit) -> bool:
+        """Whether a probed hit names blocks held in a tier (codes below -1)."""
+        return any(b < -1 for blocks in hit.blocks for b in blocks)
+
+    def _plan(self, hit: CacheHit) -> list[tuple[Hashable, int]]:
+        """``(key, where)`` of every block ``hit`` needs, position by position, every group at a position."""
+        null = self.null_block
+        return [(group_key(g, hit.block_hashes[i]), hit.blocks[g][i])
+                for i in range(hit.num_blocks) for g in range(len(self.groups))
+                if hit.blocks[g][i] != null]
+
+    def _places(self, hit: CacheHit, loaded: dict[Hashable, int]) -> dict[str, int]:
+        """Hit blocks by where they were found: a prefix position counts for the tier its first group's
+        block came from (when restored), else for the device."""
+        if not loaded or self.tiers is None:
+            return {DEVICE: hit.num_blocks}
+        places = {DEVICE: 0}
+        null, tiers = self.null_block, self.tiers.tiers
+        for i in range(hit.num_blocks):
+            place = DEVICE
+            for g in range(len(self.groups)):
+                if hit.blocks[g][i] != null:
+                    t = loaded.get(group_key(g, hit.block_hashes[i]))
+                    place = DEVICE if t is None else tiers[t].medium
+                    break
+            places[place] = places.get(place, 0) + 1
+        return places
+
+    def reserve(self, req: Request, num_new_tokens: int) -> bool:
+        """Blocks for ``num_new_tokens`` more tokens of running ``req`` (after freeing what its windows left
+        behind); False, nothing allocated, when the pool is short."""
+        coord, rid, computed = self.coordinator, req.request_id, req.num_computed_tokens
+        freed = coord.remove_skipped_blocks(rid, computed)
+        need = coord.num_blocks_to_allocate(rid, computed + num_new_tokens)
+        if need > coord.num_free_blocks:
+            self.ops += freed
+            return False
+        if need:
+            coord.allocate(rid, computed + num_new_tokens)
+        self.ops += freed + need
+        return True
+
+    def publish(self, req: Request) -> None:
+        """Publish ``req``'s full blocks whose KV is written (its first ``num_computed_tokens`` tokens) and
+        that have a hash (a trace's request hashes only its prompt), in every group, and pin any prefix
+        waiting for it (:meth:`pin_when_cached`)."""
+        if not self.caching:
+            return
+        tokens = req.token_ids if self.pool.event_sink is not None and req.has_token_ids else None
+        written = min(req.num_computed_tokens, len(req.block_hashes) * self.block_size)  # hashed blocks only
+        coord = self.coordinator
+        before = coord.num_published_blocks(req.request_id)
+        coord.cache_blocks(req.request_id, req.block_hashes, written, token_ids=tokens)
+        self.ops += (coord.num_published_blocks(req.request_id) - before) * len(self.groups)
+        if self._wanted_pins:
+            self._pin_what_is_cached()
+
+    def free(self, req: Request) -> None:
+        """Free every block of ``req``, tail first (a no-op for a request that holds none)."""
+        self.ops += self.coordinator.num_blocks_held(req.request_id)
+        self.coordinator.free(req.request_id, req.priority)
+
+    def preempt(self, req: Request) -> None:
+        """Free ``req``'s blocks (its published blocks stay cached) so it is recomputed from scratch."""
+        self.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+
+    def decode_room(self, req: Request) -> int:
+        """Tokens running ``req`` can compute from now on without a pool call changing anything: up to the
+        end of its blocks, before a window moves past a block, and (when its hashes cover the block being
+        filled) short of the block's last slot, which publishes it."""
+        room = self.coordinator.num_tokens_without_change(req.request_id, req.num_computed_tokens)
+        filling = req.num_computed_tokens // self.block_size
+        return room - 1 if self.caching and len(req.block_hashes) > filling else room
+
+    def block_tables(self, req: Request) -> tuple[list[int], ...]:
+        """Every group's block table of ``req`` (copies)."""
+        return self.coordinator.block_tables(req.request_id)
+
+    # ---- pins ---------------------------------------------------------------------------------------
+
+    def pin_when_cached(self, block_hashes: Sequence[Hashable]) -> bool:
+        """Pin the prefix ``block_hashes`` (a system prompt's) in every group as soon as all of it is cached
+        (now, or after the publish that completes it); it stays pinned until :meth:`unpin_all`. Returns
+        whether it is pinned now.
+
+        Raises:
+            ConfigError: the prefix is longer than the pool's pin cap.
+        """
+        hashes = list(block_hashes)
+        if len(hashes) > self.pool.max_pinned_blocks:
+            raise ConfigError(f"the prefix to pin is {len(hashes)} blocks, over the pool's pin cap of "
+                              f"{self.pool.max_pinned_blocks}")
+        if self.coordinator.can_pin_prefix(hashes):
+            self.pins.append(self.coordinator.pin_prefix(hashes))
+            return True
+        self._wanted_pins.append(hashes)
+        return False
+
+    def _pin_what_is_cached(self) -> None:
+        coord = self.coordinator
+        for hashes in list(self._wanted_pins):
+            if coord.can_pin_prefix(hashes):
+                self.pins.append(coord.pin_prefix(hashes))
+                self._wanted_pins.remove(hashes)
+
+    def unpin_all(self) -> int:
+        """Undo every pin (and forget the prefixes still waiting); returns the blocks unpinned."""
+        unpinned = sum(map(len, self.pins))
+        for ids in self.pins:
+            self.coordinator.unpin(ids)
+        self.pins, self._wanted_pins = [], []
+        return unpinned
+
+    # ---- state --------------------------------------------------------------------------------------
+
+    def prefix_cache_stats(self) -> BlockPoolStats:
+        """:attr:`stats` as the metrics read them: hits and misses in blocks over every admission (device
+        and tier hits alike), and the pool's evictions."""
+        s = self.stats
+        return BlockPoolStats(s.hit_blocks, s.queried_blocks - s.hit_blocks, self.pool.stats.evictions)
+
+    def num_token_slots_used(self, requests: Sequence[Request]) -> int:
+        """Token slots holding KV now: the tokens written in each block the ``requests`` hold, a shared block
+        counted once (a partly filled block counts its tokens). O(blocks they hold)."""
+        filled: dict[int, int] = {}
+        bs, null = self.block_size, self.null_block
+        for req in list(requests):
+            try:
+                tables = self.coordinator.block_tables(req.request_id)
+            except InvalidIdError:  # released since the list was copied
+                continue
+            for table in tables:
+                for i, block in enumerate(table):
+                    n = min(bs, req.num_computed_tokens - i * bs)
+                    if block != null and n > filled.get(block, 0):
+                        filled[block] = n
+        return sum(filled.values())
+
+    def check_integrity(self) -> None:
+        """The coordinator's and the pool's invariants, and every tier's (IntegrityError)."""
+        self.coordinator.check_integrity()
+        if self.tiers is not None:
+            self.tiers.check_integrity()

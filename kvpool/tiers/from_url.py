@@ -1,0 +1,159 @@
+"""Tiers from URLs: the one place that turns a tier's description into a tier, and checks it.
+
+Every consumer (``kvpool generate`` and ``kvpool replay``, :meth:`kvpool.engine.engine.LLMEngine.
+enable_offload`, a user's own engine) describes its chain as URLs, fastest first:
+
+- ``host://?blocks=N``: a host (CPU memory) tier of N blocks (:class:`~kvpool.tiers.host.HostTier`);
+- ``file:///DIR?bytes=SIZE`` or ``file:///DIR?blocks=N``: a disk tier in folder DIR (created if missing),
+  bounded in bytes (values with their 64-byte headers; ``SIZE`` as ``4GiB``) or in blocks
+  (:class:`~kvpool.tiers.file.FileTier`);
+- ``redis://HOST:PORT[/DB]`` or ``rediss://...``: a Redis server or Redis Cluster node shared by processes
+  (:class:`~kvpool.tiers.redis.RedisTier`).
+
+:func:`parse_tier_url` checks one URL without touching anything (so a command fails before it loads a
+model); :func:`check_chain` checks a chain's order (at most one host tier, first); :func:`tiers_from_urls`
+builds the tiers. Every malformed URL is a :class:`~kvpool.errors.ConfigError` naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvpool.errors import ConfigError
+from kvpool.units import parse_bytes
+
+MEDIUMS = {"host": "host", "file": "disk", "redis": "remote", "rediss": "remote"}
+
+
+@dataclass(frozen=True)
+class TierURL:
+    """One checked tier URL: ``medium`` (``host``, ``disk``, ``remote``), ``url`` as given, and its size:
+    ``blocks`` (host, or a disk bounded in blocks) or ``bytes`` (a disk bounded in bytes); ``path`` is a
+    disk tier's folder."""
+
+    medium: str
+    url: str
+    blocks: int | None = None
+    bytes: int | None = None
+    path: str | None = None
+
+
+def parse_tier_url(url: str) -> TierURL:
+    """``url`` checked (see the module docstring); nothing is created or connected.
+
+    Raises:
+        ConfigError: an unknown scheme, a missing or malformed size, unknown options, a disk folder that
+            cannot be created or written, a malformed Redis address.
+    """
+    if not isinstance(url, str):
+        raise ConfigError(f"bad tier URL {url!r}: expected a str such as host://?blocks=1024")
+    parts = urllib.parse.urlsplit(url)
+    medium = MEDIUMS.get(parts.scheme)
+    if medium is None:
+        raise ConfigError(f"bad tier URL {url!r}: the scheme must be host://, file:// or redis://")
+    if medium == "remote":
+        from kvpool.tiers.redis import check_url  # redis-py: only for a Redis tier
+
+        return TierURL(medium, check_url(url))
+    if parts.fragment:
+        raise ConfigError(f"bad tier URL {url!r}: no #fragment")
+    options = _options(url, parts.query)
+    if medium == "host":
+        if parts.netloc or parts.path not in ("", "/"):
+            raise ConfigError(f"bad tier URL {url!r}: a host tier has no address (host://?blocks=N)")
+        if set(options) != {"blocks"}:
+            raise ConfigError(f"bad tier URL {url!r}: a host tier takes one option, blocks=N")
+        return TierURL(medium, url, blocks=_positive(url, options["blocks"]))
+    if parts.netloc not in ("", "localhost") or not parts.path:
+        raise ConfigError(f"bad tier URL {url!r}: a disk tier is file:///ABSOLUTE/DIR (or file:DIR)")
+    if len(options) != 1 or not set(options) <= {"bytes", "blocks"}:
+        raise ConfigError(f"bad tier URL {url!r}: a disk tier takes one size, bytes=SIZE or blocks=N")
+    path = urllib.parse.unquote(parts.path)
+    _check_folder(url, path)
+    if "blocks" in options:
+        return TierURL(medium, url, blocks=_positive(url, options["blocks"]), path=path)
+    try:
+        size = parse_bytes(options["bytes"])
+    except ValueError as exc:
+        raise ConfigError(f"bad tier URL {url!r}: {exc}") from None
+    if size < 1:
+        raise ConfigError(f"bad tier URL {url!r}: the disk tier needs bytes > 0")
+    return TierURL(medium, url, bytes=size, path=path)
+
+
+def _options(url: str, query: str) -> dict[str, str]:
+    try:
+        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError:
+        raise ConfigError(f"bad tier URL {url!r}: options are name=value pairs joined by &") from None
+    options = dict(pairs)
+    if len(options) != len(pairs):
+        raise ConfigError(f"bad tier URL {url!r}: an option is given twice")
+    return options
+
+
+def _positive(url: str, text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or len(text) > 19 or int(text) < 1:
+        raise ConfigError(f"bad tier URL {url!r}: blocks must be an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def _check_folder(url: str, path: str) -> None:
+    """The folder exists and is writable, or its nearest existing parent is (it will be created)."""
+    folder = Path(path)
+    parent = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"bad tier URL {url!r}: {path!r} is not a folder that can be created or written")
+
+
+def check_chain(urls: Sequence[str]) -> list[TierURL]:
+    """Every URL of a chain checked, and the chain's order: at most one host tier, and it comes first.
+    Raises ConfigError."""
+    parsed = [parse_tier_url(u) for u in urls]
+    hosts = [i for i, t in enumerate(parsed) if t.medium == "host"]
+    if len(hosts) > 1 or hosts and hosts[0] != 0:
+        raise ConfigError("a tier chain has at most one host tier, and it comes first (fastest first)")
+    return parsed
+
+
+def tiers_from_urls(urls: Sequence[str], namespace: Any, *, block_bytes: int, like: Any = None) -> list[Any]:
+    """The tiers ``urls`` describe, fastest first, in ``namespace`` (a
+    :class:`~kvpool.tiers.backend.Namespace`), storing ``block_bytes`` per block (0: hash-only, a replay);
+    ``like``: the device cache a host tier copies (None: hash-only). A disk tier bounded in blocks holds
+    that many values with their 64-byte headers.
+
+    Raises:
+        ConfigError: as :func:`check_chain`, or a tier that cannot be built (a disk folder another process
+            holds, a host buffer too large).
+    """
+    from kvpool.tiers.backend import HEADER_BYTES
+    from kvpool.tiers.file import FileTier
+    from kvpool.tiers.host import HostTier
+
+    tiers: list[Any] = []
+    for tier in check_chain(urls):
+        if tier.medium == "host":
+            tiers.append(HostTier(tier.blocks, namespace, like=like))
+        elif tier.medium == "disk":
+            capacity = tier.bytes if tier.bytes is not None else tier.blocks * (HEADER_BYTES + block_bytes)
+            tiers.append(FileTier(tier.path, namespace, capacity_bytes=capacity, block_bytes=block_bytes))
+        else:
+            from kvpool.tiers.redis import RedisTier
+
+            tiers.append(RedisTier(tier.url, namespace, block_bytes=block_bytes))
+    return tiers
+
+
+def host_url(blocks: int) -> str:
+    return f"host://?blocks={blocks}"
+
+
+def disk_url(folder: str, *, bytes: int | None = None, blocks: int | None = None) -> str:
+    """The URL of a disk tier in ``folder`` (made absolute) bounded in bytes or blocks."""
+    path = urllib.parse.quote(str(Path(folder).absolute()))
+    return f"file://{path}?bytes={bytes}" if bytes is not None else f"file://{path}?blocks={blocks}"
