@@ -383,3 +383,20 @@ def test_the_largest_layer_count_plans():
     assert plan_pool(spec, MemoryReadings(80 * GiB, 0)).num_blocks > 0
     with pytest.raises(Exception, match="65,537: more layers than any model has"):
         KVCacheSpec(num_layers=MAX_LAYERS + 1, num_kv_heads=1, head_dim=8)
+
+
+def test_the_local_device_reading_says_the_model_is_not_counted(capsys, monkeypatch):
+    from kvpool.cli import plan as plan_cli
+    from kvpool.planner import MemoryReadings
+
+    # a device of 80 GiB with 2 GiB in use (CUDA context, other processes) and 78 GiB free
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(plan_cli, "profile_cuda_memory", lambda: MemoryReadings(80 * GiB, 2 * GiB, 78 * GiB))
+    code, out, _ = run(capsys, "llama-3.1-8b")
+    lines = out.splitlines()
+    assert code == 0 and lines.index("  free now       83,751,862,272 B") + 1 == [
+        i for i, line in enumerate(lines) if line.startswith("= KV memory")][0]
+    assert lines[-1] == ("note: non-KV memory is what the device uses now (2.00 GiB); the model is not "
+                         "loaded by this command: add its weights and activations with --non-kv-memory")
+    data = run_json(capsys, "llama-3.1-8b", "--non-kv-memory", "16GiB")
+    assert (data["non_kv_bytes"], data["notes"]) == (18 * GiB, [])  # 2 GiB in use + 16 GiB given
