@@ -7,8 +7,12 @@ decoder models use. Multimodal wrappers (LLaVA, Qwen2-VL, Gemma 3) keep the lang
 config class (imported only then); without transformers it is a :class:`ConfigError` naming the field.
 
 Every size read, from the file or from transformers' defaults, must be an integer (never a bool, float or
-string) of at least 1 (``qk_rope_head_dim`` at least 0) and at most 2**31 - 1: a zero, negative or
-non-integer value is a :class:`ConfigError` naming the key, never replaced by another field.
+string) of at least 1 (``qk_rope_head_dim`` at least 0) and at most 2**31 - 1 (a layer count at most
+:data:`MAX_LAYERS`): a zero, negative or non-integer value is a :class:`ConfigError` naming the key, never
+replaced by another field.
+
+:data:`BUILTIN_CONFIGS` ships the configs of common models with the package: :func:`load_config` takes their
+names (``"llama-3.1-8b"``) where no file of that name exists.
 """
 
 from __future__ import annotations
@@ -24,14 +28,31 @@ from kvpool.numeric import as_int
 
 #: Largest size accepted in a config (a tensor dimension; anything larger is a corrupt file).
 MAX_DIM = 2**31 - 1
+#: Most layers a model may have. The deepest published transformers have about 1,000 layers; a spec keeps
+#: one entry per layer (its layer types, its KV cache groups' layer lists), so a config asking for 2**31
+#: layers would build lists of gigabytes before any check could refuse it.
+MAX_LAYERS = 2**16
+#: Config keys that count layers (checked against :data:`MAX_LAYERS` before anything is built per layer).
+LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer")
+
+
+def too_many_layers(what: str, value: int) -> str:
+    """The message for a layer count above :data:`MAX_LAYERS`."""
+    return (f"{what} is {value:,}: more layers than any model has (at most {MAX_LAYERS:,}; the deepest "
+            f"published transformers have about 1,000)")
 
 
 def config_int(config: dict[str, Any], key: str, minimum: int = 1) -> int | None:
-    """``config[key]`` checked as a size (see the module docstring); None when absent or null."""
+    """``config[key]`` checked as a size (see the module docstring); None when absent or null. A layer
+    count (:data:`LAYER_COUNT_KEYS`) is at most :data:`MAX_LAYERS`."""
     value = config.get(key)
     if value is None:
         return None
-    return as_int(value, f"config.json field {key!r}", minimum=minimum, maximum=MAX_DIM, error=ConfigError)
+    what = f"config.json field {key!r}"
+    value = as_int(value, what, minimum=minimum, maximum=MAX_DIM, error=ConfigError)
+    if key in LAYER_COUNT_KEYS and value > MAX_LAYERS:
+        raise ConfigError(too_many_layers(what, value))
+    return value
 
 
 def _falcon_kv_heads(config: dict[str, Any], num_heads: int) -> int:
@@ -98,10 +119,11 @@ def read_kv_fields(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
     """The KV cache fields of a config: num_layers, num_kv_heads, num_attention_heads (query heads),
     head_dim, attention ('mha' | 'mla'), kv_lora_rank, qk_rope_head_dim, sliding_window (tokens or None),
     layer_types (one Hugging Face layer type name per layer, or None when every layer attends alike; see
-    :func:`_attention_layers`), attention_chunk_size (Llama 4's chunk, or None) and model_dtype (the config's
-    torch_dtype / dtype string, the language model's own before the wrapper's; None when neither names one).
+    :func:`_attention_layers`), attention_chunk_size (Llama 4's chunk, or None), model_dtype
+    (:func:`model_dtype`) and model_type (the language model's ``model_type``, or None).
 
-    ``path_or_dict``: a config.json, a folder holding one, or the parsed dict. MLA: head_dim is the latent
+    ``path_or_dict``: a config.json, a folder holding one, a built-in name (:func:`load_config`), or the
+    parsed dict. MLA: head_dim is the latent
     width ``kv_lora_rank + qk_rope_head_dim`` (vLLM's head size for MLA). Raises :class:`ConfigError` for an
     unreadable file, a size that is zero, negative or not an integer, or a missing field that transformers
     is not there (or not able) to fill.
@@ -116,16 +138,40 @@ def read_kv_fields(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
         return _read(_filled_from_transformers(config, missing), config)
 
 
+#: Folder of the built-in configs (package data): ``NAME.json`` for each name of :data:`BUILTIN_CONFIGS`.
+BUILTIN_DIR = Path(__file__).parent / "configs"
+#: Models whose ``config.json`` ships with kvpool, by name: the published files (instruct and base models
+#: share one KV layout), except that gemma-3-4b and gemma-3-12b write out the head counts and head_dim
+#: their published files leave to transformers' Gemma3TextConfig defaults (so none needs transformers).
+BUILTIN_CONFIGS = (
+    "deepseek-v2-lite", "deepseek-v3", "gemma-2-9b", "gemma-3-1b", "gemma-3-4b", "gemma-3-12b", "gemma-3-27b",
+    "gpt-oss-20b", "llama-3.1-8b", "llama-3.1-70b", "llama-4-scout", "mistral-7b-v0.1", "mixtral-8x7b",
+    "phi-3-mini-4k", "qwen2.5-0.5b", "qwen2.5-7b", "qwen3-8b", "qwen3-30b-a3b", "smollm2-135m",
+)
+
+
+def config_path(path_or_name: str | Path) -> Path:
+    """Where a config is: ``path_or_name`` itself (a file, or a folder's ``config.json``) when it exists,
+    else the built-in config of that name (:data:`BUILTIN_CONFIGS`); a path that is neither is returned
+    as given (reading it then fails, :func:`load_config` says how)."""
+    path = Path(path_or_name)
+    if not path.exists() and str(path_or_name) in BUILTIN_CONFIGS:
+        return BUILTIN_DIR / f"{path_or_name}.json"
+    return path / "config.json" if path.is_dir() else path
+
+
 def load_config(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
-    """The parsed config.json (a file, or a folder holding ``config.json``); a dict is returned as is."""
+    """The parsed config.json (a file, a folder holding ``config.json``, or a built-in name: see
+    :func:`config_path`); a dict is returned as is. Raises :class:`ConfigError` for no such file (naming
+    the built-in configs), a file that is not UTF-8 JSON, or JSON that is not an object."""
     if isinstance(path_or_dict, dict):
         return path_or_dict
-    path = Path(path_or_dict)
-    path = path / "config.json" if path.is_dir() else path
+    path = config_path(path_or_dict)
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ConfigError(f"no config file at {path}") from None
+        raise ConfigError(f"no config file at {path}; give a config.json, a folder holding one, or a "
+                          f"built-in config: {', '.join(BUILTIN_CONFIGS)}") from None
     except (OSError, ValueError) as exc:  # not UTF-8, not JSON, an integer of more than 4,300 digits
         why = str(exc) if len(str(exc)) <= 200 else f"{str(exc)[:200]}..."
         raise ConfigError(f"cannot read {path} as JSON: {why}") from None
@@ -134,6 +180,11 @@ def load_config(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ConfigError(f"{path} holds a JSON {type(config).__name__}, not an object")
     return config
+
+
+def model_type(config: dict[str, Any]) -> str | None:
+    """The language model's ``model_type`` (a wrapper's ``text_config``'s before its own), or None."""
+    return _model_type(_language_model(config), config)
 
 
 def _language_model(config: dict[str, Any]) -> dict[str, Any]:
@@ -172,7 +223,7 @@ def _read(lm: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
         fields["head_dim"] = _head_dim(pick, layout, num_heads)
     window = _sliding_window(lm)
     return {**fields, "sliding_window": window, **_attention_layers(lm, model_type, num_layers, window),
-            "model_dtype": _dtype_name(lm) or _dtype_name(top)}
+            "model_dtype": model_dtype(top), "model_type": model_type}
 
 
 class _Picker:
@@ -264,9 +315,14 @@ def _computed_layer_types(lm: dict[str, Any], model_type: str | None, num_layers
     return None
 
 
-def _dtype_name(config: dict[str, Any]) -> str | None:
-    dtype = config.get("dtype") or config.get("torch_dtype")
-    return None if dtype is None else str(dtype)
+def model_dtype(config: dict[str, Any]) -> str | None:
+    """The dtype a config names, where vLLM looks for it (``_find_dtype`` in vllm/config/model.py): the
+    config's own ``dtype`` (transformers 5) or ``torch_dtype``, else its ``text_config``'s, else its
+    ``vision_config``'s; None when none names one."""
+    for part in (config, config.get("text_config"), config.get("vision_config")):
+        if isinstance(part, dict) and (dtype := part.get("dtype") or part.get("torch_dtype")) is not None:
+            return str(dtype)
+    return None
 
 
 def _filled_from_transformers(config: dict[str, Any], missing: _MissingField) -> dict[str, Any]:

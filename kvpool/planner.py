@@ -5,15 +5,30 @@ The arithmetic is vLLM's (``gpu_memory_utilization``, ``num_gpu_blocks_override`
     budget_bytes       = floor(total_bytes x gpu_memory_utilization)
     available_kv_bytes = min(budget_bytes - non_kv_bytes, free_bytes)      (free_bytes when known)
     num_blocks         = available_kv_bytes // spec.bytes_per_block         (the smallest over the ranks)
-    max_num_tokens     = num_blocks x block_size
-    blocks_per_request = sum over KV cache groups of group.max_blocks(max_model_len)
-    max_concurrency    = num_blocks / blocks_per_request
+    num_null_blocks    = 1 with a sliding or chunked group (block 0 stands for "no block"), else 0
+    max_num_tokens     = num_blocks x block_size                             (token slots, over all groups)
+    tokens_per_group   = num_blocks // num_groups x block_size               (tokens every group holds)
+    blocks_per_request = sum over KV cache groups of group.max_blocks(max_model_len, max_num_batched_tokens)
+    max_concurrency    = (num_blocks - num_null_blocks) / blocks_per_request
+    context_tokens     = floor(max_concurrency x max_model_len)
 
-A full-attention group needs ``cdiv(max_model_len, B)`` blocks per request, a sliding one
-``min(cdiv(max_model_len, B), cdiv(W - 1, B) + 1)`` (vLLM's SlidingWindowSpec), a chunked one
-``min(cdiv(max_model_len, B), cdiv(C, B))``; a uniform model has one group, so ``max_concurrency`` is
-``num_blocks / cdiv(max_model_len, B)``. The plan also gives what the windows save against the same model
-with every layer full, and the bytes of padding layer slots (:func:`kvpool.spec.kv_cache_groups`).
+Per request a full-attention group needs ``cdiv(L, B)`` blocks; a sliding one, while a step computes up to
+``T = max_num_batched_tokens`` tokens of it (a prefill chunk), ``min(cdiv(L, B), cdiv(W - 2 + T, B) + 1)``:
+the keys of T queries span ``W - 1 + T`` tokens at any offset in a block. vLLM's SlidingWindowSpec
+(``max_admission_blocks_per_request``) reserves ``cdiv(min(W - 1 + T, L), B) + 1``: the same, or one block
+more where ``W - 1 + T`` is 1 past a multiple of B (never when W and T are multiples of B) or the request is
+shorter than that span. A chunked group needs ``min(cdiv(L, B), cdiv(C - 1 + T, B))`` (vLLM:
+``cdiv(min(C + T, L), B)``). T is the
+scheduler's step budget: :data:`DEFAULT_MAX_NUM_BATCHED_TOKENS` is the reference engine's (vLLM's own is
+larger, and with async scheduling it keeps two steps in flight: give it ``2 x max_num_batched_tokens``).
+A uniform model has one group, so ``max_concurrency`` is ``num_blocks / cdiv(L, B)``, whatever T.
+
+The pool's null block (the coordinator reserves block 0 when a group has a window; vLLM's BlockPool always
+does) holds no KV: the minimum counts it and ``max_concurrency`` divides the other blocks (vLLM 0.33's
+concurrency divides them all). ``tokens_per_group`` is what vLLM 0.19 logged as "GPU KV cache size: N
+tokens" for a hybrid model (``num_blocks // groups x B``); vLLM 0.33 logs ``max_concurrency x
+max_model_len`` there, ``context_tokens`` here. The plan also gives what the windows save against the same
+model with every layer full, and the bytes of padding layer slots (:func:`kvpool.spec.kv_cache_groups`).
 
 :func:`plan_pool` is pure. :func:`profile_cuda_memory` takes the readings on a live CUDA device.
 """
@@ -33,6 +48,16 @@ from kvpool.errors import InsufficientMemoryError, InvalidArgumentError
 from kvpool.numeric import as_int, as_optional_int, as_real
 from kvpool.spec import KVCacheGroup, KVCacheSpec, LayerKind, cdiv
 from kvpool.units import human_bytes, plural
+
+#: The step budget a plan assumes (tokens one scheduler step computes, prefill chunks and decodes together):
+#: the default ``max_num_batched_tokens`` of the reference engine (:class:`kvpool.engine.engine.LLMEngine`).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
+
+
+def num_null_blocks(spec: KVCacheSpec) -> int:
+    """Blocks of the pool that hold no KV: 1 (the null block) when any KV cache group slides or attends in
+    chunks (:class:`kvpool.allocators.groups.KVCacheCoordinator` reserves block 0 then), else 0."""
+    return 1 if spec.has_windows else 0
 
 
 @dataclass(frozen=True)
@@ -59,7 +84,8 @@ class MemoryReadings:
 @dataclass(frozen=True)
 class GroupPlan:
     """One KV cache group in a plan: its kind, window, layers and padding, and (with a ``max_model_len``)
-    the blocks one request of that length holds in it (:meth:`kvpool.spec.KVCacheGroup.max_blocks`)."""
+    the blocks one request of that length holds in it at most, ``max_num_batched_tokens`` computed per step
+    (:meth:`kvpool.spec.KVCacheGroup.max_blocks`)."""
 
     index: int
     kind: str
@@ -71,8 +97,9 @@ class GroupPlan:
     blocks_per_request: int | None
 
     @classmethod
-    def of(cls, group: KVCacheGroup, spec: KVCacheSpec, max_model_len: int | None) -> GroupPlan:
-        blocks = None if max_model_len is None else group.max_blocks(max_model_len)
+    def of(cls, group: KVCacheGroup, spec: KVCacheSpec, max_model_len: int | None,
+           step_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS) -> GroupPlan:
+        blocks = None if max_model_len is None else group.max_blocks(max_model_len, step_tokens)
         return cls(group.index, group.kind.value, group.window, group.layers, len(group.layers),
                    group.num_padding_layers, spec.bytes_per_block, blocks)
 
@@ -84,12 +111,17 @@ class PoolPlan:
     ``limited_by`` says which bound set num_blocks: ``"budget"`` (total x utilization - non-KV), ``"free"``
     (the memory actually free) or ``"override"`` (``num_blocks_override``). ``rank`` is the tensor-parallel
     rank whose readings set the plan (the one with the least room). ``groups`` are the KV cache groups; a
-    block holds ``layers_per_block`` layers of one group. Per request of ``max_model_len`` tokens (None
-    without one): ``blocks_per_request`` (all groups), ``bytes_per_request``, ``all_full_bytes_per_request``
-    (every layer full attention, no padding: ``cdiv(max_model_len, B) x bytes_per_token x B``),
-    ``window_saving`` (``1 - bytes_per_request / all_full_bytes_per_request``), ``padding_bytes_per_request``
-    (padding layer slots), ``max_concurrency`` and ``all_full_max_concurrency`` (the same memory sized for
-    an all-full pool).
+    block holds ``layers_per_block`` layers of one group (``bytes_per_block`` is one group's block).
+    ``num_null_blocks`` of the blocks hold no KV (:func:`num_null_blocks`). ``max_num_tokens`` counts token
+    slots (``num_blocks x block_size``: a token takes a slot in every group), ``tokens_per_group`` the
+    tokens every group can hold at once (``num_blocks // len(groups) x block_size``); they are equal for a
+    uniform model. ``max_num_batched_tokens`` is the step budget the per-request terms assume. Per request
+    of ``max_model_len`` tokens (None without one): ``blocks_per_request`` (all groups),
+    ``bytes_per_request``, ``all_full_bytes_per_request`` (every layer full attention, no padding:
+    ``cdiv(max_model_len, B) x bytes_per_token x B``), ``window_saving`` (``1 - bytes_per_request /
+    all_full_bytes_per_request``), ``padding_bytes_per_request`` (padding layer slots),
+    ``max_concurrency`` (requests at once), ``context_tokens`` (their tokens: ``floor(max_concurrency x
+    max_model_len)``) and ``all_full_max_concurrency`` (the same memory sized for an all-full pool).
     """
 
     num_blocks: int
@@ -107,7 +139,11 @@ class PoolPlan:
     max_model_len: int | None
     limited_by: str
     rank: int
+    num_null_blocks: int = 0
+    tokens_per_group: int = 0
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_concurrency: float | None = None
+    context_tokens: int | None = None
     layers_per_block: int = 0
     groups: tuple[GroupPlan, ...] = ()
     blocks_per_request: int | None = None
@@ -129,24 +165,29 @@ def plan_pool(
     gpu_memory_utilization: float = 0.9,
     num_blocks_override: int | None = None,
     max_model_len: int | None = None,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
 ) -> PoolPlan:
     """Size the KV pool of ``spec`` from memory ``readings`` (one for every rank, or a list of ``tp_size``).
 
     ``gpu_memory_utilization`` is taken as the decimal written (0.9 is exactly 9/10), so budgets are exact.
     ``num_blocks_override`` replaces the computed count (it must still fit in ``free_bytes`` when known).
+    ``max_num_batched_tokens`` (tokens, >= 1): the most tokens one step computes, which sets how many blocks
+    a sliding or chunked group holds per request (the module docstring); it changes nothing for a model
+    whose layers all attend fully.
 
     Raises:
-        InvalidArgumentError: utilization outside (0, 1], a wrong number of readings, a bad override or
-            max_model_len.
-        InsufficientMemoryError: the pool cannot hold one block, the sliding window plus one block, or one
-            request of ``max_model_len`` tokens; the message says how many bytes are missing and what to
-            change.
+        InvalidArgumentError: utilization outside (0, 1], a wrong number of readings, a bad override,
+            max_model_len or max_num_batched_tokens.
+        InsufficientMemoryError: the pool cannot hold the null block (with windows) and one block, a
+            request decoding past its windows, or one request of ``max_model_len`` tokens; the message says
+            how many bytes are missing and what to change.
     """
-    ranks = _per_rank(readings, spec.tp_size)
     gpu_memory_utilization = as_real(gpu_memory_utilization, "gpu_memory_utilization", minimum=0, maximum=1,
                                      open_min=True)
     num_blocks_override = as_optional_int(num_blocks_override, "num_blocks_override", minimum=1)
     max_model_len = as_optional_int(max_model_len, "max_model_len", minimum=1)
+    step = as_int(max_num_batched_tokens, "max_num_batched_tokens", minimum=1)
+    ranks = _per_rank(readings, spec.tp_size)
     share = Fraction(str(gpu_memory_utilization))
     terms = [_rank_terms(r, share) for r in ranks]
     rank = min(range(len(terms)), key=lambda i: terms[i][1])
@@ -156,7 +197,7 @@ def plan_pool(
         num_blocks, limited_by = num_blocks_override, "override"
         _check_override_fits(num_blocks, spec, ranks)
     least = ranks[rank]
-    _check_minimum(spec, num_blocks, available, max_model_len, overridden=limited_by == "override",
+    _check_minimum(spec, num_blocks, available, max_model_len, step, overridden=limited_by == "override",
                    budget=budget, non_kv=least.non_kv_bytes)
     return PoolPlan(
         num_blocks=num_blocks, block_size=spec.block_size, bytes_per_token=spec.bytes_per_token,
@@ -164,24 +205,28 @@ def plan_pool(
         gpu_memory_utilization=gpu_memory_utilization, budget_bytes=budget,
         non_kv_bytes=least.non_kv_bytes, free_bytes=least.free_bytes, available_kv_bytes=available,
         kv_cache_bytes=num_blocks * spec.bytes_per_block, max_num_tokens=num_blocks * spec.block_size,
-        max_model_len=max_model_len, limited_by=limited_by, rank=rank, layers_per_block=spec.layers_per_block,
-        groups=tuple(GroupPlan.of(g, spec, max_model_len) for g in spec.groups),
-        **_per_request(spec, num_blocks, available, max_model_len),
+        max_model_len=max_model_len, limited_by=limited_by, rank=rank, num_null_blocks=num_null_blocks(spec),
+        tokens_per_group=num_blocks // len(spec.groups) * spec.block_size, max_num_batched_tokens=step,
+        layers_per_block=spec.layers_per_block,
+        groups=tuple(GroupPlan.of(g, spec, max_model_len, step) for g in spec.groups),
+        **_per_request(spec, num_blocks, available, max_model_len, step),
     )
 
 
-def _per_request(spec: KVCacheSpec, num_blocks: int, available: int, max_model_len: int | None
+def _per_request(spec: KVCacheSpec, num_blocks: int, available: int, max_model_len: int | None, step: int
                  ) -> dict[str, Any]:
     """The per-request terms of :class:`PoolPlan` (empty without a ``max_model_len``)."""
     if max_model_len is None:
         return {"max_concurrency": None}
-    blocks = sum(g.max_blocks(max_model_len) for g in spec.groups)
+    blocks = sum(g.max_blocks(max_model_len, step) for g in spec.groups)
     page = spec.bytes_per_layer_token * spec.block_size  # one layer's share of a block
     full_blocks = cdiv(max_model_len, spec.block_size)
     all_full = full_blocks * spec.num_layers * page
-    padding = sum(g.max_blocks(max_model_len) * g.num_padding_layers for g in spec.groups) * page
+    padding = sum(g.max_blocks(max_model_len, step) * g.num_padding_layers for g in spec.groups) * page
     all_full_blocks = max(available, 0) // (spec.num_layers * page)
-    return {"max_concurrency": num_blocks / blocks, "blocks_per_request": blocks,
+    concurrency = (num_blocks - num_null_blocks(spec)) / blocks
+    return {"max_concurrency": concurrency, "context_tokens": math.floor(concurrency * max_model_len),
+            "blocks_per_request": blocks,
             "bytes_per_request": blocks * spec.bytes_per_block, "all_full_bytes_per_request": all_full,
             "padding_bytes_per_request": padding,
             "window_saving": 1 - blocks * spec.bytes_per_block / all_full,
@@ -189,8 +234,10 @@ def _per_request(spec: KVCacheSpec, num_blocks: int, available: int, max_model_l
 
 
 def _per_rank(readings: MemoryReadings | Sequence[MemoryReadings], tp_size: int) -> list[MemoryReadings]:
+    """The readings to plan with: one reading stands for every rank (it is not copied ``tp_size`` times:
+    any tp_size plans in constant memory), a list must hold one per rank."""
     if isinstance(readings, MemoryReadings):
-        return [readings] * tp_size
+        return [readings]
     ranks = list(readings)
     if len(ranks) != tp_size or not all(isinstance(r, MemoryReadings) for r in ranks):
         raise InvalidArgumentError(f"need one MemoryReadings or a list of tp_size={tp_size} of them, "
@@ -217,20 +264,24 @@ def _check_override_fits(num_blocks: int, spec: KVCacheSpec, ranks: list[MemoryR
 
 
 def _check_minimum(spec: KVCacheSpec, num_blocks: int, available: int, max_model_len: int | None,
-                   *, overridden: bool, budget: int, non_kv: int) -> None:
-    """The pool must hold one block, and one request of max_model_len in every group (without one: a
-    request decoding past its windows, which holds :meth:`KVCacheGroup.max_blocks` in each group).
-    The error gives sizes in binary units; when the non-KV memory alone exceeds the budget it says so
-    (never a negative "available")."""
+                   step: int, *, overridden: bool, budget: int, non_kv: int) -> None:
+    """The pool must hold its null block (:func:`num_null_blocks`) and one block, or one request of
+    max_model_len in every group (without one: a request running past its windows, which holds
+    :meth:`KVCacheGroup.max_blocks` in each windowed group at ``step`` tokens per step, and one block in a
+    full group). The error gives sizes in binary units; when the non-KV memory alone exceeds the budget it
+    says so (never a negative "available")."""
     bs = spec.block_size
     needs = [(1, "one block")]
     if max_model_len is not None:
-        needs.append((sum(g.max_blocks(max_model_len) for g in spec.groups),
+        needs.append((sum(g.max_blocks(max_model_len, step) for g in spec.groups),
                       f"one request of max_model_len {max_model_len} tokens"))
     elif spec.has_windows:
-        needs.append((sum(g.max_blocks(2**62) if g.kind is not LayerKind.FULL else 1 for g in spec.groups),
-                      f"one request decoding past the {_windows(spec)}"))
+        blocks = sum(g.max_blocks(2**62, step) if g.kind is not LayerKind.FULL else 1 for g in spec.groups)
+        needs.append((blocks, f"one request running past the {_windows(spec)} at {plural(step, 'token')} "
+                              f"per step"))
     blocks, what = max(needs)
+    null = num_null_blocks(spec)
+    blocks, what = blocks + null, what + (" and the null block" if null else "")
     if num_blocks >= blocks:
         return
     need = blocks * spec.bytes_per_block

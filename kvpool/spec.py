@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from kvpool.errors import ConfigError
+from kvpool.hf_config import MAX_LAYERS, too_many_layers
 from kvpool.numeric import as_int, as_optional_int
 
 #: KV cache dtype names accepted everywhere (CLI, ``from_hf_config``, ``parse_kv_dtype``).
@@ -44,22 +45,59 @@ KV_DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def parse_kv_dtype(name: str | torch.dtype, model_dtype: str | None = None) -> torch.dtype:
+def parse_kv_dtype(name: str | torch.dtype, model_dtype: str | None = None, *,
+                   model_type: str | None = None) -> torch.dtype:
     """Resolve a KV cache dtype name to a torch dtype.
 
-    ``"auto"`` means the model's own dtype (``model_dtype``, e.g. a config's ``torch_dtype``), float32 when
-    the model names none. Raises :class:`ConfigError` listing the accepted names for an unknown one (or for
-    a torch dtype that is not a KV dtype, such as int8).
+    ``"auto"`` means the dtype vLLM runs the model in (:func:`auto_kv_dtype` of ``model_dtype``, a config's
+    ``dtype`` / ``torch_dtype``, and ``model_type``): a 16-bit config dtype as it is, float32 or none cast
+    down to bfloat16. Raises :class:`ConfigError` listing the accepted names for an unknown one (or for a
+    torch dtype that is not a KV dtype, such as int8).
     """
     if isinstance(name, torch.dtype) and name in KV_DTYPES.values():
         return name
     key = str(name).lower().removeprefix("torch.")
     if key == "auto":
-        return parse_kv_dtype(model_dtype) if model_dtype not in (None, "auto") else torch.float32
+        return auto_kv_dtype(model_dtype, model_type)[0]
     if key not in KV_DTYPES:
         accepted = ", ".join(["auto", *KV_DTYPES])
         raise ConfigError(f"unknown KV cache dtype {name!r}; accepted: {accepted}")
     return KV_DTYPES[key]
+
+
+#: Model types vLLM never runs in float16 (``_FLOAT16_NOT_SUPPORTED_MODELS`` in vllm/config/model.py:
+#: numerical instability), so ``auto`` gives them bfloat16 even when their config says float16.
+NO_FLOAT16_MODEL_TYPES = frozenset({"gemma2", "gemma3", "gemma3_text", "plamo2", "glm4"})
+
+
+def auto_kv_dtype(model_dtype: str | None, model_type: str | None = None) -> tuple[torch.dtype, str]:
+    """The KV dtype of ``--kv-cache-dtype auto`` and the rule that chose it, as vLLM picks the model dtype
+    for ``dtype="auto"`` (its KV cache dtype ``auto`` is the model dtype): ``_resolve_auto_dtype`` in
+    vllm/config/model.py on a GPU of compute capability >= 8.0, whose supported dtypes are bfloat16,
+    float16, float32 in that order (``CudaPlatform.supported_dtypes``).
+
+    * a config naming no dtype counts as float32 (vLLM reads the weights' safetensors header first; a
+      config alone has none), and float32 is cast down to the first supported dtype: bfloat16;
+    * bfloat16 and float16 stay, except float16 for :data:`NO_FLOAT16_MODEL_TYPES` (bfloat16);
+    * any other dtype (fp8 weights) is not a model dtype vLLM runs in: bfloat16.
+
+    On older GPUs (compute capability < 8.0, no bfloat16) vLLM picks float16 instead: the same 2 bytes,
+    so every count is the same. Returns ``(dtype, rule)``, ``rule`` a phrase for people (``"the config's
+    float32, cast down to bfloat16 as vLLM does"``). Raises :class:`ConfigError` for a dtype name that is
+    not in :data:`KV_DTYPES`.
+    """
+    if model_dtype in (None, "auto"):
+        return torch.bfloat16, ("the config names no dtype: vLLM takes it as float32 and casts it down to "
+                                "bfloat16")
+    named = parse_kv_dtype(model_dtype)
+    shown = str(named).removeprefix("torch.")
+    if named is torch.float32:
+        return torch.bfloat16, "the config's float32, cast down to bfloat16 as vLLM does"
+    if named is torch.float16 and model_type in NO_FLOAT16_MODEL_TYPES:
+        return torch.bfloat16, f"the config's float16, but vLLM never runs {model_type} in float16: bfloat16"
+    if named in (torch.bfloat16, torch.float16):
+        return named, f"the config's {shown}"
+    return torch.bfloat16, f"the config's {shown} is no dtype vLLM runs a model in: bfloat16"
 
 
 class AttentionKind(str, enum.Enum):
@@ -183,7 +221,7 @@ class KVCacheSpec:
     """The KV cache of one model on one tensor-parallel rank.
 
     Args:
-        num_layers: attention layers that keep KV.
+        num_layers: attention layers that keep KV (at most :data:`kvpool.hf_config.MAX_LAYERS`).
         num_kv_heads: KV heads of the whole model, before tensor parallelism (not query heads).
         head_dim: elements per head.
         dtype: KV storage dtype (a torch dtype or a name from :data:`KV_DTYPES`).
@@ -201,8 +239,9 @@ class KVCacheSpec:
     Sizes are integers by the rule of :mod:`kvpool.numeric` (numpy ints are converted; never bools).
 
     Raises:
-        ConfigError: a non-positive or non-integer size, an MLA spec without a latent size, KV heads and
-            ``tp_size`` that cannot be split (``tp_size`` must divide the heads, or be a multiple of them),
+        ConfigError: a non-positive or non-integer size, more layers than any model has, an MLA spec
+            without a latent size, KV heads and ``tp_size`` that cannot be split (``tp_size`` must divide
+            the heads, or be a multiple of them),
             fewer query heads than KV heads, ``layer_types`` of the wrong length or with an unknown name,
             sliding layers without ``sliding_window``, chunked layers without ``attention_chunk_size`` or
             with one that is not a multiple of ``block_size``.
@@ -230,6 +269,8 @@ class KVCacheSpec:
             raise ConfigError(f"attention must be 'mha' or 'mla', got {self.attention!r}") from None
         mla = self.attention is AttentionKind.MLA
         self._set_ints(as_int, 1, "num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size")
+        if self.num_layers > MAX_LAYERS:  # checked before any per-layer list is built
+            raise ConfigError(too_many_layers("num_layers", self.num_layers))
         self._set_ints(as_optional_int, 1, "sliding_window", "attention_chunk_size", "num_attention_heads")
         self._set_ints(as_int, 1 if mla else 0, "kv_lora_rank")
         self._set_ints(as_int, 0, "qk_rope_head_dim")
@@ -354,16 +395,18 @@ class KVCacheSpec:
         kv_cache_dtype: str = "auto",
         block_size: int = 16,
     ) -> KVCacheSpec:
-        """Build the spec from a Hugging Face ``config.json`` (a file, a folder holding one, or a dict).
+        """Build the spec from a Hugging Face ``config.json`` (a file, a folder holding one, a dict, or the
+        name of a built-in config: :data:`kvpool.hf_config.BUILTIN_CONFIGS`).
 
         See :func:`kvpool.hf_config.read_kv_fields` for the model types understood and how missing fields
-        are filled. Raises :class:`ConfigError` for an unreadable config, a missing field or a bad dtype.
+        are filled; ``kv_cache_dtype="auto"`` follows vLLM (:func:`auto_kv_dtype`). Raises
+        :class:`ConfigError` for an unreadable config, a missing field or a bad dtype.
         """
         from kvpool.hf_config import read_kv_fields
 
         fields = read_kv_fields(path_or_dict)
-        model_dtype = fields.pop("model_dtype")
+        model_dtype, model_type = fields.pop("model_dtype"), fields.pop("model_type")
         if fields["layer_types"] is not None:
             fields["layer_types"] = tuple(fields["layer_types"])
-        return cls(**fields, dtype=parse_kv_dtype(kv_cache_dtype, model_dtype),
+        return cls(**fields, dtype=parse_kv_dtype(kv_cache_dtype, model_dtype, model_type=model_type),
                    block_size=block_size, tp_size=tp_size)

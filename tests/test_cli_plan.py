@@ -83,6 +83,7 @@ def test_human_output(capsys):
     # Mistral-7B-v0.1: 32 query / 8 KV heads, window 4096; tp 2 splits the KV heads 4 per rank
     ("mistral-7b-v0.1", "2", ["KV layout        GQA: 32 layers x 2 (K, V) x 4 KV heads per rank x 128 x 2 B "
                               "(bfloat16), 32 query heads, tensor parallel 2 (of 8 KV heads)",
+                              "KV dtype         bfloat16 (auto: the config's bfloat16)",
                               "per token        65,536 B", "per block        1,048,576 B (16 tokens)",
                               "KV cache groups  1 group of 32 layer slots per block",
                               "  group 0        sliding_attention (window 4096), 32 layers "
@@ -92,7 +93,9 @@ def test_human_output(capsys):
                         "(bfloat16), 71 query heads, tensor parallel 2 (replicated)"]),
     # Phi-3-mini: 32 and 32 heads (MHA), window 2047
     ("phi-3-mini-4k-instruct", "1", ["KV layout        MHA: 32 layers x 2 (K, V) x 32 KV heads x 96 x 2 B "
-                                     "(bfloat16), 32 query heads", "per token        393,216 B",
+                                     "(bfloat16), 32 query heads",
+                                     "KV dtype         bfloat16 (auto: the config's bfloat16)",
+                                     "per token        393,216 B",
                                      "per block        6,291,456 B (16 tokens)",
                                      "KV cache groups  1 group of 32 layer slots per block",
                                      "  group 0        sliding_attention (window 2047), 32 layers "
@@ -150,11 +153,16 @@ def test_too_little_memory(capsys):
 
 
 def test_sliding_window_too_big(capsys):
-    # Mistral-7B-v0.1: window 4096 needs 257 blocks of 2 MiB = 538968064 B; 512 MiB x 1.0 holds 256
-    err = one_line_error(capsys, str(CONFIGS / "mistral-7b-v0.1.json"), "--gpu-memory", "512MiB",
-                         "--gpu-memory-utilization", "1")
-    assert "sliding window of 4096 tokens" in err and "(2.00 MiB missing)" in err
-    assert "needs 514.00 MiB" in err and "257 blocks of 2.00 MiB" in err and "only 512.00 MiB" in err
+    # Mistral-7B-v0.1, window 4096, 256 tokens per step: cdiv(4096 - 2 + 256, 16) + 1 = 273 blocks of 2 MiB
+    # and the null block: 274 = 548 MiB; 512 MiB x 1.0 holds 256
+    mistral = str(CONFIGS / "mistral-7b-v0.1.json")
+    err = one_line_error(capsys, mistral, "--gpu-memory", "512MiB", "--gpu-memory-utilization", "1")
+    assert "sliding window of 4096 tokens at 256 tokens per step and the null block" in err
+    assert "needs 548.00 MiB" in err and "274 blocks of 2.00 MiB" in err and "(36.00 MiB missing)" in err
+    # one token per step: cdiv(4095, 16) + 1 = 257 + the null block = 258 blocks = 516 MiB
+    err = one_line_error(capsys, mistral, "--gpu-memory", "512MiB", "--gpu-memory-utilization", "1",
+                         "--max-num-batched-tokens", "1")
+    assert "needs 516.00 MiB" in err and "258 blocks of 2.00 MiB" in err and "(4.00 MiB missing)" in err
 
 
 @pytest.mark.parametrize("argv", [("--gpu-memory-utilization", "1.5"), ("--gpu-memory-utilization", "x"),
@@ -200,3 +208,195 @@ def test_bad_hash_seed_is_a_one_line_error(capsys, monkeypatch):
     monkeypatch.setenv("KVPOOL_HASH_SEED", "too short")
     err = one_line_error(capsys, LLAMA_8B, "--gpu-memory", "80GiB")
     assert "KVPOOL_HASH_SEED" in err and "16 bytes" in err and "too short" not in err
+
+
+def test_max_num_batched_tokens_sets_the_windows_blocks(capsys):
+    mistral = str(CONFIGS / "mistral-7b-v0.1.json")
+    argv = (mistral, "--gpu-memory", "80GiB", "--non-kv-memory", "15GiB", "--max-model-len", "32768")
+    # 57 GiB = 29184 blocks of 2 MiB, one the null block; per 32K request at T tokens per step
+    # cdiv(4096 - 2 + T, 16) + 1: T 256 (default) 273, T 2048 (--max-batched-tokens, the other commands'
+    # name) cdiv(6142, 16) + 1 = 385: 29183 / 385 = 75.80 (vLLM: 29184 / 385 = 75.80)
+    default = run_json(capsys, *argv)
+    assert (default["max_num_batched_tokens"], default["blocks_per_request"]) == (256, 273)
+    assert default["max_concurrency"] == pytest.approx(29183 / 273)
+    for option in ("--max-num-batched-tokens", "--max-batched-tokens"):
+        data = run_json(capsys, *argv, option, "2048")
+        assert (data["max_num_batched_tokens"], data["blocks_per_request"]) == (2048, 385)
+        assert round(data["max_concurrency"], 2) == 75.80 and data["context_tokens"] == 29183 * 32768 // 385
+        assert not any("tokens per step assumed" in note for note in data["notes"])
+    assert any("256 tokens per step assumed" in note for note in default["notes"])
+    one_line_error(capsys, *argv, "--max-num-batched-tokens", "0")
+
+
+def test_hybrid_headline_says_what_it_counts(capsys):
+    # issue 23, item 3: Gemma-3-27B with 54 GiB non-KV: 14745 blocks over 7 KV cache groups
+    argv = ("gemma-3-27b", "--gpu-memory", "80GiB", "--non-kv-memory", "54GiB", "--max-model-len", "131072")
+    data = run_json(capsys, *argv)
+    # token slots 14745 x 16 = 235920; per group 14745 // 7 = 2106 blocks x 16 = 33696 tokens (vLLM 0.19's
+    # "GPU KV cache size"); context: floor(14744 / 8678 x 131072) = 222692 (vLLM 0.33's)
+    assert (data["num_groups"], data["max_num_tokens"], data["tokens_per_group"]) == (7, 235920, 33696)
+    assert (data["num_null_blocks"], data["context_tokens"]) == (1, 222692)
+    code, out, _ = run(capsys, *argv)
+    assert code == 0
+    assert "per block        1,310,720 B (16 tokens x 10 layer slots: one KV cache group's block)" in out
+    assert "token slots      235,920 (14,745 blocks x 16, over 7 KV cache groups" in out
+    assert "tokens           33,696 per group" in out and "222,692 tokens" in out
+    assert "block 0 the null block" in out
+    # a uniform model: one group, tokens are token slots, no null block and no context line
+    code, out, _ = run(capsys, LLAMA_8B, "--gpu-memory", "80GiB", "--non-kv-memory", "16GiB",
+                       "--max-model-len", "8192")
+    assert "tokens           458,752\n" in out and "token slots" not in out and "null block" not in out
+    assert "context" not in out
+
+
+@pytest.mark.parametrize(("config", "rule", "noted"), [
+    ("llama-3.1-8b", "auto: the config's bfloat16", False),
+    ("gpt-oss-20b", "auto: the config names no dtype: vLLM takes it as float32 and casts it down to bfloat16",
+     True),
+])
+def test_kv_dtype_rule_and_its_note(capsys, config, rule, noted):
+    data = run_json(capsys, config, "--gpu-memory", "80GiB", "--non-kv-memory", "16GiB")
+    assert (data["kv_dtype"], data["kv_dtype_rule"]) == ("bfloat16", rule)
+    assert any(note.startswith("KV dtype bfloat16 assumed") for note in data["notes"]) is noted
+    data = run_json(capsys, config, "--gpu-memory", "80GiB", "--kv-cache-dtype", "fp8")
+    assert (data["kv_dtype"], data["kv_dtype_rule"]) == ("float8_e4m3fn", "--kv-cache-dtype fp8")
+
+
+def test_gemma2_in_float32_plans_what_vllm_runs(capsys, tmp_path):
+    # issue 20, item 15: google/gemma-2-9b names float32; vLLM casts it down to bfloat16. 2 groups of 21
+    # layers: a block is 21 x (2 x 8 x 256 x 2 B) x 16 = 2752512 B; 20 GiB // 2752512 = 7801 blocks
+    # (float32 would give 3900)
+    config = json.loads((CONFIGS / "gemma-2-9b-it.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}))
+    data = run_json(capsys, str(tmp_path), "--gpu-memory", "80GiB", "--non-kv-memory", "52GiB")
+    assert (data["kv_dtype"], data["bytes_per_block"], data["num_blocks"]) == ("bfloat16", 2752512, 7801)
+    assert data["kv_dtype_rule"] == "auto: the config's float32, cast down to bfloat16 as vLLM does"
+
+
+def test_notes_name_every_assumption(capsys):
+    data = run_json(capsys, "gpt-oss-20b", "--gpu-memory", "80GiB")
+    notes = data["notes"]
+    assert len(notes) == 3
+    assert notes[0].startswith("KV dtype bfloat16 assumed (the config names no dtype")
+    assert notes[1].startswith("non-KV memory 0 B: the model's weights") and "72.00 GiB budget" in notes[1]
+    assert notes[2].startswith("256 tokens per step assumed")
+    code, out, _ = run(capsys, "gpt-oss-20b", "--gpu-memory", "80GiB")
+    assert [line for line in out.splitlines() if line.startswith("note: ")] == [f"note: {n}" for n in notes]
+    # every assumption given: no note
+    data = run_json(capsys, "gpt-oss-20b", "--gpu-memory", "80GiB", "--non-kv-memory", "14GiB",
+                    "--kv-cache-dtype", "bfloat16", "--max-num-batched-tokens", "2048")
+    assert data["notes"] == []
+
+
+@pytest.mark.parametrize("option", ["--gpu-memory", "--non-kv-memory"])
+@pytest.mark.parametrize("bare", ["80", "1", "1048575"])
+def test_a_memory_size_without_a_unit_below_any_gpu_is_refused(capsys, option, bare):
+    # issue 23, item 4: --gpu-memory 80 was 80 bytes; a bare number under 1 MiB names no real memory
+    argv = ["--gpu-memory", "80GiB"] if option == "--non-kv-memory" else []
+    err = one_line_error(capsys, LLAMA_8B, *argv, option, bare)
+    assert f"'{bare}' has no unit" in err and f"{bare}GiB" in err
+
+
+def test_memory_sizes_with_a_unit_or_in_full_are_taken(capsys):
+    data = run_json(capsys, LLAMA_8B, "--gpu-memory", "85899345920", "--non-kv-memory", "0")
+    assert (data["total_bytes"], data["non_kv_bytes"]) == (80 * GiB, 0)
+    err = one_line_error(capsys, LLAMA_8B, "--gpu-memory", "80B")  # bytes said outright: too little memory
+    assert "has no unit" not in err and "needs 2.00 MiB for one block" in err
+
+
+@pytest.mark.parametrize("name", ["gemma-3-27b", "llama-3.1-8b", "qwen2.5-0.5b", "mistral-7b-v0.1",
+                                  "gpt-oss-20b", "gemma-3-4b"])
+def test_built_in_configs_by_name(capsys, name):
+    # each built-in is the published config (tests/configs holds the same files): the same plan
+    source = {"gemma-3-27b": "gemma-3-27b-it", "gemma-3-4b": "gemma-3-4b-it"}.get(name, name)
+    by_name = run_json(capsys, name, "--gpu-memory", "80GiB", "--non-kv-memory", "16GiB")
+    by_file = run_json(capsys, str(CONFIGS / f"{source}.json"), "--gpu-memory", "80GiB", "--non-kv-memory",
+                       "16GiB")
+    assert by_name == by_file
+
+
+def test_unknown_config_name_lists_the_built_ins(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    err = one_line_error(capsys, "mistral-7b", "--gpu-memory", "80GiB")
+    assert "no config file at mistral-7b" in err and "gemma-3-27b" in err and "mistral-7b-v0.1" in err
+    # a folder of that name wins over the built-in
+    (tmp_path / "llama-3.1-8b").mkdir()
+    (tmp_path / "llama-3.1-8b" / "config.json").write_text((CONFIGS / "qwen2.5-0.5b.json").read_text())
+    assert run_json(capsys, "llama-3.1-8b", "--gpu-memory", "80GiB")["num_layers"] == 24
+
+
+def test_help_lists_the_built_in_configs(capsys):
+    from kvpool.hf_config import BUILTIN_CONFIGS
+
+    assert main(["plan", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(name in text for name in BUILTIN_CONFIGS) and "--max-num-batched-tokens" in text
+
+
+def _limited_memory() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (6 * GiB, 6 * GiB))  # a per-layer list of 2**31 would need 16 GiB
+
+
+def _deep_config(tmp_path: Path, config: str, layers: int) -> str:
+    data = json.loads((CONFIGS / f"{config}.json").read_text())
+    text = data.get("text_config") or data
+    text["num_hidden_layers"] = layers
+    text.pop("layer_types", None)  # the file's own list would have the wrong length, caught anyway
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("value", [2**16 + 1, 2**20])
+@pytest.mark.parametrize("config", ["qwen2.5-0.5b", "gemma-3-27b-it", "gemma-3-4b-it", "gpt-oss-20b",
+                                    "llama-4-scout-17b-16e"])
+def test_a_config_asking_for_more_layers_than_exist_is_one_line(capsys, tmp_path, config, value):
+    # issue 20, item 9: a layer count past any model is refused before anything is built per layer,
+    # whichever per-layer rule the model type has (gemma-3-4b's sparse config also goes to transformers,
+    # whose config class would build its own list); 2**31 - 1 in a subprocess below
+    err = one_line_error(capsys, _deep_config(tmp_path, config, value), "--gpu-memory", "80GiB")
+    assert f"is {value:,}: more layers than any model has (at most 65,536" in err
+
+
+def test_the_largest_layer_count_is_refused_in_seconds_and_little_memory(tmp_path):
+    # 2**31 - 1 layers built a per-layer list of 2**31 (16 GiB, minutes, MemoryError or the OOM killer)
+    done = subprocess.run([sys.executable, "-m", "kvpool", "plan", _deep_config(tmp_path, "gemma-3-27b-it",
+                                                                                 2**31 - 1),
+                           "--gpu-memory", "80GiB"], capture_output=True, text=True, timeout=60,
+                          preexec_fn=_limited_memory)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.count("\n") == 1 and "2,147,483,647: more layers than any model has" in done.stderr
+
+
+def test_the_largest_layer_count_plans():
+    from kvpool.hf_config import MAX_LAYERS
+    from kvpool.planner import MemoryReadings, plan_pool
+    from kvpool.spec import KVCacheSpec
+
+    # 65536 layers, Gemma 3's pattern (every 6th full): 10922 full, 54614 sliding; 1 KV head of 8, fp8:
+    # 2 x 1 x 8 x 1 B = 16 B per layer-token
+    spec = KVCacheSpec(num_layers=MAX_LAYERS, num_kv_heads=1, head_dim=8, dtype="fp8", sliding_window=16,
+                       layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention"
+                                    for i in range(MAX_LAYERS)])
+    assert sum(len(g.layers) for g in spec.groups) == MAX_LAYERS
+    assert plan_pool(spec, MemoryReadings(80 * GiB, 0)).num_blocks > 0
+    with pytest.raises(Exception, match="65,537: more layers than any model has"):
+        KVCacheSpec(num_layers=MAX_LAYERS + 1, num_kv_heads=1, head_dim=8)
+
+
+def test_the_local_device_reading_says_the_model_is_not_counted(capsys, monkeypatch):
+    from kvpool.cli import plan as plan_cli
+    from kvpool.planner import MemoryReadings
+
+    # a device of 80 GiB with 2 GiB in use (CUDA context, other processes) and 78 GiB free
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(plan_cli, "profile_cuda_memory", lambda: MemoryReadings(80 * GiB, 2 * GiB, 78 * GiB))
+    code, out, _ = run(capsys, "llama-3.1-8b")
+    lines = out.splitlines()
+    assert code == 0 and lines.index("  free now       83,751,862,272 B") + 1 == [
+        i for i, line in enumerate(lines) if line.startswith("= KV memory")][0]
+    assert lines[-1] == ("note: non-KV memory is what the device uses now (2.00 GiB); the model is not "
+                         "loaded by this command: add its weights and activations with --non-kv-memory")
+    data = run_json(capsys, "llama-3.1-8b", "--non-kv-memory", "16GiB")
+    assert (data["non_kv_bytes"], data["notes"]) == (18 * GiB, [])  # 2 GiB in use + 16 GiB given

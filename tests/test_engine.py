@@ -256,6 +256,72 @@ def test_sample_filters() -> None:
             SamplingParams(temperature=bad)
 
 
+def _brute_force_softmax(logits: torch.Tensor, temperature: float) -> list[float]:
+    """softmax(logits / T) straight from its definition, exp(l_i / T) / sum_j exp(l_j / T), in 60-digit
+    arithmetic with an unbounded exponent (mpmath): no float can overflow or underflow on the way."""
+    import mpmath
+
+    with mpmath.workdps(60):
+        values = [float(v) for v in logits.double()]
+        t = mpmath.mpf(temperature)
+        terms = [mpmath.mpf(0) if v == float("-inf") else mpmath.exp(mpmath.mpf(v) / t) for v in values]
+        total = mpmath.fsum(terms)
+        return [float(term / total) for term in terms]
+
+
+ULP3 = float(torch.nextafter(torch.tensor(3.0), torch.tensor(4.0)))  # 3 + 2**-22 in float32
+SCORES = {
+    "near tie": torch.tensor([0.0, 1.0, 3.0, ULP3, float("-inf")]),
+    "tie": torch.tensor([2.0, 2.0, -1.0]),
+    "large": torch.tensor([100.0, 99.0, 50.0, -80.0]),
+    "float16": torch.tensor([1.0, 1.0009765625, -3.0], dtype=torch.float16),  # one fp16 ulp apart
+    "bfloat16": torch.tensor([-2.0, 40.0, 39.75], dtype=torch.bfloat16),
+}
+# accepted temperatures: tiny (past float32's range: 1e-45 is its smallest denormal, 5e-324 float64's), plain
+# and huge; logits / T overflowed float32 to inf for the small ones and softmax gave NaN (issue 20, item 8)
+TEMPERATURES = [5e-324, 1e-300, 1e-45, 1e-38, 1e-30, 1e-8, 1e-3, 0.7, 1.0, 2.5, 1e10, 1e300, 1.7e308]
+
+
+@pytest.mark.parametrize("name", sorted(SCORES))
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_sampling_is_the_brute_force_softmax_at_every_temperature(name, temperature) -> None:
+    from kvpool.engine.sampling import probabilities
+
+    logits = SCORES[name]
+    params = SamplingParams(temperature=temperature, seed=7)
+    expected = _brute_force_softmax(logits, temperature)
+    got = probabilities(logits, params)
+    assert torch.isfinite(got).all() and got.tolist() == pytest.approx(expected, abs=1e-12)
+    token = sample(logits, params, params.make_generator())  # never raises, never an impossible token
+    assert expected[token] > 0
+
+
+def test_a_tiny_temperature_is_greedy_and_shares_ties() -> None:
+    # T -> 0: softmax(l / T) puts everything on the argmax (shared equally by exact ties)
+    gen = torch.Generator().manual_seed(0)
+    for temperature in (1e-30, 1e-45, 5e-324):
+        params = SamplingParams(temperature=temperature)
+        assert {sample(SCORES["near tie"], params, gen) for _ in range(50)} == {3}  # 3 + ulp beats 3.0
+        assert {sample(SCORES["tie"], params, gen) for _ in range(200)} == {0, 1}
+        # with top-k and top-p as well
+        filtered = SamplingParams(temperature=temperature, top_k=2, top_p=0.9)
+        assert {sample(SCORES["large"], filtered, gen) for _ in range(50)} == {0}
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-45])
+def test_a_tiny_temperature_does_not_break_the_step(tiny: tuple, temperature: float) -> None:
+    # one request's sampling parameters crashed engine.step() for every running request (torch.multinomial
+    # on NaN); now it decodes greedily, beside a greedy request, both as transformers' greedy generate
+    model, refs = tiny
+    engine = make_engine(model)
+    cold = engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=NEW, temperature=temperature, seed=1))
+    other = engine.add_request(PROMPTS[2], SamplingParams(max_new_tokens=NEW))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.requests[cold].output_token_ids == refs[0][0]
+    assert engine.requests[other].output_token_ids == refs[2][0]
+
+
 def run_cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
     from kvpool.cli import main
 

@@ -46,12 +46,13 @@ COMPLETE = {
     "gemma-3-1b-it": (26, 1, 256, 512, "bfloat16", 2 * 26 * 1 * 256 * 2),
     # phi3, MHA: 2 x 32 x 32 x (3072 / 32 = 96) x 2 B = 393216 (384 KiB)
     "phi-3-mini-4k-instruct": (32, 32, 96, 2047, "bfloat16", 2 * 32 * 32 * 96 * 2),
-    # n_layer / n_head / n_embd, no torch_dtype -> float32: 2 x 12 x 12 x (768 / 12 = 64) x 4 B = 73728
-    "gpt2": (12, 12, 64, None, None, 2 * 12 * 12 * 64 * 4),
+    # n_layer / n_head / n_embd, no torch_dtype -> bfloat16 (vLLM: float32, cast down):
+    # 2 x 12 x 12 x (768 / 12 = 64) x 2 B = 36864
+    "gpt2": (12, 12, 64, None, None, 2 * 12 * 12 * 64 * 2),
     # gpt_neox: 2 x 24 x 16 x (2048 / 16 = 128) x 2 B (float16) = 196608 (192 KiB)
     "pythia-1.4b": (24, 16, 128, None, "float16", 2 * 24 * 16 * 128 * 2),
-    # gptj, no torch_dtype -> float32: 2 x 28 x 16 x (4096 / 16 = 256) x 4 B = 917504 (896 KiB)
-    "gpt-j-6b": (28, 16, 256, None, None, 2 * 28 * 16 * 256 * 4),
+    # gptj, no torch_dtype -> bfloat16: 2 x 28 x 16 x (4096 / 16 = 256) x 2 B = 458752 (448 KiB)
+    "gpt-j-6b": (28, 16, 256, None, None, 2 * 28 * 16 * 256 * 2),
     # falcon multi_query: 1 KV head of (4544 / 71 = 64): 2 x 32 x 1 x 64 x 2 B = 8192 (8 KiB)
     "falcon-7b": (32, 1, 64, None, "bfloat16", 2 * 32 * 1 * 64 * 2),
     # falcon new_decoder_architecture: num_kv_heads 8 of (8192 / 128 = 64): 2 x 60 x 8 x 64 x 2 B = 122880
@@ -66,8 +67,8 @@ COMPLETE = {
     "smollm2-135m": (30, 3, 64, None, "bfloat16", 2 * 30 * 3 * 64 * 2),
     # hybrid (layer kinds in tests/test_hybrid_spec.py): gemma3 text_config: 2 x 62 x 16 x 128 x 2 B = 507904
     "gemma-3-27b-it": (62, 16, 128, 1024, "bfloat16", 2 * 62 * 16 * 128 * 2),
-    # gpt_oss names no dtype -> float32: 2 x 24 x 8 x 64 x 4 B = 98304
-    "gpt-oss-20b": (24, 8, 64, 128, None, 2 * 24 * 8 * 64 * 4),
+    # gpt_oss names no dtype -> bfloat16 (as vLLM runs it): 2 x 24 x 8 x 64 x 2 B = 49152
+    "gpt-oss-20b": (24, 8, 64, 128, None, 2 * 24 * 8 * 64 * 2),
     # llama4 text_config, chunked layers but no sliding window: 2 x 48 x 8 x 128 x 2 B = 196608
     "llama-4-scout-17b-16e": (48, 8, 128, None, "bfloat16", 2 * 48 * 8 * 128 * 2),
     # cohere2: 2 x 32 x 8 x 128 x 2 B = 131072
@@ -253,16 +254,21 @@ def test_sliding_window_switch():
     assert read_kv_fields({**qwen, "sliding_window": None})["sliding_window"] is None
 
 
-def test_wrapper_dtype_prefers_the_language_model():
+def test_wrapper_dtype_is_found_where_vllm_looks():
+    # vLLM's _find_dtype (vllm/config/model.py): the config's own dtype, else text_config's, else
+    # vision_config's; float32 found there is cast down to bfloat16 by dtype=auto
     text = {**LLAMA_SMALL, "torch_dtype": "float16"}
-    assert read_kv_fields({"model_type": "llava", "text_config": text, "torch_dtype": "float32"})[
-        "model_dtype"] == "float16"
-    assert read_kv_fields({"model_type": "llava", "text_config": LLAMA_SMALL, "torch_dtype": "bfloat16"})[
-        "model_dtype"] == "bfloat16"
+    top = read_kv_fields({"model_type": "llava", "text_config": text, "torch_dtype": "float32"})
+    assert top["model_dtype"] == "float32"
+    assert KVCacheSpec.from_hf_config({"model_type": "llava", "text_config": text,
+                                       "torch_dtype": "float32"}).dtype == torch.bfloat16
+    assert read_kv_fields({"model_type": "llava", "text_config": text})["model_dtype"] == "float16"
+    vision = {"model_type": "llava", "text_config": LLAMA_SMALL, "vision_config": {"torch_dtype": "float16"}}
+    assert read_kv_fields(vision)["model_dtype"] == "float16"
     # transformers 5 writes `dtype`
-    wrapped = {"model_type": "llava", "text_config": {**LLAMA_SMALL, "dtype": "float16"}, "dtype": "bfloat16"}
+    wrapped = {"model_type": "llava", "text_config": {**LLAMA_SMALL, "dtype": "bfloat16"}, "dtype": "float16"}
     spec = KVCacheSpec.from_hf_config(wrapped)
-    # 2 x 2 x 4 x 16 x 2 B (float16, the language model's) = 512
+    # 2 x 2 x 4 x 16 x 2 B (float16, the config's own) = 512
     assert (spec.dtype, spec.bytes_per_token) == (torch.float16, 512)
 
 
@@ -340,3 +346,70 @@ def test_query_heads_are_read_and_label_the_attention():
               for name in ("llama-3.1-8b", "phi-3-mini-4k-instruct", "falcon-7b", "deepseek-v3")}
     assert labels == {"llama-3.1-8b": "GQA", "phi-3-mini-4k-instruct": "MHA", "falcon-7b": "MQA",
                       "deepseek-v3": "MLA"}
+
+
+# built-in name: the file of tests/configs it ships (the published config)
+BUILT_IN_SOURCES = {
+    "deepseek-v2-lite": "deepseek-v2-lite", "deepseek-v3": "deepseek-v3", "gemma-2-9b": "gemma-2-9b-it",
+    "gemma-3-1b": "gemma-3-1b-it", "gemma-3-4b": "gemma-3-4b-it", "gemma-3-12b": "gemma-3-12b-it",
+    "gemma-3-27b": "gemma-3-27b-it", "gpt-oss-20b": "gpt-oss-20b", "llama-3.1-8b": "llama-3.1-8b",
+    "llama-3.1-70b": "llama-3.1-70b", "llama-4-scout": "llama-4-scout-17b-16e",
+    "mistral-7b-v0.1": "mistral-7b-v0.1", "mixtral-8x7b": "mixtral-8x7b-v0.1",
+    "phi-3-mini-4k": "phi-3-mini-4k-instruct", "qwen2.5-0.5b": "qwen2.5-0.5b", "qwen2.5-7b": "qwen2.5-7b",
+    "qwen3-8b": "qwen3-8b", "qwen3-30b-a3b": "qwen3-30b-a3b", "smollm2-135m": "smollm2-135m",
+}
+
+
+def test_built_in_configs_are_the_package_data():
+    from kvpool.hf_config import BUILTIN_CONFIGS, BUILTIN_DIR
+
+    assert {p.stem for p in BUILTIN_DIR.glob("*.json")} == set(BUILTIN_CONFIGS) == set(BUILT_IN_SOURCES)
+
+
+@pytest.mark.parametrize("name", sorted(BUILT_IN_SOURCES))
+def test_a_built_in_config_is_the_published_one(name, no_transformers):
+    from kvpool.hf_config import config_path
+
+    source = CONFIGS / f"{BUILT_IN_SOURCES[name]}.json"
+    assert config_path(name).parent.name == "configs" and config_path(name).parent.parent.name == "kvpool"
+    if BUILT_IN_SOURCES[name] in SPARSE:  # the published file leaves sizes to transformers' defaults
+        return
+    assert load_config(name) == load_config(source)
+    assert read_kv_fields(name) == read_kv_fields(source)
+
+
+@pytest.mark.parametrize("name", ["gemma-3-4b", "gemma-3-12b"])
+def test_built_in_gemma_3_writes_out_transformers_defaults(name):
+    # the built-in reads without transformers what the published file reads with transformers' defaults
+    pytest.importorskip("transformers")
+    with_defaults = read_kv_fields(CONFIGS / f"{BUILT_IN_SOURCES[name]}.json")
+    saved = sys.modules.get("transformers")
+    sys.modules["transformers"] = None
+    try:
+        on_its_own = read_kv_fields(name)
+    finally:
+        sys.modules["transformers"] = saved
+    assert on_its_own == with_defaults
+
+
+def test_a_path_wins_over_a_built_in_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "qwen2.5-0.5b").write_text((CONFIGS / "llama-3.1-8b.json").read_text())
+    assert read_kv_fields("qwen2.5-0.5b")["num_layers"] == 32  # the file here, not the built-in's 24
+    with pytest.raises(ConfigError, match="no config file at mistral-7b; .*built-in config: .*mistral-7b-v0"):
+        load_config("mistral-7b")
+
+
+def test_layer_counts_are_bounded_before_anything_is_built():
+    from kvpool.hf_config import MAX_LAYERS
+
+    base = {"model_type": "llama", "num_attention_heads": 4, "hidden_size": 64}
+    assert read_kv_fields({**base, "num_hidden_layers": MAX_LAYERS})["num_layers"] == MAX_LAYERS
+    for key, model_type in (("num_hidden_layers", "llama"), ("n_layer", "gpt2")):
+        config = {**base, "model_type": model_type, "n_head": 4, "n_embd": 64, key: MAX_LAYERS + 1}
+        with pytest.raises(ConfigError, match=f"'{key}' is 65,537: more layers than any model has"):
+            read_kv_fields(config)
+    # a sparse config goes to transformers (whose config class builds per-layer lists) only after the check
+    sparse = {"model_type": "gemma3_text", "num_hidden_layers": 2**31 - 1, "sliding_window": 512}
+    with pytest.raises(ConfigError, match="2,147,483,647: more layers"):
+        read_kv_fields(sparse)

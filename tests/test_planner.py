@@ -102,18 +102,54 @@ def test_exactly_one_block_and_one_byte_short():
         plan_pool(LLAMA_8B, MemoryReadings(BLOCK - 1, 0), gpu_memory_utilization=1.0)
 
 
-def test_sliding_window_needs_window_plus_one_block():
+def test_sliding_window_needs_window_plus_one_block_and_the_null_block():
     spec = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, sliding_window=4096)
-    # 4096 / 16 = 256 blocks + 1 = 257 blocks = 538968064 B
-    ok = plan_pool(spec, MemoryReadings(257 * BLOCK, 0), gpu_memory_utilization=1.0)
-    assert ok.num_blocks == 257
+    # decoding (1 token per step): 4095 / 16 -> 256 blocks + 1 = 257, + the null block = 258 = 541065216 B
+    ok = plan_pool(spec, MemoryReadings(258 * BLOCK, 0), gpu_memory_utilization=1.0, max_num_batched_tokens=1)
+    assert (ok.num_blocks, ok.num_null_blocks) == (258, 1)
     with pytest.raises(InsufficientMemoryError) as info:
-        plan_pool(spec, MemoryReadings(256 * BLOCK, 0), gpu_memory_utilization=1.0)
-    assert "sliding window of 4096 tokens" in str(info.value) and "(2.00 MiB missing)" in str(info.value)
-    # a window that is not a whole number of blocks rounds up: 4100 tokens -> 257 blocks + 1
+        plan_pool(spec, MemoryReadings(257 * BLOCK, 0), gpu_memory_utilization=1.0, max_num_batched_tokens=1)
+    assert "sliding window of 4096 tokens at 1 token per step and the null block" in str(info.value)
+    assert "(2.00 MiB missing)" in str(info.value)
+    # 256 tokens per step (the default): cdiv(4096 - 2 + 256, 16) = 272 (271.875) + 1 = 273, + null = 274
+    assert plan_pool(spec, MemoryReadings(274 * BLOCK, 0), gpu_memory_utilization=1.0).num_blocks == 274
+    with pytest.raises(InsufficientMemoryError, match=r"274 blocks of 2\.00 MiB"):
+        plan_pool(spec, MemoryReadings(273 * BLOCK, 0), gpu_memory_utilization=1.0)
+    # a window that is not a whole number of blocks rounds up: 4100 tokens -> cdiv(4099, 16) = 257 + 1 + null
     odd = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, sliding_window=4100)
-    with pytest.raises(InsufficientMemoryError, match="sliding window"):
-        plan_pool(odd, MemoryReadings(257 * BLOCK, 0), gpu_memory_utilization=1.0)
+    with pytest.raises(InsufficientMemoryError, match="259 blocks"):
+        plan_pool(odd, MemoryReadings(258 * BLOCK, 0), gpu_memory_utilization=1.0, max_num_batched_tokens=1)
+
+
+def test_the_step_size_counts_only_for_windows():
+    # full attention: cdiv(8192, 16) = 512 blocks per request whatever the step; no null block
+    for step in (1, 256, 8192):
+        plan = plan_pool(LLAMA_8B, MemoryReadings(80 * GiB, 16 * GiB), max_model_len=8192,
+                         max_num_batched_tokens=step)
+        assert (plan.blocks_per_request, plan.max_concurrency, plan.num_null_blocks) == (512, 56.0, 0)
+        assert plan.context_tokens == 56 * 8192 == plan.max_num_tokens == plan.tokens_per_group
+    assert planner.DEFAULT_MAX_NUM_BATCHED_TOKENS == 256
+    for bad in (0, -1, 2.5, True, None):
+        with pytest.raises(InvalidArgumentError, match="max_num_batched_tokens"):
+            plan_pool(LLAMA_8B, MemoryReadings(80 * GiB, 0), max_num_batched_tokens=bad)
+
+
+def test_the_engine_default_is_the_plans():
+    # one constant for the step budget: LLMEngine's default max_num_batched_tokens is the plan's
+    import inspect
+
+    from kvpool.engine.engine import LLMEngine
+
+    default = inspect.signature(LLMEngine).parameters["max_num_batched_tokens"].default
+    assert default == planner.DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+
+def test_any_tp_size_plans_in_constant_memory():
+    # one reading stands for every rank: tp_size 2**62 (1 KV head, replicated on every rank) is not a
+    # list of 2**62 readings (MemoryError before)
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=64, tp_size=2**62)
+    # 2 x 2 x 1 x 64 x 2 B = 512 B per token, 8192 per block; 72 GiB // 8192 = 9437184 blocks
+    assert plan_pool(spec, MemoryReadings(80 * GiB, 0)).num_blocks == 72 * GiB // 8192 == 9437184
 
 
 def test_num_blocks_override():

@@ -59,11 +59,12 @@ def test_cli_hybrid_against_all_full(capsys):
                  "--gpu-memory", "80GiB", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0
-    # float32 (gpt-oss names no dtype): a group block is 12 x 2 x 8 x 64 x 4 x 16 = 786432 B, floor(80 GiB
-    # x 0.9) = 77309411328 B holds 98304 of them; all full a block is 24 layers: 1572864 B, 49152 blocks
-    assert (report["kv_cache_groups"], report["bytes_per_block"], report["num_blocks"]) == (2, 786432, 98304)
-    assert (report["all_full"]["bytes_per_block"], report["all_full"]["num_blocks"]) == (1572864, 49152)
-    assert report["mean_bytes_used"] == round(report["mean_blocks_used"] * 786432)
+    # bfloat16 (gpt-oss names no dtype: vLLM's auto casts its float32 default down): a group block is
+    # 12 x 2 x 8 x 64 x 2 x 16 = 393216 B, floor(80 GiB x 0.9) = 77309411328 B holds 196608 of them; all
+    # full a block is 24 layers: 786432 B, 98304 blocks
+    assert (report["kv_cache_groups"], report["bytes_per_block"], report["num_blocks"]) == (2, 393216, 196608)
+    assert (report["all_full"]["bytes_per_block"], report["all_full"]["num_blocks"]) == (786432, 98304)
+    assert report["mean_bytes_used"] == round(report["mean_blocks_used"] * 393216)
     assert 0 < report["mean_memory_saving"] < 0.5  # the 12 full layers save nothing
     assert report["mean_bytes_used"] < report["all_full"]["mean_bytes_used"]
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvpool.errors import ConfigError
-from kvpool.spec import KV_DTYPES, AttentionKind, KVCacheSpec, parse_kv_dtype
+from kvpool.spec import KV_DTYPES, AttentionKind, KVCacheSpec, auto_kv_dtype, parse_kv_dtype
 
 
 def llama8b(**overrides) -> KVCacheSpec:
@@ -89,11 +89,34 @@ def test_fp8_halves_bf16():
     assert llama8b(dtype="fp8").bytes_per_token == 65536 == llama8b().bytes_per_token // 2
 
 
-def test_auto_dtype_follows_the_model_else_float32():
+def test_auto_dtype_follows_vllm():
+    # vLLM's dtype="auto" (vllm/config/model.py _resolve_auto_dtype on a GPU of compute capability >= 8.0,
+    # supported dtypes bfloat16, float16, float32): a 16-bit config dtype stays, float32 and no dtype
+    # (taken as float32) are cast down to bfloat16, float16 is refused for gemma2/gemma3 (bfloat16)
     assert parse_kv_dtype("auto", "bfloat16") == torch.bfloat16
     assert parse_kv_dtype("auto", "float16") == torch.float16
-    assert parse_kv_dtype("auto", None) == torch.float32
-    assert parse_kv_dtype("auto", "auto") == torch.float32
+    assert parse_kv_dtype("auto", "float32") == torch.bfloat16
+    assert parse_kv_dtype("auto", None) == torch.bfloat16
+    assert parse_kv_dtype("auto", "auto") == torch.bfloat16
+    assert parse_kv_dtype("auto", "float16", model_type="gemma2") == torch.bfloat16
+    assert parse_kv_dtype("auto", "float16", model_type="llama") == torch.float16
+    assert parse_kv_dtype("auto", "float8_e4m3fn") == torch.bfloat16  # fp8 weights: no model dtype
+    with pytest.raises(ConfigError, match="unknown KV cache dtype 'int4'"):
+        parse_kv_dtype("auto", "int4")
+    # an explicit dtype is never changed
+    assert parse_kv_dtype("float32", None) == torch.float32
+    assert parse_kv_dtype("fp8", "float32") == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize(("model_dtype", "model_type", "dtype", "rule"), [
+    ("bfloat16", "llama", torch.bfloat16, "the config's bfloat16"),
+    ("float32", "gemma2", torch.bfloat16, "the config's float32, cast down to bfloat16 as vLLM does"),
+    (None, "gpt_oss", torch.bfloat16, "the config names no dtype: vLLM takes it as float32"),
+    ("float16", "gemma3_text", torch.bfloat16, "vLLM never runs gemma3_text in float16"),
+])
+def test_auto_kv_dtype_says_which_rule_applied(model_dtype, model_type, dtype, rule):
+    got, why = auto_kv_dtype(model_dtype, model_type)
+    assert got == dtype and rule in why
 
 
 def test_every_accepted_name_round_trips_through_str():

@@ -19,6 +19,22 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+#: A device memory size written as a bare number below this many bytes is refused (1 MiB: no GPU, and no
+#: model's weights, is that small, so ``--gpu-memory 80`` means 80 GiB, not the 80 bytes it says).
+UNITLESS_MEMORY_MIN = 2**20
+
+
+def memory_bytes(text: str) -> int:
+    """A device memory size (:func:`parse_bytes`); a bare number from 1 to :data:`UNITLESS_MEMORY_MIN` - 1
+    (``80``) is refused as a missing unit. ``0`` and ``80B`` (bytes written out) are taken as written."""
+    value = parse_bytes(text)
+    if text.strip().isdigit() and 0 < value < UNITLESS_MEMORY_MIN:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} has no unit, so it is {units.plural(value, 'byte')}, less than any GPU or model; "
+            f"write {text.strip()}GiB (binary units: KiB, MiB, GiB, TiB), or {text.strip()}B for bytes")
+    return value
+
+
 def _integer(text: str, minimum: int, maximum: int) -> int:
     try:
         value = int(text) if len(text) <= 40 else None  # int() of thousands of digits raises anyway

@@ -78,15 +78,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
-    """--prompt values, then the lines of --prompts-file; the built-in prompts when neither is given."""
+    """--prompt values, then the lines of --prompts-file (one prompt per line: only ``\\n`` or ``\\r\\n``
+    ends one; a form feed, a lone ``\\r`` or U+2028 inside a line stays in its prompt; blank lines are
+    skipped); the built-in prompts when neither is given."""
     prompts = list(args.prompt or [])
     if args.prompts_file is not None:
         try:
-            text = args.prompts_file.read_text(encoding="utf-8")
+            with open(args.prompts_file, encoding="utf-8", newline="") as handle:  # no newline translation
+                text = handle.read()
         except UnicodeDecodeError as exc:
             why = f"{exc.reason} at byte {exc.start}"
             raise ConfigError(f"{args.prompts_file} is not UTF-8 text ({why})") from None
-        prompts += [line for line in text.splitlines() if line.strip()]
+        lines = (line.removesuffix("\r") for line in text.split("\n"))
+        prompts += [line for line in lines if line.strip()]
     if not prompts and args.prompts_file is not None:
         raise ConfigError(f"{args.prompts_file} holds no prompt")
     from kvpool.engine.models import DEFAULT_PROMPTS

@@ -1,7 +1,11 @@
 """``kvpool plan CONFIG``: how much KV cache a model gets on a GPU (per tensor-parallel rank).
 
+CONFIG is a ``config.json``, a folder holding one, or a built-in name
+(:data:`kvpool.hf_config.BUILTIN_CONFIGS`).
 Without ``--gpu-memory`` it reads the local CUDA device (its total, free and already-used memory) and adds
-``--non-kv-memory`` (the model's weights and activations) to what is already in use.
+``--non-kv-memory`` (the model's weights and activations) to what is already in use. Each assumption that
+changes the answer (no non-KV memory, the KV dtype ``auto`` picked, the step size of a windowed model) is
+said in a ``note:`` line (``notes`` in ``--json``).
 """
 
 from __future__ import annotations
@@ -17,28 +21,42 @@ from kvpool.cli._args import (
     describe_hasher,
     fraction,
     hasher_from_args,
-    parse_bytes,
+    memory_bytes,
     positive_int,
 )
 from kvpool.errors import ConfigError
-from kvpool.planner import MemoryReadings, PoolPlan, plan_pool, profile_cuda_memory
-from kvpool.spec import KVCacheSpec
-from kvpool.units import plural
+from kvpool.hf_config import BUILTIN_CONFIGS, load_config, model_dtype, model_type
+from kvpool.planner import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    MemoryReadings,
+    PoolPlan,
+    plan_pool,
+    profile_cuda_memory,
+)
+from kvpool.spec import KVCacheSpec, auto_kv_dtype, parse_kv_dtype
+from kvpool.units import human_bytes, plural
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("plan", help="how much KV cache a model gets on a GPU",
                                    description="How much KV cache a model gets on a GPU, per tensor-parallel "
                                                "rank.")
-    parser.add_argument("config", metavar="CONFIG", help="a Hugging Face config.json or a folder holding one")
+    parser.add_argument("config", metavar="CONFIG",
+                        help=f"a Hugging Face config.json, a folder holding one, or a built-in config: "
+                             f"{', '.join(BUILTIN_CONFIGS)}")
     parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per block (default 16)")
     add_memory_arguments(parser, gpu_memory_default="read the local CUDA device")
     parser.add_argument("--max-model-len", type=positive_int, metavar="N",
                         help="longest request in tokens; reports how many fit at once")
+    parser.add_argument("--max-num-batched-tokens", "--max-batched-tokens", dest="max_num_batched_tokens",
+                        type=positive_int, metavar="N",
+                        help=f"tokens one step computes (prefill chunks + decodes): sets the blocks a "
+                             f"sliding or chunked layer group holds per request (default "
+                             f"{DEFAULT_MAX_NUM_BATCHED_TOKENS}, kvpool's engine; vLLM's is larger, x2 with "
+                             f"async scheduling)")
     add_hash_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
-
 
 
 def add_memory_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *,
@@ -46,30 +64,77 @@ def add_memory_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
     """The options that size a pool as ``kvpool plan`` does (read back by :func:`plan_from_args`)."""
     parser.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel ranks (default 1)")
     parser.add_argument("--kv-cache-dtype", default="auto",
-                        help="auto (the model's dtype), float16, bfloat16, float32, fp8, fp8_e4m3, fp8_e5m2")
-    parser.add_argument("--gpu-memory", type=parse_bytes, metavar="BYTES",
+                        help="auto (vLLM's rule: the config's 16-bit dtype; float32 or none -> bfloat16), "
+                             "float16, bfloat16, float32, fp8, fp8_e4m3, fp8_e5m2")
+    parser.add_argument("--gpu-memory", type=memory_bytes, metavar="BYTES",
                         help=f"device memory per rank, e.g. 80GiB (default: {gpu_memory_default})")
     parser.add_argument("--gpu-memory-utilization", type=fraction, default=0.9, metavar="F",
                         help="share of the device memory kvpool may plan with (default 0.9)")
-    parser.add_argument("--non-kv-memory", type=parse_bytes, default=0, metavar="BYTES",
-                        help="weights, activations and workspace per rank, e.g. 16GiB (default 0)")
+    parser.add_argument("--non-kv-memory", type=memory_bytes, default=0, metavar="BYTES",
+                        help="weights, activations and workspace per rank, e.g. 16GiB (default 0: "
+                             "uncounted, said in a note)")
 
 
-def plan_from_args(config: str, args: argparse.Namespace, *, max_model_len: int | None = None
+def plan_from_args(config: str | dict[str, Any], args: argparse.Namespace, *, max_model_len: int | None = None
                    ) -> tuple[KVCacheSpec, PoolPlan]:
-    """The spec of ``config`` and its plan from the :func:`add_memory_arguments` options and --block-size."""
-    spec = KVCacheSpec.from_hf_config(config, tp_size=args.tp_size, kv_cache_dtype=args.kv_cache_dtype,
-                                      block_size=args.block_size)
+    """The spec of ``config`` and its plan from the :func:`add_memory_arguments` options, --block-size and
+    (where the command has it) --max-num-batched-tokens."""
+    spec = KVCacheSpec.from_hf_config(load_config(config), tp_size=args.tp_size,
+                                      kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size)
     plan = plan_pool(spec, _readings(args), gpu_memory_utilization=args.gpu_memory_utilization,
-                     max_model_len=max_model_len)
+                     max_model_len=max_model_len, max_num_batched_tokens=_step_tokens(args))
     return spec, plan
 
 
 def run(args: argparse.Namespace) -> int:
-    spec, plan = plan_from_args(args.config, args, max_model_len=args.max_model_len)
-    report = {**plan_report(spec, plan), "hashing": hasher_from_args(args).describe()}
+    config = load_config(args.config)
+    spec, plan = plan_from_args(config, args, max_model_len=args.max_model_len)
+    rule, dtype_note = kv_dtype_rule(config, args.kv_cache_dtype)
+    report = {**plan_report(spec, plan), "kv_dtype_rule": rule, "hashing": hasher_from_args(args).describe()}
+    report["notes"] = [note for note in (dtype_note, *_memory_notes(args, plan), _step_note(args, spec))
+                       if note]
     print(json.dumps(report) if args.json else _human(report))
     return 0
+
+
+def _step_tokens(args: argparse.Namespace) -> int:
+    step = getattr(args, "max_num_batched_tokens", None)
+    return DEFAULT_MAX_NUM_BATCHED_TOKENS if step is None else step
+
+
+def kv_dtype_rule(config: dict[str, Any], kv_cache_dtype: str) -> tuple[str, str | None]:
+    """How the KV dtype was chosen (``"auto: the config's bfloat16"``, ``"--kv-cache-dtype fp8"``), and a
+    note when ``auto`` assumed or changed something (no dtype in the config, a cast) else None."""
+    if str(kv_cache_dtype).lower() != "auto":
+        return f"--kv-cache-dtype {kv_cache_dtype}", None
+    named = model_dtype(config)
+    dtype, rule = auto_kv_dtype(named, model_type(config))
+    same = named is not None and parse_kv_dtype(named) is dtype
+    note = None if same else (f"KV dtype {str(dtype).removeprefix('torch.')} assumed ({rule}); a GPU without "
+                              f"bfloat16 (compute capability < 8.0) gets float16, the same size; give "
+                              f"--kv-cache-dtype to choose")
+    return f"auto: {rule}", note
+
+
+def _memory_notes(args: argparse.Namespace, plan: PoolPlan) -> list[str]:
+    """What the memory figures leave out: the model itself, when --non-kv-memory is 0."""
+    if args.non_kv_memory:
+        return []
+    if args.gpu_memory is not None:
+        return [f"non-KV memory 0 B: the model's weights, activations and workspace are not counted, so "
+                f"the KV cache gets the whole {human_bytes(plan.budget_bytes)} budget; give --non-kv-memory "
+                f"(the weights' size per rank plus a few GiB)"]
+    return [f"non-KV memory is what the device uses now ({human_bytes(plan.non_kv_bytes)}); the model is not "
+            f"loaded by this command: add its weights and activations with --non-kv-memory"]
+
+
+def _step_note(args: argparse.Namespace, spec: KVCacheSpec) -> str | None:
+    """The step size a windowed model's figures depend on, when it was not given."""
+    if not spec.has_windows or getattr(args, "max_num_batched_tokens", None) is not None:
+        return None
+    return (f"{DEFAULT_MAX_NUM_BATCHED_TOKENS} tokens per step assumed (kvpool's engine): a windowed group "
+            f"holds its window plus one step of blocks per request; give --max-num-batched-tokens (vLLM's "
+            f"max_num_batched_tokens, x2 with its async scheduling) to plan for another scheduler")
 
 
 def _readings(args: argparse.Namespace) -> MemoryReadings:
@@ -90,7 +155,7 @@ def plan_report(spec: KVCacheSpec, plan: PoolPlan) -> dict[str, Any]:
         "num_kv_heads": spec.num_kv_heads, "num_kv_heads_per_rank": spec.num_kv_heads_per_rank,
         "head_dim": spec.head_dim, "kv_dtype": str(spec.dtype).removeprefix("torch."),
         "kv_dtype_bytes": spec.dtype_bytes, "tp_size": spec.tp_size, "sliding_window": spec.sliding_window,
-        **plan.to_dict(),
+        "num_groups": len(spec.groups), **plan.to_dict(),
     }
     if plan.max_model_len is None:
         for key in _PER_REQUEST_KEYS:
@@ -101,9 +166,9 @@ def plan_report(spec: KVCacheSpec, plan: PoolPlan) -> dict[str, Any]:
 
 
 #: ``--json`` keys that exist only with ``--max-model-len``.
-_PER_REQUEST_KEYS = ("max_model_len", "max_concurrency", "blocks_per_request", "bytes_per_request",
-                     "all_full_bytes_per_request", "padding_bytes_per_request", "window_saving",
-                     "all_full_max_concurrency")
+_PER_REQUEST_KEYS = ("max_model_len", "max_concurrency", "context_tokens", "blocks_per_request",
+                     "bytes_per_request", "all_full_bytes_per_request", "padding_bytes_per_request",
+                     "window_saving", "all_full_max_concurrency")
 
 
 def _layout_line(r: dict[str, Any]) -> str:
@@ -126,23 +191,43 @@ def _human(r: dict[str, Any]) -> str:
     gib = 2**30
     lines = [
         f"KV layout        {_layout_line(r)}",
+        f"KV dtype         {r['kv_dtype']} ({r['kv_dtype_rule']})",
         f"per token        {r['bytes_per_token']:,} B",
-        f"per block        {r['bytes_per_block']:,} B ({r['block_size']} tokens)",
+        f"per block        {r['bytes_per_block']:,} B ({_block_words(r)})",
         f"device memory    {r['total_bytes']:,} B ({r['total_bytes'] / gib:.2f} GiB)",
         f"x utilization    {r['gpu_memory_utilization']} = {r['budget_bytes']:,} B",
         f"- non-KV memory  {r['non_kv_bytes']:,} B ({r['non_kv_bytes'] / gib:.2f} GiB)",
         f"= KV memory      {r['available_kv_bytes']:,} B ({r['available_kv_bytes'] / gib:.2f} GiB, "
         f"limited by {r['limited_by']})",
-        f"blocks           {r['num_blocks']:,} ({r['kv_cache_bytes']:,} B)",
-        f"tokens           {r['max_num_tokens']:,}",
+        f"blocks           {r['num_blocks']:,} ({r['kv_cache_bytes']:,} B)"
+        + (", block 0 the null block (no KV)" if r["num_null_blocks"] else ""),
+        *_token_lines(r),
         f"block hashes     {describe_hasher(r['hashing'])}",
     ]
     if r["free_bytes"] is not None:
-        lines.insert(6, f"  free now       {r['free_bytes']:,} B")
-    lines[3:3] = _group_lines(r)
+        lines.insert(7, f"  free now       {r['free_bytes']:,} B")
+    lines[4:4] = _group_lines(r)
     if "max_concurrency" in r:
         lines += _per_request_lines(r)
-    return "\n".join(lines)
+    return "\n".join(lines + [f"note: {note}" for note in r["notes"]])
+
+
+def _block_words(r: dict[str, Any]) -> str:
+    """``16 tokens``; for several groups ``16 tokens x 10 layer slots: one KV cache group's block``."""
+    if r["num_groups"] == 1:
+        return f"{r['block_size']} tokens"
+    return f"{r['block_size']} tokens x {r['layers_per_block']} layer slots: one KV cache group's block"
+
+
+def _token_lines(r: dict[str, Any]) -> list[str]:
+    """``tokens N``; with several groups the token slots (over all groups) and the tokens of each."""
+    if r["num_groups"] == 1:
+        return [f"tokens           {r['max_num_tokens']:,}"]
+    n, b = r["num_groups"], r["block_size"]
+    return [f"token slots      {r['max_num_tokens']:,} ({r['num_blocks']:,} blocks x {b}, over {n} KV cache "
+            f"groups: a token takes a slot in each)",
+            f"tokens           {r['tokens_per_group']:,} per group, the blocks split evenly "
+            f"({r['num_blocks']:,} // {n} groups x {b}: vLLM 0.19's \"GPU KV cache size\")"]
 
 
 def _group_lines(r: dict[str, Any]) -> list[str]:
@@ -182,4 +267,7 @@ def _per_request_lines(r: dict[str, Any]) -> list[str]:
     line = f"concurrency      {r['max_concurrency']:.2f} requests of {r['max_model_len']:,} tokens"
     line += f" (every layer full: {r['all_full_max_concurrency']:.2f})" if r["window_saving"] else ""
     lines.append(line)
+    if r["num_null_blocks"] or r["num_groups"] > 1:  # a uniform model's context is its tokens
+        lines.append(f"context          {r['context_tokens']:,} tokens (concurrency x max_model_len, at "
+                     f"{r['max_num_batched_tokens']:,} tokens per step: vLLM 0.33's \"GPU KV cache size\")")
     return lines

@@ -16,7 +16,8 @@ class SamplingParams:
 
     Args:
         max_new_tokens: tokens to generate at most (>= 1).
-        temperature: 0 means greedy (argmax); > 0 divides the logits before sampling.
+        temperature: 0 means greedy (argmax); > 0 divides the logits before sampling (any finite value:
+            a tiny one samples the argmax tokens, see :func:`probabilities`).
         top_k: keep the k most likely tokens (0 keeps all).
         top_p: keep the smallest set of most likely tokens whose probability reaches top_p (1.0 keeps all).
         seed: seeds the request's own ``torch.Generator`` (an integer in ``[0, 2**64 - 1]``; None: a fixed
@@ -59,11 +60,18 @@ class SamplingParams:
         return torch.Generator().manual_seed(0 if self.seed is None else self.seed)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Pick one token id from ``logits`` ``[V]`` (any float dtype, any device)."""
-    if params.greedy:
-        return int(logits.argmax())
-    scores = logits.float().cpu() / params.temperature
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution :func:`sample` draws from for ``params`` (not greedy): ``softmax(logits / T)``
+    ``[V]`` float64 on the CPU, after top-k and top-p.
+
+    Computed as ``softmax((logits - max) / T)`` in float64, which is the same distribution and finite for
+    every accepted temperature: the largest logit scores 0, the others at most 0, so no score overflows
+    (``logits / 1e-30`` in float32 is inf, and softmax of inf is NaN), and a temperature too small for
+    float32 (a denormal 1e-45, 1e-300) stays nonzero. As T -> 0 it is greedy: the argmax tokens share
+    the probability, every other token gets 0 once its gap to the max exceeds ~745 T.
+    """
+    scores = logits.detach().to("cpu", torch.float64)
+    scores = (scores - scores.max()) / params.temperature
     if params.top_k:
         kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -72,4 +80,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         cumulative = sorted_scores.softmax(-1).cumsum(-1)
         drop = cumulative - sorted_scores.softmax(-1) >= params.top_p  # keeps the token that crosses top_p
         scores[order[drop]] = float("-inf")
-    return int(torch.multinomial(scores.softmax(-1), 1, generator=generator))
+    return scores.softmax(-1)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """Pick one token id from ``logits`` ``[V]`` (any float dtype, any device): the argmax when greedy,
+    else a draw from :func:`probabilities` with ``generator``."""
+    if params.greedy:
+        return int(logits.argmax())
+    return int(torch.multinomial(probabilities(logits, params), 1, generator=generator))

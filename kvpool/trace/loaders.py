@@ -125,7 +125,9 @@ def _read_rows(path: str | Path, fmt: str, skip_malformed: bool, max_requests: i
     rows, parse, _ = _PARSERS[fmt]
     parsed: list[_Row] = []
     skipped = 0
-    with open(path, newline="", encoding="utf-8") as handle:
+    # newline="\n": only \n ends a row (\r\n reaches the parser whole, and a lone \r stays inside its row
+    # instead of splitting it in two, so line numbers count the file's lines)
+    with open(path, newline="\n", encoding="utf-8") as handle:
         try:
             for lineno, raw in rows(handle):
                 if max_requests is not None and len(parsed) >= max_requests:
