@@ -15,6 +15,7 @@ RANKS = {
     "_native": -1,
     "errors": 0, "numeric": 0.5, "units": 0.7, "events": 1, "hf_config": 1, "spec": 2, "planner": 3,
     "allocators": 4, "storage": 5, "tiers": 5.5, "requests": 5.8, "engine": 6, "trace": 6, "metrics": 6,
+    "integrations": 6,
     "bench": 7, "cli": 8,
     "__main__": 9,
 }

@@ -2,7 +2,7 @@
 # Build the two peer environments the comparison runs in: vLLM 0.33.0 (its v1 BlockPool) and SGLang 0.5.23
 # (its token allocators), each a venv with the pinned CPU torch 2.13.0, from the package registry only.
 # Minutes and ~4 GB. Only the modules the benchmarks import are installed (--no-deps, then their imports):
-# no CUDA, no kernels, no server. Never needed by kvpool, its tests or CI.
+# no CUDA, no kernels, no server. Never needed by kvpool, its tests or CI; tests/integrations/run.sh uses them.
 #
 #   PEER_VENVS  where the venvs go (default ~/.cache/kvpool-peers); PYTHON  the interpreter (python3)
 #   benchmarks/peers/setup.sh [vllm|sglang ...]   (both by default; an existing venv is kept)
@@ -18,6 +18,22 @@ VLLM_DEPS="numpy packaging psutil pyzmq msgspec pydantic cbor2 cachetools cloudp
 SGLANG_DEPS="numpy packaging psutil pyzmq msgspec pydantic pydantic_core typing_inspection orjson
   pybase64 requests urllib3 idna certifi charset_normalizer pillow tqdm starlette anyio sniffio aiohttp
   multidict attrs yarl propcache aiohappyeyeballs aiosignal frozenlist ipython traitlets pygments"
+
+# What tests/integrations (kvpool's adapters inside the releases) needs besides: kvpool's own imports (it
+# runs from the tree on PYTHONPATH), pytest, and for SGLang's host pools the imports of its memory pool.
+KVPOOL_DEPS="mypy_extensions xxhash redis pytest pytest-timeout hypothesis"
+SGLANG_POOL_DEPS="transformers==5.19.0 triton dill sentencepiece apache-tvm-ffi==0.1.11 compressed-tensors gguf"
+
+extras() {  # extras NAME DEPS: install what the integration tests import (skipped when present)
+  local py=$VENVS/$1-venv/bin/python
+  if "$py" -c "import mypy_extensions, xxhash, redis, pytest, hypothesis" 2>/dev/null \
+      && { [[ $1 != sglang ]] || "$py" -c "import triton, transformers, dill" 2>/dev/null; }; then
+    return
+  fi
+  echo "$1: installing what tests/integrations imports ..."
+  # shellcheck disable=SC2086
+  "$py" -m pip install --quiet $2
+}
 
 build() {  # build NAME PACKAGE DEPS NO_DEPS_FOR_DEPS
   local venv=$VENVS/$1-venv
@@ -42,8 +58,9 @@ export PIP_CONSTRAINT=$CONSTRAINTS
 for peer in "${@:-vllm sglang}"; do
   for p in $peer; do
     case $p in
-      vllm) build vllm "vllm==0.33.0" "$VLLM_DEPS" "" ;;
-      sglang) build sglang "sglang==0.5.23" "$SGLANG_DEPS" "--no-deps" ;;
+      vllm) build vllm "vllm==0.33.0" "$VLLM_DEPS" ""; extras vllm "$KVPOOL_DEPS" ;;
+      sglang) build sglang "sglang==0.5.23" "$SGLANG_DEPS" "--no-deps"
+              extras sglang "$KVPOOL_DEPS $SGLANG_POOL_DEPS" ;;
       *) echo "unknown peer $p (vllm or sglang)" >&2; exit 2 ;;
     esac
   done

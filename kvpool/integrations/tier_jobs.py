@@ -1,0 +1,175 @@
+"""Copies between a host buffer's rows and a kvpool tier, on one worker thread.
+
+An engine's scheduler submits a job (store rows to the tier, or load tier blocks into rows) and returns at
+once; the worker runs the jobs in order and reports each one with how many of its leading blocks it moved
+(:class:`JobDone`). A row is one block, ``block_bytes`` wide (vLLM's primary-tier chunk); consecutive rows
+move in one tier call, straight from or into the buffer (no staging copy): a tier's ``set`` reads the rows
+and its ``get`` fills them, checking every block's namespace and checksum, so a block that is missing,
+truncated, flipped or unreadable ends the load there and the rows from it on are not reported loaded (their
+content is unspecified: the engine must not read them). A fault of the medium (a dead Redis, a full disk)
+is a short count, never an exception out of the worker.
+
+:func:`open_tier` builds the tier an engine's configuration names (``disk`` or ``redis``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvpool.errors import ConfigError
+from kvpool.numeric import as_int
+from kvpool.tiers.backend import Namespace, TierBackend
+
+logger = logging.getLogger(__name__)
+
+TIER_KINDS = ("disk", "redis")
+
+
+def open_tier(kind: str, namespace: Namespace, block_bytes: int, *,
+              directory: str | os.PathLike | None = None, capacity_bytes: int | None = None,
+              url: str | None = None, prefix: str = "kvpool",
+              timeout_s: float = 2.0, retry_s: float = 1.0, ttl_s: int | None = None) -> TierBackend:
+    """A :class:`~kvpool.tiers.file.FileTier` (``kind="disk"``: ``directory`` and ``capacity_bytes``) or a
+    :class:`~kvpool.tiers.redis.RedisTier` (``kind="redis"``: ``url``, and optionally ``prefix``,
+    ``timeout_s``, ``retry_s``, ``ttl_s``) of ``block_bytes`` per block under ``namespace``.
+
+    Raises:
+        ConfigError: an unknown kind or a missing option; the tier's own errors (a directory another
+            process holds, a malformed URL).
+    """
+    if kind == "disk":
+        if directory is None or capacity_bytes is None:
+            raise ConfigError("a disk tier needs 'directory' and 'capacity_bytes'")
+        from kvpool.tiers.file import FileTier
+
+        capacity = as_int(capacity_bytes, "capacity_bytes", minimum=0, error=ConfigError)
+        return FileTier(directory, namespace, capacity_bytes=capacity, block_bytes=block_bytes)
+    if kind == "redis":
+        if url is None:
+            raise ConfigError("a redis tier needs 'url' (redis://HOST:PORT[/DB])")
+        from kvpool.tiers.redis import RedisTier
+
+        return RedisTier(url, namespace, block_bytes=block_bytes, prefix=prefix, timeout_s=timeout_s,
+                         retry_s=retry_s, ttl_s=ttl_s)
+    raise ConfigError(f"tier must be one of {', '.join(TIER_KINDS)}, got {kind!r}")
+
+
+@dataclass(frozen=True)
+class JobDone:
+    """One finished job: ``moved`` of its ``total`` blocks (a leading run for a load; for a store, how many
+    are in the tier afterwards), in ``seconds`` on the worker, ``moved * block_bytes`` bytes."""
+
+    job_id: int
+    is_load: bool
+    moved: int
+    total: int
+    seconds: float
+    nbytes: int
+
+    @property
+    def ok(self) -> bool:
+        return self.moved == self.total
+
+
+def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``slots`` as runs of consecutive rows: ``(position in slots, first row, length)``, in order."""
+    runs: list[tuple[int, int, int]] = []
+    for i, slot in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            pos, first, length = runs[-1]
+            runs[-1] = (pos, first, length + 1)
+        else:
+            runs.append((i, slot, 1))
+    return runs
+
+
+class TierJobs:
+    """Store and load jobs between ``rows`` (a contiguous CPU ``uint8 [num_rows, block_bytes]`` tensor, the
+    engine's host buffer) and ``tier``, run in submission order by one daemon thread.
+
+    Raises:
+        ConfigError: ``rows`` is not such a tensor, or its row width is not the tier's ``block_bytes``.
+    """
+
+    def __init__(self, tier: TierBackend, rows: torch.Tensor, name: str = "kvpool-tier-jobs") -> None:
+        if not (isinstance(rows, torch.Tensor) and rows.dtype == torch.uint8 and rows.dim() == 2
+                and rows.is_contiguous() and rows.device.type == "cpu" and rows.shape[1] == tier.block_bytes):
+            raise ConfigError(f"rows must be a contiguous CPU uint8 tensor [n, {tier.block_bytes}]")
+        self.tier, self.rows = tier, rows
+        self._todo: queue.Queue = queue.Queue()
+        self._done: queue.SimpleQueue[JobDone] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def submit_store(self, job_id: int, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+        """Queue a copy of rows ``slots`` into the tier under ``keys`` (tier keys, one per slot)."""
+        self._todo.put((job_id, False, list(keys), [int(s) for s in slots]))
+
+    def submit_load(self, job_id: int, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+        """Queue a copy of the tier's blocks ``keys`` into rows ``slots``."""
+        self._todo.put((job_id, True, list(keys), [int(s) for s in slots]))
+
+    def finished(self) -> list[JobDone]:
+        """The jobs finished since the last call, in the order they finished."""
+        out = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                return out
+
+    @property
+    def pending(self) -> int:
+        """Jobs queued or running."""
+        return self._todo.unfinished_tasks
+
+    def drain(self) -> None:
+        """Block until every submitted job has finished (its result waits in :meth:`finished`)."""
+        self._todo.join()
+
+    def close(self) -> None:
+        """Finish the queued jobs, stop the thread and close the tier."""
+        self._todo.put(None)
+        self._thread.join()
+        self.tier.close()
+
+    def _work(self) -> None:
+        while True:
+            job = self._todo.get()
+            try:
+                if job is None:
+                    return
+                self._run(*job)
+            finally:
+                self._todo.task_done()
+
+    def _run(self, job_id: int, is_load: bool, keys: list[bytes], slots: list[int]) -> None:
+        start = time.perf_counter()
+        try:
+            moved = self._load(keys, slots) if is_load else self._store(keys, slots)
+        except Exception:  # a fault is a miss, never a crash of the worker
+            logger.exception("kvpool tier job %d failed", job_id)
+            moved = 0
+        self._done.put(JobDone(job_id, is_load, moved, len(keys), time.perf_counter() - start,
+                               moved * self.tier.block_bytes))
+
+    def _store(self, keys: list[bytes], slots: list[int]) -> int:
+        return sum(self.tier.set(keys[pos:pos + n], self.rows[first:first + n])
+                   for pos, first, n in slot_runs(slots))
+
+    def _load(self, keys: list[bytes], slots: list[int]) -> int:
+        moved = 0
+        for pos, first, n in slot_runs(slots):
+            got = self.tier.get(keys[pos:pos + n], self.rows[first:first + n])
+            moved += got
+            if got < n:
+                break
+        return moved

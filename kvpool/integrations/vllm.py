@@ -1,0 +1,322 @@
+"""kvpool inside vLLM (tested with vLLM 0.33.0): eviction policies for the CPU offload tier and a secondary
+tier over kvpool's disk and Redis tiers. Imports vLLM: only vLLM's configuration loads this module.
+
+**Policies** (``vllm/v1/kv_offload/cpu/policies/base.py``, ``CachePolicy``): :class:`KvpoolLRU`,
+:class:`KvpoolFIFO`, :class:`KvpoolLFU`, :class:`KvpoolSLRU`, :class:`KvpoolPriority`, :class:`KvpoolARC`,
+each kvpool's policy of that name (:mod:`kvpool.allocators.policies`) driven as
+:class:`~kvpool.integrations.offload_policy.OffloadPolicy` describes. vLLM loads one by class name::
+
+    kv_connector_extra_config = {"cpu_bytes_to_use": 8 << 30, "eviction_policy": "KvpoolLFU",
+                                 "cache_policy_module_path": "kvpool.integrations.vllm"}
+
+A request's retention priority (``KvpoolPriority``) is ``kv_transfer_params["kvpool_priority"]`` (an int,
+default 0; higher is kept longer). Options are class attributes: subclass to change them
+(``KvpoolSLRU.protected_fraction``, ``KvpoolPriority.retention_s`` and ``clock``).
+
+**Tier** (``vllm/v1/kv_offload/tiering/base.py``, ``SecondaryTierManager``): :class:`KvpoolTier`, a tier
+below the CPU primary of ``TieringOffloadingSpec``::
+
+    {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 8 << 30,
+     "secondary_tiers": [{"type": "KvpoolTier", "module_path": "kvpool.integrations.vllm",
+                          "tier": "disk", "directory": "/var/cache/kvpool", "capacity_bytes": 100 << 30,
+                          "model": "Qwen/Qwen3-8B"}]}
+
+(``"tier": "redis", "url": "redis://HOST:PORT"`` for Redis). Keys map to tier keys in
+:func:`kvpool.integrations.keys.offload_tier_key`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    Medium,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from kvpool.allocators.policies import (
+    ARCPolicy,
+    EvictionPolicy,
+    FIFOPolicy,
+    LFUPolicy,
+    LRUPolicy,
+    PriorityPolicy,
+    SLRUPolicy,
+)
+from kvpool.errors import InvalidArgumentError
+from kvpool.integrations.keys import offload_tier_key
+from kvpool.integrations.offload_policy import OffloadPolicy
+from kvpool.integrations.tier_jobs import JobDone, TierJobs, open_tier
+from kvpool.numeric import as_int
+from kvpool.tiers.backend import Namespace
+
+logger = logging.getLogger(__name__)
+
+#: The ``kv_transfer_params`` entry holding a request's retention priority.
+PRIORITY_PARAM = "kvpool_priority"
+
+
+def request_priority(req_context: ReqContext) -> int:
+    """The retention priority a request asks for (``kv_transfer_params["kvpool_priority"]``, default 0).
+
+    Raises:
+        InvalidArgumentError: a value that is not an integer.
+    """
+    params = req_context.kv_transfer_params
+    if not params or PRIORITY_PARAM not in params:
+        return 0
+    return as_int(params[PRIORITY_PARAM], PRIORITY_PARAM)
+
+
+class KvpoolCachePolicy(CachePolicy):
+    """A vLLM ``CachePolicy`` over the kvpool policy :meth:`make_policy` builds (see
+    :class:`~kvpool.integrations.offload_policy.OffloadPolicy` for how each call maps)."""
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        self.core = OffloadPolicy(cache_capacity, self.make_policy)
+
+    @classmethod
+    def make_policy(cls) -> EvictionPolicy:
+        raise NotImplementedError
+
+    def get(self, key: OffloadKey) -> ChunkStatus | None:
+        return self.core.chunks.get(key)
+
+    def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
+        self.core.insert(key, chunk, request_priority(req_context))
+
+    def remove(self, key: OffloadKey) -> None:
+        self.core.remove(key)
+
+    def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        self.core.access(list(keys), request_priority(req_context))
+
+    def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        return  # a miss is no access; ARC learns from its ghosts when the key is inserted
+
+    def on_request_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        self.core.set_priority(list(keys), request_priority(req_context))
+
+    def on_request_finished(self, key_groups: Sequence[Sequence[OffloadKey]], insertion_only_keys: set,
+                            reused_keys: set, req_context: ReqContext) -> None:
+        used = insertion_only_keys | reused_keys
+        if used:
+            order = order_request_keys(key_groups, req_context)
+            self.core.access([k for k in order if k in used], request_priority(req_context), reused_keys)
+
+    def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, ChunkStatus]] | None:
+        return self.core.evict(n, protected)
+
+    def clear(self) -> None:
+        self.core.clear()
+
+    def mark_evictable(self, key: OffloadKey) -> None:
+        self.core.mark_evictable(key)
+
+    def mark_non_evictable(self, key: OffloadKey) -> None:
+        self.core.mark_non_evictable(key)
+
+
+class KvpoolLRU(KvpoolCachePolicy):
+    """kvpool's ``lru``: the chunk that became evictable longest ago goes first."""
+
+    @classmethod
+    def make_policy(cls) -> EvictionPolicy:
+        return LRUPolicy()
+
+
+class KvpoolFIFO(KvpoolCachePolicy):
+    """kvpool's ``fifo``: the chunk stored longest ago goes first, however recently it was read."""
+
+    @classmethod
+    def make_policy(cls) -> EvictionPolicy:
+        return FIFOPolicy()
+
+
+class KvpoolLFU(KvpoolCachePolicy):
+    """kvpool's ``lfu``: fewest reuses since stored first, ties by recency."""
+
+    @classmethod
+    def make_policy(cls) -> EvictionPolicy:
+        return LFUPolicy()
+
+
+class KvpoolSLRU(KvpoolCachePolicy):
+    """kvpool's ``slru``: probation (stored, not reused) before protected (reused); ``protected_fraction``
+    of the chunks at most in protected."""
+
+    protected_fraction: ClassVar[float] = 0.8
+
+    @classmethod
+    def make_policy(cls) -> EvictionPolicy:
+        return SLRUPolicy(cls.protected_fraction)
+
+
+class KvpoolPriority(KvpoolCachePolicy):
+    """kvpool's ``priority``: lowest retention priority first (``kv_transfer_params["kvpool_priority"]``),
+    decaying to 0 ``retention_s`` seconds after the chunk became evictable; ties by recency."""
+
+    retention_s: ClassVar[float] = 60.0
+    clock: ClassVar[Any] = None  # None: time.monotonic
+
+    @classmethod
+    def make_policy(cls) -> EvictionPolicy:
+        if cls.clock is None:
+            return PriorityPolicy(cls.retention_s)
+        return PriorityPolicy(cls.retention_s, cls.clock)
+
+
+class KvpoolARC(KvpoolCachePolicy):
+    """kvpool's ``arc`` (Megiddo and Modha's ARC as kvpool implements it; see the README for how it differs
+    from vLLM's built-in ``arc``)."""
+
+    @classmethod
+    def make_policy(cls) -> EvictionPolicy:
+        return ARCPolicy()
+
+
+#: The policy adapters by kvpool policy name.
+POLICY_CLASSES = {"lru": KvpoolLRU, "fifo": KvpoolFIFO, "lfu": KvpoolLFU, "slru": KvpoolSLRU,
+                  "priority": KvpoolPriority, "arc": KvpoolARC}
+
+
+# ---- the secondary tier -----------------------------------------------------------------------------
+
+
+class _TierLookups(AsyncLookupManager):
+    """vLLM's non-blocking lookup front end, asking the kvpool tier from its thread."""
+
+    def __init__(self, tier: Any, tier_type: str) -> None:
+        super().__init__(tier_type=tier_type)
+        self._tier = tier
+
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        return [self._tier.exists([offload_tier_key(k)]) == 1 for k in keys]
+
+
+class KvpoolTier(SecondaryTierManager):
+    """A vLLM secondary tier over a kvpool :class:`~kvpool.tiers.file.FileTier` (``tier="disk"``) or
+    :class:`~kvpool.tiers.redis.RedisTier` (``tier="redis"``), a block per primary-tier chunk.
+
+    Stores and loads copy between the primary tier's memory and the kvpool tier on a worker thread
+    (:class:`~kvpool.integrations.tier_jobs.TierJobs`); ``submit_store`` / ``submit_load`` only queue. A load
+    that finds a block missing, corrupt, foreign or unreadable ends there: the blocks before it are reported
+    loaded (``successful_keys``), the rest failed, so vLLM frees their primary chunks and recomputes them;
+    a failed block is never reported loaded. A lookup asks the tier's index (disk: in memory) or, with
+    ``async_lookup`` (the default for Redis), vLLM's ``AsyncLookupManager`` on its thread (RETRY until the
+    answer is in).
+
+    Args (the tier's entry in ``secondary_tiers``, besides ``type`` and ``module_path``):
+        tier: ``"disk"`` or ``"redis"``.
+        model: the model's identity, part of the namespace (blocks of another model never match).
+        directory, capacity_bytes: the disk tier's folder and bound (bytes, values with their headers).
+        url, prefix, timeout_s, retry_s, ttl_s: the Redis tier's (:class:`~kvpool.tiers.redis.RedisTier`).
+        kv_dtype, tp_rank, tp_size: further namespace fields (default ``"vllm"``, 0, 1).
+        async_lookup: look up on a thread (default: True for Redis, False for disk).
+
+    Raises:
+        ConfigError: an unknown tier kind or a missing option (from the tier).
+    """
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str, *,
+                 tier: str = "disk", model: str = "", directory: str | None = None,
+                 capacity_bytes: int | None = None, url: str | None = None, prefix: str = "kvpool",
+                 timeout_s: float = 2.0, retry_s: float = 1.0, ttl_s: int | None = None,
+                 kv_dtype: str = "vllm", tp_rank: int = 0, tp_size: int = 1, async_lookup: bool | None = None,
+                 backpressure_detector: Any = None, locality: str | None = None) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        rows = torch.from_numpy(np.asarray(primary_kv_view)).view(torch.uint8)
+        rows = rows.view(rows.shape[0], -1)
+        namespace = Namespace(model, kv_dtype, f"vllm-offload-chunk/{rows.shape[1]}B", tp_rank, tp_size,
+                              hash_scheme="vllm-offload-key")
+        self.tier = open_tier(tier, namespace, rows.shape[1], directory=directory,
+                              capacity_bytes=capacity_bytes, url=url, prefix=prefix, timeout_s=timeout_s,
+                              retry_s=retry_s, ttl_s=ttl_s)
+        self.jobs = TierJobs(self.tier, rows, name=f"kvpool-{tier_type}")
+        self._keys: dict[int, list[OffloadKey]] = {}
+        use_async = tier == "redis" if async_lookup is None else bool(async_lookup)
+        self._lookups = _TierLookups(self.tier, tier_type) if use_async else None
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if self._lookups is not None:
+            found = self._lookups.lookup(key, req_context)
+            if found is None:
+                return LookupResult.RETRY
+        else:
+            found = self.tier.exists([offload_tier_key(key)]) == 1
+        return LookupResult.HIT if found else LookupResult.MISS
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        self._keys[job_metadata.job_id] = keys
+        self.jobs.submit_store(job_metadata.job_id, [offload_tier_key(k) for k in keys],
+                               job_metadata.chunk_ids.tolist())
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        self._keys[job_metadata.job_id] = keys
+        self.jobs.submit_load(job_metadata.job_id, [offload_tier_key(k) for k in keys],
+                              job_metadata.chunk_ids.tolist())
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        return [self._result(done) for done in self.jobs.finished()]
+
+    def _result(self, done: JobDone) -> JobResult:
+        keys = self._keys.pop(done.job_id)
+        if done.ok or not done.is_load:
+            return JobResult(done.job_id, done.ok, transfer_time=done.seconds, transfer_bytes=done.nbytes)
+        if self._lookups is not None:
+            self._lookups.mark_miss(keys[done.moved:])
+        return JobResult(done.job_id, False, successful_keys=tuple(keys[:done.moved]) or None,
+                         transfer_time=done.seconds, transfer_bytes=done.nbytes)
+
+    def has_pending_work(self) -> bool:
+        return self.jobs.pending > 0
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.tier.refresh([offload_tier_key(k) for k in keys])
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        if self._lookups is not None:
+            self._lookups.cleanup(req_context.req_id)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        if self._lookups is not None:
+            self._lookups.flush()
+
+    def drain_jobs(self) -> None:
+        self.jobs.drain()
+
+    def shutdown(self) -> None:
+        if self._lookups is not None:
+            self._lookups.shutdown()
+        self.jobs.close()
+
+    def config_info(self) -> dict[str, Any]:
+        return {}
+
+
+def _check_policy_name(name: str) -> type[KvpoolCachePolicy]:
+    """The adapter class of kvpool policy ``name`` (for tools that take kvpool's names)."""
+    try:
+        return POLICY_CLASSES[name]
+    except KeyError:
+        raise InvalidArgumentError(f"unknown kvpool policy {name!r}: choose one of "
+                                   f"{', '.join(POLICY_CLASSES)}") from None

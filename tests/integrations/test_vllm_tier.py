@@ -1,0 +1,159 @@
+"""Conformance of kvpool's tiers as a vLLM 0.33 secondary tier (``KvpoolTier`` below the CPU primary of
+``TieringOffloadingManager``), run by tests/integrations/run.sh in the vLLM venv; skipped without vLLM.
+
+Every chunk a request loads is compared byte for byte with what was stored under its key (tier_harness.py),
+so a wrong hit fails the test wherever it happens."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: tests/integrations/run.sh runs this file "
+                    "in the peer venv (benchmarks/peers/setup.sh)")
+
+import tier_harness as t  # noqa: E402
+from redis_servers import redis_server  # noqa: E402
+from vllm_harness import trace_keys  # noqa: E402
+
+from kvpool.integrations.keys import offload_tier_key  # noqa: E402
+from kvpool.tiers.backend import HEADER_BYTES  # noqa: E402
+
+REQUESTS = 200
+PRIMARY = 64  # chunks in the CPU primary: far fewer than the slice's blocks, so most are evicted there
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def requests() -> list[list[bytes]]:
+    return trace_keys(REQUESTS)
+
+
+def disk(path: Path) -> dict:
+    return {"tier": "disk", "directory": str(path), "capacity_bytes": 1 << 30, "model": "conformance"}
+
+
+def run(manager, region, requests, start: int = 0) -> t.Driver:
+    driver = t.Driver(manager, region)
+    for i, hashes in enumerate(requests):
+        driver.request(f"r{start + i}", hashes)
+    driver.settle()
+    return driver
+
+
+def restart(config: dict, hashes: list[bytes], folder: Path) -> dict:
+    """Ask a fresh process for ``hashes`` through a new manager on the same tier."""
+    listing = folder / "hashes.txt"
+    listing.write_text("\n".join(h.hex() for h in hashes))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent.parent),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", "import tier_harness; tier_harness.restart_main()",
+                           json.dumps(config), str(listing)], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def primary_evicted(manager, stored: set) -> list[bytes]:
+    return sorted(k for k in stored if manager.primary_tier._policy.get(k) is None)
+
+
+def test_disk_tier_cascades_promotes_and_survives_a_restart(requests, tmp_path: Path) -> None:
+    manager, region = t.build(PRIMARY, disk(tmp_path))
+    driver = run(manager, region, requests)
+    tier = manager.secondary_tiers[0].tier
+    stored = driver.tally.stored
+    assert len(stored) > 5 * PRIMARY
+    # every store cascaded: each stored block is in the kvpool tier
+    assert sum(tier.exists([offload_tier_key(k)]) for k in stored) == len(stored)
+    # blocks evicted from the primary come back from the tier, bit-exact
+    gone = primary_evicted(manager, stored)
+    assert len(gone) > len(stored) // 2
+    sample = gone[:100]
+    before = driver.tally.promoted
+    hits = sum(driver.request(f"back{i}", [k[:-4]], store=False) for i, k in enumerate(sample))
+    assert hits == len(sample) and driver.tally.promoted - before == len(sample)
+    print(f"\ndisk: {len(stored)} blocks stored and cascaded, {driver.tally.promoted} promoted from the "
+          f"tier, {driver.tally.checked} loads checked bit-exact; {len(sample)}/{len(sample)} "
+          "primary-evicted blocks hit")
+    manager.shutdown()
+    again = restart(disk(tmp_path), [k[:-4] for k in sorted(stored)[:200]], tmp_path)
+    assert again == {"asked": 200, "found": 200, "checked": 200}
+    print(f"restarted process: {again['found']}/{again['asked']} blocks found on disk, bit-exact")
+
+
+def test_disk_faults_are_misses_never_wrong_hits(requests, tmp_path: Path) -> None:
+    manager, region = t.build(PRIMARY, disk(tmp_path))
+    driver = run(manager, region, requests[:100])
+    tier = manager.secondary_tiers[0].tier
+    rng = random.Random(22)
+    files = sorted(p for p in tmp_path.rglob("*") if p.is_file() and len(p.name) == 32)
+    flipped = rng.sample(files, len(files) // 20)  # 5% of the blocks on disk: one payload byte flipped
+    for path in flipped:
+        data = bytearray(path.read_bytes())
+        data[HEADER_BYTES + 100] ^= 0xFF
+        path.write_bytes(bytes(data))
+    get, injected = tier.get, []
+
+    def flaky_get(keys, out):  # 5% of the tier's loads fail as an I/O error would: nothing loaded
+        if rng.random() < 0.05:
+            injected.append(len(keys))
+            return 0
+        return get(keys, out)
+
+    tier.get = flaky_get
+    for i, k in enumerate(primary_evicted(manager, driver.tally.stored)):
+        driver.request(f"back{i}", [k[:-4]], store=False)
+    driver.settle()
+    tally, stats = driver.tally, tier.stats()
+    print(f"\ndisk faults: {len(flipped)} files flipped, {stats.corrupt} corrupt loads caught, "
+          f"{len(injected)} loads failed by injection (retried by vLLM), "
+          f"{tally.failed_promotions} promotions ended as misses, {tally.promoted} promoted and "
+          f"{tally.checked} loads checked bit-exact")
+    assert stats.corrupt > 0 and injected and tally.failed_promotions >= stats.corrupt and tally.promoted > 0
+    manager.shutdown()
+
+
+def test_redis_tier_restart_faults_and_a_killed_server(requests, tmp_path: Path) -> None:
+    with redis_server(tmp_path / "redis") as server:
+        config = {"tier": "redis", "url": server.url, "model": "conformance", "timeout_s": 0.5,
+                  "retry_s": 0.2}
+        manager, region = t.build(PRIMARY, config)
+        driver = run(manager, region, requests[:100])
+        stored = driver.tally.stored
+        gone = primary_evicted(manager, stored)
+        assert len(gone) > len(stored) // 2
+        again = restart(config, [k[:-4] for k in gone[:100]], tmp_path)
+        assert again == {"asked": 100, "found": 100, "checked": 100}
+        tier = manager.secondary_tiers[0].tier
+        rng = random.Random(22)
+        get, injected = tier.get, []
+
+        def flaky_get(keys, out):
+            if rng.random() < 0.05:
+                injected.append(len(keys))
+                return 0
+            return get(keys, out)
+
+        tier.get = flaky_get
+        for i, k in enumerate(gone[:150]):
+            if i == 100:
+                server.stop()  # Redis killed mid-run: from here on every load fails
+            driver.request(f"back{i}", [k[:-4]], store=False)
+        for i, hashes in enumerate(requests[100:120]):  # stores keep going (their cascades fail)
+            driver.request(f"late{i}", hashes)
+        driver.settle()
+        tally = driver.tally
+        print(f"\nredis: restarted process found {again['found']}/{again['asked']}; {tally.promoted} "
+              f"promoted, {tally.checked} loads checked bit-exact, {len(injected)} loads failed by "
+              "injection, "
+              f"server killed after 100 of 150 lookups: {tally.misses} misses, {tally.failed_promotions} "
+              "promotions ended as misses")
+        assert injected and tally.promoted > 0 and tally.misses >= 50
+        manager.shutdown()

@@ -1,0 +1,137 @@
+"""kvpool.integrations without vLLM or SGLang: key mapping, the offload policy adapter against a brute-force
+LRU, tier jobs on a real FileTier, and HiCache's v2 hit rule (the engines' own runs: tests/integrations)."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvpool.allocators.policies import LRUPolicy
+from kvpool.errors import InvalidArgumentError
+from kvpool.integrations.keys import group_of, offload_tier_key, page_tier_key, tier_key
+from kvpool.integrations.offload_policy import OffloadPolicy
+from kvpool.integrations.page_store import hit_prefix
+from kvpool.integrations.tier_jobs import TierJobs, slot_runs
+from kvpool.tiers.backend import HEADER_BYTES, Namespace
+from kvpool.tiers.file import FileTier
+
+
+def test_tier_key_is_a_digest_then_the_group() -> None:
+    h = bytes(range(32))
+    key = tier_key(h, 3)
+    assert key == hashlib.blake2b(h, digest_size=12, person=b"kvpool-vllm").digest() + b"\0\0\0\3"
+    assert group_of(key) == 3 and len(key) == 16
+    assert offload_tier_key(h + (3).to_bytes(4, "big")) == key
+    assert tier_key(h, 4) != key and page_tier_key(h.hex()) != tier_key(h.hex().encode())
+    for bad in (lambda: tier_key("x"), lambda: tier_key(h, -1), lambda: tier_key(h, 2**32),
+                lambda: offload_tier_key(b"abc"), lambda: page_tier_key(b"ab"), lambda: tier_key(h, 0, "x")):
+        with pytest.raises(InvalidArgumentError):
+            bad()
+
+
+def test_offload_policy_lru_against_a_brute_force_list() -> None:
+    rng = random.Random(7)
+    cap = 12
+    core = OffloadPolicy(cap, LRUPolicy)
+    brute: list[str] = []  # the evictable keys, least recently released first
+    evictable: set[str] = set()
+    free = list(range(cap))
+    pinned: set[str] = set()
+    for step in range(3000):
+        op = rng.random()
+        keys = list(core.chunks)
+        if op < 0.35:  # store n keys: evict what is missing, then insert and complete
+            new = [f"k{step}.{i}" for i in range(rng.randint(1, 4))]
+            protected = set(rng.sample(keys, min(len(keys), 2)))
+            need = len(new) - len(free)
+            held = sorted((k for k in protected if k in evictable), key=brute.index) if need > 0 else []
+            fits = need <= len(evictable) - len(held)
+            expect = [k for k in brute if k not in held][:max(0, need)] if fits else None
+            got = core.evict(need, protected) if need > 0 else []
+            assert (None if got is None else [k for k, _ in got]) == expect
+            if got is None:
+                continue
+            brute = [k for k in brute if k not in held and k not in expect] + held
+            evictable -= set(expect)
+            free += [c.chunk_id for _, c in got]
+            for key in new:
+                core.insert(key, SimpleNamespace(chunk_id=free.pop(), ref_cnt=-1))
+                core.mark_evictable(key)
+                brute.append(key)
+                evictable.add(key)
+        elif op < 0.55 and evictable - pinned:  # a load pins, later it completes
+            key = rng.choice(sorted(evictable - pinned))
+            core.mark_non_evictable(key)
+            brute.remove(key)
+            evictable.discard(key)
+            pinned.add(key)
+        elif op < 0.7 and pinned:
+            key = rng.choice(sorted(pinned))
+            pinned.discard(key)
+            core.mark_evictable(key)
+            brute.append(key)
+            evictable.add(key)
+        elif keys:  # a reuse of a few keys, head first: applied tail first
+            used = rng.sample(keys, min(len(keys), 3))
+            core.access(used)
+            for key in reversed(used):
+                if key in evictable:
+                    brute.remove(key)
+                    brute.append(key)
+        assert core.order() == brute
+    assert core.num_evictable == len(brute) > 0
+
+
+def test_offload_policy_remove_and_clear() -> None:
+    core = OffloadPolicy(4, LRUPolicy)
+    core.insert("a", SimpleNamespace(chunk_id=0, ref_cnt=0))
+    core.insert("b", SimpleNamespace(chunk_id=1, ref_cnt=-1))
+    core.remove("b")  # a failed store
+    assert core.order() == ["a"] and core.get("b") is None and core.evict(2, set()) is None
+    assert core.evict(1, {"a"}) is None and [k for k, _ in core.evict(1, set())] == ["a"]
+    core.insert("c", SimpleNamespace(chunk_id=0, ref_cnt=0))
+    core.clear()
+    assert len(core) == 0 and core.order() == []
+
+
+def test_slot_runs() -> None:
+    assert slot_runs([3, 4, 5, 9, 1, 2]) == [(0, 3, 3), (3, 9, 1), (4, 1, 2)]
+    assert slot_runs([]) == []
+
+
+def test_tier_jobs_copy_rows_and_a_corrupt_block_ends_a_load(tmp_path) -> None:
+    ns = Namespace("m", "uint8", "rows/64")
+    tier = FileTier(tmp_path, ns, capacity_bytes=1 << 20, block_bytes=64)
+    rows = torch.zeros((8, 64), dtype=torch.uint8)
+    rows[:4] = torch.arange(256, dtype=torch.uint8).view(4, 64)
+    jobs = TierJobs(tier, rows)
+    keys = [bytes([i]) * 16 for i in range(4)]
+    jobs.submit_store(1, keys, [0, 1, 2, 3])
+    jobs.drain()
+    (done,) = jobs.finished()
+    assert (done.job_id, done.ok, done.moved) == (1, True, 4)
+    path = next(p for p in tmp_path.rglob("*") if p.name == keys[2].hex())
+    raw = bytearray(path.read_bytes())
+    raw[HEADER_BYTES] ^= 1
+    path.write_bytes(bytes(raw))
+    jobs.submit_load(2, keys, [4, 5, 7, 6])  # rows 4, 5 consecutive; 7 then 6
+    jobs.drain()
+    (done,) = jobs.finished()
+    assert (done.is_load, done.moved, done.total) == (True, 2, 4)
+    assert torch.equal(rows[4:6], rows[0:2])
+    jobs.close()
+
+
+def test_hit_prefix_folds_pool_rules() -> None:
+    stored = {"swa": {4, 5, 6, 7}, "dsa": {0, 1, 2, 3, 4}}
+    def has(pool: str, i: int) -> bool:
+        return i in stored[pool]
+
+    assert hit_prefix(8, [("swa", "trailing_pages", 2)], has) == (8, {"kv": 8, "swa": 8}, [6, 7, 8])
+    assert hit_prefix(8, [("dsa", "all_pages", 0)], has) == (5, {"kv": 8, "dsa": 5}, [1, 2, 3, 4, 5])
+    assert hit_prefix(8, [("dsa", "block_groups", 4)], has) == (0, {"kv": 8}, [])
+    assert hit_prefix(0, [("swa", "trailing_pages", 2)], has) == (0, {}, [])
