@@ -29,7 +29,7 @@ MiB = 2**20
 
 # file: (kind, recurrent layers, attention layers, state bytes per request, KV bytes per token)
 PUBLISHED = {
-    # 36 GDN: conv (2 x 16 x 128 + 32 x 128 = 8192) x 3, ssm 32 x 128 x 128; 12 full layers of 2 KV heads x 256
+    # 36 GDN: conv (2 x 16 x 128 + 32 x 128 = 8192) x 3, ssm 32 x 128 x 128; 12 full layers, 2 KV heads x 256
     "qwen3-next-80b-a3b-instruct": (RecurrentKind.GATED_DELTA_NET, 36, 12,
                                     36 * (8192 * 3 + 32 * 128 * 128) * 2, 12 * 2 * 2 * 256 * 2),
     # Mamba-1 on 2 x 4096 = 8192 channels, d_state 16; attention every 8th layer from 4: 4 layers of 8 x 128
