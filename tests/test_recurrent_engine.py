@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 
 from kvpool.allocators.block_pool import BlockPool  # noqa: E402
 from kvpool.allocators.state_pool import StatePool  # noqa: E402
-from kvpool.engine.models import load_model, reference_greedy  # noqa: E402
+from kvpool.engine.models import kv_spec, load_model, reference_greedy  # noqa: E402
 from kvpool.engine.recurrent import SlotStateCache, execution_kv_spec, hybrid_spec  # noqa: E402
 from kvpool.engine.runner import ModelRunner, StepBatch  # noqa: E402
 from kvpool.errors import ConfigError, InvalidArgumentError  # noqa: E402
@@ -205,7 +205,12 @@ def test_runner_refuses_bad_state_batches() -> None:
         sched.runner.execute(batch)
     with pytest.raises(InvalidArgumentError, match="spans"):
         sched.runner.execute(StepBatch(req.prompt, list(range(17)), [16], [((req.table,), 0, 17)], [1, 2]))
-    with pytest.raises(ConfigError, match="recurrent state"):
-        from kvpool.engine.models import kv_spec
 
-        kv_spec(sched.model, block_size=BLOCK)  # the engine refuses what it cannot schedule yet
+
+@pytest.mark.parametrize("name", ["tiny-jamba", "tiny-bamba", "tiny-falcon-h1", "tiny-lfm2"])
+def test_the_engine_refuses_recurrent_models(name: str) -> None:
+    """Read as a plain KV spec, Jamba's, Bamba's and Falcon-H1's configs pass as all-attention models (their
+    layer types are properties, absent from the dict), and the engine would run their recurrent layers
+    with no state at all: kv_spec, which the engine builds its cache from, refuses them."""
+    with pytest.raises(ConfigError, match="recurrent state"):
+        kv_spec(load_model(name).model, block_size=BLOCK)
