@@ -26,6 +26,8 @@ _LAZY = {
     "CacheHit": "kvpool.allocators.groups",
     "group_key": "kvpool.allocators.groups",
     "SWATokenToKVPoolAllocator": "kvpool.allocators.swa_token",
+    "StatePool": "kvpool.allocators.state_pool",
+    "HybridReqToTokenPool": "kvpool.allocators.state_pool",
 }
 
 __all__ = list(_LAZY)

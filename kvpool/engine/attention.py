@@ -66,11 +66,14 @@ class StepMetadata:
         cache: the :class:`~kvpool.storage.paged.PagedKVCache` holding every layer's K/V.
         query_starts: ``R + 1`` offsets of each request's new tokens in the packed batch.
         groups: one :class:`GroupStep` per KV cache group; layer l uses ``groups[cache.layer_group[l]]``.
+        kv_layers: for a hybrid whose cache holds its attention layers only, each attention layer's model
+            index -> its layer in the cache; None when the cache holds every model layer.
     """
 
     cache: Any
     query_starts: list[int]
     groups: list[GroupStep]
+    kv_layers: dict[int, int] | None = None
 
 
 def window_start(group: KVCacheGroup, start: int) -> int:
@@ -101,12 +104,13 @@ def attention_mask(group: KVCacheGroup, lo: int, start: int, end: int, device: t
 
 
 def build_step_metadata(cache: Any, groups: Sequence[KVCacheGroup],
-                        spans: list[tuple[Sequence[list[int]], int, int]], device: torch.device | str
-                        ) -> StepMetadata:
+                        spans: list[tuple[Sequence[list[int]], int, int]], device: torch.device | str, *,
+                        kv_layers: dict[int, int] | None = None) -> StepMetadata:
     """Metadata for requests packed in order; ``spans[i] = (tables, start, end)``: request i computes tokens
     ``start .. end - 1`` this step and ``tables[g]`` (its block table in group g) covers its first ``end``
     tokens from the first one its window reaches (earlier entries may be the null block). The context and
-    mask of a (kind, window) are built once and shared by the groups that have it."""
+    mask of a (kind, window) are built once and shared by the groups that have it. ``kv_layers``: see
+    :class:`StepMetadata`."""
     starts = [0]
     for _, start, end in spans:
         starts.append(starts[-1] + end - start)
@@ -127,7 +131,7 @@ def build_step_metadata(cache: Any, groups: Sequence[KVCacheGroup],
             new.append(contexts[-1][start - lo:])
         decode = _decode_batch(contexts, device) if len(spans) > 1 and starts[-1] == len(spans) else None
         steps.append(GroupStep(torch.cat(new), contexts, [m for _, m in shapes[key]], decode))
-    return StepMetadata(cache, starts, steps)
+    return StepMetadata(cache, starts, steps, kv_layers)
 
 
 def _decode_batch(contexts: list[torch.Tensor], device: torch.device | str) -> DecodeBatch:
@@ -165,7 +169,8 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         InvalidArgumentError: attention sinks (gpt-oss's ``s_aux``), or a ``sliding_window`` the model
             passes that differs from the layer's KV cache group.
     """
-    layer, meta = module.layer_idx, kvpool_step
+    meta = kvpool_step
+    layer = module.layer_idx if meta.kv_layers is None else meta.kv_layers[module.layer_idx]
     group_index = meta.cache.layer_group[layer]
     _check_layer_kwargs(meta.cache.spec.groups[group_index], kwargs)
     step = meta.groups[group_index]

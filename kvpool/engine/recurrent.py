@@ -1,0 +1,204 @@
+"""The execute side of recurrent hybrids: each recurrent mixer reads and writes its state in the pool's slot.
+
+transformers' recurrent mixers (Gated DeltaNet, KDA, Mamba-2, Mamba-1, LFM2's short convolutions) reach their
+state through one small cache interface (``get_conv_state``, ``get_recurrent_state``, ``update_conv_state``,
+``update_recurrent_state``, ``is_recording_past``): :class:`SlotStateCache` implements it over one request's
+slot of a :class:`~kvpool.storage.state.RecurrentStateCache`, handing out the slot's views (single-token
+decode updates them in place). Their torch fallbacks ignore ``cu_seqlens``, so a packed batch would mix the
+requests' states: :class:`RecurrentStates` replaces each mixer's ``forward`` (on the instance; the module tree
+and its weights stay as they are) with one that runs the original once per request span of the step, with
+that request's slot, and concatenates the outputs. Outside a step (a reference ``generate``) the original
+runs as before.
+
+A span that starts at token 0 is a fresh request: the mixer sees no previous state (it starts from zero, as
+transformers' prefill does) and writes the slot. A later span continues from the slot. Mamba-1 cannot
+continue a multi-token span from a saved state in transformers (its full-sequence scan ignores the initial
+state), so such a span runs token by token through the decode path, which does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from kvpool.errors import ConfigError, InvalidArgumentError
+from kvpool.spec import AttentionKind, KVCacheSpec
+from kvpool.state_spec import HybridSpec, RecurrentStateSpec
+from kvpool.storage.state import RecurrentStateCache
+
+#: Keyword arguments of the decoder layer's call that a per-request mixer call must not receive: the
+#: model's own cache (none in the paged engine), the packed batch's mask, and the paged-attention metadata.
+_NOT_PASSED = frozenset({"cache", "cache_params", "past_key_values", "attention_mask", "kvpool_step",
+                         "cache_position"})
+
+
+class SlotStateCache:
+    """transformers' linear-attention cache interface over one request's state slot.
+
+    Args:
+        states: the :class:`RecurrentStateCache`.
+        slot: the request's state slot.
+        has_previous: whether the slot holds the state after the request's earlier tokens (the span does
+            not start at token 0). Without one, ``get_*_state`` return None and the mixer starts from zero.
+
+    Only ``state_idx`` 0 exists (one conv and one SSM state per layer). The conv state keeps the last K - 1
+    inputs; ``update_conv_state`` returns the previous state followed by the new inputs (the left context a
+    causal convolution needs), as transformers' ``LinearAttentionLayer`` does.
+    """
+
+    def __init__(self, states: RecurrentStateCache, slot: int, has_previous: bool) -> None:
+        self.states, self.slot, self.previous = states, slot, has_previous
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """``[1, channels, K - 1]``: the slot's view, or None before the request's first span."""
+        _only_state_0(state_idx)
+        return self.states.conv_view(layer_idx, self.slot) if self.previous else None
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """``[1, *ssm_shape]``: the slot's view (updated in place by decode kernels), or None."""
+        _only_state_0(state_idx)
+        if not self.previous or self.states.ssm is None:
+            return None
+        return self.states.ssm_view(layer_idx, self.slot)
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                          **kwargs: Any) -> torch.Tensor:
+        """Store the last K - 1 of (previous state, ``conv_states`` ``[1, channels, T]``) in the slot and
+        return that concatenation (``conv_states`` alone on a fresh request: the convolution pads it)."""
+        _only_state_0(state_idx)
+        view = self.states.conv_view(layer_idx, self.slot)
+        full = torch.cat((view.to(conv_states.dtype), conv_states), dim=-1) if self.previous else conv_states
+        width = view.shape[-1]
+        if full.shape[-1] >= width:
+            view.copy_(full[..., -width:])
+        else:  # a fresh request shorter than K - 1 tokens: zeros on the left, as transformers pads
+            view.zero_()
+            view[..., width - full.shape[-1]:] = full
+        return full
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs: Any) -> torch.Tensor:
+        """Copy the mixer's final state (``[1, *ssm_shape]``) into the slot; returns the slot's view."""
+        _only_state_0(state_idx)
+        view = self.states.ssm_view(layer_idx, self.slot)
+        view.copy_(recurrent_states)
+        return view
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return self.previous
+
+
+def _only_state_0(state_idx: int) -> None:
+    if state_idx != 0:
+        raise InvalidArgumentError(f"state_idx {state_idx}: kvpool keeps one conv and one SSM state a layer")
+
+
+class RecurrentStates:
+    """The recurrent half of a runner: the state buffers and the per-span mixers of one model.
+
+    Args:
+        model: a Hugging Face causal LM of a family of :data:`kvpool.state_spec.FAMILIES`.
+        spec: its :class:`RecurrentStateSpec` (on this rank).
+        num_slots: state slots of the buffers.
+        device: where the buffers live.
+
+    Raises:
+        ConfigError: a recurrent layer of ``spec`` whose mixer module is not found (or found twice): a
+            module with that ``layer_idx`` and a ``conv1d`` / ``conv`` convolution.
+    """
+
+    def __init__(self, model: Any, spec: RecurrentStateSpec, num_slots: int,
+                 device: torch.device | str = "cpu") -> None:
+        self.spec = spec
+        self.cache = RecurrentStateCache(spec, num_slots, device=device)
+        self._spans: list[tuple[int, int, int, int]] | None = None  # (row start, row end, token start, slot)
+        for layer, module in _mixers(model, spec).items():
+            module.forward = self._per_span(module.forward, layer)
+
+    @contextlib.contextmanager
+    def step(self, spans: Sequence[tuple[int, int]], slots: Sequence[int]) -> Iterator[None]:
+        """Run the forward inside this block as one engine step: request i computes tokens ``spans[i] =
+        (start, end)`` (packed back to back, in order) with its state in ``slots[i]``.
+
+        Raises InvalidArgumentError for spans and slots of different lengths, or a slot out of range."""
+        if len(spans) != len(slots):
+            raise InvalidArgumentError(f"{len(spans)} spans but {len(slots)} state slots")
+        rows, row = [], 0
+        for (start, end), slot in zip(spans, slots, strict=True):
+            self.cache.conv_view(self.spec.layers[0], slot)  # checks the slot
+            rows.append((row, row + end - start, start, slot))
+            row += end - start
+        self._spans = rows
+        try:
+            yield
+        finally:
+            self._spans = None
+
+    def _per_span(self, original: Any, layer: int) -> Any:
+        def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+            if self._spans is None:
+                return original(*args, **kwargs)
+            hidden = args[0] if args else kwargs.pop("hidden_states")
+            rest = {k: v for k, v in kwargs.items() if k not in _NOT_PASSED and k != "hidden_states"}
+            outputs = [self._run(original, hidden[:, lo:hi], start, slot, rest)
+                       for lo, hi, start, slot in self._spans]
+            return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+        return forward
+
+    def _run(self, original: Any, hidden: torch.Tensor, start: int, slot: int, rest: dict[str, Any]
+             ) -> torch.Tensor:
+        if start > 0 and hidden.shape[1] > 1 and not self.spec.resumes_multi_token:
+            return torch.cat([self._run(original, hidden[:, t:t + 1], start + t, slot, rest)
+                              for t in range(hidden.shape[1])], dim=1)
+        cache = SlotStateCache(self.cache, slot, has_previous=start > 0)
+        return original(hidden, cache=cache, attention_mask=None, **rest)
+
+
+def _mixers(model: Any, spec: RecurrentStateSpec) -> dict[int, torch.nn.Module]:
+    """The recurrent mixer module of each layer of ``spec``: the one module with that ``layer_idx`` that owns
+    a ``conv1d`` or ``conv`` ``nn.Conv1d`` (every family's mixer does; no attention module does)."""
+    found: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        conv = getattr(module, "conv1d", None) or getattr(module, "conv", None)
+        if isinstance(conv, torch.nn.Conv1d) and isinstance(getattr(module, "layer_idx", None), int):
+            found.setdefault(module.layer_idx, []).append(module)
+    for layer in spec.layers:
+        if len(found.get(layer, [])) != 1:
+            raise ConfigError(f"recurrent layer {layer}: found {len(found.get(layer, []))} mixer modules "
+                              f"(a module with layer_idx {layer} and a conv1d / conv), need exactly one")
+    return {layer: found[layer][0] for layer in spec.layers}
+
+
+def hybrid_spec(model: Any, *, block_size: int, dtype: torch.dtype | None = None) -> HybridSpec:
+    """The model's :class:`HybridSpec` from its config, every dtype the model's own unless given, except the
+    SSM state: float32, as transformers keeps it (its fallbacks compute the state in float32 whatever the
+    model dtype), so the engine's tokens equal transformers' own."""
+    name = str(dtype or model.dtype).removeprefix("torch.")
+    return HybridSpec.from_hf_config(model.config.to_dict(), block_size=block_size, kv_cache_dtype=name,
+                                     conv_dtype=name, ssm_dtype="float32")
+
+
+def execution_kv_spec(spec: HybridSpec, model: Any) -> KVCacheSpec:
+    """The KV spec of the attention layers as transformers' attention calls see them: ``spec.attention``, but
+    MLA (Kimi Linear) as the decompressed per-head keys and values transformers passes to the attention
+    function (``num_attention_heads`` KV heads of ``qk_nope_head_dim + qk_rope_head_dim``; its values must
+    be as wide). Raises ConfigError for a model without attention layers or MLA values of another width."""
+    attention = spec.attention
+    if attention is None:
+        raise ConfigError(f"{spec.model_type} has no attention layers")
+    if attention.attention is not AttentionKind.MLA:
+        return attention
+    config = model.config
+    width = config.qk_nope_head_dim + config.qk_rope_head_dim
+    if config.v_head_dim != width:
+        raise ConfigError(f"MLA values of {config.v_head_dim} and keys of {width} elements cannot share the "
+                          f"paged KV cache's head_dim")
+    heads = config.num_attention_heads
+    return KVCacheSpec(attention.num_layers, heads, width, attention.dtype, attention.block_size,
+                       num_attention_heads=heads)

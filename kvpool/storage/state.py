@@ -1,0 +1,128 @@
+"""``RecurrentStateCache``: the physical recurrent state of a hybrid, allocated once, with per-layer views.
+
+Two buffers, one per state kind, layer-major like SGLang's ``MambaPool`` and vLLM's per-layer state tensors:
+
+* conv: ``[L, N, channels, K - 1]`` in ``spec.conv_dtype``;
+* SSM: ``[L, N, *spec.ssm_shape]`` in ``spec.ssm_dtype`` (absent for short convolutions),
+
+L = the spec's recurrent layers (in model order; layer ``spec.layers[i]`` is row ``i``), N = state slots
+(the :class:`~kvpool.allocators.state_pool.StatePool` ids). ``conv_state(layer)`` / ``ssm_state(layer)`` are
+``[N, ...]`` views a kernel indexes by slot; ``conv_view(layer, slot)`` / ``ssm_view(layer, slot)`` are the
+``[1, ...]`` views of one request, which a model updates in place (single-token decode does: transformers'
+``causal_conv1d_update`` and Mamba's ``selective_state_update`` copy into the tensor they are given).
+``zero_slots`` clears a fresh request's state in every layer; ``copy_slots`` copies whole slots (checkpoints,
+copy-on-write).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError
+from kvpool.numeric import as_int, index_or_none
+from kvpool.state_spec import RecurrentStateSpec
+from kvpool.storage.paged import check_block_ids
+
+
+class RecurrentStateCache:
+    """The conv and SSM state of every recurrent layer for ``num_slots`` requests.
+
+    Args:
+        spec: the :class:`~kvpool.state_spec.RecurrentStateSpec` (shapes and dtypes per layer per request).
+        num_slots: state slots N (what the state pool hands out, padding slot included).
+        device: where the buffers live.
+
+    The buffers start zeroed (``torch.zeros``; on CPU the pages are committed lazily).
+
+    Raises:
+        ConfigError: a bad slot count, or the buffers cannot be allocated on ``device``.
+    """
+
+    def __init__(self, spec: RecurrentStateSpec, num_slots: int, *,
+                 device: torch.device | str = "cpu") -> None:
+        self.spec = spec
+        self.num_slots = as_int(num_slots, "num_slots", minimum=1, error=ConfigError)
+        self.layer_row = {layer: i for i, layer in enumerate(spec.layers)}
+        n_layers = spec.num_layers
+        try:
+            self.conv = torch.zeros((n_layers, self.num_slots, *spec.conv_shape), dtype=spec.conv_dtype,
+                                    device=device)
+            self.ssm = None if not spec.ssm_shape else torch.zeros(
+                (n_layers, self.num_slots, *spec.ssm_shape), dtype=spec.ssm_dtype, device=device)
+        except (RuntimeError, AssertionError, TypeError) as exc:  # a bad device, out of memory
+            raise ConfigError(f"cannot allocate the state buffers of {self.num_slots} slots on {device!r}: "
+                              f"{str(exc).splitlines()[0]}") from None
+        self.device = self.conv.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of both buffers: ``num_slots x spec.bytes_per_request``."""
+        ssm = 0 if self.ssm is None else self.ssm.numel() * self.ssm.element_size()
+        return self.conv.numel() * self.conv.element_size() + ssm
+
+    # ------------------------------------------------------------------------------------- views
+    def conv_state(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s conv states of every slot: ``[N, channels, K - 1]`` (a view)."""
+        return self.conv[self._row(layer)]
+
+    def ssm_state(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s SSM states of every slot: ``[N, *ssm_shape]`` (a view). Raises
+        InvalidArgumentError for a model without SSM states (short convolutions)."""
+        if self.ssm is None:
+            raise InvalidArgumentError(f"{self.spec.kind.value} layers keep no SSM state")
+        return self.ssm[self._row(layer)]
+
+    def conv_view(self, layer: int, slot: int) -> torch.Tensor:
+        """One request's conv state in ``layer``: ``[1, channels, K - 1]``, a contiguous view to update in
+        place. Raises InvalidArgumentError (not a recurrent layer), InvalidIdError (slot out of range)."""
+        s = self._slot(slot)
+        return self.conv[self._row(layer), s:s + 1]
+
+    def ssm_view(self, layer: int, slot: int) -> torch.Tensor:
+        """One request's SSM state in ``layer``: ``[1, *ssm_shape]``, a contiguous view to update in place."""
+        s = self._slot(slot)
+        return self.ssm_state(layer)[s:s + 1]
+
+    # ---------------------------------------------------------------------------------- slot ops
+    def zero_slots(self, slots: Sequence[int] | torch.Tensor) -> None:
+        """Zero the conv and SSM states of ``slots`` in every layer (a fresh request's initial state): one
+        ``index_fill_`` per buffer. Raises InvalidIdError for a slot out of range (nothing is zeroed)."""
+        ids = check_block_ids(slots, self.num_slots).to(self.device)
+        if ids.numel() == 0:
+            return
+        for buffer in self._buffers():
+            buffer.index_fill_(1, ids, 0)
+
+    def copy_slots(self, pairs: Sequence[tuple[int, int]] | torch.Tensor) -> None:
+        """Copy whole slots ``src -> dst`` in every layer (a state checkpoint, copy-on-write of a shared
+        state). ``pairs``: ``(src, dst)`` pairs or an int ``[P, 2]`` tensor. Every source is read before any
+        destination is written. Raises InvalidIdError for a slot out of range or a destination named twice;
+        nothing is copied then."""
+        table = torch.as_tensor(pairs, dtype=torch.int64) if not isinstance(pairs, torch.Tensor) else pairs
+        if table.numel() == 0:
+            return
+        if table.ndim != 2 or table.shape[1] != 2:
+            raise InvalidIdError(f"pairs must be (src, dst) pairs, got shape {list(table.shape)}")
+        src = check_block_ids(table[:, 0], self.num_slots).to(self.device)
+        dst = check_block_ids(table[:, 1], self.num_slots, distinct=True).to(self.device)
+        for buffer in self._buffers():
+            buffer.index_copy_(1, dst, buffer.index_select(1, src))
+
+    # -------------------------------------------------------------------------------------- checks
+    def _buffers(self) -> list[torch.Tensor]:
+        return [self.conv] if self.ssm is None else [self.conv, self.ssm]
+
+    def _row(self, layer: int) -> int:
+        row = self.layer_row.get(index_or_none(layer))  # type: ignore[arg-type]
+        if row is None:
+            raise InvalidArgumentError(f"layer {layer!r} keeps no recurrent state (recurrent layers: "
+                                       f"{list(self.spec.layers)})")
+        return row
+
+    def _slot(self, slot: int) -> int:
+        s = index_or_none(slot)
+        if s is None or not 0 <= s < self.num_slots:
+            raise InvalidIdError(f"state slot {slot!r} is out of range [0, {self.num_slots})")
+        return s
