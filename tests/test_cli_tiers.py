@@ -54,6 +54,45 @@ def test_generate_hits_the_host_and_disk_tiers_and_matches_transformers(prompts_
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_tiers_under_tensor_parallelism_hit_as_one_process(prompts_file: Path, tmp_path: Path) -> None:
+    """Two ranks, each with its own host and disk tiers (namespaces name the rank): the same tier hits as
+    one process, and transformers' tokens."""
+    options = ("--prompts-file", str(prompts_file), "--host-blocks", "4", "--check", "--json")
+    one = kvpool("generate", *TINY, *options, "--disk-dir", str(tmp_path / "d1"), "--disk-bytes", "1MiB")
+    two = kvpool("generate", *TINY, *options, "--disk-dir", str(tmp_path / "d2"), "--disk-bytes", "1MiB",
+                 "--tp-size", "2")
+    assert one.returncode == 0 and two.returncode == 0, two.stderr
+    a, b = json.loads(one.stdout), json.loads(two.stdout)
+    assert all(r["matches_reference"] for r in b["requests"])
+    assert [r["output_token_ids"] for r in b["requests"]] == [r["output_token_ids"] for r in a["requests"]]
+    assert b["stats"]["tier_hits"] == a["stats"]["tier_hits"] and b["stats"]["tier_hits"]["host"] > 0
+    assert b["stats"]["tp_size"] == 2 and len(list((tmp_path / "d2").iterdir())) == 2  # a folder per rank
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_gemma3_270m_finds_its_windows_in_the_host_tier(tmp_path: Path) -> None:
+    """Gemma 3 270M (5 sliding groups of window 512, 1 full) on a device that holds one ~1,200-token
+    prompt: an unrelated prompt of that length pushes the document out, and the third prompt restores its
+    prefix from the host tier, the sliding groups only their window: tokens as transformers'."""
+    from kvpool.engine.models import _DOCUMENT, gemma3_folder
+
+    gemma3_folder()
+    document = " ".join([_DOCUMENT] * 5)
+    other = " ".join(reversed(document.split()))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text(f"{document} Why are KV blocks shared?\n{other}\n{document} What is a block table?\n")
+    done = kvpool("generate", "--model", "gemma3-270m", "--prompts-file", str(prompts), "--max-new-tokens",
+                  "8", "--max-batched-tokens", "64", "--num-blocks", "300", "--host-blocks", "600", "--check",
+                  "--json", timeout=1100)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert [r["matches_reference"] for r in out["requests"]] == [True] * 3
+    assert out["stats"]["tier_hits"]["host"] > 0
+
+
+@pytest.mark.slow
 def test_two_processes_share_one_redis(prompts_file: Path, tmp_path: Path) -> None:
     from redis_servers import redis_server
 

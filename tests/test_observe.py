@@ -220,27 +220,19 @@ def test_metrics_scraped_during_a_run_match_the_engine(tiny: object) -> None:
     engine = LLMEngine(tiny, num_blocks=22, block_size=4, max_num_batched_tokens=32)
     collector = KVPoolCollector(preemptions=lambda: engine.stats.preemptions)
     collector.add_pool(engine.pool, block_size=4, token_slots_used=engine.num_token_slots_used,
-                       stats=lambda: engine.kv.stats)
+                       stats=engine.kv_manager.prefix_cache_stats)
     scraped: list[tuple[dict, dict]] = []
-    looked_up = {"queried": 0, "hit": 0}  # every lookup the engine makes, a waiting request's retries too
-    find = engine.kv.find_longest_cache_hit
+    looked_up = {"queried": 0, "hit": 0}  # every admission the engine makes, each counted once
+    admit = engine.kv_manager.admit
 
-    def tallied_find(hashes: list, max_blocks: int | None = None) -> object:
-        hit = find(hashes, max_blocks)
-        looked_up["queried"] += len(hashes) if max_blocks is None else max(0, min(max_blocks, len(hashes)))
-        looked_up["hit"] += hit.num_blocks
-        return hit
+    def tallied_admit(req: object, budget: int) -> object:
+        chunk = admit(req, budget)
+        if chunk is not None:  # admitted: it could hit the full blocks of its first num_tokens - 1 tokens
+            looked_up["queried"] += min(len(req.block_hashes), (req.num_tokens - 1) // 4)
+            looked_up["hit"] += req.num_computed_tokens // 4
+        return chunk
 
-    class TalliedKV:  # the engine's coordinator, its lookups counted (a compiled class takes no new methods)
-        def __init__(self, kv: object) -> None:
-            self.kv = kv
-
-        def __getattr__(self, name: str) -> object:
-            return getattr(self.kv, name)
-
-        find_longest_cache_hit = staticmethod(tallied_find)
-
-    engine.kv = TalliedKV(engine.kv)  # type: ignore[assignment]
+    engine.kv_manager.admit = tallied_admit  # type: ignore[method-assign]
 
     def on_step(_: int) -> None:  # the engine waits between steps: scrape and work out the truth by hand
         got = scrape(server.url)
@@ -266,10 +258,42 @@ def test_metrics_scraped_during_a_run_match_the_engine(tiny: object) -> None:
         assert got[("kvpool_preemptions_total", None)] == truth["preemptions"]
     assert final[("kvpool_blocks", "used")] == 0 and final[("kvpool_token_slots_used", None)] == 0
     assert final[("kvpool_evicted_blocks_total", None)] == engine.pool.stats.evictions > 0
-    hit_tokens = final[("kvpool_prefix_cache_hit_tokens_total", None)]  # admitted hits, plus retries
-    assert hit_tokens == 4 * looked_up["hit"] >= engine.stats.prefix_hit_tokens > 0
+    hit_tokens = final[("kvpool_prefix_cache_hit_tokens_total", None)]  # every admission's hit, once
+    assert hit_tokens == 4 * looked_up["hit"] == engine.stats.prefix_hit_tokens > 0
     assert any(g[("kvpool_token_slot_usage_ratio", None)] < g[("kvpool_block_usage_ratio", None)]
                for g, _ in scraped)  # partly filled blocks: token usage below block usage
+
+
+def test_metrics_count_tier_hits_once_and_export_the_host_pool(tiny: object) -> None:
+    """Issue 20, item 7: with a host tier the prefix-hit counters count every admission's hit once, the
+    blocks found on the device and the blocks restored from the tier alike (they read 0 before), and the
+    host tier's own pool is exported with ``tier="host"``."""
+    import argparse
+
+    from prometheus_client.parser import text_string_to_metric_families as families
+
+    from kvpool.allocators.hashing import BlockHasher
+    from kvpool.cli._observe import Observers
+
+    # 18 blocks: the 64-token prompt (17) fits alone; the 50-token one (14) pushes most of it out
+    engine = LLMEngine(tiny, num_blocks=18, block_size=4, hasher=BlockHasher("sha256", shared=True))
+    engine.enable_offload(["host://?blocks=64"])
+    options = argparse.Namespace(kv_events=None, metrics_port=free_port(), metrics_host="127.0.0.1")
+    with Observers(options) as observers:
+        observers.watch_engine(engine)
+        for prompt in PROMPTS:  # one at a time: the unrelated prompts push the shared blocks to the host
+            engine.generate([prompt], SamplingParams(max_new_tokens=4))
+        text = urllib.request.urlopen(observers.server.url, timeout=10).read().decode()
+    page = {(s.name, s.labels.get("tier"), s.labels.get("state")): s.value
+            for f in families(text) for s in f.samples}
+    places = engine.kv_manager.hits_by_place()
+    assert places["host"] > 0 and places["device"] > 0
+    hit = page[("kvpool_prefix_cache_hit_blocks_total", "device", None)]
+    assert hit == sum(places.values()) == engine.stats.prefix_hit_tokens // 4
+    host = engine.offload.host.pool
+    assert page[("kvpool_blocks_capacity", "host", None)] == 64
+    assert page[("kvpool_blocks", "host", "evictable")] == host.num_evictable_blocks > 0
+    engine.offload.close()
 
 
 @pytest.mark.slow  # ~20 s: a whole kvpool generate in a subprocess

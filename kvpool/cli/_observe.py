@@ -61,11 +61,18 @@ class Observers:
         return KVEventSink(self.publisher, block_size=block_size)
 
     def watch_engine(self, engine: Any) -> None:
-        """Export ``engine``'s pool, prefix hits and preemptions on the metrics server, if there is one."""
-        if self.collector is not None:
-            self.collector.preemptions = lambda: engine.stats.preemptions
-            self.collector.add_pool(engine.pool, block_size=engine.block_size, stats=lambda: engine.kv.stats,
-                                    token_slots_used=engine.num_token_slots_used)
+        """Export ``engine``'s pool, prefix hits (every admission's, wherever the blocks were found: the
+        device or a tier) and preemptions on the metrics server, if there is one; with tiers attached
+        (call it after them), the host tier's pool too, labelled ``tier="host"``."""
+        if self.collector is None:
+            return
+        self.collector.preemptions = lambda: engine.stats.preemptions
+        self.collector.add_pool(engine.pool, block_size=engine.block_size,
+                                stats=engine.kv_manager.prefix_cache_stats,
+                                token_slots_used=engine.num_token_slots_used)
+        host = engine.offload.host if engine.offload is not None else None
+        if host is not None:
+            self.collector.add_pool(host.pool, block_size=engine.block_size, tier="host")
 
     def close(self) -> None:
         if self.server is not None:

@@ -36,6 +36,7 @@ from kvpool.cli._tiers import (
     wants_tiers,
 )
 from kvpool.cli._tp import add_tp_argument, report_rank_failure, run_ranks, tp_size_of
+from kvpool.allocators.policies import POLICIES
 from kvpool.errors import ConfigError, OutOfBlocksError, RankFailedError
 from kvpool.units import plural
 
@@ -68,6 +69,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="sampling seed (request i uses S + i; S + i must stay below 2**64)")
     add_threads_argument(parser)
     parser.add_argument("--check", action="store_true", help="compare with transformers' greedy generate")
+    eviction = parser.add_argument_group("eviction")
+    eviction.add_argument("--policy", choices=POLICIES, default="lru", metavar="NAME",
+                          help=f"eviction policy of cached blocks: {', '.join(POLICIES)} (default lru)")
+    eviction.add_argument("--pin-prefix", metavar="TEXT",
+                          help="pin the full blocks of TEXT's tokens (a system prompt the prompts start with) "
+                               "once they are cached, in every KV cache group")
     add_tp_argument(parser)
     add_hash_arguments(parser)
     add_tier_arguments(parser, disk_in_blocks=False)
@@ -171,10 +178,12 @@ def generate_on_rank(tp: Any, args: argparse.Namespace, texts: list[str], params
         engine = LLMEngine(loaded.model, num_blocks=num_blocks if tp is None else tp.min_int(num_blocks),
                            block_size=args.block_size, max_num_batched_tokens=args.max_batched_tokens,
                            eos_token_ids=loaded.eos_token_ids, hasher=hasher, tp_size=tp_size,
-                           kv_events=observers.publisher)
-        observers.watch_engine(engine)
+                           kv_events=observers.publisher, policy=args.policy)
         prompts = [loaded.encode(text) for text in texts]
+        if args.pin_prefix and (tp is None or tp.rank == 0):  # rank 0 decides; its pins reach the followers
+            engine.pin_prefix(loaded.encode(args.pin_prefix))
         offload = _enable_tiers(engine, args) if wants_tiers(args) else None
+        observers.watch_engine(engine)
 
         def lead(engine: Any) -> list[Any]:
             return _generate_or_explain(engine, prompts, params, texts)
@@ -240,7 +249,8 @@ def _generate_with_progress(engine: Any, prompts: list[list[int]], params: list[
 
 def _stats(engine: Any, tp: Any = None, ship: Any = None) -> dict[str, Any]:
     s = engine.stats
-    stats = {"num_blocks": s.num_blocks, "block_size": engine.block_size,
+    stats = {"num_blocks": s.num_blocks, "block_size": engine.block_size, "policy": engine.pool.policy.name,
+             "pinned_blocks": sum(map(len, engine.kv_manager.pins)),
              "peak_blocks_used": s.peak_blocks_used,
              "prefix_hit_tokens": s.prefix_hit_tokens, "preemptions": s.preemptions,
              "generated_tokens": s.generated_tokens, "steps": s.steps, "elapsed_s": round(s.elapsed_s, 3),
@@ -248,7 +258,7 @@ def _stats(engine: Any, tp: Any = None, ship: Any = None) -> dict[str, Any]:
              "hashing": engine.hasher.describe(), "kv_cache_groups": [g.describe() for g in engine.kv.groups],
              "tp_size": 1 if tp is None else tp.size}
     if engine.offload is not None:
-        stats["tier_hits"], stats["tiers"] = engine.offload.tier_hits(), engine.offload.stats()
+        stats["tier_hits"], stats["tiers"] = engine.kv_manager.hits_by_place(), engine.offload.stats()
     if tp is not None:
         stats["tensor_parallel"] = {"backend": tp.backend, **ship.to_dict()}
     return stats

@@ -163,7 +163,8 @@ class LLMEngine:
         ``write_through``, published) blocks go down, and admission finds prefixes in every tier and loads
         the blocks each group's hit needs before the request runs. ``admission``: a frequency filter on what
         goes down (see the manager). Returns the :class:`~kvpool.tiers.manager.OffloadManager`
-        (``stats()``, ``tier_hits()``; ``close()`` it at the end to finish the stores in flight).
+        (``stats()``; ``close()`` it at the end to finish the stores in flight); the prefix hits by place
+        are ``kv_manager.hits_by_place()``.
 
         Raises:
             ConfigError: prefix caching is off, an offload is attached already, or a tier keeps blocks

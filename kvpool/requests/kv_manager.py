@@ -348,6 +348,15 @@ class KVCacheManager:
 
     # ---- state --------------------------------------------------------------------------------------
 
+    def hits_by_place(self, *, first_admissions: bool = False) -> dict[str, int]:
+        """Prefix-hit blocks by where they were found: ``device``, then each tier's medium (0 where none),
+        over every admission (or only first admissions: a replay's hit ratio)."""
+        stats = self.first_stats if first_admissions else self.stats
+        places = {DEVICE: stats.by_place.get(DEVICE, 0)}
+        for tier in self.tiers.tiers if self.tiers is not None else ():
+            places[tier.medium] = places.get(tier.medium, 0) + stats.by_place.get(tier.medium, 0)
+        return places
+
     def prefix_cache_stats(self) -> BlockPoolStats:
         """:attr:`stats` as the metrics read them: hits and misses in blocks over every admission (device
         and tier hits alike), and the pool's evictions."""

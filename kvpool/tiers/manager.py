@@ -491,7 +491,9 @@ class OffloadManager:
             tier.close()
 
     def tier_hits(self) -> dict[str, int]:
-        """Blocks :meth:`acquire` took from each place: ``device`` and each tier's medium."""
+        """Blocks :meth:`acquire` took from each place (``device`` and each tier's medium), and the blocks
+        :meth:`restore` loaded from each tier. (The request path counts the hits of its admissions by
+        place itself: :meth:`kvpool.requests.kv_manager.KVCacheManager.hits_by_place`.)"""
         out = {"device": self.device_hits}
         for tier in self.tiers:
             out[tier.medium] = out.get(tier.medium, 0) + tier.stats().hits

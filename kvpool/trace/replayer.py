@@ -338,14 +338,11 @@ class Replayer:
 
     def _tier_report(self) -> tuple[dict[str, int], dict[str, Any]]:
         """(hits by place at first admissions, the manager's stats); checks every tier."""
-        places = dict(self.kv.first_stats.by_place)
+        places = self.kv.hits_by_place(first_admissions=True)
         if self.kv.tiers is None:
             return places, {}
         self.kv.tiers.synchronize()
-        out = {"device": places.get("device", 0)}
-        for tier in self.kv.tiers.tiers:
-            out[tier.medium] = places.get(tier.medium, 0)
-        return out, self.kv.tiers.stats()
+        return places, self.kv.tiers.stats()
 
     def _arrive(self, pending: deque[int]) -> None:
         """Queue the requests that arrived (``trace``), or the next one when none runs (``instant``); a
