@@ -25,6 +25,7 @@ from kvpool.allocators.policies import FrequencyAdmission
 from kvpool.errors import InvalidArgumentError, OutOfBlocksError
 from kvpool.spec import KVCacheSpec
 from kvpool.storage.paged import PagedKVCache
+from kvpool.tiers.auth import TierKey
 from kvpool.tiers.backend import HEADER_BYTES, Namespace, block_key
 from kvpool.tiers.file import FileTier
 from kvpool.tiers.host import HostTier
@@ -166,6 +167,7 @@ class ChainModel:
 # ---- building the real chain ------------------------------------------------------------------------
 
 NS = Namespace("model-test", "none", "hash-only", hash_scheme="trace")
+KEY = TierKey("kvpool tests: a tier key of 16+ bytes")  # the fleet secret of these tests
 
 
 def build(kinds: list[tuple[str, int | None]], tmp_path: Path, redis_url: str | None, *, device: int,
@@ -178,9 +180,9 @@ def build(kinds: list[tuple[str, int | None]], tmp_path: Path, redis_url: str | 
             tiers.append(HostTier(cap, ns, like=cache))
         elif name == "disk":
             tiers.append(FileTier(tmp_path / "disk", ns, capacity_bytes=cap * (HEADER_BYTES + bpb),
-                                  block_bytes=bpb))
+                                  block_bytes=bpb, auth_key=KEY))
         else:
-            tiers.append(RedisTier(redis_url, ns, block_bytes=bpb))
+            tiers.append(RedisTier(redis_url, ns, block_bytes=bpb, auth_key=KEY))
     return OffloadManager(BlockPool(device), tiers, cache=cache, write_through=write_through,
                           asynchronous=asynchronous, staging_blocks=8, admission=admission)
 
@@ -358,7 +360,7 @@ def test_kv_round_trips_bit_exact_through_every_tier(asynchronous: bool, write_t
 def test_bad_chains_are_refused(tmp_path: Path) -> None:
     cache = PagedKVCache(SPEC, 4)
     ns = Namespace.for_cache(cache, model="x")
-    disk = FileTier(tmp_path, ns, capacity_bytes=10**6, block_bytes=cache.bytes_per_block)
+    disk = FileTier(tmp_path, ns, capacity_bytes=10**6, block_bytes=cache.bytes_per_block, auth_key=KEY)
     with pytest.raises(InvalidArgumentError, match="host tier must come first"):
         OffloadManager(BlockPool(4), [disk, HostTier(2, ns, like=cache)], cache=cache)
     with pytest.raises(InvalidArgumentError, match="B blocks"):
@@ -461,7 +463,7 @@ def test_damaged_disk_blocks_end_the_prefix_and_are_counted(tmp_path: Path) -> N
     hit = m.lookup([1, 2, 3, 4, 5, 6])
     assert hit.where == [1] * 6  # the index still lists it: the damage shows when it is read
     got = m.acquire(hit)
-    assert len(got) == 3 and m.load_failures == 1 and disk.stats().corrupt == 1
+    assert len(got) == 3 and m.load_failures == 1 and disk.stats().unauthenticated == 1  # its MAC fails
     for b, h in zip(got, [1, 2, 3], strict=True):
         assert torch.equal(cache.buffer[:, :, b].view(torch.int16), kv_of(h, cache))
     m.pool.free(got[::-1])

@@ -1,8 +1,10 @@
 """The tier options shared by ``kvpool generate`` and ``kvpool replay``, and the tiers they build.
 
 ``--host-blocks N``, ``--disk-dir DIR`` with ``--disk-bytes BYTES`` (generate) or ``--disk-blocks N``
-(replay), ``--remote redis://HOST:PORT``, ``--write-through``. The tier modules (redis-py, xxhash: the
-``tiers`` extra) are imported only when a tier is asked for.
+(replay), ``--remote redis://HOST:PORT``, ``--write-through``. The tier modules (redis-py, xxhash, blake3:
+the ``tiers`` extra) are imported only when a tier is asked for. The disk and Redis tiers authenticate
+their values with the fleet secret of the environment (:meth:`~kvpool.tiers.auth.TierKey.from_env`:
+``$KVPOOL_TIER_KEY``, else ``$KVPOOL_HASH_SEED``); without one they are refused (exit 2).
 """
 
 from __future__ import annotations
@@ -58,8 +60,13 @@ def tier_admission(args: argparse.Namespace) -> Any:
 
 
 def check_tier_targets(args: argparse.Namespace) -> None:
-    """Fail early (before a model loads) on a malformed ``--remote`` URL or a ``--disk-dir`` that cannot be
-    a folder."""
+    """Fail early (before a model loads) on a malformed ``--remote`` URL, a ``--disk-dir`` that cannot be
+    a folder, or either without a tier secret in the environment (:func:`tier_auth_key`)."""
+    _check_places(args)
+    tier_auth_key(args)
+
+
+def _check_places(args: argparse.Namespace) -> None:
     if args.remote:
         from kvpool.tiers.redis import check_url
 
@@ -76,22 +83,48 @@ def leaves_process(args: argparse.Namespace) -> bool:
     return bool(args.disk_dir or args.remote)
 
 
-def build_tiers(args: argparse.Namespace, namespace: Any, *, block_bytes: int, like: Any = None) -> list[Any]:
+# ---- the tier secret (without it a store's operator could forge KV) ----------------------------------
+
+def tier_auth_key(args: argparse.Namespace) -> Any:
+    """The :class:`~kvpool.tiers.auth.TierKey` of the environment for ``--disk-dir`` / ``--remote`` (None
+    when neither is asked for). Raises ConfigError when they are asked for and no secret is set."""
+    if not leaves_process(args):
+        return None
+    from kvpool.tiers.auth import KEY_ENV, TierKey
+
+    key = TierKey.from_env()
+    if key is None:
+        raise ConfigError(f"{_leaving(args)}: tier values that leave the process are authenticated with "
+                          f"a fleet secret: set ${KEY_ENV} (or $KVPOOL_HASH_SEED) to the same secret of at "
+                          f"least 16 bytes in every process, e.g. export {KEY_ENV}=$(python3 -c "
+                          "'import secrets; print(secrets.token_hex(32))')")
+    return key
+
+
+def _leaving(args: argparse.Namespace) -> str:
+    return " and ".join(name for name, on in (("--disk-dir", args.disk_dir), ("--remote", args.remote)) if on)
+
+
+def build_tiers(args: argparse.Namespace, namespace: Any, *, block_bytes: int, like: Any = None,
+                auth_key: Any = None) -> list[Any]:
     """The tiers the options ask for, fastest first (host, disk, remote), in ``namespace``; ``like``: the
-    device cache a host tier copies (None: hash-only)."""
+    device cache a host tier copies (None: hash-only); ``auth_key``: the disk and Redis tiers'
+    :class:`~kvpool.tiers.auth.TierKey` (None: :func:`tier_auth_key`, the environment's)."""
     from kvpool.tiers.backend import HEADER_BYTES
     from kvpool.tiers.file import FileTier
     from kvpool.tiers.host import HostTier
     from kvpool.tiers.redis import RedisTier
 
-    check_tier_targets(args)
+    _check_places(args)
+    auth_key = auth_key if auth_key is not None else tier_auth_key(args)
     tiers: list[Any] = []
     if args.host_blocks:
         tiers.append(HostTier(args.host_blocks, namespace, like=like))
     if args.disk_dir:
         capacity = args.disk_blocks * (HEADER_BYTES + block_bytes) if hasattr(args, "disk_blocks") \
             else args.disk_bytes
-        tiers.append(FileTier(args.disk_dir, namespace, capacity_bytes=capacity, block_bytes=block_bytes))
+        tiers.append(FileTier(args.disk_dir, namespace, capacity_bytes=capacity, block_bytes=block_bytes,
+                              auth_key=auth_key))
     if args.remote:
-        tiers.append(RedisTier(args.remote, namespace, block_bytes=block_bytes))
+        tiers.append(RedisTier(args.remote, namespace, block_bytes=block_bytes, auth_key=auth_key))
     return tiers

@@ -1,14 +1,15 @@
 """``FileTier``: blocks as files in a directory, bounded in bytes, least recently used evicted first.
 
 Layout: ``DIR/<namespace tag>/<first 2 hex digits>/<32 hex digits of the block key>``, each file one value
-(64-byte header + payload, see :mod:`kvpool.tiers.backend`). A store writes a temporary file beside its
-target and renames it into place, so a reader never sees half a value under a block's name. The index
-(key -> value bytes, LRU order) lives in memory; files left by an earlier run of the same namespace are
-indexed at start (oldest modification first), so a restart finds them. One process owns a namespace
-directory at a time (an exclusive ``flock`` on ``.lock``); share blocks across processes with the Redis tier.
+(64-byte header with its MAC + payload, see :mod:`kvpool.tiers.backend`). A store writes a temporary
+file beside its target and renames it into place, so a reader never sees half a value under a block's
+name. The index (key -> value bytes, LRU order) lives in memory; files left by an earlier run of the same
+namespace are indexed at start (oldest modification first), so a restart finds them. One process owns a
+namespace directory at a time (an exclusive ``flock`` on ``.lock``); share blocks across processes with the
+Redis tier.
 
 Faults: a write that fails (``ENOSPC``, ``EIO``, a read-only disk) is a store failure, its temporary file
-removed; a missing, truncated, flipped or foreign file is a miss and the file is deleted.
+removed; a missing, truncated, flipped, foreign or unauthenticated file is a miss and the file is deleted.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from kvpool.errors import ConfigError, IntegrityError
 from kvpool.numeric import as_int
+from kvpool.tiers.auth import TierKey, require_auth_key
 from kvpool.tiers.backend import HEADER_BYTES, Namespace, TierBackend, block_keys, encode_header, verify_parts
 from kvpool.units import plural
 
@@ -40,18 +42,21 @@ class FileTier(TierBackend):
         namespace: the blocks' :class:`Namespace`.
         capacity_bytes: the bound; the least recently used files are deleted to stay under it.
         block_bytes: payload bytes per block (0: hash-only values, a header each).
+        auth_key: the fleet's :class:`~kvpool.tiers.auth.TierKey` (str or bytes: a secret) that signs and
+            verifies every file (``TierKey.from_env()``; ``TierKey.public()`` to opt out).
 
     Raises:
-        ConfigError: ``directory`` is a file, cannot be created or written, or another process holds this
-            namespace's folder; InvalidArgumentError: a capacity that is not an int >= 0.
+        ConfigError: no ``auth_key``; ``directory`` is a file, cannot be created or written, or another
+            process holds this namespace's folder; InvalidArgumentError: a capacity that is not an int >= 0.
     """
 
     medium = "disk"
 
     def __init__(self, directory: str | os.PathLike, namespace: Namespace, *, capacity_bytes: int,
-                 block_bytes: int) -> None:
+                 block_bytes: int, auth_key: TierKey | str | bytes | None = None) -> None:
         super().__init__(namespace, block_bytes)
         self._capacity = as_int(capacity_bytes, "capacity_bytes", minimum=0)
+        self.auth_key = require_auth_key(auth_key, "a disk tier")
         self.directory = Path(directory)
         self._dir = self.directory / namespace.tag
         self._lock_fd = _claim(self._dir)
@@ -196,7 +201,7 @@ class FileTier(TierBackend):
             os.close(fd)
         if got != HEADER_BYTES + len(payload):  # truncated, or longer than a value
             return "corrupt"
-        return verify_parts(header, payload, self._ns, key, self.block_bytes)
+        return verify_parts(header, payload, self._ns, key, self.block_bytes, auth_key=self.auth_key)
 
     def _write(self, key: bytes, row: torch.Tensor | None) -> bool:
         """Write ``key``'s value (one ``writev``); False (counted) when the disk refuses. It goes straight
@@ -210,7 +215,7 @@ class FileTier(TierBackend):
                 self._subdirs.add(path.parent.name)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                _write_all(fd, [encode_header(self._ns, key, payload), payload])
+                _write_all(fd, [encode_header(self._ns, key, payload, auth_key=self.auth_key), payload])
             finally:
                 os.close(fd)
         except OSError:

@@ -2,10 +2,10 @@
 the same server and namespace.
 
 Key of a block: ``<prefix>:<namespace tag>:<32 hex digits of the block key>``; value: a hash of two fields,
-``h`` the 64-byte header and ``p`` the payload (:mod:`kvpool.tiers.backend`), so the payload goes to the
-socket straight from the tier's rows, never copied into one string first (``HSET`` / ``HMGET``: one key,
-written and evicted as a whole). Calls are pipelined (``EXISTS``/``HMGET``/``HSET`` batches; on a cluster
-redis-py's cluster pipeline splits them by node). Capacity is the server's business: set
+``h`` the 64-byte header with its MAC and ``p`` the payload (:mod:`kvpool.tiers.backend`), so the payload
+goes to the socket straight from the tier's rows, never copied into one string first (``HSET`` /
+``HMGET``: one key, written and evicted as a whole). Calls are pipelined (``EXISTS``/``HMGET``/``HSET``
+batches; on a cluster redis-py's cluster pipeline splits them by node). Capacity is the server's business: set
 ``maxmemory`` and an eviction policy (``allkeys-lru``) there; a key the server evicted is a miss.
 
 Faults never raise: a server that is down, killed mid-run or unreachable at start makes every call a miss
@@ -30,6 +30,7 @@ from redis.retry import Retry
 
 from kvpool.errors import ConfigError, IntegrityError
 from kvpool.numeric import as_optional_int, as_real
+from kvpool.tiers.auth import TierKey, require_auth_key
 from kvpool.tiers.backend import Namespace, TierBackend, block_keys, encode_header, verify_parts
 
 SCHEMES = ("redis", "rediss")
@@ -74,21 +75,25 @@ class RedisTier(TierBackend):
         timeout_s: connect and socket timeout of each call.
         retry_s: how long a tier that lost its server waits before it connects again.
         ttl_s: an expiry for every stored value (None: none; the server's maxmemory policy evicts).
+        auth_key: the fleet's :class:`~kvpool.tiers.auth.TierKey` (str or bytes: a secret) that signs and
+            verifies every value (``TierKey.from_env()``; ``TierKey.public()`` to opt out).
 
     Raises:
-        ConfigError: a malformed URL (an unreachable server is not an error: its calls miss).
+        ConfigError: a malformed URL, no ``auth_key`` (an unreachable server is not an error: its calls
+            miss).
     """
 
     medium = "remote"
 
     def __init__(self, url: str, namespace: Namespace, *, block_bytes: int, prefix: str = "kvpool",
                  cluster: bool | None = None, timeout_s: float = 2.0, retry_s: float = 1.0,
-                 ttl_s: int | None = None) -> None:
+                 ttl_s: int | None = None, auth_key: TierKey | str | bytes | None = None) -> None:
         super().__init__(namespace, block_bytes)
         self._timeout = as_real(timeout_s, "timeout_s", minimum=0, open_min=True, finite=True)
         self._retry = as_real(retry_s, "retry_s", minimum=0, finite=True)
         self._ttl = as_optional_int(ttl_s, "ttl_s", minimum=1)
         self.url = check_url(url)
+        self.auth_key = require_auth_key(auth_key, "a Redis tier")
         self.cluster = cluster
         self._key_head = f"{prefix}:{namespace.tag}:".encode()
         self._client: Any = None
@@ -217,7 +222,7 @@ class RedisTier(TierBackend):
 
     def _fields(self, key: bytes, row: torch.Tensor | None) -> dict[bytes, Any]:
         payload = memoryview(row.numpy()) if row is not None else memoryview(b"")
-        return {b"h": encode_header(self._ns, key, payload), b"p": payload}
+        return {b"h": encode_header(self._ns, key, payload, auth_key=self.auth_key), b"p": payload}
 
     def _take(self, keys: list[bytes], values: list[Any], out: torch.Tensor | None, start: int) -> int:
         """Verify fetched ``[header, payload]`` pairs into ``out[start:]``; how many leading ones were good
@@ -231,7 +236,7 @@ class RedisTier(TierBackend):
                 why = "missing" if value[0] is None and value[1] is None else "corrupt"
             else:
                 header, payload = value
-                why = verify_parts(header, payload, self._ns, key, self.block_bytes)
+                why = verify_parts(header, payload, self._ns, key, self.block_bytes, auth_key=self.auth_key)
             if why is not None:
                 with self._lock:
                     setattr(self._stats, why, getattr(self._stats, why) + 1)
