@@ -10,7 +10,6 @@ import os
 import pickle
 import random
 import struct
-import subprocess
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -351,21 +350,6 @@ def test_a_file_deleted_behind_the_tiers_back_is_missing(tmp_path: Path) -> None
     t._path(block_key(0)).unlink()
     assert t.get(keys(3), torch.zeros(3, BPB, dtype=torch.uint8)) == 0 and t.stats().missing == 1
     t.check_integrity()
-
-
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A real 64 KiB tmpfs (root needed, as in CI); skipped where mounting is not allowed."""
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
-                          capture_output=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
 def test_a_full_disk_is_a_counted_store_failure(tiny_tmpfs: Path) -> None:

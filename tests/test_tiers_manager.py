@@ -13,6 +13,8 @@ sends its first blocks on down)."""
 from __future__ import annotations
 
 import random
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
@@ -469,3 +471,39 @@ def test_damaged_disk_blocks_end_the_prefix_and_are_counted(tmp_path: Path) -> N
     m.pool.free(got[::-1])
     assert m.pool.num_used_blocks == 0
     m.check_integrity()
+
+
+def test_a_stalling_redis_under_the_worker_is_only_misses(tmp_path: Path, redis_stalling, request) -> None:
+    # The review's failure at the manager: the writer thread stores into Redis while the engine thread looks
+    # up and loads from it; a stall made one thread's timeout close the shared client under the other, and
+    # the ValueError escaped: from a lookup on the engine thread, or as a counted writer error. Now every
+    # request completes with bit-exact KV (data_run checks each acquired block), and nothing raised.
+    from redis_servers import Stall
+
+    cache = PagedKVCache(SPEC, DEVICE_BLOCKS, layout="HND")
+    ns = Namespace.for_cache(cache, model=request.node.name)
+    remote = RedisTier(redis_stalling.url, ns, block_bytes=cache.bytes_per_block, auth_key=KEY,
+                       timeout_s=0.1, retry_s=0.0)
+    m = OffloadManager(BlockPool(DEVICE_BLOCKS), [HostTier(3, ns, like=cache), remote], cache=cache,
+                       write_through=True, asynchronous=True, staging_blocks=8)
+    done = threading.Event()
+
+    def stalls() -> None:
+        while not done.is_set():
+            with Stall(redis_stalling.url, 0.2):
+                pass
+            time.sleep(0.05)
+
+    staller = threading.Thread(target=stalls, name="stalls")
+    staller.start()
+    try:
+        data_run(m, cache, 60, seed=7)
+    finally:
+        done.set()
+        staller.join(timeout=10)
+    m.synchronize()
+    s = m.stats()["remote"]
+    assert s["errors"] + s["store_failures"] > 0  # the stalls were met, as misses
+    assert m.stats()["writer_errors"] == 0 and m.pool.num_used_blocks == 0
+    m.check_integrity()
+    m.close()

@@ -10,7 +10,8 @@ every layer of the device buffer, K then V, in the buffer's own order (:func:`bl
 take and fill ``uint8`` tensors ``[n, block_bytes]`` on the CPU. A tier built with ``block_bytes=0`` stores
 hashes only (a replay that moves no data).
 
-Contract of every :class:`TierBackend` (thread-safe; a call never raises for a fault of the medium):
+Contract of every :class:`TierBackend` (a call never raises for a fault of the medium, from any thread:
+see the thread contract in :class:`TierBackend`):
 
 * ``exists(keys) -> int``: how many leading keys are stored (the length of the stored prefix).
 * ``get(keys, out) -> int``: load the leading stored blocks into ``out[i]``; returns how many. It stops at
@@ -253,6 +254,21 @@ class TierBackend(ABC):
     Subclasses set ``medium`` (``"host"``, ``"disk"`` or ``"remote"``), ``namespace`` and ``block_bytes``,
     and guard their state with ``self._lock``. A tier whose values leave the process (disk, remote) takes
     an ``auth_key`` (:class:`~kvpool.tiers.auth.TierKey`) and refuses to start without one.
+
+    **Thread contract.** Every method may be called from several threads at once: the offload manager calls
+    a lower tier from the engine thread (``exists``, ``get``, ``refresh``) and from its writer thread
+    (``set``, and the cascade of a tier's evictions into the next). A tier holds ``self._lock`` for work in
+    memory only (its index, its counters) and does its I/O outside it, on resources of the call or of the
+    thread: a file descriptor per call (the file tier; the changes of its folder, a write, an eviction, the
+    removal of a bad file, take turns under a second lock so that the index and the files change together),
+    **one Redis client per thread** (the Redis tier). Neither a lock around whole calls nor one shared
+    client: under a lock a stalled medium stalls every thread (the engine's lookup waits behind the writer's
+    multi-MiB store, then for its own timeout); with one client, a timeout on one thread drops the client
+    under the other thread's pipeline (redis-py then raises from a closed socket), so no thread closes a
+    client another thread is using. Whatever the medium's client library raises during a call is a fault of
+    the medium (a broken or hostile server can make a reply parser raise anything). So a fault or a stall
+    of the medium on one thread is a counted miss or store failure of that thread's call alone, never an
+    exception on either. The host tier (memory copies, no medium that stalls) holds its lock for whole calls.
     """
 
     medium: str
