@@ -121,6 +121,51 @@ def test_tiers_that_leave_the_process_need_a_tier_secret(command: list[str], tie
     assert main(argv) == 2 and "$KVPOOL_TIER_KEY must be at least 16 bytes" in capsys.readouterr().err
 
 
+HINT = "hint: block hashes leave this process"
+
+
+@pytest.mark.parametrize(("options", "env", "hinted"), [
+    (["--kv-events", "{port}"], {}, "--kv-events"),
+    (["--disk-dir", "{tmp}/d", "--disk-bytes", "1MiB"], {"KVPOOL_TIER_KEY": "kvpool tests: a tier key"},
+     "--disk-dir"),
+    (["--kv-events", "{port}"], {"KVPOOL_HASH_SEED": "kvpool tests: the fleet's seed"}, None),
+    (["--host-blocks", "4"], {}, None),  # the host tier never leaves the process
+], ids=["events", "disk", "seeded", "host only"])
+def test_generate_hints_at_the_hash_seed_when_hashes_leave_with_the_public_root(
+        options: list[str], env: dict[str, str], hinted: str | None, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    # With no $KVPOOL_HASH_SEED a shared hasher starts from the public root: whoever sees the hashes (a
+    # disk folder's file names, Redis key names, the event stream) can confirm a guessed prompt. That was
+    # silent; now one line on stderr says what to set, and the run goes on.
+    from _ports import free_port, tcp
+
+    for name in ("KVPOOL_HASH_SEED", "KVPOOL_TIER_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    argv = [a.format(port=tcp(free_port()), tmp=tmp_path) for a in options]
+    assert main(["generate", *TINY, "--prompt", "hi", "--max-new-tokens", "1", *argv]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if HINT in line]
+    if hinted is None:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and lines[0].startswith(f"kvpool generate: {HINT} ({hinted}) from the public")
+        assert "set $KVPOOL_HASH_SEED to a secret of at least 16 bytes" in lines[0]
+
+
+def test_replay_gives_no_hash_seed_hint_its_hashes_are_the_traces(tmp_path: Path, monkeypatch, capsys
+                                                                   ) -> None:
+    # A replay's block hashes are the trace's own ids, not a hasher's: $KVPOOL_HASH_SEED would change
+    # nothing, so no hint names it.
+    from _ports import free_port, tcp
+
+    monkeypatch.delenv("KVPOOL_HASH_SEED", raising=False)
+    monkeypatch.setenv("KVPOOL_TIER_KEY", "kvpool tests: a tier key")
+    assert main(["replay", "--max-requests", "20", "--num-blocks", "64", "--kv-events", tcp(free_port()),
+                 "--disk-dir", str(tmp_path / "d"), "--disk-blocks", "8", "--json"]) == 0
+    assert HINT not in capsys.readouterr().err
+
+
 # ---- replay -------------------------------------------------------------------------------------------
 
 def replay_json(*args: str, capsys) -> dict:

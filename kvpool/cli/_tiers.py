@@ -83,7 +83,7 @@ def leaves_process(args: argparse.Namespace) -> bool:
     return bool(args.disk_dir or args.remote)
 
 
-# ---- the tier secret (without it a store's operator could forge KV) ----------------------------------
+# ---- the tier secret and the hash root (what a shared store's operator could otherwise do) ---------------
 
 def tier_auth_key(args: argparse.Namespace) -> Any:
     """The :class:`~kvpool.tiers.auth.TierKey` of the environment for ``--disk-dir`` / ``--remote`` (None
@@ -99,6 +99,20 @@ def tier_auth_key(args: argparse.Namespace) -> Any:
                           f"least 16 bytes in every process, e.g. export {KEY_ENV}=$(python3 -c "
                           "'import secrets; print(secrets.token_hex(32))')")
     return key
+
+
+def public_root_hint(args: argparse.Namespace, hasher: Any) -> str | None:
+    """One line for stderr when block hashes leave the process (a disk or Redis tier, ``--kv-events``)
+    from the public root (no ``$KVPOOL_HASH_SEED``): whoever sees them (a store's key names, the event
+    stream) can confirm a guessed prompt by hashing it. None otherwise. (The tier values' secret needs no
+    hint: without one a disk or Redis tier is refused, :func:`tier_auth_key`.)"""
+    events = getattr(args, "kv_events", None) is not None
+    if hasher.seeded or not (events or leaves_process(args)):
+        return None
+    where = " and ".join(filter(None, [_leaving(args), "--kv-events" if events else ""]))
+    return (f"hint: block hashes leave this process ({where}) from the public root, so whoever sees them can "
+            "confirm a guessed prompt: set $KVPOOL_HASH_SEED to a secret of at least 16 bytes, the same in "
+            "every process")
 
 
 def _leaving(args: argparse.Namespace) -> str:

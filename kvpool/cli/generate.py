@@ -32,6 +32,7 @@ from kvpool.cli._tiers import (
     build_tiers,
     check_tier_targets,
     leaves_process,
+    public_root_hint,
     tier_admission,
     wants_tiers,
 )
@@ -126,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
     # event hashes, and those in a file or a shared Redis, leave the process: the same in every process
     args.hash_shared = args.hash_shared or args.kv_events is not None or leaves_process(args)
     hasher = hasher_from_args(args)
+    if hint := public_root_hint(args, hasher):
+        print(f"kvpool generate: {hint}", file=sys.stderr)
     params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              seed=args.seed + i) for i in range(len(texts))]  # bad input fails before loading
     tp_size = tp_size_of(args, args.model)
