@@ -395,6 +395,34 @@ def test_a_damaged_file_read_by_both_threads(tmp_path: Path, damage: str) -> Non
     t.check_integrity()
 
 
+def test_a_reader_meeting_a_bad_file_never_waits_for_a_store(tmp_path: Path) -> None:
+    # A store holds the folder while its evictions cascade into the tier below (a Redis that may stall):
+    # a read that meets a bad file meanwhile counts its miss and returns; the file goes when the store ends.
+    t = FileTier(tmp_path, NS, capacity_bytes=3 * (HEADER_BYTES + BPB), block_bytes=BPB, auth_key=KEY)
+    assert t.set(keys(3), rows_of([0, 1, 2])) == 3
+    path = t._path(block_key(1))
+    path.write_bytes(path.read_bytes()[:-1])
+    below_entered, below_free = threading.Event(), threading.Event()
+
+    def stalled_below(ks: list[bytes], payloads: list[bytes]) -> None:
+        below_entered.set()
+        assert below_free.wait(JOIN_S)
+
+    t.set_eviction_listener(stalled_below)
+    store = threading.Thread(target=lambda: t.set(keys(1, base=7), rows_of([7])), name="store")
+    store.start()  # evicts block 0 to make room: its cascade waits below, the store holds the folder
+    assert below_entered.wait(JOIN_S)
+    reader = Worker()
+    started = time.monotonic()
+    assert reader.call(lambda: get_n(t, keys(2, base=1))) == 0 and time.monotonic() - started < 2
+    assert t.stats().corrupt == 1 and path.exists()  # counted now; removed by whoever changes the folder
+    below_free.set()
+    store.join(JOIN_S)
+    reader.stop()
+    assert not path.exists() and t.exists(keys(1, base=1)) == 0 and t.exists(keys(1, base=7)) == 1
+    t.check_integrity()
+
+
 def test_a_file_deleted_behind_both_threads_is_missing(tmp_path: Path) -> None:
     t = stored_file(tmp_path)
     t._path(block_key(0)).unlink()

@@ -12,8 +12,10 @@ Redis tier.
 Threads: reads (``exists``, ``get``, ``refresh``) take the index lock only for their index lookups and read
 the file outside it; every change of the folder (``set``'s writes and evictions, ``delete``, ``clear``,
 the removal of a file a read found bad) runs under ``_write_lock`` together with its index change, so the
-index and the files never disagree, and a reader drops a bad file only if its index entry is still the one
-it read (a block evicted and written again meanwhile is left alone).
+index and the files never disagree. A reader never waits for that lock (a store may hold it while its
+evictions cascade into a stalled Redis): it notes the bad file, and whoever holds the lock next removes it,
+if its index entry is still the one the read found (a block evicted and written again meanwhile is left
+alone).
 
 Faults: a write that fails (``ENOSPC``, ``EIO``, a read-only disk) is a store failure, its file removed; a
 missing, truncated, flipped, foreign or unauthenticated file is a miss and the file is deleted.
@@ -28,7 +30,7 @@ import itertools
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -69,6 +71,7 @@ class FileTier(TierBackend):
         self.directory = Path(directory)
         self._dir = self.directory / namespace.tag
         self._write_lock = threading.RLock()  # changes of the folder, each with its index change
+        self._doomed: list[tuple[bytes, int, bool]] = []  # bad files a read found: (key, stamp, unlink)
         self._stamps = itertools.count(1)  # a stamp per indexed write: a reader knows the file it read
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> stamp, least recently used first
         self._lock_fd = _claim(self._dir)
@@ -113,7 +116,7 @@ class FileTier(TierBackend):
         once, passed down together), and when the batch alone exceeds the capacity its first blocks, which
         such a store would evict again at once, go down instead of being written."""
         names = self._check_rows(keys, blocks, "blocks")
-        with self._write_lock:  # one store at a time: its room is made for its own writes
+        with self._folder():  # one store at a time: its room is made for its own writes
             with self._lock:
                 held = [key in self._index for key in names]
                 for key, there in zip(names, held, strict=True):
@@ -132,7 +135,7 @@ class FileTier(TierBackend):
 
     def delete(self, keys: Sequence[Hashable]) -> int:
         gone = 0
-        with self._write_lock:
+        with self._folder():
             for key in block_keys(keys):
                 with self._lock:
                     if self._index.pop(key, None) is None:
@@ -142,7 +145,7 @@ class FileTier(TierBackend):
         return gone
 
     def clear(self) -> int:
-        with self._write_lock:
+        with self._folder():
             with self._lock:
                 keys = list(self._index)
             return self.delete(keys)
@@ -173,7 +176,7 @@ class FileTier(TierBackend):
     def check_integrity(self) -> None:
         """The index and the directory agree: every indexed block has a file of one value's size, there
         is no other file, and ``used_bytes`` (their sum) is within the capacity."""
-        with self._write_lock, self._lock:
+        with self._folder(), self._lock:
             files = {p.name: p.stat().st_size for p in self._dir.glob("*/*")}
             indexed = {key.hex(): self.value_bytes for key in self._index}
             differ = set(files.items()) ^ set(indexed.items())  # a name in one only, or another size
@@ -274,15 +277,38 @@ class FileTier(TierBackend):
             self._cascade(keys, payloads)
 
     def _miss(self, key: bytes, why: str, stamp: int) -> None:
-        """Count a miss; drop a bad or vanished file from the index (and the disk), unless the key was
-        written again since the read (``stamp``: the index entry the read found)."""
+        """Count a miss; have a bad or vanished file dropped from the index (and the disk): now if the
+        folder is free, else by the next change of it (a reader never waits for a store)."""
+        with self._lock:
+            setattr(self._stats, why, getattr(self._stats, why) + 1)
+            self._doomed.append((key, stamp, why != "errors"))
+        if self._write_lock.acquire(blocking=False):
+            try:
+                self._drop_doomed()
+            finally:
+                self._write_lock.release()
+
+    @contextlib.contextmanager
+    def _folder(self) -> Iterator[None]:
+        """Hold ``_write_lock`` (a change of the folder), dropping the bad files reads found, before and
+        after."""
         with self._write_lock:
-            with self._lock:
-                setattr(self._stats, why, getattr(self._stats, why) + 1)
-                if self._index.get(key) != stamp:
-                    return
-                del self._index[key]
-            if why != "errors":
+            self._drop_doomed()
+            yield
+            self._drop_doomed()
+
+    def _drop_doomed(self) -> None:
+        """Drop each noted bad file whose index entry is still the one its read found (under
+        ``_write_lock``)."""
+        dropped = []
+        with self._lock:
+            doomed, self._doomed = self._doomed, []
+            for key, stamp, unlink in doomed:
+                if self._index.get(key) == stamp:  # (a key noted twice is dropped once)
+                    del self._index[key]
+                    dropped.append((key, unlink))
+        for key, unlink in dropped:
+            if unlink:
                 _unlink(self._path(key))
 
     def _count_failure(self, n: int = 1) -> None:

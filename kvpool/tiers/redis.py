@@ -318,24 +318,22 @@ class RedisTier(TierBackend):
     def _using(self) -> Iterator[Any]:
         """This thread's client for one call (None: none can be had now), marked busy meanwhile so that
         :meth:`close` on another thread leaves it open; closed here at the end if the tier closed."""
-        client = self._connect()
-        me = threading.current_thread()
-        if client is not None:
-            with self._lock:
-                self._busy.add(me)
+        me, client = threading.current_thread(), None
+        with self._lock:
+            self._busy.add(me)  # before the client is had: close() never takes it from under the call
         try:
+            client = self._connect()
             yield client
         finally:
-            if client is not None:
-                with self._lock:
-                    self._busy.discard(me)
-                    closing = self._closed and self._clients.get(me) is client
-                    if closing:
-                        del self._clients[me]
+            with self._lock:
+                self._busy.discard(me)
+                closing = client is not None and self._closed and self._clients.get(me) is client
                 if closing:
-                    self._local.client = None
-                    with contextlib.suppress(*_FAULTS):
-                        client.close()
+                    del self._clients[me]
+            if closing:
+                self._local.client = None
+                with contextlib.suppress(*_FAULTS):
+                    client.close()
 
     def _connect(self) -> Any:
         """The calling thread's client, connecting first when it has none and the retry interval has
