@@ -127,8 +127,6 @@ def run(args: argparse.Namespace) -> int:
     # event hashes, and those in a file or a shared Redis, leave the process: the same in every process
     args.hash_shared = args.hash_shared or args.kv_events is not None or leaves_process(args)
     hasher = hasher_from_args(args)
-    if hint := public_root_hint(args, hasher):
-        print(f"kvpool generate: {hint}", file=sys.stderr)
     params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              seed=args.seed + i) for i in range(len(texts))]  # bad input fails before loading
     tp_size = tp_size_of(args, args.model)
@@ -176,6 +174,8 @@ def generate_on_rank(tp: Any, args: argparse.Namespace, texts: list[str], params
         observers.watch_engine(engine)
         prompts = [loaded.encode(text) for text in texts]
         offload = _enable_tiers(engine, loaded, args) if wants_tiers(args) else None
+        if (tp is None or tp.rank == 0) and (hint := public_root_hint(args, hasher)):
+            print(f"kvpool generate: {hint}", file=sys.stderr)  # the input was good: the run goes on
 
         def lead(engine: Any) -> list[Any]:
             return _generate_or_explain(engine, prompts, params, texts)
