@@ -2,7 +2,9 @@
 fixtures (one torch thread, real Redis servers)."""
 
 import os
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -14,7 +16,11 @@ settings.register_profile(
 settings.register_profile("explore", deadline=None, max_examples=2000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
-from redis_servers import redis_cluster_nodes, redis_single  # noqa: E402, F401 (fixtures: real Redis servers)
+from redis_servers import (  # noqa: E402, F401 (fixtures: real Redis servers)
+    redis_cluster_nodes,
+    redis_single,
+    redis_stalling,
+)
 
 
 @pytest.fixture(scope="module")
@@ -27,3 +33,18 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real 64 KiB tmpfs (root needed, as in CI); skipped where mounting is not allowed."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
+                          capture_output=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)

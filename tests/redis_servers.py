@@ -1,7 +1,8 @@
-"""Real Redis servers for the tier tests: a single server and a three-node Redis Cluster on loopback ports
-27100-27199 (this project's range for tier tests), each a child process stopped at the end, even on
-failure. Needs Debian's ``redis-server`` and ``redis-cli`` (``.ci/run`` installs them); without them the
-tests that need a server are skipped with that reason."""
+"""Real Redis servers for the tier tests: a single server, one that takes ``DEBUG SLEEP`` (to stall it on
+purpose: :class:`Stall`) and a three-node Redis Cluster on loopback ports 27100-27199 (this project's range
+for tier tests), each a child process stopped at the end, even on failure. Needs Debian's
+``redis-server`` and ``redis-cli`` (``.ci/run`` installs them); without them the tests that need a server
+are skipped with that reason."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -152,3 +154,50 @@ def redis_single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def redis_cluster_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
     with redis_cluster(tmp_path_factory.mktemp("redis-cluster")) as nodes:
         yield nodes
+
+
+@pytest.fixture(scope="session")
+def redis_stalling(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A server of its own that takes ``DEBUG SLEEP`` (Redis 7 refuses DEBUG unless it is enabled)."""
+    with redis_server(tmp_path_factory.mktemp("redis-stall"), "--enable-debug-command", "yes") as server:
+        yield server
+
+
+class Stall:
+    """``with Stall(url, seconds):`` the server at ``url`` runs ``DEBUG SLEEP seconds`` (sent from a
+    thread, on a connection of its own) and answers no one meanwhile. Entering returns once the server is
+    asleep (a probe's PING stays unanswered for 50 ms); leaving waits until it is awake again."""
+
+    def __init__(self, url: str, seconds: float) -> None:
+        self.url, self.seconds = url, seconds
+        self.thread = threading.Thread(target=self._sleep, name="redis-stall")
+
+    def _sleep(self) -> None:
+        import redis
+
+        client = redis.Redis.from_url(self.url, socket_timeout=self.seconds + 10)
+        client.execute_command("DEBUG", "SLEEP", self.seconds)
+        client.close()
+
+    def __enter__(self) -> Stall:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        probe = redis.Redis.from_url(self.url, socket_timeout=0.05, retry=Retry(NoBackoff(), 0))
+        probe.ping()
+        self.thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    probe.ping()
+                except redis.TimeoutError:
+                    return self
+                time.sleep(0.01)
+        finally:
+            probe.close()
+        raise RuntimeError("the Redis server never went to sleep")
+
+    def __exit__(self, *exc: object) -> None:
+        self.thread.join(timeout=self.seconds + 10)

@@ -23,9 +23,13 @@ TINY = ["--model", "tiny-llama", "--block-size", "4", "--num-blocks", "17", "--m
         "--threads", "1"]
 
 
-def kvpool(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """The CLI in a process of its own (this checkout's code), as a user runs it."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+#: One fleet secret: the hash root's seed, and the tier key derived from it.
+FLEET = {"KVPOOL_HASH_SEED": "kvpool tests: the fleet's secret"}
+
+
+def kvpool(*args: str, timeout: float = 300, env: dict[str, str] = FLEET) -> subprocess.CompletedProcess:
+    """The CLI in a process of its own (this checkout's code), as a user runs it, with ``env`` added."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", **env}
     return subprocess.run([sys.executable, "-m", "kvpool", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
 
@@ -103,6 +107,16 @@ def test_two_processes_share_one_redis(prompts_file: Path, tmp_path: Path) -> No
         second = kvpool("generate", *TINY, "--prompts-file", str(prompts_file), "--remote", server.url,
                         "--check", "--json")
         assert second.returncode == 0, second.stderr
+        # the same hashes (the same seed) but another tier key: a process that is not of this fleet (or a
+        # forger) finds the fleet's keys, but no value verifies: it hits only what it stored itself, as the
+        # first process did (prompt 3's 12 shared blocks)
+        stranger = kvpool("generate", *TINY, "--prompts-file", str(prompts_file), "--remote", server.url,
+                          "--check", "--json", env={**FLEET, "KVPOOL_TIER_KEY": "another fleet's tier key"})
+        assert stranger.returncode == 0, stranger.stderr
+    c = json.loads(stranger.stdout)
+    assert all(r["matches_reference"] for r in c["requests"])
+    assert sum(c["stats"]["tier_hits"].values()) == 12
+    assert c["stats"]["tiers"]["remote"]["unauthenticated"] > 0
     a, b = json.loads(first.stdout), json.loads(second.stdout)
     assert [r["output_token_ids"] for r in a["requests"]] == [r["output_token_ids"] for r in b["requests"]]
     assert all(r["matches_reference"] for r in b["requests"])
@@ -125,6 +139,70 @@ def test_generate_refuses_bad_tier_options_in_one_line(options: list[str], messa
     assert main(["generate", *TINY, "--prompt", "hi", *options]) == 2  # before any model loads
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("command", [["generate", *TINY, "--prompt", "hi"], ["replay", "--num-blocks", "64"]])
+@pytest.mark.parametrize("tier", [["--disk-dir", "{tmp}/d", "--disk-{size}", "1024"],
+                                  ["--remote", "redis://127.0.0.1:1"]])
+def test_tiers_that_leave_the_process_need_a_tier_secret(command: list[str], tier: list[str], tmp_path: Path,
+                                                         monkeypatch, capsys) -> None:
+    # Without a secret a disk or Redis tier's values could be forged by whoever can write the medium: the
+    # run is refused in one line (before a model or a trace loads), naming the variables to set.
+    monkeypatch.delenv("KVPOOL_TIER_KEY", raising=False)
+    monkeypatch.delenv("KVPOOL_HASH_SEED", raising=False)
+    size = "bytes" if command[0] == "generate" else "blocks"
+    argv = [*command, *(a.format(tmp=tmp_path, size=size) for a in tier)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "$KVPOOL_TIER_KEY (or $KVPOOL_HASH_SEED)" in err and "16 bytes" in err
+    assert not (tmp_path / "d").exists()  # nothing was made
+    monkeypatch.setenv("KVPOOL_TIER_KEY", "too short")
+    assert main(argv) == 2 and "$KVPOOL_TIER_KEY must be at least 16 bytes" in capsys.readouterr().err
+
+
+HINT = "hint: block hashes leave this process"
+
+
+@pytest.mark.parametrize(("options", "env", "hinted"), [
+    (["--kv-events", "{port}"], {}, "--kv-events"),
+    (["--disk-dir", "{tmp}/d", "--disk-bytes", "1MiB"], {"KVPOOL_TIER_KEY": "kvpool tests: a tier key"},
+     "--disk-dir"),
+    (["--kv-events", "{port}"], {"KVPOOL_HASH_SEED": "kvpool tests: the fleet's seed"}, None),
+    (["--host-blocks", "4"], {}, None),  # the host tier never leaves the process
+], ids=["events", "disk", "seeded", "host only"])
+def test_generate_hints_at_the_hash_seed_when_hashes_leave_with_the_public_root(
+        options: list[str], env: dict[str, str], hinted: str | None, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    # With no $KVPOOL_HASH_SEED a shared hasher starts from the public root: whoever sees the hashes (a
+    # disk folder's file names, Redis key names, the event stream) can confirm a guessed prompt. That was
+    # silent; now one line on stderr says what to set, and the run goes on.
+    from _ports import free_port, tcp
+
+    for name in ("KVPOOL_HASH_SEED", "KVPOOL_TIER_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    argv = [a.format(port=tcp(free_port()), tmp=tmp_path) for a in options]
+    assert main(["generate", *TINY, "--prompt", "hi", "--max-new-tokens", "1", *argv]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if HINT in line]
+    if hinted is None:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and lines[0].startswith(f"kvpool generate: {HINT} ({hinted}) from the public")
+        assert "set $KVPOOL_HASH_SEED to a secret of at least 16 bytes" in lines[0]
+
+
+def test_replay_gives_no_hash_seed_hint_its_hashes_are_the_traces(tmp_path: Path, monkeypatch, capsys
+                                                                   ) -> None:
+    # A replay's block hashes are the trace's own ids, not a hasher's: $KVPOOL_HASH_SEED would change
+    # nothing, so no hint names it.
+    from _ports import free_port, tcp
+
+    monkeypatch.delenv("KVPOOL_HASH_SEED", raising=False)
+    monkeypatch.setenv("KVPOOL_TIER_KEY", "kvpool tests: a tier key")
+    assert main(["replay", "--max-requests", "20", "--num-blocks", "64", "--kv-events", tcp(free_port()),
+                 "--disk-dir", str(tmp_path / "d"), "--disk-blocks", "8", "--json"]) == 0
+    assert HINT not in capsys.readouterr().err
 
 
 # ---- replay -------------------------------------------------------------------------------------------
@@ -150,7 +228,9 @@ def test_replay_unbounded_host_tier_equals_the_unbounded_pool(capsys) -> None:
 ORDER = [6, 3, 6, 3, 0, 2, 4, 3, 3, 6, 6, 2, 3, 2, 4, 1, 0, 5, 6, 0, 1, 2]
 
 
-def test_replay_through_disk_and_redis_loses_nothing(tmp_path: Path, redis_single, capsys) -> None:
+def test_replay_through_disk_and_redis_loses_nothing(tmp_path: Path, redis_single, monkeypatch, capsys
+                                                     ) -> None:
+    monkeypatch.setenv("KVPOOL_TIER_KEY", "kvpool tests: a tier key")
     trace = tmp_path / "t.jsonl"
     rows = [{"timestamp": i, "input_length": 1024, "output_length": 1, "hash_ids": [c * 10, c * 10 + 1]}
             for i, c in enumerate(ORDER)]

@@ -17,11 +17,13 @@ from kvpool.engine.engine import LLMEngine  # noqa: E402
 from kvpool.engine.models import load_model, reference_greedy  # noqa: E402
 from kvpool.engine.sampling import SamplingParams  # noqa: E402
 from kvpool.errors import ConfigError  # noqa: E402
+from kvpool.tiers.auth import TierKey  # noqa: E402
 from kvpool.tiers.backend import HEADER_BYTES, Namespace, weights_fingerprint  # noqa: E402
 from kvpool.tiers.file import FileTier  # noqa: E402
 from kvpool.tiers.host import HostTier  # noqa: E402
 from kvpool.tiers.redis import RedisTier  # noqa: E402
 
+KEY = TierKey("kvpool tests: a tier key of 16+ bytes")  # the fleet secret of these tests
 BLOCK = 4
 NEW = 6
 SHARED = list(range(30, 70))  # 40 tokens: 10 full blocks shared by two prompts
@@ -95,8 +97,9 @@ def test_host_disk_and_redis_all_serve_hits(tiny, tmp_path: Path, redis_single, 
         ns = namespace(cache, model, f"chain-{asynchronous}")
         bpb = cache.bytes_per_block
         return [HostTier(3, ns, like=cache),
-                FileTier(tmp_path, ns, capacity_bytes=12 * (HEADER_BYTES + bpb), block_bytes=bpb),
-                RedisTier(redis_single.url, ns, block_bytes=bpb)]
+                FileTier(tmp_path, ns, capacity_bytes=12 * (HEADER_BYTES + bpb), block_bytes=bpb,
+                         auth_key=KEY),
+                RedisTier(redis_single.url, ns, block_bytes=bpb, auth_key=KEY)]
 
     engine = engine_with(model, tiers, asynchronous=asynchronous)
     run_one_by_one(engine, refs)
@@ -113,7 +116,8 @@ def test_redis_killed_mid_run_changes_no_token(tiny, tmp_path: Path) -> None:
     model, refs = tiny
     with redis_server(tmp_path) as server:
         engine = engine_with(model, lambda c: [RedisTier(server.url, namespace(c, model, "killed"),
-                                                         block_bytes=c.bytes_per_block, retry_s=0.05)],
+                                                         block_bytes=c.bytes_per_block, retry_s=0.05,
+                                                         auth_key=KEY)],
                              write_through=True)
         for i, (prompt, (tokens, _)) in enumerate(zip(PROMPTS, refs, strict=True)):
             if i == 2:
@@ -131,7 +135,7 @@ def test_byte_tiers_need_a_shared_hasher(tiny, tmp_path: Path) -> None:
     ns = namespace(engine.cache, model, "local")
     with pytest.raises(ConfigError, match="shared hasher"):
         engine.enable_offload([FileTier(tmp_path, ns, capacity_bytes=10**6,
-                                        block_bytes=engine.cache.bytes_per_block)])
+                                        block_bytes=engine.cache.bytes_per_block, auth_key=KEY)])
     engine.enable_offload([HostTier(8, ns, like=engine.cache)])  # the host tier never leaves the process
     with pytest.raises(ConfigError, match="already"):
         engine.enable_offload([])

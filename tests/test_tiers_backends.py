@@ -7,8 +7,9 @@ hand arithmetic (noted), or from bytes written by the test itself."""
 from __future__ import annotations
 
 import os
+import pickle
 import random
-import subprocess
+import struct
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -16,10 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 from kvpool.errors import ConfigError, IntegrityError, InvalidArgumentError
 from kvpool.spec import KVCacheSpec
 from kvpool.storage.paged import PagedKVCache
+from kvpool.tiers.auth import TierKey
 from kvpool.tiers.backend import (
     HEADER_BYTES,
     Namespace,
@@ -42,6 +45,8 @@ DEVICE = PagedKVCache(SPEC, 8)
 BPB = DEVICE.bytes_per_block  # 2 (K, V) x 2 layers x 4 tokens x 2 heads x 8 x 2 B = 512
 NS = Namespace.for_cache(DEVICE, model="tiny")
 OTHER = Namespace.for_cache(DEVICE, model="another")
+KEY = TierKey("kvpool tests: a tier key of 16+ bytes")  # the fleet secret of these tests
+KEY0 = block_key(0)
 
 
 def rows(n: int, seed: int = 0) -> torch.Tensor:
@@ -111,18 +116,23 @@ def test_block_key_forms() -> None:
             block_key(bad)
 
 
+def why_not(value: bytes, ns: Namespace = NS, key: bytes = KEY0, key_of_tier: TierKey = KEY) -> str | None:
+    """Why ``value`` is a miss for block ``key`` of ``ns`` in a tier of key ``key_of_tier`` (None: served)."""
+    return verify_value(value, ns.digest, key, 512, auth_key=key_of_tier)[0]
+
+
 def test_every_flipped_byte_of_a_value_is_detected() -> None:
     payload = bytes(range(256)) * 2
-    value = encode_header(NS.digest, keys(1)[0], payload) + payload
-    assert len(value) == HEADER_BYTES + 512
-    assert verify_value(value, NS.digest, keys(1)[0], 512)[0] is None
+    value = encode_header(NS.digest, KEY0, payload, auth_key=KEY) + payload
+    assert len(value) == HEADER_BYTES + 512 and why_not(value) is None
     for pos in range(len(value)):
         flipped = bytearray(value)
         flipped[pos] ^= 0x10
-        assert verify_value(bytes(flipped), NS.digest, keys(1)[0], 512)[0] is not None, pos
-    assert verify_value(value[:-1], NS.digest, keys(1)[0], 512)[0] == "corrupt"  # truncated
-    assert verify_value(value, OTHER.digest, keys(1)[0], 512)[0] == "foreign"
-    assert verify_value(value, NS.digest, keys(2)[1], 512)[0] == "foreign"  # copied under another key
+        assert why_not(bytes(flipped)) is not None, pos
+    assert why_not(value[:-1]) == "corrupt"  # truncated
+    assert why_not(value, ns=OTHER) == "foreign"
+    assert why_not(value, key=keys(2)[1]) == "foreign"  # copied under another key
+    assert why_not(value, key_of_tier=TierKey("another fleet's secret, 16+ bytes")) == "unauthenticated"
 
 
 def test_gather_and_scatter_rows_are_bit_exact() -> None:
@@ -150,11 +160,13 @@ def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator:
     if request.param == "host":
         t = HostTier(64, ns, like=DEVICE)
     elif request.param == "file":
-        t = FileTier(tmp_path / "disk", ns, capacity_bytes=64 * (HEADER_BYTES + BPB), block_bytes=BPB)
+        t = FileTier(tmp_path / "disk", ns, capacity_bytes=64 * (HEADER_BYTES + BPB), block_bytes=BPB,
+                     auth_key=KEY)
     elif request.param == "redis":
-        t = RedisTier(request.getfixturevalue("redis_single").url, ns, block_bytes=BPB)
+        t = RedisTier(request.getfixturevalue("redis_single").url, ns, block_bytes=BPB, auth_key=KEY)
     else:
-        t = RedisTier(request.getfixturevalue("redis_cluster_nodes")[0].url, ns, block_bytes=BPB)
+        t = RedisTier(request.getfixturevalue("redis_cluster_nodes")[0].url, ns, block_bytes=BPB,
+                      auth_key=KEY)
     yield t
     t.close()
 
@@ -261,17 +273,18 @@ def test_host_tier_lru_matches_the_model() -> None:
 
 
 def test_file_tier_lru_matches_the_model(tmp_path: Path) -> None:
-    lru_model_run(FileTier(tmp_path, NS, capacity_bytes=6 * (HEADER_BYTES + BPB) + 100, block_bytes=BPB), 6,
+    lru_model_run(FileTier(tmp_path, NS, capacity_bytes=6 * (HEADER_BYTES + BPB) + 100, block_bytes=BPB,
+                           auth_key=KEY), 6,
                   seed=5)
 
 
 def test_file_tier_keeps_its_blocks_across_a_restart_oldest_first(tmp_path: Path) -> None:
-    t = FileTier(tmp_path, NS, capacity_bytes=10 * (HEADER_BYTES + BPB), block_bytes=BPB)
+    t = FileTier(tmp_path, NS, capacity_bytes=10 * (HEADER_BYTES + BPB), block_bytes=BPB, auth_key=KEY)
     for i in range(5):
         t.set(keys(1, base=i), rows(1, seed=i))
         os.utime(t._path(block_key(i)), ns=(10**18 + i * 10**9,) * 2)  # distinct mtimes: i is older
     t.close()
-    again = FileTier(tmp_path, NS, capacity_bytes=3 * (HEADER_BYTES + BPB), block_bytes=BPB)
+    again = FileTier(tmp_path, NS, capacity_bytes=3 * (HEADER_BYTES + BPB), block_bytes=BPB, auth_key=KEY)
     assert [k for k in range(5) if again.exists(keys(1, base=k))] == [2, 3, 4]  # the 2 oldest evicted
     out = torch.zeros(1, BPB, dtype=torch.uint8)
     assert again.get(keys(1, base=4), out) == 1 and torch.equal(out, rows(1, seed=4))
@@ -281,7 +294,7 @@ def test_file_tier_keeps_its_blocks_across_a_restart_oldest_first(tmp_path: Path
 def test_hash_only_tiers_store_headers(tmp_path: Path) -> None:
     host = HostTier(3, NS)  # a batch larger than the tier: its first block is evicted at once
     assert host.set([1, 2, 3, 4], None) == 3 and host.exists([2, 3, 4]) == 3 and host.exists([1]) == 0
-    disk = FileTier(tmp_path, NS, capacity_bytes=2 * HEADER_BYTES, block_bytes=0)
+    disk = FileTier(tmp_path, NS, capacity_bytes=2 * HEADER_BYTES, block_bytes=0, auth_key=KEY)
     assert disk.set([1, 2, 3], None) == 2 and disk.exists([2, 3]) == 2 and disk.exists([1]) == 0
     assert host.stats().evictions == disk.stats().evictions == 1
     assert disk.get([2, 3], None) == 2 and disk.used_bytes == 2 * HEADER_BYTES
@@ -290,7 +303,7 @@ def test_hash_only_tiers_store_headers(tmp_path: Path) -> None:
 # ---- faults: the disk -----------------------------------------------------------------------------
 
 def stored_file(tmp_path: Path, n: int = 3) -> tuple[FileTier, torch.Tensor]:
-    t = FileTier(tmp_path, NS, capacity_bytes=100 * (HEADER_BYTES + BPB), block_bytes=BPB)
+    t = FileTier(tmp_path, NS, capacity_bytes=100 * (HEADER_BYTES + BPB), block_bytes=BPB, auth_key=KEY)
     data = rows(n, seed=6)
     assert t.set(keys(n), data) == n
     return t, data
@@ -317,13 +330,15 @@ def test_a_damaged_file_is_a_counted_miss_and_is_deleted(tmp_path: Path, damage:
             t.check_integrity()
     out = torch.zeros(3, BPB, dtype=torch.uint8)
     assert t.get(keys(3), out) == 1 and torch.equal(out[0], data[0])
-    assert t.stats().corrupt == 1 and not path.exists() and t.exists(keys(3)) == 1
+    why = "unauthenticated" if damage == "flip payload" else "corrupt"  # a MAC tells no flip from a forgery
+    assert t.stats().to_dict()[why] == t.stats().misses == 1 and not path.exists() and t.exists(keys(3)) == 1
     t.check_integrity()
 
 
 def test_a_value_of_another_namespace_is_a_foreign_miss(tmp_path: Path) -> None:
     t, _ = stored_file(tmp_path)
-    other = FileTier(tmp_path / "o", OTHER, capacity_bytes=10 * (HEADER_BYTES + BPB), block_bytes=BPB)
+    other = FileTier(tmp_path / "o", OTHER, capacity_bytes=10 * (HEADER_BYTES + BPB), block_bytes=BPB,
+                     auth_key=KEY)
     other.set(keys(1, base=1), rows(1, seed=7))
     os.replace(other._path(block_key(1)), t._path(block_key(1)))  # another model's block under our name
     out = torch.zeros(3, BPB, dtype=torch.uint8)
@@ -337,23 +352,8 @@ def test_a_file_deleted_behind_the_tiers_back_is_missing(tmp_path: Path) -> None
     t.check_integrity()
 
 
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A real 64 KiB tmpfs (root needed, as in CI); skipped where mounting is not allowed."""
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
-                          capture_output=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
-
-
 def test_a_full_disk_is_a_counted_store_failure(tiny_tmpfs: Path) -> None:
-    t = FileTier(tiny_tmpfs, NS, capacity_bytes=10**9, block_bytes=BPB)  # far more than the disk holds
+    t = FileTier(tiny_tmpfs, NS, capacity_bytes=10**9, block_bytes=BPB, auth_key=KEY)  # more than it holds
     data = rows(400, seed=8)
     stored = t.set(keys(400), data)
     s = t.stats()
@@ -369,21 +369,169 @@ def test_a_bad_directory_is_a_config_error(tmp_path: Path, where: str) -> None:
     f = tmp_path / "f"
     f.write_text("x")
     with pytest.raises(ConfigError, match="disk tier"):
-        FileTier(f if where == "a file" else f / "sub", NS, capacity_bytes=1000, block_bytes=BPB)
+        FileTier(f if where == "a file" else f / "sub", NS, capacity_bytes=1000, block_bytes=BPB,
+                 auth_key=KEY)
 
 
 def test_one_process_per_namespace_directory(tmp_path: Path) -> None:
-    t = FileTier(tmp_path, NS, capacity_bytes=1000, block_bytes=BPB)
+    t = FileTier(tmp_path, NS, capacity_bytes=1000, block_bytes=BPB, auth_key=KEY)
     with pytest.raises(ConfigError, match="another process"):
-        FileTier(tmp_path, NS, capacity_bytes=1000, block_bytes=BPB)
-    FileTier(tmp_path, OTHER, capacity_bytes=1000, block_bytes=BPB).close()  # another namespace is fine
+        FileTier(tmp_path, NS, capacity_bytes=1000, block_bytes=BPB, auth_key=KEY)
+    FileTier(tmp_path, OTHER, capacity_bytes=1000, block_bytes=BPB, auth_key=KEY).close()  # another namespace
     t.close()
-    FileTier(tmp_path, NS, capacity_bytes=1000, block_bytes=BPB).close()
+    FileTier(tmp_path, NS, capacity_bytes=1000, block_bytes=BPB, auth_key=KEY).close()
 
 
 def test_a_block_larger_than_the_disk_tier_is_refused(tmp_path: Path) -> None:
-    t = FileTier(tmp_path, NS, capacity_bytes=BPB, block_bytes=BPB)  # the header does not fit
+    t = FileTier(tmp_path, NS, capacity_bytes=BPB, block_bytes=BPB, auth_key=KEY)  # the header does not fit
     assert t.set(keys(1), rows(1)) == 0 and t.stats().store_failures == 1 and t.num_blocks == 0
+
+
+# ---- forged values: someone who can write the folder or the server, but lacks the fleet's key ------------
+
+V1_HEADER = struct.Struct("<4sHH16s16sQQQ")  # format 1: magic, version, flags, ns, key, length, XXH3-64, 0
+V2_SIGNED = struct.Struct("<4sHH16s16sQ")  # format 2 without its tag: what the MAC covers, then the payload
+EVIL = rows(1, seed=666)[0].numpy().tobytes()  # the KV a forger wants a victim to compute with
+
+
+def forged(how: str, key: bytes, authentic: bytes) -> bytes:
+    """A value a forger writes under block ``key`` of NS, made without KEY. ``authentic``: the value stored
+    there (header + payload), which a forger can read."""
+    if how == "format 1 header":  # the review's attack: swap the payload, recompute the unkeyed header
+        checksum = xxhash.xxh3_64_intdigest(EVIL)
+        return V1_HEADER.pack(b"KVPB", 1, 0, NS.digest, key, len(EVIL), checksum, 0) + EVIL
+    signed = V2_SIGNED.pack(b"KVPB", 2, 0, NS.digest, key, len(EVIL))
+    if how == "guessed tag":
+        return signed + bytes(16) + EVIL
+    if how == "kept tag":  # the authentic header, a new payload
+        return authentic[:HEADER_BYTES] + EVIL
+    if how == "another key's tag":  # a fleet with another secret, or the public key, signed it
+        return encode_header(NS.digest, key, EVIL, auth_key=TierKey("not this fleet's secret!")) + EVIL
+    if how == "public key":
+        return encode_header(NS.digest, key, EVIL, auth_key=TierKey.public()) + EVIL
+    assert how == "another block's value, renamed"  # an authentic value moved under key, its header edited
+    other = block_key(2)
+    value = encode_header(NS.digest, other, EVIL, auth_key=KEY) + EVIL  # as the fleet stored block 2
+    return value[:24] + key + value[40:]  # the header's key field (bytes 24-39) rewritten, the tag kept
+
+
+FORGERIES = ["format 1 header", "guessed tag", "kept tag", "another key's tag", "public key",
+             "another block's value, renamed"]
+
+
+class Medium:
+    """Raw read/write of one stored value of a file or Redis tier, as a forger does it."""
+
+    def __init__(self, tier) -> None:
+        self.tier = tier
+        self.client = redis.Redis.from_url(tier.url) if tier.medium == "remote" else None
+
+    def read(self, key: bytes) -> bytes:
+        if self.client is None:
+            return self.tier._path(key).read_bytes()
+        return b"".join(self.client.hmget(self.tier._name(key), ["h", "p"]))
+
+    def write(self, key: bytes, value: bytes) -> None:
+        if self.client is None:
+            self.tier._path(key).write_bytes(value)
+        else:
+            fields = {"h": value[:HEADER_BYTES], "p": value[HEADER_BYTES:]}
+            self.client.hset(self.tier._name(key), mapping=fields)
+
+
+@pytest.fixture(params=["file", "redis"])
+def shared_tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator:
+    """A disk or a Redis tier holding blocks 0-2 (``rows(3, seed=6)``), keyed by KEY."""
+    ns = NS
+    if request.param == "file":
+        t = FileTier(tmp_path, ns, capacity_bytes=100 * (HEADER_BYTES + BPB), block_bytes=BPB, auth_key=KEY)
+    else:
+        t = RedisTier(request.getfixturevalue("redis_single").url, ns, block_bytes=BPB, auth_key=KEY,
+                      prefix=f"forged-{request.node.name}")
+    assert t.set(keys(3), rows(3, seed=6)) == 3
+    yield t
+    t.clear()
+    t.close()
+
+
+@pytest.mark.parametrize("how", FORGERIES)
+def test_a_forged_value_is_an_unauthenticated_miss_never_served(shared_tier, how: str) -> None:
+    medium = Medium(shared_tier)
+    medium.write(block_key(1), forged(how, block_key(1), medium.read(block_key(1))))
+    out = torch.zeros(3, BPB, dtype=torch.uint8)
+    assert shared_tier.get(keys(3), out) == 1 and torch.equal(out[0], rows(3, seed=6)[0])
+    s = shared_tier.stats()
+    assert (s.unauthenticated, s.misses, s.loaded) == (1, 1, 1)
+    if shared_tier.medium == "disk":  # the forged file is deleted: the block is plainly missing now
+        assert shared_tier.exists(keys(3)) == 1 and not shared_tier._path(block_key(1)).exists()
+
+
+def test_an_old_authentic_value_of_the_same_key_is_served(shared_tier) -> None:
+    # What a store operator can replay: a value the fleet once stored under this very key. The key is the
+    # block's chained hash in this namespace (same tokens, model, config, dtype, layout), so that value is
+    # KV the fleet computed for the same prefix. (Here the two payloads differ only to tell them apart.)
+    medium = Medium(shared_tier)
+    old = medium.read(block_key(0))
+    shared_tier.delete(keys(1))
+    assert shared_tier.set(keys(1), rows(1, seed=7)) == 1  # block 0 stored again, other bytes
+    medium.write(block_key(0), old)
+    out = torch.zeros(1, BPB, dtype=torch.uint8)
+    assert shared_tier.get(keys(1), out) == 1 and torch.equal(out[0], rows(3, seed=6)[0])
+
+
+def test_the_mac_is_blake3_keyed_over_the_header_fields_and_the_payload(tmp_path: Path) -> None:
+    # The formula of kvpool.tiers.auth, computed here with the blake3 package alone: the key is BLAKE3's
+    # derive_key of the secret, the tag keyed BLAKE3 over the first 48 header bytes then the payload.
+    import blake3
+
+    secret = b"a fleet secret of 16+ bytes"
+    t = FileTier(tmp_path, NS, capacity_bytes=10**6, block_bytes=BPB, auth_key=TierKey(secret))
+    t.set(keys(1, base=9), rows(1, seed=8))
+    raw = t._path(block_key(9)).read_bytes()
+    assert raw[:48] == struct.pack("<4sHH16s16sQ", b"KVPB", 2, 0, NS.digest, block_key(9), BPB)
+    mac_key = blake3.blake3(secret, derive_key_context="kvpool 2025-06 tier value MAC key v1").digest(32)
+    assert raw[48:64] == blake3.blake3(raw[:48] + raw[64:], key=mac_key).digest(16)
+    assert raw[64:] == rows(1, seed=8).numpy().tobytes()
+
+
+def test_tiers_that_leave_the_process_need_a_key(tmp_path: Path, redis_single) -> None:
+    for make in (lambda **k: FileTier(tmp_path / "d", NS, capacity_bytes=10**4, block_bytes=BPB, **k),
+                 lambda **k: RedisTier(redis_single.url, NS, block_bytes=BPB, **k)):
+        with pytest.raises(ConfigError, match=r"auth_key=TierKey.from_env\(\).*KVPOOL_TIER_KEY"):
+            make()
+        with pytest.raises(ConfigError, match="at least 16 bytes"):
+            make(auth_key="too short")
+        make(auth_key="a secret given as text, 16+ bytes").close()
+    HostTier(2, NS, like=DEVICE).close()  # memory of this process: no key
+
+
+def test_the_public_key_is_an_explicit_opt_out(tmp_path: Path) -> None:
+    # A tier keyed by TierKey.public() still finds faults, but serves what anyone forges with that key.
+    public = FileTier(tmp_path / "p", NS, capacity_bytes=10**5, block_bytes=BPB, auth_key=TierKey.public())
+    assert public.set(keys(2), rows(2)) == 2 and not public.auth_key.authenticates and KEY.authenticates
+    Medium(public).write(block_key(1), forged("public key", block_key(1), b""))
+    out = torch.zeros(2, BPB, dtype=torch.uint8)
+    assert public.get(keys(2), out) == 2 and out[1].numpy().tobytes() == EVIL
+    keyed = FileTier(tmp_path / "k", NS, capacity_bytes=10**5, block_bytes=BPB, auth_key=KEY)
+    assert keyed.set(keys(1), rows(1)) == 1
+    os.replace(public._path(block_key(0)), keyed._path(block_key(0)))  # the public tier's file, moved in
+    assert keyed.get(keys(1), out) == 0 and keyed.stats().unauthenticated == 1  # not signed by the fleet
+
+
+def test_tier_keys_from_the_environment() -> None:
+    tier, seed = "a tier secret of 16+ bytes", "a hash seed of 16+ bytes"
+    both = TierKey.from_env({"KVPOOL_TIER_KEY": tier, "KVPOOL_HASH_SEED": seed})
+    from_seed = TierKey.from_env({"KVPOOL_HASH_SEED": seed})
+    assert (both.source, from_seed.source) == ("KVPOOL_TIER_KEY", "KVPOOL_HASH_SEED")
+    assert both.tag(b"h", b"p") == TierKey(tier).tag(b"h", b"p") != TierKey(seed).tag(b"h", b"p")
+    assert from_seed.tag(b"h", b"p") == TierKey(seed).tag(b"h", b"p")
+    assert TierKey.from_env({}) is None
+    with pytest.raises(ConfigError, match=r"\$KVPOOL_TIER_KEY must be at least 16 bytes") as err:
+        TierKey.from_env({"KVPOOL_TIER_KEY": "tooshort", "KVPOOL_HASH_SEED": seed})
+    assert "tooshort" not in str(err.value)
+    assert repr(both) == "TierKey(source='KVPOOL_TIER_KEY')" and tier not in repr(both)
+    with pytest.raises(TypeError, match="not pickled"):
+        pickle.dumps(both)
 
 
 # ---- faults: Redis --------------------------------------------------------------------------------
@@ -396,13 +544,13 @@ def test_a_block_larger_than_the_disk_tier_is_refused(tmp_path: Path) -> None:
                                  "redis://127.0.0.1:6379/0#x", "redis://h:1/\u00b2", "redis://h:1/99999999999"])
 def test_a_bad_redis_url_is_a_config_error(url: str) -> None:
     with pytest.raises(ConfigError, match="Redis URL"):
-        RedisTier(url, NS, block_bytes=BPB)
+        RedisTier(url, NS, block_bytes=BPB, auth_key=KEY)
 
 
 def test_unreachable_at_start_is_a_miss_and_costs_one_connect_per_interval() -> None:
     from redis_servers import free_port
 
-    t = RedisTier(f"redis://127.0.0.1:{free_port()}", NS, block_bytes=BPB, retry_s=60)
+    t = RedisTier(f"redis://127.0.0.1:{free_port()}", NS, block_bytes=BPB, retry_s=60, auth_key=KEY)
     start = time.perf_counter()
     out = torch.zeros(4, BPB, dtype=torch.uint8)
     assert t.set(keys(4), rows(4)) == 0 and t.exists(keys(4)) == 0 and t.get(keys(4), out) == 0
@@ -417,7 +565,7 @@ def test_redis_killed_mid_run_then_back(tmp_path: Path) -> None:
     from redis_servers import redis_server
 
     with redis_server(tmp_path) as server:
-        t = RedisTier(server.url, NS, block_bytes=BPB, retry_s=0.2)
+        t = RedisTier(server.url, NS, block_bytes=BPB, retry_s=0.2, auth_key=KEY)
         assert t.set(keys(5), rows(5)) == 5
         server.stop()
         out = torch.zeros(5, BPB, dtype=torch.uint8)
@@ -432,7 +580,7 @@ def test_redis_killed_mid_run_then_back(tmp_path: Path) -> None:
 
 def test_values_tampered_in_redis_are_misses(redis_single) -> None:
     ns = Namespace.for_cache(DEVICE, model="tampered")
-    t = RedisTier(redis_single.url, ns, block_bytes=BPB)
+    t = RedisTier(redis_single.url, ns, block_bytes=BPB, auth_key=KEY)
     t.set(keys(4), rows(4))
     client = redis.Redis.from_url(redis_single.url)
     name = lambda k: t._name(block_key(k))  # noqa: E731  (a hash: h = the header, p = the payload)
@@ -441,19 +589,19 @@ def test_values_tampered_in_redis_are_misses(redis_single) -> None:
     out = torch.zeros(4, BPB, dtype=torch.uint8)
     assert t.get(keys(4), out) == 1 and t.stats().corrupt == 1
     client.hset(name(1), "p", payload[:7] + bytes([payload[7] ^ 1]) + payload[8:])  # one bit flipped
-    assert t.get(keys(4), out) == 1 and t.stats().corrupt == 2
+    assert t.get(keys(4), out) == 1 and t.stats().unauthenticated == 1  # its MAC fails
     client.hset(name(1), "p", payload)
     client.hset(name(2), mapping=client.hgetall(name(3)))  # block 3's value under block 2's key
     assert t.get(keys(4), out) == 2 and t.stats().foreign == 1
-    other = RedisTier(redis_single.url, OTHER, block_bytes=BPB)
+    other = RedisTier(redis_single.url, OTHER, block_bytes=BPB, auth_key=KEY)
     other.set(keys(1, base=2), rows(1, seed=5))
     client.hset(name(2), mapping=client.hgetall(other._name(block_key(2))))  # another namespace's value
     assert t.get(keys(4), out) == 2 and t.stats().foreign == 2
     client.hdel(name(2), "h")  # the header gone
-    assert t.get(keys(4), out) == 2 and t.stats().corrupt == 3
+    assert t.get(keys(4), out) == 2 and t.stats().corrupt == 2
     client.delete(name(2))
     client.set(name(2), b"not a value")  # a string where a block's hash belongs
-    assert t.get(keys(4), out) == 2 and t.stats().corrupt == 4 and t.stats().errors == 0
+    assert t.get(keys(4), out) == 2 and t.stats().corrupt == 3 and t.stats().errors == 0
 
 
 def test_keys_evicted_by_redis_maxmemory_are_missing(tmp_path: Path) -> None:
@@ -462,7 +610,7 @@ def test_keys_evicted_by_redis_maxmemory_are_missing(tmp_path: Path) -> None:
     big = 64 * 1024
     ns = Namespace("m", "uint8", "flat", hash_scheme="test")
     with redis_server(tmp_path, "--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru") as server:
-        t = RedisTier(server.url, ns, block_bytes=big)
+        t = RedisTier(server.url, ns, block_bytes=big, auth_key=KEY)
         gen = torch.Generator().manual_seed(1)
         data = torch.randint(0, 256, (200, big), generator=gen, dtype=torch.uint8)
         for i in range(200):  # 12.5 MiB through a 2 MiB server, one block at a time
@@ -476,10 +624,10 @@ def test_keys_evicted_by_redis_maxmemory_are_missing(tmp_path: Path) -> None:
 
 def test_redis_cluster_spreads_blocks_over_its_nodes(redis_cluster_nodes) -> None:
     ns = Namespace.for_cache(DEVICE, model="spread")
-    t = RedisTier(redis_cluster_nodes[0].url, ns, block_bytes=BPB)
+    t = RedisTier(redis_cluster_nodes[0].url, ns, block_bytes=BPB, auth_key=KEY)
     assert t.set(keys(60), rows(60)) == 60 and t.cluster is True
     counts = [int(n.cli("dbsize").strip()) for n in redis_cluster_nodes]
     assert all(c > 0 for c in counts)  # 60 keys over 16384 slots split three ways
-    via_other_node = RedisTier(redis_cluster_nodes[2].url, ns, block_bytes=BPB)
+    via_other_node = RedisTier(redis_cluster_nodes[2].url, ns, block_bytes=BPB, auth_key=KEY)
     out = torch.zeros(60, BPB, dtype=torch.uint8)
     assert via_other_node.get(keys(60), out) == 60 and torch.equal(out, rows(60))

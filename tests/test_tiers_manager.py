@@ -13,6 +13,8 @@ sends its first blocks on down)."""
 from __future__ import annotations
 
 import random
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +27,7 @@ from kvpool.allocators.policies import FrequencyAdmission
 from kvpool.errors import InvalidArgumentError, OutOfBlocksError
 from kvpool.spec import KVCacheSpec
 from kvpool.storage.paged import PagedKVCache
+from kvpool.tiers.auth import TierKey
 from kvpool.tiers.backend import HEADER_BYTES, Namespace, block_key
 from kvpool.tiers.file import FileTier
 from kvpool.tiers.host import HostTier
@@ -166,6 +169,7 @@ class ChainModel:
 # ---- building the real chain ------------------------------------------------------------------------
 
 NS = Namespace("model-test", "none", "hash-only", hash_scheme="trace")
+KEY = TierKey("kvpool tests: a tier key of 16+ bytes")  # the fleet secret of these tests
 
 
 def build(kinds: list[tuple[str, int | None]], tmp_path: Path, redis_url: str | None, *, device: int,
@@ -178,9 +182,9 @@ def build(kinds: list[tuple[str, int | None]], tmp_path: Path, redis_url: str | 
             tiers.append(HostTier(cap, ns, like=cache))
         elif name == "disk":
             tiers.append(FileTier(tmp_path / "disk", ns, capacity_bytes=cap * (HEADER_BYTES + bpb),
-                                  block_bytes=bpb))
+                                  block_bytes=bpb, auth_key=KEY))
         else:
-            tiers.append(RedisTier(redis_url, ns, block_bytes=bpb))
+            tiers.append(RedisTier(redis_url, ns, block_bytes=bpb, auth_key=KEY))
     return OffloadManager(BlockPool(device), tiers, cache=cache, write_through=write_through,
                           asynchronous=asynchronous, staging_blocks=8, admission=admission)
 
@@ -357,7 +361,7 @@ def test_kv_round_trips_bit_exact_through_every_tier(asynchronous: bool, write_t
 def test_bad_chains_are_refused(tmp_path: Path) -> None:
     cache = PagedKVCache(SPEC, 4)
     ns = Namespace.for_cache(cache, model="x")
-    disk = FileTier(tmp_path, ns, capacity_bytes=10**6, block_bytes=cache.bytes_per_block)
+    disk = FileTier(tmp_path, ns, capacity_bytes=10**6, block_bytes=cache.bytes_per_block, auth_key=KEY)
     with pytest.raises(InvalidArgumentError, match="host tier must come first"):
         OffloadManager(BlockPool(4), [disk, HostTier(2, ns, like=cache)], cache=cache)
     with pytest.raises(InvalidArgumentError, match="B blocks"):
@@ -460,9 +464,45 @@ def test_damaged_disk_blocks_end_the_prefix_and_are_counted(tmp_path: Path) -> N
     hit = m.lookup([1, 2, 3, 4, 5, 6])
     assert hit.where == [1] * 6  # the index still lists it: the damage shows when it is read
     got = m.acquire(hit)
-    assert len(got) == 3 and m.load_failures == 1 and disk.stats().corrupt == 1
+    assert len(got) == 3 and m.load_failures == 1 and disk.stats().unauthenticated == 1  # its MAC fails
     for b, h in zip(got, [1, 2, 3], strict=True):
         assert torch.equal(cache.buffer[:, :, b].view(torch.int16), kv_of(h, cache))
     m.pool.free(got[::-1])
     assert m.pool.num_used_blocks == 0
     m.check_integrity()
+
+
+def test_a_stalling_redis_under_the_worker_is_only_misses(tmp_path: Path, redis_stalling, request) -> None:
+    # The review's failure at the manager: the writer thread stores into Redis while the engine thread looks
+    # up and loads from it; a stall made one thread's timeout close the shared client under the other, and
+    # the ValueError escaped: from a lookup on the engine thread, or as a counted writer error. Now every
+    # request completes with bit-exact KV (data_run checks each acquired block), and nothing raised.
+    from redis_servers import Stall
+
+    cache = PagedKVCache(SPEC, DEVICE_BLOCKS, layout="HND")
+    ns = Namespace.for_cache(cache, model=request.node.name)
+    remote = RedisTier(redis_stalling.url, ns, block_bytes=cache.bytes_per_block, auth_key=KEY,
+                       timeout_s=0.1, retry_s=0.0)
+    m = OffloadManager(BlockPool(DEVICE_BLOCKS), [HostTier(3, ns, like=cache), remote], cache=cache,
+                       write_through=True, asynchronous=True, staging_blocks=8)
+    done = threading.Event()
+
+    def stalls() -> None:
+        while not done.is_set():
+            with Stall(redis_stalling.url, 0.2):
+                pass
+            time.sleep(0.05)
+
+    staller = threading.Thread(target=stalls, name="stalls")
+    staller.start()
+    try:
+        data_run(m, cache, 60, seed=7)
+    finally:
+        done.set()
+        staller.join(timeout=10)
+    m.synchronize()
+    s = m.stats()["remote"]
+    assert s["errors"] + s["store_failures"] > 0  # the stalls were met, as misses
+    assert m.stats()["writer_errors"] == 0 and m.pool.num_used_blocks == 0
+    m.check_integrity()
+    m.close()

@@ -355,17 +355,24 @@ def _check_unseeded(algorithm: str, seed_source: str) -> None:
                           "with a public root anyone can aim a collision at them; or use sha256 / blake2b")
 
 
-def _derive_root(seed: str | bytes, what: str) -> bytes:
+def secret_bytes(secret: str | bytes, what: str) -> bytes:
+    """The bytes of a configured secret (a hash seed, a tier key): str as UTF-8 (an environment value that
+    is not UTF-8 keeps its own bytes) or bytes, at least :data:`MIN_SEED_BYTES` of them. Raises
+    :class:`ConfigError` naming ``what`` (never the secret) otherwise."""
     try:  # surrogateescape: an environment value that is not UTF-8 is its own bytes (as os.environb holds)
-        raw = seed.encode("utf-8", "surrogateescape") if isinstance(seed, str) else seed
+        raw = secret.encode("utf-8", "surrogateescape") if isinstance(secret, str) else secret
     except UnicodeEncodeError:
         raise ConfigError(f"{what} holds a lone surrogate: give bytes or text") from None
     if type(raw) is not bytes:
-        raise ConfigError(f"{what} must be str or bytes, got {type(seed).__name__}")
+        raise ConfigError(f"{what} must be str or bytes, got {type(secret).__name__}")
     if len(raw) < MIN_SEED_BYTES:
         raise ConfigError(f"{what} must be at least {MIN_SEED_BYTES} bytes of secret, got {len(raw)} "
                           "(e.g. python3 -c 'import secrets; print(secrets.token_hex(32))')")
-    return hashlib.sha256(_ROOT_DOMAIN + raw).digest()[:16]
+    return raw
+
+
+def _derive_root(seed: str | bytes, what: str) -> bytes:
+    return hashlib.sha256(_ROOT_DOMAIN + secret_bytes(seed, what)).digest()[:16]
 
 
 def _digest_fn(algorithm: str) -> Callable[[bytes], bytes]:

@@ -6,9 +6,9 @@ For two real block shapes (SmolLM2-135M and Llama-3-8B, bfloat16, 16 tokens: 360
 
 * **host**: ``HostTier.store_from_device`` / ``load_to_device`` (the device is a CPU cache here) against one
   ``copy_`` of the same bytes between two contiguous tensors;
-* **disk**: ``FileTier.set`` / ``get`` (a file per block, header and checksum included) against writing /
+* **disk**: ``FileTier.set`` / ``get`` (a file per block, header and MAC included) against writing /
   reading the same payloads as plain files in the same folder (one ``write`` / ``readinto`` each);
-* **remote**: ``RedisTier.set`` / ``get`` (pipelined, header and checksum included) against a raw redis-py
+* **remote**: ``RedisTier.set`` / ``get`` (pipelined, header and MAC included) against a raw redis-py
   pipeline of ``SET`` / ``GET`` of the same payloads. A ``redis-server`` is started on a free loopback port
   unless ``--remote URL`` names one; without the binary the rows are skipped.
 
@@ -43,6 +43,7 @@ BLOCKS = {  # KV heads and head_dim of tests/configs/smollm2-135m.json and llama
     "llama-3-8b": KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, **_BF16_16),
 }
 TARGET_RATIO = 0.80
+BENCH_TIER_KEY = "kvpool bench tier key, not a secret"  # the MAC costs the same under any key
 TARGET_OPS_PER_S = 1_000_000
 
 
@@ -84,6 +85,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _block_rows(name: str, spec: KVCacheSpec, args: argparse.Namespace, folder: Path, url: str | None
                 ) -> list[dict[str, Any]]:
+    from kvpool.tiers.auth import TierKey
     from kvpool.tiers.backend import Namespace, gather_rows
     from kvpool.tiers.file import FileTier
     from kvpool.tiers.host import HostTier
@@ -100,12 +102,13 @@ def _block_rows(name: str, spec: KVCacheSpec, args: argparse.Namespace, folder: 
     out: list[dict[str, Any]] = []
     host = HostTier(n, ns, like=device)
     out += _host_rows(name, host, device, keys, args.repeat)
-    disk = FileTier(folder / "tier", ns, capacity_bytes=2 * n * (bpb + 64), block_bytes=bpb)
+    key = TierKey(BENCH_TIER_KEY)
+    disk = FileTier(folder / "tier", ns, capacity_bytes=2 * n * (bpb + 64), block_bytes=bpb, auth_key=key)
     out += _byte_tier_rows(name, disk, rows_in, keys, args.repeat, _FileBaseline(folder / "raw", rows_in))
     disk.clear()
     disk.close()
     if url is not None:
-        remote = RedisTier(url, ns, block_bytes=bpb)
+        remote = RedisTier(url, ns, block_bytes=bpb, auth_key=key)
         out += _byte_tier_rows(name, remote, rows_in, keys, args.repeat, _RedisBaseline(url, rows_in))
         remote.clear()
         remote.close()

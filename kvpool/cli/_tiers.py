@@ -4,8 +4,11 @@
 or ``?blocks=N``, ``redis://HOST:PORT``) names each tier below the device pool; the older spellings
 ``--host-blocks N``, ``--disk-dir DIR`` with ``--disk-bytes BYTES`` or ``--disk-blocks N``, and ``--remote
 redis://HOST:PORT`` say the same and keep working (both commands take all of them). The chain runs fastest
-first: host, disk, remote. ``--write-through``, ``--tier-admission K``. The tier modules (redis-py, xxhash:
-the ``tiers`` extra) are imported only when a tier is asked for.
+first: host, disk, remote. ``--write-through``, ``--tier-admission K``. The tier modules (redis-py, xxhash,
+blake3: the ``tiers`` extra) are imported only when a tier is asked for. The disk and Redis tiers
+authenticate their values with the fleet secret of the environment
+(:meth:`~kvpool.tiers.auth.TierKey.from_env`: ``$KVPOOL_TIER_KEY``, else ``$KVPOOL_HASH_SEED``); without one
+they are refused (exit 2).
 """
 
 from __future__ import annotations
@@ -72,8 +75,10 @@ def wants_tiers(args: argparse.Namespace) -> bool:
 
 
 def check_tier_targets(args: argparse.Namespace) -> None:
-    """Fail early (before a model loads) on any malformed tier."""
+    """Fail early (before a model loads) on any malformed tier, or a disk or Redis tier without a tier
+    secret in the environment (:func:`tier_auth_key`)."""
     tier_urls(args)
+    tier_auth_key(args)
 
 
 def tier_admission(args: argparse.Namespace) -> Any:
@@ -88,7 +93,47 @@ def leaves_process(args: argparse.Namespace) -> bool:
     return any(t.medium != "host" for t in check_chain(tier_urls(args)))
 
 
-def build_tiers(args: argparse.Namespace, namespace: Any, *, block_bytes: int, like: Any = None) -> list[Any]:
+# ---- the tier secret and the hash root (what a shared store's operator could otherwise do) ---------------
+
+def tier_auth_key(args: argparse.Namespace) -> Any:
+    """The :class:`~kvpool.tiers.auth.TierKey` of the environment for the disk and Redis tiers (None when
+    none is asked for). Raises ConfigError when they are asked for and no secret is set."""
+    if not leaves_process(args):
+        return None
+    from kvpool.tiers.auth import KEY_ENV, TierKey
+
+    key = TierKey.from_env()
+    if key is None:
+        raise ConfigError(f"{_leaving(args)}: tier values that leave the process are authenticated with "
+                          f"a fleet secret: set ${KEY_ENV} (or $KVPOOL_HASH_SEED) to the same secret of at "
+                          f"least 16 bytes in every process, e.g. export {KEY_ENV}=$(python3 -c "
+                          "'import secrets; print(secrets.token_hex(32))')")
+    return key
+
+
+def public_root_hint(args: argparse.Namespace, hasher: Any) -> str | None:
+    """One line for stderr when block hashes leave the process (a disk or Redis tier, ``--kv-events``)
+    from the public root (no ``$KVPOOL_HASH_SEED``): whoever sees them (a store's key names, the event
+    stream) can confirm a guessed prompt by hashing it. None otherwise. (The tier values' secret needs no
+    hint: without one a disk or Redis tier is refused, :func:`tier_auth_key`.)"""
+    events = getattr(args, "kv_events", None) is not None
+    if hasher.seeded or not (events or leaves_process(args)):
+        return None
+    where = " and ".join(filter(None, [_leaving(args), "--kv-events" if events else ""]))
+    return (f"hint: block hashes leave this process ({where}) from the public root, so whoever sees them can "
+            "confirm a guessed prompt: set $KVPOOL_HASH_SEED to a secret of at least 16 bytes, the same in "
+            "every process")
+
+
+def _leaving(args: argparse.Namespace) -> str:
+    """The tiers that keep blocks outside the process, named by their URLs."""
+    return " and ".join(t.url for t in check_chain(tier_urls(args)) if t.medium != "host")
+
+
+def build_tiers(args: argparse.Namespace, namespace: Any, *, block_bytes: int, like: Any = None,
+                auth_key: Any = None) -> list[Any]:
     """The tiers the options ask for, fastest first, in ``namespace``; ``like``: the device cache a host
-    tier copies (None: hash-only)."""
-    return tiers_from_urls(tier_urls(args), namespace, block_bytes=block_bytes, like=like)
+    tier copies (None: hash-only); ``auth_key``: the disk and Redis tiers'
+    :class:`~kvpool.tiers.auth.TierKey` (None: :func:`tier_auth_key`, the environment's)."""
+    key = auth_key if auth_key is not None else tier_auth_key(args)
+    return tiers_from_urls(tier_urls(args), namespace, block_bytes=block_bytes, like=like, auth_key=key)

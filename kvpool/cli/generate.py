@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kvpool.allocators.policies import POLICIES
 from kvpool.cli._args import (
     add_hash_arguments,
     add_threads_argument,
@@ -31,12 +32,13 @@ from kvpool.cli._tiers import (
     add_tier_arguments,
     check_tier_targets,
     leaves_process,
+    public_root_hint,
     tier_admission,
+    tier_auth_key,
     tier_urls,
     wants_tiers,
 )
 from kvpool.cli._tp import add_tp_argument, report_rank_failure, run_ranks, tp_size_of
-from kvpool.allocators.policies import POLICIES
 from kvpool.errors import ConfigError, OutOfBlocksError, RankFailedError
 from kvpool.units import plural
 
@@ -73,8 +75,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     eviction.add_argument("--policy", choices=POLICIES, default="lru", metavar="NAME",
                           help=f"eviction policy of cached blocks: {', '.join(POLICIES)} (default lru)")
     eviction.add_argument("--pin-prefix", metavar="TEXT",
-                          help="pin the full blocks of TEXT's tokens (a system prompt the prompts start with) "
-                               "once they are cached, in every KV cache group")
+                          help="pin the full blocks of TEXT's tokens (a system prompt the prompts start "
+                               "with) once they are cached, in every KV cache group")
     add_tp_argument(parser)
     add_hash_arguments(parser)
     add_tier_arguments(parser, disk_in_blocks=False)
@@ -184,6 +186,8 @@ def generate_on_rank(tp: Any, args: argparse.Namespace, texts: list[str], params
             engine.pin_prefix(loaded.encode(args.pin_prefix))
         offload = _enable_tiers(engine, args) if wants_tiers(args) else None
         observers.watch_engine(engine)
+        if (tp is None or tp.rank == 0) and (hint := public_root_hint(args, hasher)):
+            print(f"kvpool generate: {hint}", file=sys.stderr)  # the input was good: the run goes on
 
         def lead(engine: Any) -> list[Any]:
             return _generate_or_explain(engine, prompts, params, texts)
@@ -218,7 +222,8 @@ def _enable_tiers(engine: Any, args: argparse.Namespace) -> Any:
     weights (this rank's shard) and its config, and the tensor-parallel rank (so two processes share
     blocks exactly when they compute the same KV shard)."""
     return engine.enable_offload(tier_urls(args), write_through=args.write_through,
-                                 admission=tier_admission(args), namespace=engine.tier_namespace(args.model))
+                                 admission=tier_admission(args), namespace=engine.tier_namespace(args.model),
+                                 auth_key=tier_auth_key(args))
 
 
 def _generate_or_explain(engine: Any, prompts: list[list[int]], params: list[Any], texts: list[str]

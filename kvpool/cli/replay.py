@@ -21,7 +21,7 @@ from typing import Any
 
 from kvpool.cli._args import id_list, non_negative_float, positive_int, positive_int_list, word_list
 from kvpool.cli._observe import Observers, add_event_arguments
-from kvpool.cli._tiers import add_tier_arguments, build_tiers, wants_tiers
+from kvpool.cli._tiers import add_tier_arguments, build_tiers, check_tier_targets, wants_tiers
 from kvpool.cli.plan import add_memory_arguments, plan_from_args
 from kvpool.errors import ConfigError
 from kvpool.planner import PoolPlan
@@ -100,6 +100,8 @@ def _engine_arguments(group: argparse._ArgumentGroup) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config, sizes, policies, spec, pool_plan = _plan_runs(args)  # bad input fails before the replay
+    if wants_tiers(args):
+        check_tier_targets(args)  # a bad URL or folder, or no tier secret: before the trace loads
     trace = load_trace(args.trace, args.format, skip_malformed=args.skip_malformed,
                        max_requests=args.max_requests)
     with Observers(args) as observers:

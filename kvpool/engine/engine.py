@@ -156,10 +156,11 @@ class LLMEngine:
 
     def enable_offload(self, tiers: Sequence[TierBackend | str], *, write_through: bool = False,
                        asynchronous: bool = True, admission: FrequencyAdmission | None = None,
-                       namespace: Any = None) -> OffloadManager:
+                       namespace: Any = None, auth_key: Any = None) -> OffloadManager:
         """Chain ``tiers`` (a :class:`~kvpool.tiers.host.HostTier` built ``like=self.cache`` first, then
         disk / remote tiers; or their URLs, :mod:`kvpool.tiers.from_url`, built in ``namespace``, by default
-        :meth:`tier_namespace`) under this engine's pool, for every KV cache group: evicted (or, with
+        :meth:`tier_namespace`, with the fleet secret ``auth_key``, by default the environment's) under this
+        engine's pool, for every KV cache group: evicted (or, with
         ``write_through``, published) blocks go down, and admission finds prefixes in every tier and loads
         the blocks each group's hit needs before the request runs. ``admission``: a frequency filter on what
         goes down (see the manager). Returns the :class:`~kvpool.tiers.manager.OffloadManager`
@@ -179,8 +180,9 @@ class LLMEngine:
             urls = [t for t in tiers if isinstance(t, str)]
             if len(urls) != len(tiers):
                 raise ConfigError("give enable_offload tiers or tier URLs, not both")
-            tiers = tiers_from_urls(urls, namespace if namespace is not None else self.tier_namespace(),
-                                    block_bytes=self.cache.bytes_per_block, like=self.cache)
+            space = namespace if namespace is not None else self.tier_namespace()
+            tiers = tiers_from_urls(urls, space, block_bytes=self.cache.bytes_per_block, like=self.cache,
+                                    auth_key=auth_key)
         if not self.hasher.shared and any(t.medium != "host" for t in tiers):
             raise ConfigError("disk and remote tiers keep block hashes beyond this process: give the engine "
                               "a shared hasher (BlockHasher(shared=True); $KVPOOL_HASH_SEED for a fleet)")

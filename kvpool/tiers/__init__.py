@@ -2,7 +2,8 @@
 
 ``TierBackend`` (the interface, :mod:`kvpool.tiers.backend`), ``HostTier`` (CPU memory, the existing
 ``HostKVCache``), ``FileTier`` (a directory), ``RedisTier`` (a Redis server or cluster; needs redis-py),
-``OffloadManager`` (device -> host -> disk -> remote). Imported lazily: ``pip install kvpool[tiers]``.
+``OffloadManager`` (device -> host -> disk -> remote), ``TierKey`` (the fleet secret that authenticates
+disk and Redis values, :mod:`kvpool.tiers.auth`). Imported lazily: ``pip install kvpool[tiers]``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ _LAZY = {
     "TierStats": "kvpool.tiers.backend",
     "weights_fingerprint": "kvpool.tiers.backend",
     "config_fingerprint": "kvpool.tiers.backend",
+    "TierKey": "kvpool.tiers.auth",
     "HostTier": "kvpool.tiers.host",
     "FileTier": "kvpool.tiers.file",
     "RedisTier": "kvpool.tiers.redis",

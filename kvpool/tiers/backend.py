@@ -10,13 +10,15 @@ every layer of the device buffer, K then V, in the buffer's own order (:func:`bl
 take and fill ``uint8`` tensors ``[n, block_bytes]`` on the CPU. A tier built with ``block_bytes=0`` stores
 hashes only (a replay that moves no data).
 
-Contract of every :class:`TierBackend` (thread-safe; a call never raises for a fault of the medium):
+Contract of every :class:`TierBackend` (a call never raises for a fault of the medium, from any thread:
+see the thread contract in :class:`TierBackend`):
 
 * ``exists(keys) -> int``: how many leading keys are stored (the length of the stored prefix).
 * ``get(keys, out) -> int``: load the leading stored blocks into ``out[i]``; returns how many. It stops at
   the first block that is missing, truncated, fails its checksum, belongs to another namespace or key, or
-  cannot be read (an I/O or connection error): each is a **miss**, counted in :class:`TierStats`, never
-  wrong KV. Rows from the returned count on are unspecified.
+  does not verify under the tier's key (``unauthenticated``: forged, tampered, or written with another
+  key), or cannot be read (an I/O or connection error): each is a **miss**, counted in :class:`TierStats`,
+  never wrong KV. Rows from the returned count on are unspecified.
 * ``set(keys, blocks) -> int``: store each block (independently); returns how many are stored now. A key
   already stored is refreshed (marked recently used), not rewritten. A block that cannot be written (disk
   full, server down, larger than the tier) is counted in ``store_failures`` and skipped.
@@ -26,10 +28,12 @@ Contract of every :class:`TierBackend` (thread-safe; a call never raises for a f
   unbounded), ``used_bytes``, ``num_blocks``; ``stats()``; ``check_integrity()`` (raises
   :class:`IntegrityError`); ``close()``.
 
-A stored value is ``header (64 bytes) || payload``; the header holds a magic, the format version, the
-namespace digest, the block key, the payload length and an XXH3-64 checksum of the payload, and its
-reserved bytes must be zero, so a flipped byte anywhere, a truncation or a value copied under another key
-is detected.
+A stored value (disk, Redis) is ``header (64 bytes) || payload``; the header holds a magic, the format
+version (2), zero flags, the namespace digest, the block key, the payload length, and a 16-byte MAC of all
+of those and the payload under the fleet's :class:`~kvpool.tiers.auth.TierKey` (BLAKE3 keyed). So a flipped
+byte anywhere, a truncation, a value copied under another key or namespace, and a value forged by someone
+who can write the medium but lacks the key are all misses. Version 1 (an unkeyed XXH3-64 checksum in
+place of the MAC) is read as ``unauthenticated``.
 """
 
 from __future__ import annotations
@@ -49,11 +53,14 @@ import xxhash
 from kvpool.errors import InvalidArgumentError
 from kvpool.numeric import as_int
 from kvpool.storage.paged import BlockStore
+from kvpool.tiers.auth import TierKey
 
 MAGIC = b"KVPB"
-VERSION = 1
-_HEADER = struct.Struct("<4sHH16s16sQQQ")  # magic, version, flags, namespace, key, length, checksum, 0
+VERSION = 2  # 1 was unauthenticated (an XXH3-64 checksum where the MAC is): its values are misses
+_HEADER = struct.Struct("<4sHH16s16sQ16s")  # magic, version, flags, namespace, key, length, MAC tag
 HEADER_BYTES = _HEADER.size  # 64
+_SIGNED = HEADER_BYTES - 16  # the header bytes the MAC covers (every field but the tag), before the payload
+_UNAUTHENTICATED_VERSIONS = (1,)
 KEY_BYTES = 16
 MEDIUMS = ("host", "disk", "remote")
 
@@ -169,45 +176,48 @@ def block_keys(block_hashes: Sequence[Hashable]) -> list[bytes]:
     return [block_key(h) for h in block_hashes]
 
 
-def encode_header(namespace: bytes, key: bytes, payload: Any) -> bytes:
-    """The 64-byte header of a value holding ``payload`` (bytes-like) under ``namespace``/``key``."""
-    view = memoryview(payload)
-    return _HEADER.pack(MAGIC, VERSION, 0, namespace, key, view.nbytes, xxhash.xxh3_64_intdigest(view), 0)
+def encode_header(namespace: bytes, key: bytes, payload: Any, *, auth_key: TierKey) -> bytes:
+    """The 64-byte header of a value holding ``payload`` (bytes-like) under ``namespace``/``key``, its MAC
+    computed with ``auth_key``."""
+    signed = _HEADER.pack(MAGIC, VERSION, 0, namespace, key, memoryview(payload).nbytes, b"")[:_SIGNED]
+    return signed + auth_key.tag(signed, payload)
 
 
 def check_header(header: Any, namespace: bytes, key: bytes, length: int) -> str | None:
-    """Why a value's header does not fit (``"corrupt"``: bad magic, version, reserved bytes or length;
-    ``"foreign"``: another namespace or key), or None when it fits. ``header`` must be 64 bytes."""
-    magic, version, flags, ns, k, size, _, reserved = _HEADER.unpack(header)
-    if magic != MAGIC or version != VERSION or flags or reserved or size != length:
+    """What a value's header says before its MAC is checked: ``"corrupt"`` (bad magic, version, flags or
+    length), ``"unauthenticated"`` (the unauthenticated format 1), ``"foreign"`` (another namespace or key),
+    or None when it fits. ``header`` must be 64 bytes."""
+    magic, version, flags, ns, k, size, _ = _HEADER.unpack(header)
+    if magic == MAGIC and version in _UNAUTHENTICATED_VERSIONS:
+        return "unauthenticated"
+    if magic != MAGIC or version != VERSION or flags or size != length:
         return "corrupt"
     if ns != namespace or k != key:
         return "foreign"
     return None
 
 
-def checksum_of(header: Any) -> int:
-    """The payload checksum a header records."""
-    return _HEADER.unpack(header)[6]
-
-
-def verify_parts(header: Any, payload: Any, namespace: bytes, key: bytes, length: int) -> str | None:
-    """Why a header and its payload are a miss (``"corrupt"``, ``"foreign"``), or None when they fit."""
+def verify_parts(header: Any, payload: Any, namespace: bytes, key: bytes, length: int, *, auth_key: TierKey
+                 ) -> str | None:
+    """Why a header and its payload are a miss (``"corrupt"``, ``"foreign"``, ``"unauthenticated"``: the
+    MAC does not verify under ``auth_key``), or None when they may be served."""
     header, payload = memoryview(header), memoryview(payload)
     if header.nbytes != HEADER_BYTES or payload.nbytes != length:
         return "corrupt"
     why = check_header(header, namespace, key, length)
-    if why is None and xxhash.xxh3_64_intdigest(payload) != checksum_of(header):
-        return "corrupt"
+    if why is None and not auth_key.verifies(bytes(header[_SIGNED:]), header[:_SIGNED], payload):
+        return "unauthenticated"
     return why
 
 
-def verify_value(value: Any, namespace: bytes, key: bytes, length: int) -> tuple[str | None, memoryview]:
+def verify_value(value: Any, namespace: bytes, key: bytes, length: int, *, auth_key: TierKey
+                 ) -> tuple[str | None, memoryview]:
     """(why it is a miss or None, the payload view) for a whole stored value (header then payload)."""
     view = memoryview(value)
     if view.nbytes != HEADER_BYTES + length:
         return "corrupt", view
-    return verify_parts(view[:HEADER_BYTES], view[HEADER_BYTES:], namespace, key, length), view[HEADER_BYTES:]
+    return (verify_parts(view[:HEADER_BYTES], view[HEADER_BYTES:], namespace, key, length, auth_key=auth_key),
+            view[HEADER_BYTES:])
 
 
 @dataclass
@@ -217,8 +227,10 @@ class TierStats:
     ``stored``/``stored_bytes``: blocks written by ``set``; ``store_failures``: blocks ``set`` could not
     write; ``loaded``/``loaded_bytes``: blocks ``get`` returned intact; ``evictions``: blocks the tier
     dropped to make room; misses of ``get`` by reason: ``missing`` (not there, or evicted by the server),
-    ``corrupt`` (truncated, bad header or checksum), ``foreign`` (another namespace or key), ``errors``
-    (I/O or connection). ``hits`` is counted by the :class:`~kvpool.tiers.manager.OffloadManager`: prompt
+    ``corrupt`` (truncated, bad header), ``foreign`` (another namespace or key), ``unauthenticated`` (the
+    MAC does not verify: forged or tampered, a flipped payload byte, a value written with another key or in
+    the unauthenticated format 1; a MAC cannot tell a forgery from a fault), ``errors`` (I/O or
+    connection). ``hits`` is counted by the :class:`~kvpool.tiers.manager.OffloadManager`: prompt
     blocks its lookups found in this tier.
     """
 
@@ -231,13 +243,14 @@ class TierStats:
     missing: int = 0
     corrupt: int = 0
     foreign: int = 0
+    unauthenticated: int = 0
     errors: int = 0
     hits: int = 0
 
     @property
     def misses(self) -> int:
         """Gets that were a miss, whatever the reason."""
-        return self.missing + self.corrupt + self.foreign + self.errors
+        return self.missing + self.corrupt + self.foreign + self.unauthenticated + self.errors
 
     def to_dict(self) -> dict[str, int]:
         return {**asdict(self), "misses": self.misses}
@@ -247,7 +260,23 @@ class TierBackend(ABC):
     """One storage tier (see the module docstring for the contract every method keeps).
 
     Subclasses set ``medium`` (``"host"``, ``"disk"`` or ``"remote"``), ``namespace`` and ``block_bytes``,
-    and guard their state with ``self._lock``.
+    and guard their state with ``self._lock``. A tier whose values leave the process (disk, remote) takes
+    an ``auth_key`` (:class:`~kvpool.tiers.auth.TierKey`) and refuses to start without one.
+
+    **Thread contract.** Every method may be called from several threads at once: the offload manager calls
+    a lower tier from the engine thread (``exists``, ``get``, ``refresh``) and from its writer thread
+    (``set``, and the cascade of a tier's evictions into the next). A tier holds ``self._lock`` for work in
+    memory only (its index, its counters) and does its I/O outside it, on resources of the call or of the
+    thread: a file descriptor per call (the file tier; the changes of its folder, a write, an eviction, the
+    removal of a bad file, take turns under a second lock so that the index and the files change together),
+    **one Redis client per thread** (the Redis tier). Neither a lock around whole calls nor one shared
+    client: under a lock a stalled medium stalls every thread (the engine's lookup waits behind the writer's
+    multi-MiB store, then for its own timeout); with one client, a timeout on one thread drops the client
+    under the other thread's pipeline (redis-py then raises from a closed socket), so no thread closes a
+    client another thread is using. Whatever the medium's client library raises during a call is a fault of
+    the medium (a broken or hostile server can make a reply parser raise anything). So a fault or a stall
+    of the medium on one thread is a counted miss or store failure of that thread's call alone, never an
+    exception on either. The host tier (memory copies, no medium that stalls) holds its lock for whole calls.
     """
 
     medium: str

@@ -1,14 +1,24 @@
 """``FileTier``: blocks as files in a directory, bounded in bytes, least recently used evicted first.
 
 Layout: ``DIR/<namespace tag>/<first 2 hex digits>/<32 hex digits of the block key>``, each file one value
-(64-byte header + payload, see :mod:`kvpool.tiers.backend`). A store writes a temporary file beside its
-target and renames it into place, so a reader never sees half a value under a block's name. The index
-(key -> value bytes, LRU order) lives in memory; files left by an earlier run of the same namespace are
-indexed at start (oldest modification first), so a restart finds them. One process owns a namespace
-directory at a time (an exclusive ``flock`` on ``.lock``); share blocks across processes with the Redis tier.
+(64-byte header with its MAC + payload, see :mod:`kvpool.tiers.backend`), written with one ``writev``
+straight to its name: a key is indexed only once its file is whole, and a torn file (a crash mid-write)
+fails its MAC. The index (key -> the stamp of the write that made its file, LRU order) lives in memory;
+files left by an earlier run of the same namespace are indexed at start (oldest modification first), so a
+restart finds them (and a file that does not verify under this run's key is a miss then). One process owns a
+namespace directory at a time (an exclusive ``flock`` on ``.lock``); share blocks across processes with the
+Redis tier.
 
-Faults: a write that fails (``ENOSPC``, ``EIO``, a read-only disk) is a store failure, its temporary file
-removed; a missing, truncated, flipped or foreign file is a miss and the file is deleted.
+Threads: reads (``exists``, ``get``, ``refresh``) take the index lock only for their index lookups and read
+the file outside it; every change of the folder (``set``'s writes and evictions, ``delete``, ``clear``,
+the removal of a file a read found bad) runs under ``_write_lock`` together with its index change, so the
+index and the files never disagree. A reader never waits for that lock (a store may hold it while its
+evictions cascade into a stalled Redis): it notes the bad file, and whoever holds the lock next removes it,
+if its index entry is still the one the read found (a block evicted and written again meanwhile is left
+alone).
+
+Faults: a write that fails (``ENOSPC``, ``EIO``, a read-only disk) is a store failure, its file removed; a
+missing, truncated, flipped, foreign or unauthenticated file is a miss and the file is deleted.
 """
 
 from __future__ import annotations
@@ -16,15 +26,18 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import itertools
 import os
+import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from pathlib import Path
 
 import torch
 
 from kvpool.errors import ConfigError, IntegrityError
 from kvpool.numeric import as_int
+from kvpool.tiers.auth import TierKey, require_auth_key
 from kvpool.tiers.backend import HEADER_BYTES, Namespace, TierBackend, block_keys, encode_header, verify_parts
 from kvpool.units import plural
 
@@ -40,23 +53,28 @@ class FileTier(TierBackend):
         namespace: the blocks' :class:`Namespace`.
         capacity_bytes: the bound; the least recently used files are deleted to stay under it.
         block_bytes: payload bytes per block (0: hash-only values, a header each).
+        auth_key: the fleet's :class:`~kvpool.tiers.auth.TierKey` (str or bytes: a secret) that signs and
+            verifies every file (``TierKey.from_env()``; ``TierKey.public()`` to opt out).
 
     Raises:
-        ConfigError: ``directory`` is a file, cannot be created or written, or another process holds this
-            namespace's folder; InvalidArgumentError: a capacity that is not an int >= 0.
+        ConfigError: no ``auth_key``; ``directory`` is a file, cannot be created or written, or another
+            process holds this namespace's folder; InvalidArgumentError: a capacity that is not an int >= 0.
     """
 
     medium = "disk"
 
     def __init__(self, directory: str | os.PathLike, namespace: Namespace, *, capacity_bytes: int,
-                 block_bytes: int) -> None:
+                 block_bytes: int, auth_key: TierKey | str | bytes | None = None) -> None:
         super().__init__(namespace, block_bytes)
         self._capacity = as_int(capacity_bytes, "capacity_bytes", minimum=0)
+        self.auth_key = require_auth_key(auth_key, "a disk tier")
         self.directory = Path(directory)
         self._dir = self.directory / namespace.tag
+        self._write_lock = threading.RLock()  # changes of the folder, each with its index change
+        self._doomed: list[tuple[bytes, int, bool]] = []  # bad files a read found: (key, stamp, unlink)
+        self._stamps = itertools.count(1)  # a stamp per indexed write: a reader knows the file it read
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> stamp, least recently used first
         self._lock_fd = _claim(self._dir)
-        self._index: OrderedDict[bytes, int] = OrderedDict()
-        self._used = 0
         self._subdirs: set[str] = set()
         self._cascade: Cascade | None = None
         self._scan()
@@ -77,13 +95,14 @@ class FileTier(TierBackend):
         n = 0
         for i, key in enumerate(names):
             with self._lock:
-                if key not in self._index:
+                stamp = self._index.get(key)
+                if stamp is None:
                     self._stats.missing += 1
                     break
                 self._index.move_to_end(key)
             why = self._read(key, out[i] if out is not None and self.block_bytes else None)
             if why is not None:
-                self._miss(key, why)
+                self._miss(key, why, stamp)
                 break
             n += 1
         with self._lock:
@@ -97,38 +116,39 @@ class FileTier(TierBackend):
         once, passed down together), and when the batch alone exceeds the capacity its first blocks, which
         such a store would evict again at once, go down instead of being written."""
         names = self._check_rows(keys, blocks, "blocks")
-        with self._lock:
-            held = [key in self._index for key in names]
-            for key, there in zip(names, held, strict=True):
-                if there:
-                    self._index.move_to_end(key)
-        new = list({names[i]: i for i in range(len(names)) if not held[i]}.values())
-        fits = self._capacity // self.value_bytes
-        if not fits:
-            self._count_failure(len(new))
-            return sum(held)
-        left_out, new = new[:max(0, len(new) - fits)], new[max(0, len(new) - fits):]
-        rows = blocks if blocks is not None and self.block_bytes else None
-        self._make_room(len(new), [(names[i], rows[i] if rows is not None else None) for i in left_out])
-        written = sum(self._write(names[i], rows[i] if rows is not None else None) for i in new)
+        with self._folder():  # one store at a time: its room is made for its own writes
+            with self._lock:
+                held = [key in self._index for key in names]
+                for key, there in zip(names, held, strict=True):
+                    if there:
+                        self._index.move_to_end(key)
+            new = list({names[i]: i for i in range(len(names)) if not held[i]}.values())
+            fits = self._capacity // self.value_bytes
+            if not fits:
+                self._count_failure(len(new))
+                return sum(held)
+            left_out, new = new[:max(0, len(new) - fits)], new[max(0, len(new) - fits):]
+            rows = blocks if blocks is not None and self.block_bytes else None
+            self._make_room(len(new), [(names[i], rows[i] if rows is not None else None) for i in left_out])
+            written = sum(self._write(names[i], rows[i] if rows is not None else None) for i in new)
         return sum(held) + written
 
     def delete(self, keys: Sequence[Hashable]) -> int:
         gone = 0
-        for key in block_keys(keys):
-            with self._lock:
-                size = self._index.pop(key, None)
-                if size is None:
-                    continue
-                self._used -= size
-            _unlink(self._path(key))
-            gone += 1
+        with self._folder():
+            for key in block_keys(keys):
+                with self._lock:
+                    if self._index.pop(key, None) is None:
+                        continue
+                _unlink(self._path(key))
+                gone += 1
         return gone
 
     def clear(self) -> int:
-        with self._lock:
-            keys = list(self._index)
-        return self.delete(keys)
+        with self._folder():
+            with self._lock:
+                keys = list(self._index)
+            return self.delete(keys)
 
     def refresh(self, keys: Sequence[Hashable]) -> None:
         with self._lock:
@@ -147,23 +167,23 @@ class FileTier(TierBackend):
 
     @property
     def used_bytes(self) -> int:
-        return self._used
+        return len(self._index) * self.value_bytes
 
     @property
     def num_blocks(self) -> int:
         return len(self._index)
 
     def check_integrity(self) -> None:
-        """The index and the directory agree: every indexed block has a file of the indexed size, there
-        is no other file, ``used_bytes`` is their sum and within the capacity."""
-        with self._lock:
+        """The index and the directory agree: every indexed block has a file of one value's size, there
+        is no other file, and ``used_bytes`` (their sum) is within the capacity."""
+        with self._folder(), self._lock:
             files = {p.name: p.stat().st_size for p in self._dir.glob("*/*")}
-            indexed = {key.hex(): size for key, size in self._index.items()}
+            indexed = {key.hex(): self.value_bytes for key in self._index}
             differ = set(files.items()) ^ set(indexed.items())  # a name in one only, or another size
             _require(not differ, f"{plural(len({name for name, _ in differ}), 'file')} and the index "
                                  f"disagree (name or size) in {self._dir}")
-            _require(self._used == sum(indexed.values()) and self._used <= self._capacity,
-                     f"used {self._used} B is not the files' sum or exceeds {self._capacity} B")
+            _require(self.used_bytes <= self._capacity,
+                     f"used {self.used_bytes} B exceeds {self._capacity} B")
 
     def close(self) -> None:
         if self._lock_fd is not None:
@@ -196,7 +216,7 @@ class FileTier(TierBackend):
             os.close(fd)
         if got != HEADER_BYTES + len(payload):  # truncated, or longer than a value
             return "corrupt"
-        return verify_parts(header, payload, self._ns, key, self.block_bytes)
+        return verify_parts(header, payload, self._ns, key, self.block_bytes, auth_key=self.auth_key)
 
     def _write(self, key: bytes, row: torch.Tensor | None) -> bool:
         """Write ``key``'s value (one ``writev``); False (counted) when the disk refuses. It goes straight
@@ -210,7 +230,7 @@ class FileTier(TierBackend):
                 self._subdirs.add(path.parent.name)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                _write_all(fd, [encode_header(self._ns, key, payload), payload])
+                _write_all(fd, [encode_header(self._ns, key, payload, auth_key=self.auth_key), payload])
             finally:
                 os.close(fd)
         except OSError:
@@ -218,8 +238,7 @@ class FileTier(TierBackend):
             self._count_failure()
             return False
         with self._lock:
-            self._index[key] = self.value_bytes
-            self._used += self.value_bytes
+            self._index[key] = next(self._stamps)
             self._stats.stored += 1
             self._stats.stored_bytes += self.block_bytes
         return True
@@ -229,19 +248,16 @@ class FileTier(TierBackend):
         with the ``left_out`` blocks of the batch, oldest first. A victim stays readable until then, so a
         reader finds it here or below, never in neither."""
         with self._lock:
-            victims, freed = [], 0
-            for key, size in self._index.items():
-                if self._used - freed + n * self.value_bytes <= self._capacity:
+            victims, room = [], self._capacity // self.value_bytes - n
+            for key in self._index:
+                if len(self._index) - len(victims) <= room:
                     break
                 victims.append(key)
-                freed += size
         if (victims or left_out) and self._cascade is not None:
             self._pass_down(victims, left_out)
         with self._lock:
             for key in victims:
-                size = self._index.pop(key, None)
-                if size is not None:
-                    self._used -= size
+                if self._index.pop(key, None) is not None:
                     self._stats.evictions += 1
             self._stats.evictions += len(left_out)
         for key in victims:
@@ -260,15 +276,40 @@ class FileTier(TierBackend):
         if keys:
             self._cascade(keys, payloads)
 
-    def _miss(self, key: bytes, why: str) -> None:
-        """Count a miss; drop a bad or vanished file from the index (and the disk)."""
+    def _miss(self, key: bytes, why: str, stamp: int) -> None:
+        """Count a miss; have a bad or vanished file dropped from the index (and the disk): now if the
+        folder is free, else by the next change of it (a reader never waits for a store)."""
         with self._lock:
             setattr(self._stats, why, getattr(self._stats, why) + 1)
-            size = self._index.pop(key, None)
-            if size is not None:
-                self._used -= size
-        if why != "errors":
-            _unlink(self._path(key))
+            self._doomed.append((key, stamp, why != "errors"))
+        if self._write_lock.acquire(blocking=False):
+            try:
+                self._drop_doomed()
+            finally:
+                self._write_lock.release()
+
+    @contextlib.contextmanager
+    def _folder(self) -> Iterator[None]:
+        """Hold ``_write_lock`` (a change of the folder), dropping the bad files reads found, before and
+        after."""
+        with self._write_lock:
+            self._drop_doomed()
+            yield
+            self._drop_doomed()
+
+    def _drop_doomed(self) -> None:
+        """Drop each noted bad file whose index entry is still the one its read found (under
+        ``_write_lock``)."""
+        dropped = []
+        with self._lock:
+            doomed, self._doomed = self._doomed, []
+            for key, stamp, unlink in doomed:
+                if self._index.get(key) == stamp:  # (a key noted twice is dropped once)
+                    del self._index[key]
+                    dropped.append((key, unlink))
+        for key, unlink in dropped:
+            if unlink:
+                _unlink(self._path(key))
 
     def _count_failure(self, n: int = 1) -> None:
         with self._lock:
@@ -289,12 +330,10 @@ class FileTier(TierBackend):
             else:
                 _unlink(path)
         for _, key in sorted(found):
-            self._index[key] = self.value_bytes
-            self._used += self.value_bytes
+            self._index[key] = next(self._stamps)
         self._subdirs = {p.name for p in self._dir.iterdir() if p.is_dir()}
-        while self._used > self._capacity:
-            key, size = self._index.popitem(last=False)
-            self._used -= size
+        while self.used_bytes > self._capacity:
+            key, _ = self._index.popitem(last=False)
             _unlink(self._path(key))
 
 

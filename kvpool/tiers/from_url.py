@@ -121,31 +121,40 @@ def check_chain(urls: Sequence[str]) -> list[TierURL]:
     return parsed
 
 
-def tiers_from_urls(urls: Sequence[str], namespace: Any, *, block_bytes: int, like: Any = None) -> list[Any]:
+def tiers_from_urls(urls: Sequence[str], namespace: Any, *, block_bytes: int, like: Any = None,
+                    auth_key: Any = None) -> list[Any]:
     """The tiers ``urls`` describe, fastest first, in ``namespace`` (a
     :class:`~kvpool.tiers.backend.Namespace`), storing ``block_bytes`` per block (0: hash-only, a replay);
     ``like``: the device cache a host tier copies (None: hash-only). A disk tier bounded in blocks holds
-    that many values with their 64-byte headers.
+    that many values with their 64-byte headers. ``auth_key``: the fleet secret that authenticates the disk
+    and Redis tiers' values (a :class:`~kvpool.tiers.auth.TierKey`, or the secret as str/bytes; None: the
+    environment's, :meth:`~kvpool.tiers.auth.TierKey.from_env`).
 
     Raises:
-        ConfigError: as :func:`check_chain`, or a tier that cannot be built (a disk folder another process
-            holds, a host buffer too large).
+        ConfigError: as :func:`check_chain`, a disk or Redis tier without a secret, or a tier that cannot
+            be built (a disk folder another process holds, a host buffer too large).
     """
     from kvpool.tiers.backend import HEADER_BYTES
     from kvpool.tiers.file import FileTier
     from kvpool.tiers.host import HostTier
 
+    chain = check_chain(urls)
+    if auth_key is None and any(t.medium != "host" for t in chain):
+        from kvpool.tiers.auth import TierKey
+
+        auth_key = TierKey.from_env()
     tiers: list[Any] = []
-    for tier in check_chain(urls):
+    for tier in chain:
         if tier.medium == "host":
             tiers.append(HostTier(tier.blocks, namespace, like=like))
         elif tier.medium == "disk":
             capacity = tier.bytes if tier.bytes is not None else tier.blocks * (HEADER_BYTES + block_bytes)
-            tiers.append(FileTier(tier.path, namespace, capacity_bytes=capacity, block_bytes=block_bytes))
+            tiers.append(FileTier(tier.path, namespace, capacity_bytes=capacity, block_bytes=block_bytes,
+                                  auth_key=auth_key))
         else:
             from kvpool.tiers.redis import RedisTier
 
-            tiers.append(RedisTier(tier.url, namespace, block_bytes=block_bytes))
+            tiers.append(RedisTier(tier.url, namespace, block_bytes=block_bytes, auth_key=auth_key))
     return tiers
 
 

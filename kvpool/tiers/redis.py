@@ -2,24 +2,37 @@
 the same server and namespace.
 
 Key of a block: ``<prefix>:<namespace tag>:<32 hex digits of the block key>``; value: a hash of two fields,
-``h`` the 64-byte header and ``p`` the payload (:mod:`kvpool.tiers.backend`), so the payload goes to the
-socket straight from the tier's rows, never copied into one string first (``HSET`` / ``HMGET``: one key,
-written and evicted as a whole). Calls are pipelined (``EXISTS``/``HMGET``/``HSET`` batches; on a cluster
-redis-py's cluster pipeline splits them by node). Capacity is the server's business: set
+``h`` the 64-byte header with its MAC and ``p`` the payload (:mod:`kvpool.tiers.backend`), so the payload
+goes to the socket straight from the tier's rows, never copied into one string first (``HSET`` /
+``HMGET``: one key, written and evicted as a whole). Calls are pipelined (``EXISTS``/``HMGET``/``HSET``
+batches; on a cluster redis-py's cluster pipeline splits them by node). Capacity is the server's business: set
 ``maxmemory`` and an eviction policy (``allkeys-lru``) there; a key the server evicted is a miss.
 
 Faults never raise: a server that is down, killed mid-run or unreachable at start makes every call a miss
 (``errors``) or a store failure; the tier then waits ``retry_s`` seconds before it tries to connect again,
 so a dead server costs one failed connect per interval, not one per call. Whether the URL names a cluster
 is asked of the server (``INFO cluster``) on the first connection, unless ``cluster`` says so.
+
+Threads: each thread that calls the tier gets a client of its own (a ``threading.local``; the offload
+manager's engine thread reads, its writer thread stores), so a timeout or a dead connection on one thread
+drops that thread's client only, never the socket under another thread's pipeline; no thread ever closes a
+client another thread is using (:meth:`RedisTier.close` closes the idle ones, a busy one is closed by its
+own thread when its call ends). The retry interval is shared: once any thread finds the server gone, no
+thread connects again before ``retry_s`` has passed. Clients of threads that ended are closed when the next
+one connects.
+
+The server is not trusted: whatever redis-py raises during a call (its own errors, a socket's, and what
+its reply parsing raises on bytes from a broken or hostile server: ``ValueError``, ``IndexError``, ...) is
+a fault of the medium, and a reply of the wrong shape is a ``corrupt`` miss.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import urllib.parse
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import redis
@@ -30,12 +43,15 @@ from redis.retry import Retry
 
 from kvpool.errors import ConfigError, IntegrityError
 from kvpool.numeric import as_optional_int, as_real
+from kvpool.tiers.auth import TierKey, require_auth_key
 from kvpool.tiers.backend import Namespace, TierBackend, block_keys, encode_header, verify_parts
 
 SCHEMES = ("redis", "rediss")
 #: Bytes of values per pipeline at most (a batch of big blocks is split).
 PIPELINE_BYTES = 64 * 2**20
-_FAULTS = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
+#: What a call into redis-py may raise for a fault of the medium: anything (see the module docstring). Only
+#: redis-py calls run under it.
+_FAULTS = (Exception,)
 _FIELDS = (b"h", b"p")
 
 
@@ -74,24 +90,31 @@ class RedisTier(TierBackend):
         timeout_s: connect and socket timeout of each call.
         retry_s: how long a tier that lost its server waits before it connects again.
         ttl_s: an expiry for every stored value (None: none; the server's maxmemory policy evicts).
+        auth_key: the fleet's :class:`~kvpool.tiers.auth.TierKey` (str or bytes: a secret) that signs and
+            verifies every value (``TierKey.from_env()``; ``TierKey.public()`` to opt out).
 
     Raises:
-        ConfigError: a malformed URL (an unreachable server is not an error: its calls miss).
+        ConfigError: a malformed URL, no ``auth_key`` (an unreachable server is not an error: its calls
+            miss).
     """
 
     medium = "remote"
 
     def __init__(self, url: str, namespace: Namespace, *, block_bytes: int, prefix: str = "kvpool",
                  cluster: bool | None = None, timeout_s: float = 2.0, retry_s: float = 1.0,
-                 ttl_s: int | None = None) -> None:
+                 ttl_s: int | None = None, auth_key: TierKey | str | bytes | None = None) -> None:
         super().__init__(namespace, block_bytes)
         self._timeout = as_real(timeout_s, "timeout_s", minimum=0, open_min=True, finite=True)
         self._retry = as_real(retry_s, "retry_s", minimum=0, finite=True)
         self._ttl = as_optional_int(ttl_s, "ttl_s", minimum=1)
         self.url = check_url(url)
+        self.auth_key = require_auth_key(auth_key, "a Redis tier")
         self.cluster = cluster
         self._key_head = f"{prefix}:{namespace.tag}:".encode()
-        self._client: Any = None
+        self._local = threading.local()  # .client: this thread's client, or None
+        self._clients: dict[threading.Thread, Any] = {}  # every thread's live client (close() closes them)
+        self._busy: set[threading.Thread] = set()  # threads inside a call on their client
+        self._closed = False
         self._down_until = 0.0
         self._stored_keys = 0
         self.last_error: str | None = None
@@ -162,13 +185,8 @@ class RedisTier(TierBackend):
     def clear(self) -> int:
         """Delete every key of this namespace (SCAN then DEL, every node of a cluster); 0 when the server
         cannot be reached."""
-        client = self._connect()
-        if client is None:
-            return 0
-        try:
-            names = list(client.scan_iter(match=self._key_head + b"*", count=1000))
-        except _FAULTS as exc:
-            self._lose(exc)
+        names = self._scan()
+        if names is None:
             return 0
         gone = 0
         for start in range(0, len(names), 1000):
@@ -193,22 +211,29 @@ class RedisTier(TierBackend):
 
     @property
     def connected(self) -> bool:
-        """Whether the tier holds a live client (after its last call)."""
-        return self._client is not None
+        """Whether the calling thread holds a live client (after its last call)."""
+        return self._here() is not None
 
     def check_integrity(self) -> None:
         """Counters are non-negative; a tier without a client is waiting to retry."""
         s = self.stats()
         if min(s.to_dict().values()) < 0 or self._stored_keys < 0:
             raise IntegrityError(f"redis tier counters went negative: {s}")
-        if self._client is None and self.last_error is None and (s.errors or s.store_failures):
+        with self._lock:
+            clientless = not self._clients
+        if clientless and self.last_error is None and (s.errors or s.store_failures):
             raise IntegrityError("redis tier lost its client without recording why")
 
     def close(self) -> None:
+        """Close every idle thread's client now, and a busy one when its call ends; later calls miss."""
         with self._lock:
-            if self._client is not None:
-                self._client.close()
-            self._client = None
+            self._closed = True
+            self.last_error = self.last_error or "closed"
+            idle = [t for t in self._clients if t not in self._busy]
+            clients = [self._clients.pop(t) for t in idle]
+        for client in clients:
+            with contextlib.suppress(*_FAULTS):
+                client.close()
 
     # ---- redis --------------------------------------------------------------------------------------
 
@@ -217,7 +242,7 @@ class RedisTier(TierBackend):
 
     def _fields(self, key: bytes, row: torch.Tensor | None) -> dict[bytes, Any]:
         payload = memoryview(row.numpy()) if row is not None else memoryview(b"")
-        return {b"h": encode_header(self._ns, key, payload), b"p": payload}
+        return {b"h": encode_header(self._ns, key, payload, auth_key=self.auth_key), b"p": payload}
 
     def _take(self, keys: list[bytes], values: list[Any], out: torch.Tensor | None, start: int) -> int:
         """Verify fetched ``[header, payload]`` pairs into ``out[start:]``; how many leading ones were good
@@ -227,11 +252,14 @@ class RedisTier(TierBackend):
                 why = "corrupt"
             elif isinstance(value, Exception):
                 why = "errors"
+            elif not (isinstance(value, list) and len(value) == 2
+                      and all(v is None or isinstance(v, bytes) for v in value)):
+                why = "corrupt"  # no HMGET of two fields answers this: a broken or hostile server
             elif value[0] is None or value[1] is None:
                 why = "missing" if value[0] is None and value[1] is None else "corrupt"
             else:
                 header, payload = value
-                why = verify_parts(header, payload, self._ns, key, self.block_bytes)
+                why = verify_parts(header, payload, self._ns, key, self.block_bytes, auth_key=self.auth_key)
             if why is not None:
                 with self._lock:
                     setattr(self._stats, why, getattr(self._stats, why) + 1)
@@ -244,60 +272,129 @@ class RedisTier(TierBackend):
                    ) -> list[Any] | None:
         """Run ``command`` once per name in one pipeline; None when the server cannot be reached (the
         call is counted as an error and the client dropped until ``retry_s`` has passed)."""
-        client = self._connect()
-        if client is None:
-            self._count_unreachable(command)
-            return None
-        try:
-            pipe = client.pipeline(transaction=False) if not self.cluster else client.pipeline()
-            for i, name in enumerate(names):
-                if command == "hset":
-                    pipe.hset(name, mapping=values[i])
-                    if self._ttl is not None:
-                        pipe.expire(name, self._ttl)
-                elif command == "hmget":
-                    pipe.hmget(name, _FIELDS)
-                else:
-                    getattr(pipe, command)(name)
-            done = pipe.execute(raise_on_error=False)
-            return done[::2] if command == "hset" and self._ttl is not None else done
-        except _FAULTS as exc:
-            self._lose(exc)
-            self._count_unreachable(command)
-            return None
+        with self._using() as client:
+            if client is None:
+                self._count_unreachable(command)
+                return None
+            try:
+                pipe = client.pipeline(transaction=False) if not self.cluster else client.pipeline()
+                for i, name in enumerate(names):
+                    if command == "hset":
+                        pipe.hset(name, mapping=values[i])
+                        if self._ttl is not None:
+                            pipe.expire(name, self._ttl)
+                    elif command == "hmget":
+                        pipe.hmget(name, _FIELDS)
+                    else:
+                        getattr(pipe, command)(name)
+                done = pipe.execute(raise_on_error=False)
+            except _FAULTS as exc:
+                self._lose(exc)
+                self._count_unreachable(command)
+                return None
+        return done[::2] if command == "hset" and self._ttl is not None else done
+
+    def _scan(self) -> list[bytes] | None:
+        """Every key name of this namespace (SCAN, every node of a cluster); None when it cannot be had."""
+        with self._using() as client:
+            if client is None:
+                return None
+            try:
+                return list(client.scan_iter(match=self._key_head + b"*", count=1000))
+            except _FAULTS as exc:
+                self._lose(exc)
+                return None
 
     def _count_unreachable(self, command: str) -> None:
         if command in ("hmget", "exists"):
             with self._lock:
                 self._stats.errors += 1
 
-    def _connect(self) -> Any:
-        """The client, connecting first when there is none and the retry interval has passed."""
+    def _here(self) -> Any:
+        """The calling thread's client, or None."""
+        return getattr(self._local, "client", None)
+
+    @contextlib.contextmanager
+    def _using(self) -> Iterator[Any]:
+        """This thread's client for one call (None: none can be had now), marked busy meanwhile so that
+        :meth:`close` on another thread leaves it open; closed here at the end if the tier closed."""
+        me, client = threading.current_thread(), None
         with self._lock:
-            if self._client is not None or time.monotonic() < self._down_until:
-                return self._client
-            options = dict(socket_timeout=self._timeout, socket_connect_timeout=self._timeout,
-                           retry=Retry(NoBackoff(), 0))
-            try:
-                client = redis.Redis.from_url(self.url, **options)
-                if self.cluster is None:
-                    self.cluster = bool(client.info("cluster").get("cluster_enabled"))
-                if self.cluster:
+            self._busy.add(me)  # before the client is had: close() never takes it from under the call
+        try:
+            client = self._connect()
+            yield client
+        finally:
+            with self._lock:
+                self._busy.discard(me)
+                closing = client is not None and self._closed and self._clients.get(me) is client
+                if closing:
+                    del self._clients[me]
+            if closing:
+                self._local.client = None
+                with contextlib.suppress(*_FAULTS):
                     client.close()
-                    client = RedisCluster.from_url(self.url, **options)
-                else:
-                    client.ping()
-            except _FAULTS as exc:
-                self._lose(exc)
-                return None
-            self._client, self.last_error = client, None
+
+    def _connect(self) -> Any:
+        """The calling thread's client, connecting first when it has none and the retry interval has
+        passed (the connect runs outside the lock: a stalled server never holds up another thread)."""
+        if self._closed:
+            return None
+        client = self._here()
+        if client is not None:
             return client
+        with self._lock:
+            if self._closed or time.monotonic() < self._down_until:
+                return None
+        try:
+            client = self._open()
+        except _FAULTS as exc:
+            self._lose(exc)
+            return None
+        with self._lock:
+            if self._closed:
+                client.close()
+                return None
+            self._drop_ended_threads()
+            self._clients[threading.current_thread()] = client
+            self.last_error = None
+        self._local.client = client
+        return client
+
+    def _open(self) -> Any:
+        """A new client of the server (a cluster client when the server says it is one)."""
+        options = dict(socket_timeout=self._timeout, socket_connect_timeout=self._timeout,
+                       retry=Retry(NoBackoff(), 0))
+        client = redis.Redis.from_url(self.url, **options)
+        try:
+            if self.cluster is None:
+                self.cluster = bool(client.info("cluster").get("cluster_enabled"))
+            if self.cluster:
+                client.close()
+                client = RedisCluster.from_url(self.url, **options)
+            else:
+                client.ping()
+        except BaseException:
+            with contextlib.suppress(*_FAULTS):
+                client.close()
+            raise
+        return client
+
+    def _drop_ended_threads(self) -> None:
+        """Close the clients of threads that have ended (under the lock)."""
+        for thread in [t for t in self._clients if not t.is_alive()]:
+            with contextlib.suppress(*_FAULTS):
+                self._clients.pop(thread).close()
 
     def _lose(self, exc: BaseException) -> None:
+        """Drop the calling thread's client (only that one) and wait ``retry_s`` before any thread
+        connects again."""
+        client, self._local.client = self._here(), None
         with self._lock:
-            if self._client is not None:
-                with contextlib.suppress(*_FAULTS):
-                    self._client.close()
-            self._client = None
+            if self._clients.get(threading.current_thread()) is client:
+                self._clients.pop(threading.current_thread(), None)
             self._down_until = time.monotonic() + self._retry
             self.last_error = f"{type(exc).__name__}: {exc}"
+        if client is not None:
+            with contextlib.suppress(*_FAULTS):
+                client.close()
