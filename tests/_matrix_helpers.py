@@ -30,6 +30,8 @@ TIERS = ("none", "host", "host+disk", "host+disk+redis")
 POLICIES = ("lru", "arc", "lfu")
 FACTORS = {"model": MODELS, "tiers": TIERS, "policy": POLICIES, "pin": (False, True), "tp": (1, 2),
            "events": (False, True)}
+#: The fleet secret that authenticates the disk and Redis tiers' values (a str: it crosses to the ranks).
+TIER_SECRET = "kvpool tests: the matrix's tier secret"
 #: Tokens per step: prefill in chunks of 8, so a sliding group (window 16) holds at most
 #: cdiv(16 + 8 - 2, 4) + 1 = 7 blocks of a request.
 STEP_TOKENS = 8
@@ -94,7 +96,8 @@ def run_cell(tp: Any, cell: dict[str, Any], folder: Path, redis_url: str | None)
                        kv_events=publisher, tp_size=tp.size if tp is not None else 1)
     urls = tier_urls(cell["tiers"], folder, redis_url, engine.cache.bytes_per_block)
     # a namespace per cell: cells never meet in a shared Redis, whatever ran before
-    offload = engine.enable_offload(urls, namespace=engine.tier_namespace(cell_id(cell))) if urls else None
+    offload = engine.enable_offload(urls, namespace=engine.tier_namespace(cell_id(cell)),
+                                    auth_key=TIER_SECRET) if urls else None
     if cell["pin"] and lead:  # rank 0 decides (its pin calls reach the followers' pools as logged calls)
         engine.pin_prefix(PINNED)  # pinned once the first prompt publishes it
 

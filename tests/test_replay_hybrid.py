@@ -96,9 +96,11 @@ def test_unbounded_host_tier_under_a_hybrid_pool_hits_as_an_unbounded_pool(confi
 
 
 @pytest.mark.slow
-def test_cli_hybrid_takes_policies_pins_tiers_sweeps_and_the_report(tmp_path, redis_single, capsys):
+def test_cli_hybrid_takes_policies_pins_tiers_sweeps_and_the_report(tmp_path, redis_single, capsys,
+                                                                    monkeypatch):
     """kvpool replay --model-config of a hybrid config with every option that once needed a uniform model
     (gpt-oss-20b: a sliding and a full group; 2 GiB of KV)."""
+    monkeypatch.setenv("KVPOOL_TIER_KEY", "kvpool tests: a tier key")  # disk and Redis values are signed
     gpt_oss = str(CONFIGS / "gpt-oss-20b.json")
     base = ["--max-requests", "200", "--model-config", gpt_oss, "--json", "--no-progress"]
     # the host tier holds every block the device evicts (no disk file written: files cost ~1 ms each here)

@@ -18,7 +18,7 @@ from typing import Any
 
 from kvpool.cli._args import parse_bytes, positive_int
 from kvpool.errors import ConfigError
-from kvpool.tiers.from_url import check_chain, disk_url, host_url, tiers_from_urls
+from kvpool.tiers.from_url import check_chain, check_folder, disk_url, host_url, tiers_from_urls
 
 _ORDER = {"host": 0, "disk": 1, "remote": 2}
 
@@ -56,9 +56,12 @@ def tier_urls(args: argparse.Namespace) -> list[str]:
     if (args.disk_dir is None) != (not sizes) or len(sizes) > 1:
         raise ConfigError("a disk tier needs --disk-dir and one size: --disk-bytes or --disk-blocks")
     if args.disk_dir:
+        check_folder(args.disk_dir, f"--disk-dir {args.disk_dir!r}")
         urls.append(disk_url(args.disk_dir, bytes=args.disk_bytes, blocks=args.disk_blocks))
     if args.remote:
-        urls.append(args.remote if "://" in args.remote else f"redis://{args.remote}")
+        from kvpool.tiers.redis import check_url  # its messages name a Redis URL
+
+        urls.append(check_url(args.remote))
     chain = check_chain(urls)
     order = sorted(range(len(urls)), key=lambda i: _ORDER[chain[i].medium])
     return [urls[i] for i in order]
@@ -126,8 +129,10 @@ def public_root_hint(args: argparse.Namespace, hasher: Any) -> str | None:
 
 
 def _leaving(args: argparse.Namespace) -> str:
-    """The tiers that keep blocks outside the process, named by their URLs."""
-    return " and ".join(t.url for t in check_chain(tier_urls(args)) if t.medium != "host")
+    """The options asking for tiers that keep blocks outside the process."""
+    named = [name for name, on in (("--disk-dir", args.disk_dir), ("--remote", args.remote)) if on]
+    named += [f"--tier {t.url}" for t in check_chain(args.tier) if t.medium != "host"]
+    return " and ".join(named)
 
 
 def build_tiers(args: argparse.Namespace, namespace: Any, *, block_bytes: int, like: Any = None,

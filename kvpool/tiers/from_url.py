@@ -74,7 +74,7 @@ def parse_tier_url(url: str) -> TierURL:
     if len(options) != 1 or not set(options) <= {"bytes", "blocks"}:
         raise ConfigError(f"bad tier URL {url!r}: a disk tier takes one size, bytes=SIZE or blocks=N")
     path = urllib.parse.unquote(parts.path)
-    _check_folder(url, path)
+    check_folder(path, f"bad tier URL {url!r}")
     if "blocks" in options:
         return TierURL(medium, url, blocks=_positive(url, options["blocks"]), path=path)
     try:
@@ -103,12 +103,13 @@ def _positive(url: str, text: str) -> int:
     return int(text)
 
 
-def _check_folder(url: str, path: str) -> None:
-    """The folder exists and is writable, or its nearest existing parent is (it will be created)."""
+def check_folder(path: str, what: str) -> None:
+    """The folder ``path`` exists and is writable, or its nearest existing parent is (it will be created);
+    ConfigError starting with ``what`` otherwise."""
     folder = Path(path)
     parent = next((p for p in (folder, *folder.parents) if p.exists()), None)
     if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"bad tier URL {url!r}: {path!r} is not a folder that can be created or written")
+        raise ConfigError(f"{what}: {path!r} is not a folder that can be created or written")
 
 
 def check_chain(urls: Sequence[str]) -> list[TierURL]:
