@@ -251,13 +251,14 @@ def test_replay_tier_admission_stores_a_block_at_its_kth_eviction(k: int, host_h
                                                                    tmp_path: Path, capsys) -> None:
     # Requests 1-6 are A B A B A B, each 1,025 prompt tokens (2 full blocks, both hit when cached: the last
     # prompt token, always computed, lies in the 3rd block) and 1 output token (KV of 1,025 tokens: 3
-    # blocks), on a device of 3 blocks: each request evicts the one before it, so A is offered when requests 1, 3, 5 are evicted, B when 2 and 4 are (6 never is).
+    # blocks), on a device of 3 blocks: each request evicts the one before it, so A is offered when
+    # requests 1, 3, 5 are evicted, B when 2 and 4 are (6 never is).
     # k=1 stores every offer: requests 3-6 hit the host, 8 blocks. k=2 admits the second offers (3 and 4):
     # requests 5 and 6 hit, 4 blocks; refused 1, 2 and 5 (A's count started over): 6 blocks. k=3 admits
     # only A's third offer (5), which no request follows: no hit; refused 1, 2, 3, 4: 8 blocks.
     trace = tmp_path / "abab.jsonl"
-    rows = [{"timestamp": i, "input_length": 1025, "output_length": 1, "hash_ids": [c * 10, c * 10 + 1, c * 10 + 2]}
-            for i, c in enumerate([0, 1, 0, 1, 0, 1])]
+    rows = [{"timestamp": i, "input_length": 1025, "output_length": 1,
+             "hash_ids": [c * 10, c * 10 + 1, c * 10 + 2]} for i, c in enumerate([0, 1, 0, 1, 0, 1])]
     trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
     out = replay_json(str(trace), "--block-size", "512", "--num-blocks", "3", "--host-blocks", "8",
                       "--tier-admission", str(k), capsys=capsys)

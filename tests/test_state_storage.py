@@ -83,7 +83,9 @@ def test_copy_slots_reads_before_writing() -> None:
         cache.copy_slots([(0, 1), (2, 1)])  # destination named twice
     with pytest.raises(InvalidIdError):
         cache.copy_slots(torch.tensor([[0, 9]]))
-    with pytest.raises(InvalidIdError):
+    with pytest.raises(InvalidArgumentError):  # not pairs: the same rule as a KV cache's copy_blocks
         cache.copy_slots(torch.tensor([0, 1]))
+    with pytest.raises(InvalidIdError):  # a float id is refused, never truncated to slot 1
+        cache.copy_slots([(1.7, 3)])
     assert torch.equal(cache.ssm, snapshot)
     cache.copy_slots([])

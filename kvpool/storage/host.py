@@ -1,4 +1,6 @@
-"""``HostKVCache``: a CPU tier with the device cache's layout, its own ``BlockPool``, and block swapping.
+"""``HostKVCache``: host (CPU) memory with the device cache's layout, its own ``BlockPool``, and block
+swapping; the one place kvpool keeps host KV and the copies in flight into and out of it (the host tier,
+:class:`kvpool.tiers.host.HostTier`, indexes these blocks by hash and adds nothing to the memory).
 
 Swap out: allocate host blocks, then copy the device blocks (every layer, K and V) into them in one batched
 copy per call. Swap in: copy host blocks back into given device blocks. On CUDA the copies run on a dedicated
@@ -8,13 +10,15 @@ reference in the device ``BlockPool`` (when one is passed), so a request that fr
 defers their reuse; the reference is dropped when the copy completes (:meth:`HostKVCache.poll` or
 :meth:`HostKVCache.synchronize`). A cached free source block (an eviction victim being offloaded) is never
 referenced, so its LRU position does not change: a swap-out that reads one waits for its copy before it
-returns. The CUDA path is untested on the CPU-only build machine.
+returns. A swap-out may publish its host blocks under keys at once (the host tier's stores): those blocks
+stay in use until their copy lands, then become idle cached blocks of the host pool, so a block is never
+read, overwritten or evicted half-written. The CUDA path is untested on the CPU-only build machine.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,19 +27,23 @@ import torch
 from kvpool.allocators.block_pool import BlockPool
 from kvpool.errors import InvalidArgumentError, InvalidIdError
 from kvpool.spec import AttentionKind, KVCacheSpec
+from kvpool.storage.block_copy import BlockIds, check_block_ids, copy_blocks
 from kvpool.storage.mla import MLAKVCache
-from kvpool.storage.paged import BlockIds, BlockStore, PagedKVCache, check_block_ids
+from kvpool.storage.paged import BlockStore, PagedKVCache
 
 
 @dataclass
 class _InFlight:
-    """One asynchronous copy: done when ``event`` is; then ``finish`` and ``release`` run, in that order."""
+    """One asynchronous copy: done when ``event`` is; then ``finish``, ``release`` and ``landed`` run, in
+    that order (``landed``: the host blocks of a publishing swap-out become idle; ``landing`` counts them)."""
 
     event: Any
     host_ids: frozenset[int]
     finish: Callable[[], None] | None = None
     release: Callable[[], None] | None = None
     keep: tuple[torch.Tensor, ...] = field(default_factory=tuple)
+    landed: Callable[[], None] | None = None
+    landing: int = 0
 
 
 class HostKVCache:
@@ -89,9 +97,19 @@ class HostKVCache:
         """Asynchronous copies not yet known to be complete (always 0 on CPU)."""
         return len(self._in_flight)
 
-    def swap_out(self, cache: BlockStore, block_ids: BlockIds, *, pool: BlockPool | None = None) -> list[int]:
+    @property
+    def num_landing_blocks(self) -> int:
+        """Host blocks of publishing swap-outs whose copy has not landed yet (in use until it has)."""
+        return sum(item.landing for item in self._in_flight)
+
+    def swap_out(self, cache: BlockStore, block_ids: BlockIds, *, pool: BlockPool | None = None,
+                 publish: Sequence[Hashable] | None = None) -> list[int]:
         """Copy device blocks ``block_ids`` (every layer) into newly allocated host blocks; return their ids
         (``host_ids[i]`` holds ``block_ids[i]``).
+
+        ``publish``: keys (one per block) to publish the host blocks under in the host pool at once (it must
+        cache): they stay in use while the copy lands and are then freed, as idle cached blocks; without it
+        the blocks stay allocated until :meth:`free`.
 
         ``pool``: the device :class:`BlockPool`. Every source block must be in use or cached free there (a
         free block without a hash holds no KV). On CUDA its in-use source blocks get an extra reference
@@ -103,18 +121,25 @@ class HostKVCache:
         self._check_peer(cache)
         src = check_block_ids(block_ids, cache.num_blocks, distinct=True)
         ids = src.tolist()
+        if publish is not None and len(publish) != len(ids):
+            raise InvalidArgumentError(f"{len(ids)} blocks to swap out but {len(publish)} keys to publish")
         in_use, cached_free = _source_states(pool, ids)
         host_ids = self.pool.allocate(len(ids))
+        if publish is not None:
+            self.pool.cache_blocks(host_ids, list(publish))
         dst = torch.tensor(host_ids, dtype=torch.int64)
         if cache.device.type == "cuda":
             if pool is not None and in_use:
                 pool.touch(in_use)
             release = (lambda: pool.free(in_use[::-1])) if pool is not None and in_use else None
-            self._swap_out_cuda(cache, src, dst, release)
+            landed = (lambda: self.pool.free(host_ids)) if publish is not None else None
+            self._swap_out_cuda(cache, src, dst, release, landed)
             if cached_free:  # its block may be handed out as soon as this returns: finish the copy first
                 self._wait_for(host_ids)
         else:
-            cache.copy_blocks_to(self.cache, ids, host_ids)
+            copy_blocks(cache, ids, self.cache, host_ids)
+            if publish is not None:
+                self.pool.free(host_ids)
         return host_ids
 
     def swap_in(self, cache: BlockStore, host_ids: BlockIds, block_ids: BlockIds) -> None:
@@ -137,7 +162,7 @@ class HostKVCache:
         if cache.device.type == "cuda":
             self._swap_in_cuda(cache, src, dst)
         else:
-            self.cache.copy_blocks_to(cache, src.tolist(), dst.tolist())
+            copy_blocks(self.cache, src.tolist(), cache, dst.tolist())
 
     def free(self, host_ids: BlockIds) -> None:
         """Return host blocks to the host pool (after completing a swap-out still landing in them).
@@ -197,10 +222,9 @@ class HostKVCache:
 
     @staticmethod
     def _complete(item: _InFlight) -> None:
-        if item.finish is not None:
-            item.finish()
-        if item.release is not None:
-            item.release()
+        for step in (item.finish, item.release, item.landed):
+            if step is not None:
+                step()
 
     def _stream(self, device: torch.device) -> Any:
         if device not in self._streams:
@@ -208,7 +232,7 @@ class HostKVCache:
         return self._streams[device]
 
     def _swap_out_cuda(self, cache: BlockStore, src: torch.Tensor, dst: torch.Tensor,
-                       release: Callable[[], None] | None) -> None:
+                       release: Callable[[], None] | None, landed: Callable[[], None] | None) -> None:
         """index_select on the swap stream (after the compute stream's writes), one non_blocking D2H copy
         into pinned staging; the scatter into the host buffer runs on completion."""
         stream, src_dev = self._stream(cache.device), src.to(cache.device)
@@ -220,7 +244,8 @@ class HostKVCache:
             event.record(stream)
         src_dev.record_stream(stream)
         finish = lambda: self.cache.write_blocks(dst, staging)  # noqa: E731
-        self._in_flight.append(_InFlight(event, frozenset(dst.tolist()), finish, release, (staging,)))
+        self._in_flight.append(_InFlight(event, frozenset(dst.tolist()), finish, release, (staging,), landed,
+                                         len(dst) if landed is not None else 0))
 
     def _swap_in_cuda(self, cache: BlockStore, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Gather into pinned staging on the host, one non_blocking H2D copy and the scatter on the swap

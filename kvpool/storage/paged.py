@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError
-from kvpool.numeric import as_id_tensor, as_int
+from kvpool.numeric import as_int
 from kvpool.spec import AttentionKind, KVCacheSpec
+from kvpool.storage.block_copy import BlockIds, check_block_ids, copy_blocks, copy_pairs, copy_within
 from kvpool.storage.resident import resident_bytes
 from kvpool.units import plural
 
@@ -31,7 +32,6 @@ LAYOUTS = ("NHD", "HND")
 # as 16-byte complex128 "words" is several times faster than as 2-byte halves (bit-exact: a pure move).
 _RAW_DTYPES = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
 
-BlockIds = Sequence[int] | torch.Tensor
 
 
 def raw_dtype(row_bytes: int) -> torch.dtype:
@@ -79,22 +79,6 @@ def check_slot_mapping(slot_mapping: torch.Tensor, num_tokens: int, num_slots: i
     if low < -1 or high >= num_slots:
         raise InvalidIdError(f"slot ids must be in [0, {num_slots}) or -1 (skip), got min {low}, max {high}")
     return low == -1
-
-
-def check_block_ids(block_ids: BlockIds, num_blocks: int, *, distinct: bool = False) -> torch.Tensor:
-    """``block_ids`` (a sequence of integers or a 1-D integer tensor, as :mod:`kvpool.numeric` defines
-    them: never bools) as a CPU int64 tensor, after checking each is in ``[0, num_blocks)`` and, when
-    ``distinct``, that none repeats.
-
-    Raises :class:`InvalidIdError` (an :class:`InvalidArgumentError`) for a non-integer, a bool, a meta or
-    non-1-D tensor, or an id out of range or repeated.
-    """
-    ids = as_id_tensor(block_ids, "block ids")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
-        raise InvalidIdError(f"block ids must be in [0, {num_blocks}), got {ids.tolist()}")
-    if distinct and ids.unique().numel() != ids.numel():
-        raise InvalidIdError(f"block ids repeat: {ids.tolist()}")
-    return ids
 
 
 def block_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
@@ -194,25 +178,13 @@ class BlockStore:
         """Copy whole blocks ``src -> dst`` in every layer (copy-on-write of a shared partial block).
 
         ``pairs``: ``(src, dst)`` pairs or an int ``[P, 2]`` tensor. Two index ops on the whole buffer: all
-        sources are read before any destination is written. Raises :class:`InvalidIdError` for an id out of
-        range or a destination named twice; nothing is copied then.
+        sources are read before any destination is written (:func:`~kvpool.storage.block_copy.copy_within`).
+        Raises :class:`InvalidIdError` for an id out of range or a destination named twice; nothing is
+        copied then.
         """
-        if isinstance(pairs, torch.Tensor):
-            table = pairs
-        else:  # never ``torch.tensor(pairs, dtype=int64)``: it truncates a float id to a block
-            try:
-                flat = [block for src, dst in pairs for block in (src, dst)]
-            except (TypeError, ValueError):
-                raise InvalidArgumentError(f"pairs must be (src, dst) pairs of block ids, got "
-                                           f"{pairs!r}") from None
-            table = as_id_tensor(flat, "block ids").reshape(-1, 2)
-        if table.numel() == 0:
-            return
-        if table.dim() != 2 or table.shape[1] != 2:
-            raise InvalidArgumentError(f"pairs must be (src, dst) pairs, got shape {list(table.shape)}")
-        src = check_block_ids(table[:, 0], self.num_blocks).to(self.device)
-        dst = check_block_ids(table[:, 1], self.num_blocks, distinct=True).to(self.device)
-        self.write_blocks(dst, self.read_blocks(src))
+        ids = copy_pairs(pairs, self.num_blocks, self.device)
+        if ids is not None:
+            copy_within(self._raw, self.block_dim, *ids)
 
     def read_blocks(self, block_ids: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """A copy of whole blocks across every layer, as raw words: the buffer's shape with ``len(block_ids)``
@@ -227,12 +199,9 @@ class BlockStore:
 
     def copy_blocks_to(self, other: BlockStore, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
         """Copy blocks ``src_ids`` of this store into blocks ``dst_ids`` of ``other``, a store with the same
-        per-block shape and dtype (ids checked, ``dst_ids`` distinct): one strided ``copy_`` per block. On
-        the CPU that moves the bytes once, at ``copy_`` speed; ``write_blocks(read_blocks(...))`` moves them
-        twice, and ``index_copy_`` along the block dimension runs at about a quarter of it here."""
-        mine, theirs = self.raw_blocks(), other.raw_blocks()
-        for src, dst in zip(src_ids, dst_ids, strict=True):
-            theirs[dst].copy_(mine[src])
+        per-block shape and dtype (ids checked, ``dst_ids`` distinct):
+        :func:`~kvpool.storage.block_copy.copy_blocks`."""
+        copy_blocks(self, src_ids, other, dst_ids)
 
     def empty_blocks(self, num_blocks: int, *, pin_memory: bool = False) -> torch.Tensor:
         """An uninitialized CPU tensor shaped like :meth:`read_blocks` output for ``num_blocks`` blocks

@@ -23,7 +23,7 @@ import torch
 from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError
 from kvpool.numeric import as_int, index_or_none
 from kvpool.state_spec import RecurrentStateSpec
-from kvpool.storage.paged import check_block_ids
+from kvpool.storage.block_copy import check_block_ids, copy_pairs, copy_within
 
 
 class RecurrentStateCache:
@@ -100,15 +100,10 @@ class RecurrentStateCache:
         state). ``pairs``: ``(src, dst)`` pairs or an int ``[P, 2]`` tensor. Every source is read before any
         destination is written. Raises InvalidIdError for a slot out of range or a destination named twice;
         nothing is copied then."""
-        table = torch.as_tensor(pairs, dtype=torch.int64) if not isinstance(pairs, torch.Tensor) else pairs
-        if table.numel() == 0:
-            return
-        if table.ndim != 2 or table.shape[1] != 2:
-            raise InvalidIdError(f"pairs must be (src, dst) pairs, got shape {list(table.shape)}")
-        src = check_block_ids(table[:, 0], self.num_slots).to(self.device)
-        dst = check_block_ids(table[:, 1], self.num_slots, distinct=True).to(self.device)
-        for buffer in self._buffers():
-            buffer.index_copy_(1, dst, buffer.index_select(1, src))
+        ids = copy_pairs(pairs, self.num_slots, self.device)
+        if ids is not None:
+            for buffer in self._buffers():
+                copy_within(buffer, 1, *ids)
 
     # -------------------------------------------------------------------------------------- checks
     def _buffers(self) -> list[torch.Tensor]:

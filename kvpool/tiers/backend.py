@@ -52,6 +52,7 @@ import xxhash
 
 from kvpool.errors import InvalidArgumentError
 from kvpool.numeric import as_int
+from kvpool.storage.block_copy import block_rows, gather_rows, scatter_rows  # noqa: F401 (re-exported)
 from kvpool.storage.paged import BlockStore
 from kvpool.tiers.auth import TierKey
 
@@ -366,36 +367,3 @@ class TierBackend(ABC):
             raise InvalidArgumentError(f"{name} must be a contiguous CPU uint8 tensor [>= {len(out)}, "
                                        f"{self.block_bytes}], got {got}")
         return out
-
-
-def block_rows(cache: BlockStore) -> torch.Tensor:
-    """A view of ``cache``'s buffer as ``[num_blocks, ...]`` raw words with the block dimension first: row
-    ``b`` is block ``b``'s bytes in every layer (not contiguous across rows). ``index_select`` of it into a
-    contiguous ``[n, ...]`` tensor gathers blocks as tier rows in one copy."""
-    return cache.raw_blocks()
-
-
-def gather_rows(cache: BlockStore, block_ids: Sequence[int], out: torch.Tensor) -> None:
-    """Copy blocks ``block_ids`` of ``cache`` into ``out[:n]`` (CPU ``uint8 [>= n, block_bytes]``,
-    contiguous), one row per block: one ``index_select`` on the CPU; on a GPU a gather there and one copy."""
-    rows = block_rows(cache)
-    n = len(block_ids)
-    dst = out[:n].view(rows.dtype).view(n, *rows.shape[1:])
-    ids = torch.tensor(block_ids, dtype=torch.int64, device=rows.device)
-    if rows.device.type == "cpu":
-        torch.index_select(rows, 0, ids, out=dst)
-    else:
-        dst.copy_(rows.index_select(0, ids))
-
-
-def scatter_rows(cache: BlockStore, block_ids: Sequence[int], rows_in: torch.Tensor) -> None:
-    """Copy tier rows ``rows_in[:n]`` into blocks ``block_ids`` of ``cache`` (ids distinct)."""
-    rows = block_rows(cache)
-    n = len(block_ids)
-    src = rows_in[:n].view(rows.dtype).view(n, *rows.shape[1:])
-    if rows.device.type != "cpu":
-        ids = torch.tensor(block_ids, dtype=torch.int64, device=rows.device)
-        rows.index_copy_(0, ids, src.to(rows.device))
-        return
-    for i, block in enumerate(block_ids):  # one strided copy per block: faster than index_copy_ on a view
-        rows[block].copy_(src[i])

@@ -1,5 +1,6 @@
 """``HostTier``: the host (CPU) tier, a :class:`HostKVCache` whose own :class:`BlockPool` indexes its blocks
-by block hash, in LRU order.
+by block hash, in LRU order. The memory, the copies and the copies in flight are the host cache's
+(:mod:`kvpool.storage.host`); this module adds the tier contract (:class:`TierBackend`) over it.
 
 A host block holding a hash is a *cached free* block of the host pool while idle (evictable, LRU order; a
 read or a refresh moves it to the tail) and *in use* while a copy into it is still landing (CUDA), so it is
@@ -15,16 +16,16 @@ only, for a replay that moves no data.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Hashable, Sequence
 
 import torch
 
 from kvpool.allocators.block_pool import BlockPool
 from kvpool.errors import IntegrityError
+from kvpool.storage.block_copy import gather_rows, scatter_rows
 from kvpool.storage.host import HostKVCache
 from kvpool.storage.paged import BlockStore
-from kvpool.tiers.backend import Namespace, TierBackend, TierStats, gather_rows, scatter_rows
+from kvpool.tiers.backend import Namespace, TierBackend, TierStats
 
 
 class HostTier(TierBackend):
@@ -47,7 +48,6 @@ class HostTier(TierBackend):
             self.pool = self.host.pool
         else:
             self.host, self.pool = None, BlockPool(num_blocks)
-        self._landing: deque[list[int] | None] = deque()  # per HostKVCache copy in flight: host ids or None
         self._overflow = 0  # blocks a store left out for want of room (evicted at once)
         self.ops = 0  # block ids and hashes handled by calls of the host pool (as a replay counts them)
 
@@ -127,13 +127,10 @@ class HostTier(TierBackend):
             if self.host is None or cache is None:
                 self._publish(self.pool.allocate(len(new)), new_keys)
                 return left_out
-            ids = self.host.swap_out(cache, [block_ids[i] for i in new], pool=hold)
-            if self.host.num_in_flight == len(self._landing):  # done already (CPU)
-                self._publish(ids, new_keys)
-            else:
-                self._landing.append(ids)  # in use until it lands: never evicted or read half-written
-                self.pool.cache_blocks(ids, new_keys)
-                self._count_stored(len(ids))
+            # published now, in use until the copy lands (on the CPU: at once), never evicted half-written
+            ids = self.host.swap_out(cache, [block_ids[i] for i in new], pool=hold, publish=new_keys)
+            self.ops += 3 * len(ids)  # allocated, published, freed
+            self._count_stored(len(ids))
             return left_out
 
     def load_to_device(self, cache: BlockStore | None, keys: Sequence[Hashable], block_ids: Sequence[int]
@@ -144,8 +141,6 @@ class HostTier(TierBackend):
             ids = self._hold_prefix(keys)
             if ids and self.host is not None and cache is not None:
                 self.host.swap_in(cache, ids, list(block_ids[:len(ids)]))
-                if self.host.num_in_flight > len(self._landing):
-                    self._landing.append(None)
             return self._release_loaded(ids, len(keys))
 
     def fence(self, device: torch.device) -> None:
@@ -168,13 +163,8 @@ class HostTier(TierBackend):
     # ---- bookkeeping ----------------------------------------------------------------------------------
 
     def _poll(self) -> None:
-        if self.host is None or not self._landing:
-            return
-        remaining = self.host.poll()  # HostKVCache completes its copies in FIFO order
-        while len(self._landing) > remaining:
-            ids = self._landing.popleft()
-            if ids is not None:
-                self.pool.free(ids)
+        if self.host is not None:
+            self.host.poll()  # landed copies free their host blocks: idle cached blocks now
 
     def _refresh(self, keys: Sequence[Hashable]) -> list[int]:
         """Move the held ones of ``keys`` to the LRU tail, in order (touched and freed together: a block in
@@ -261,7 +251,7 @@ class HostTier(TierBackend):
         without a hash, or in use only while a copy into it lands."""
         with self._lock:
             self.pool.check_integrity()
-            landing = sum(len(ids) for ids in self._landing if ids is not None)
+            landing = self.host.num_landing_blocks if self.host is not None else 0
             if self.pool.num_used_blocks != landing:
                 raise IntegrityError(f"host tier: {self.pool.num_used_blocks} host blocks in use but "
                                      f"{landing} copies landing")

@@ -51,8 +51,9 @@ from kvpool.allocators.block_pool import BlockPool
 from kvpool.allocators.groups import group_key
 from kvpool.allocators.policies import FrequencyAdmission
 from kvpool.errors import IntegrityError, InvalidArgumentError, OutOfBlocksError
+from kvpool.storage.block_copy import gather_rows, scatter_rows
 from kvpool.storage.paged import BlockStore
-from kvpool.tiers.backend import TierBackend, gather_rows, scatter_rows
+from kvpool.tiers.backend import TierBackend
 from kvpool.tiers.host import HostTier
 from kvpool.tiers.writer import Writer
 from kvpool.units import plural
