@@ -15,7 +15,9 @@ from kvpool.errors import InvalidArgumentError
 from kvpool.integrations.keys import group_of, offload_tier_key, page_tier_key, tier_key
 from kvpool.integrations.offload_policy import OffloadPolicy
 from kvpool.integrations.page_store import hit_prefix
-from kvpool.integrations.tier_jobs import TierJobs, slot_runs
+from kvpool.errors import ConfigError
+from kvpool.integrations.tier_jobs import TierJobs, open_tier, slot_runs
+from kvpool.tiers.auth import TierKey
 from kvpool.tiers.backend import HEADER_BYTES, Namespace
 from kvpool.tiers.file import FileTier
 
@@ -105,7 +107,7 @@ def test_slot_runs() -> None:
 
 def test_tier_jobs_copy_rows_and_a_corrupt_block_ends_a_load(tmp_path) -> None:
     ns = Namespace("m", "uint8", "rows/64")
-    tier = FileTier(tmp_path, ns, capacity_bytes=1 << 20, block_bytes=64)
+    tier = FileTier(tmp_path, ns, capacity_bytes=1 << 20, block_bytes=64, auth_key=TierKey.public())
     rows = torch.zeros((8, 64), dtype=torch.uint8)
     rows[:4] = torch.arange(256, dtype=torch.uint8).view(4, 64)
     jobs = TierJobs(tier, rows)
@@ -124,6 +126,24 @@ def test_tier_jobs_copy_rows_and_a_corrupt_block_ends_a_load(tmp_path) -> None:
     assert (done.is_load, done.moved, done.total) == (True, 2, 4)
     assert torch.equal(rows[4:6], rows[0:2])
     jobs.close()
+
+
+def test_open_tier_takes_the_fleet_secret_from_the_environment(tmp_path, monkeypatch) -> None:
+    """An engine's JSON configuration carries no secret: open_tier reads $KVPOOL_TIER_KEY, refuses to open
+    an unauthenticated tier without one, and opens a public one only when told "public"."""
+    ns = Namespace("m", "uint8", "rows/64")
+    monkeypatch.delenv("KVPOOL_TIER_KEY", raising=False)
+    monkeypatch.delenv("KVPOOL_HASH_SEED", raising=False)
+    with pytest.raises(ConfigError, match="KVPOOL_TIER_KEY"):
+        open_tier("disk", ns, 64, directory=tmp_path / "a", capacity_bytes=1 << 20)
+    assert not (tmp_path / "a").exists()
+    public = open_tier("disk", ns, 64, directory=tmp_path / "b", capacity_bytes=1 << 20, auth_key="public")
+    assert not public.auth_key.authenticates
+    monkeypatch.setenv("KVPOOL_TIER_KEY", "a fleet secret of 16+ bytes")
+    keyed = open_tier("disk", ns, 64, directory=tmp_path / "c", capacity_bytes=1 << 20)
+    assert keyed.auth_key.source == "KVPOOL_TIER_KEY"
+    public.close()
+    keyed.close()
 
 
 def test_hit_prefix_folds_pool_rules() -> None:

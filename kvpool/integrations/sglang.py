@@ -42,7 +42,7 @@ from kvpool.tiers.backend import Namespace, TierBackend
 logger = logging.getLogger(__name__)
 
 KV = str(PoolName.KV)
-_TIER_OPTIONS = ("directory", "capacity_bytes", "url", "prefix", "timeout_s", "retry_s", "ttl_s")
+_TIER_OPTIONS = ("directory", "capacity_bytes", "url", "prefix", "timeout_s", "retry_s", "ttl_s", "auth_key")
 
 
 class KvpoolHiCacheStorage(HiCacheStorage):

@@ -26,6 +26,7 @@ import torch
 
 from kvpool.errors import ConfigError
 from kvpool.numeric import as_int
+from kvpool.tiers.auth import TierKey
 from kvpool.tiers.backend import Namespace, TierBackend
 
 logger = logging.getLogger(__name__)
@@ -36,29 +37,40 @@ TIER_KINDS = ("disk", "redis")
 def open_tier(kind: str, namespace: Namespace, block_bytes: int, *,
               directory: str | os.PathLike | None = None, capacity_bytes: int | None = None,
               url: str | None = None, prefix: str = "kvpool",
-              timeout_s: float = 2.0, retry_s: float = 1.0, ttl_s: int | None = None) -> TierBackend:
+              timeout_s: float = 2.0, retry_s: float = 1.0, ttl_s: int | None = None,
+              auth_key: TierKey | str | bytes | None = None) -> TierBackend:
     """A :class:`~kvpool.tiers.file.FileTier` (``kind="disk"``: ``directory`` and ``capacity_bytes``) or a
     :class:`~kvpool.tiers.redis.RedisTier` (``kind="redis"``: ``url``, and optionally ``prefix``,
     ``timeout_s``, ``retry_s``, ``ttl_s``) of ``block_bytes`` per block under ``namespace``.
 
+    Its values are authenticated (:class:`~kvpool.tiers.auth.TierKey`): ``auth_key`` is a key or a secret
+    (at least 16 bytes); None takes the fleet's secret from ``$KVPOOL_TIER_KEY`` (or ``$KVPOOL_HASH_SEED``),
+    so an engine's JSON configuration never carries it; ``"public"`` opts out (a folder or a Redis no one
+    else can write: values are still checked for faults).
+
     Raises:
-        ConfigError: an unknown kind or a missing option; the tier's own errors (a directory another
-            process holds, a malformed URL).
+        ConfigError: an unknown kind, a missing option, no secret given or in the environment; the tier's
+            own errors (a directory another process holds, a malformed URL).
     """
+    if auth_key == "public":
+        auth_key = TierKey.public()
+    elif auth_key is None:
+        auth_key = TierKey.from_env()
     if kind == "disk":
         if directory is None or capacity_bytes is None:
             raise ConfigError("a disk tier needs 'directory' and 'capacity_bytes'")
         from kvpool.tiers.file import FileTier
 
         capacity = as_int(capacity_bytes, "capacity_bytes", minimum=0, error=ConfigError)
-        return FileTier(directory, namespace, capacity_bytes=capacity, block_bytes=block_bytes)
+        return FileTier(directory, namespace, capacity_bytes=capacity, block_bytes=block_bytes,
+                        auth_key=auth_key)
     if kind == "redis":
         if url is None:
             raise ConfigError("a redis tier needs 'url' (redis://HOST:PORT[/DB])")
         from kvpool.tiers.redis import RedisTier
 
         return RedisTier(url, namespace, block_bytes=block_bytes, prefix=prefix, timeout_s=timeout_s,
-                         retry_s=retry_s, ttl_s=ttl_s)
+                         retry_s=retry_s, ttl_s=ttl_s, auth_key=auth_key)
     raise ConfigError(f"tier must be one of {', '.join(TIER_KINDS)}, got {kind!r}")
 
 

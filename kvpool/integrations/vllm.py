@@ -223,6 +223,9 @@ class KvpoolTier(SecondaryTierManager):
         model: the model's identity, part of the namespace (blocks of another model never match).
         directory, capacity_bytes: the disk tier's folder and bound (bytes, values with their headers).
         url, prefix, timeout_s, retry_s, ttl_s: the Redis tier's (:class:`~kvpool.tiers.redis.RedisTier`).
+        auth_key: ``"public"`` to opt out of authenticated values; by default the fleet's secret comes from
+            ``$KVPOOL_TIER_KEY`` (or ``$KVPOOL_HASH_SEED``), never from the configuration
+            (:func:`~kvpool.integrations.tier_jobs.open_tier`).
         kv_dtype, tp_rank, tp_size: further namespace fields (default ``"vllm"``, 0, 1).
         async_lookup: look up on a thread (default: True for Redis, False for disk).
 
@@ -237,7 +240,8 @@ class KvpoolTier(SecondaryTierManager):
                  capacity_bytes: int | None = None, url: str | None = None, prefix: str = "kvpool",
                  timeout_s: float = 2.0, retry_s: float = 1.0, ttl_s: int | None = None,
                  kv_dtype: str = "vllm", tp_rank: int = 0, tp_size: int = 1, async_lookup: bool | None = None,
-                 backpressure_detector: Any = None, locality: str | None = None) -> None:
+                 backpressure_detector: Any = None, locality: str | None = None,
+                 auth_key: str | None = None) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         rows = torch.from_numpy(np.asarray(primary_kv_view)).view(torch.uint8)
         rows = rows.view(rows.shape[0], -1)
@@ -245,7 +249,7 @@ class KvpoolTier(SecondaryTierManager):
                               hash_scheme="vllm-offload-key")
         self.tier = open_tier(tier, namespace, rows.shape[1], directory=directory,
                               capacity_bytes=capacity_bytes, url=url, prefix=prefix, timeout_s=timeout_s,
-                              retry_s=retry_s, ttl_s=ttl_s)
+                              retry_s=retry_s, ttl_s=ttl_s, auth_key=auth_key)
         self.jobs = TierJobs(self.tier, rows, name=f"kvpool-{tier_type}")
         self._keys: dict[int, list[OffloadKey]] = {}
         use_async = tier == "redis" if async_lookup is None else bool(async_lookup)

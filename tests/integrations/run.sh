@@ -7,6 +7,8 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 VENVS=${PEER_VENVS:-${XDG_CACHE_HOME:-$HOME/.cache}/kvpool-peers}
 export PYTHONPATH="$ROOT:$ROOT/tests:$ROOT/tests/integrations${PYTHONPATH:+:$PYTHONPATH}"
+# The plug-ins' disk and Redis values are authenticated under the fleet's secret, read from the environment.
+export KVPOOL_TIER_KEY=${KVPOOL_TIER_KEY:-conformance-tests-fleet-secret}
 bash "$ROOT/benchmarks/peers/setup.sh" "$@"
 for peer in "${@:-vllm sglang}"; do
   for p in $peer; do
