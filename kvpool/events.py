@@ -681,9 +681,12 @@ class ZmqEventPublisher(EventPublisher):
             frames = self._replay.recv_multipart()
             if len(frames) == 3 and len(frames[2]) == 8:
                 self._replays.add(frames[0], int.from_bytes(frames[2], "big"))
-        for frame in self._replays.frames(self.REPLAY_FRAMES_PER_BATCH):
+        frames = self._replays.frames(self.REPLAY_FRAMES_PER_BATCH)
+        for frame in frames:
             self._replay.send_multipart(frame)  # a ROUTER never blocks: past a peer's hwm it drops
-            self.replay_frames += 1
+        self.replay_frames += len(frames)
+        if frames:
+            time.sleep(0)  # let the caller's threads have the interpreter between shares
 
     def close(self, timeout: float = 5.0) -> None:
         """Send what is queued (waiting up to ``timeout`` seconds; replies still being sent are cut
@@ -699,9 +702,12 @@ class ZmqEventPublisher(EventPublisher):
             self._thread.join()
 
     def _pub_close(self, linger_ms: int = 0) -> None:
-        for sock in (getattr(self, "_pub", None), self._replay):
-            if sock is not None:
-                sock.close(linger=linger_ms)
+        """Close the sockets: the PUB socket's last messages get ``linger_ms`` to leave; replies still
+        queued for a client that does not read them are dropped at once."""
+        if getattr(self, "_pub", None) is not None:
+            self._pub.close(linger=linger_ms)
+        if self._replay is not None:
+            self._replay.close(linger=0)
         self._ctx.term()
 
 
