@@ -27,8 +27,10 @@ sink); :class:`QueueEventPublisher` is a bounded in-process queue; :class:`ZmqEv
 sends each batch as vLLM's ZMQ publisher does: multipart ``(topic, seq as 8-byte big-endian, msgpack
 payload)`` on a PUB socket, and keeps the last ``buffer_steps`` batches for vLLM's replay protocol on a
 ROUTER socket. A full queue drops the batch and counts it (``dropped_batches``, ``dropped_events``); its
-sequence number is skipped, so a subscriber sees the gap. :class:`KVEventSubscriber` receives them in order
-and fills gaps from the replay socket.
+sequence number is skipped, so a subscriber sees the gap. Replay never holds up the live stream (a bounded
+share of reply frames per live batch), and :meth:`ZmqEventPublisher.close` drains from the sending thread.
+:class:`KVEventSubscriber` (:mod:`kvpool.events_subscriber`, re-exported here) receives them in order, fills
+gaps from the replay socket and follows a publisher restarted on the same endpoint.
 
 This module sits on the ground floor beside :mod:`kvpool.errors`: it imports nothing else of kvpool.
 ``msgspec`` is needed to import it (``pip install kvpool[events]``), ``pyzmq`` for the ZMQ classes.
@@ -700,6 +702,7 @@ class ZmqEventPublisher(EventPublisher):
         if self._thread.is_alive():
             self._abort.set()  # it ends after the step it is in
             self._thread.join()
+        self.undelivered_batches = self._queue.qsize()  # (one taken while it closed included)
 
     def _pub_close(self, linger_ms: int = 0) -> None:
         """Close the sockets: the PUB socket's last messages get ``linger_ms`` to leave; replies still
