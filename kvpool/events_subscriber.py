@@ -85,11 +85,11 @@ class SequenceTracker:
         self._ready: deque[tuple[int, Any]] = deque()  # an old stream's batches, after a restart
         self._request: _Request | None = None
         self._replay_alive = True  # False after a timeout, until the replay socket answers again
-        self._new_stream(None)
+        self._new_stream()
 
-    def _new_stream(self, last_live: int | None) -> None:
+    def _new_stream(self) -> None:
         self.next: int | None = 0 if self.replay else None  # the next sequence number to hand out
-        self.last_live = last_live  # the last live sequence number heard (None: none yet)
+        self.last_live: int | None = None  # the last live sequence number heard
         self._pending: dict[int, Any] = {}  # received, >= next
         self._seen = -1  # the highest sequence number received from this stream
         self._settled = -1  # gaps at or below it cannot be filled: skipped, counted missed
@@ -218,7 +218,7 @@ class SequenceTracker:
         self._settle(self._seen)
         while (got := self._pop_pending()) is not None:
             self._ready.append(got)
-        self._new_stream(None)
+        self._new_stream()
 
 
 class KVEventSubscriber:
@@ -291,8 +291,9 @@ class KVEventSubscriber:
                 got = self._deliver()
             if got is not None:
                 return got
-            wait = self._tracker.idle_s if deadline is None else min(self._tracker.idle_s,
-                                                                    deadline - time.monotonic())
+            wait = min(self._tracker.idle_s, self._tracker.replay_timeout_s)  # (then poll the tracker again)
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
             if wait <= 0:
                 return None
             self._take(dict(self._poller.poll(max(1, int(wait * 1000)))))
