@@ -344,7 +344,7 @@ def _layer_shapes(lm: dict[str, Any], model_type: str | None, fields: dict[str, 
     """Each layer's KV heads, K and V head sizes, window and KV source, as transformers builds the layers.
 
     * ``per_layer_config`` (transformers' sparse per-layer overrides, ``{layer: {key: value}}``: Gemma 4's
-      full layers, NeoMME's two windows): ``num_key_value_heads``, ``head_dim``, ``v_head_dim`` and
+      full layers, per-layer windows): ``num_key_value_heads``, ``head_dim``, ``v_head_dim`` and
       ``sliding_window`` per layer.
     * Gemma 4 without it: full layers take ``global_head_dim`` (512 when absent) and, when
       ``attention_k_eq_v``, ``num_global_key_value_heads`` (Gemma4TextConfig's own rule); the last

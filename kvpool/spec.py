@@ -16,7 +16,7 @@ A pool block then holds one group's layers, ``layers_per_block`` of them, so ``b
 layers_per_block x bytes per layer-token x block_size``; ``bytes_per_token`` still counts every layer.
 
 Layers of different shapes (Gemma 4: full layers of head_dim 512 beside sliding ones of 256; MiMo-V2-Flash:
-K head_dim 192, V 128, twice the KV heads on sliding layers; NeoMME: two sliding windows) are described per
+K head_dim 192, V 128, twice the KV heads on sliding layers; or two sliding windows) are described per
 layer (``layer_num_kv_heads``, ``layer_head_dims``, ``layer_v_head_dims``, ``layer_windows``), and a layer
 that reads another's KV (Gemma 4's ``num_kv_shared_layers``) names it in ``kv_source_layers`` and owns none.
 Groups then form by (kind, window, shape), so a group's layers are alike, and every pool block has the same
@@ -311,7 +311,7 @@ class KVCacheSpec:
             ``v_head_dim`` (a ``layer_head_dims`` entry also sets that layer's V width unless
             ``layer_v_head_dims`` gives it); None: every layer alike.
         layer_windows: one window per layer (W of a sliding layer, C of a chunked one; ignored for full
-            layers) where windows differ (NeoMME's 256 and 1024); a None entry takes ``sliding_window`` /
+            layers) where windows differ (e.g. 256 and 1024); a None entry takes ``sliding_window`` /
             ``attention_chunk_size``.
         kv_source_layers: per layer, the layer whose KV it reads: itself, or an earlier layer of the same
             kind that owns its KV (Gemma 4's ``num_kv_shared_layers``); such a layer owns no KV. None:

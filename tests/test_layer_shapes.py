@@ -4,7 +4,8 @@ Configs: ``gemma4-text-defaults.json``, ``mimo-v2-flash-defaults.json`` and ``ne
 ``Gemma4TextConfig()``, ``MiMoV2FlashConfig()`` and NeoMME's config class defaults as transformers 5.24's
 ``save_pretrained`` writes them. Every expected number is worked out by hand in the comments (bf16: 2 B per
 element; a layer-token takes ``KV heads x (K head_dim + V head_dim) x 2 B``). Shapes are also checked
-against the layers transformers builds (an independent reader: the projections' widths).
+against the layers transformers builds (an independent reader: the projections' widths). NeoMME is an
+encoder (it serves no KV cache): its config stands here for a real ``per_layer_config`` with two windows.
 """
 
 import json
