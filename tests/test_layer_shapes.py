@@ -247,3 +247,43 @@ def test_uniform_models_keep_their_layout():
     assert spec.uniform_shape and spec.layers_per_block == 10
     assert spec.bytes_per_block == 10 * spec.bytes_per_layer_token * 16
     assert spec.layer_head_dims is None and spec.v_head_dim is None
+
+
+def test_cli_plan_notes_the_block_rule(capsys):
+    mimo = str(CONFIGS / "mimo-v2-flash-defaults.json")
+    assert main(["plan", mimo, "--gpu-memory", "80GiB", "--json"]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert any("vLLM keeps the layers per group" in note for note in notes)
+    assert main(["plan", str(CONFIGS.parent / "gemma-3-27b-it.json"), "--gpu-memory", "80GiB", "--json"]) == 0
+    assert not any("layer slots" in note for note in json.loads(capsys.readouterr().out)["notes"])
+
+
+def test_random_shapes_fill_blocks_alike():
+    """Seeded random per-layer shapes, kinds and shared layers: every KV-owning layer is in exactly one
+    group, a group's layers are alike, every block has the same bytes, and the sum of the groups' layer
+    bytes is bytes_per_token (brute force over 200 specs)."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(200):
+        n = rng.randint(1, 12)
+        kinds = [rng.choice([S, F]) for _ in range(n)]
+        heads = [rng.choice([1, 2, 4]) for _ in range(n)]
+        dims = [rng.choice([8, 16, 24, 32]) for _ in range(n)]
+        v_dims = [rng.choice([8, 16, 32]) for _ in range(n)]
+        sources = list(range(n))
+        for layer in range(1, n):
+            earlier = [i for i in range(layer) if sources[i] == i and kinds[i] == kinds[layer]]
+            if earlier and rng.random() < 0.2:
+                sources[layer] = rng.choice(earlier)
+        spec = KVCacheSpec(num_layers=n, num_kv_heads=2, head_dim=8, dtype=torch.float16,
+                           block_size=rng.choice([1, 4, 16]),
+                           layer_types=[k.value for k in kinds], sliding_window=32, layer_num_kv_heads=heads,
+                           layer_head_dims=dims, layer_v_head_dims=v_dims, kv_source_layers=sources)
+        owners = [i for i in range(n) if sources[i] == i]
+        assert sorted(layer for g in spec.groups for layer in g.layers) == owners
+        for g in spec.groups:
+            assert {spec.layer_shape(layer) for layer in g.layers} == {g.shape}
+            assert {kinds[layer] for layer in g.layers} == {g.kind} and g.num_padding_layers >= 0
+            assert g.bytes_per_block == spec.bytes_per_block
+        assert spec.bytes_per_token == sum(heads[i] * (dims[i] + v_dims[i]) * 2 for i in owners)

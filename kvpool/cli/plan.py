@@ -91,8 +91,8 @@ def run(args: argparse.Namespace) -> int:
     spec, plan = plan_from_args(config, args, max_model_len=args.max_model_len)
     rule, dtype_note = kv_dtype_rule(config, args.kv_cache_dtype)
     report = {**plan_report(spec, plan), "kv_dtype_rule": rule, "hashing": hasher_from_args(args).describe()}
-    report["notes"] = [note for note in (dtype_note, *_memory_notes(args, plan), _step_note(args, spec))
-                       if note]
+    report["notes"] = [note for note in (dtype_note, *_memory_notes(args, plan), _step_note(args, spec),
+                                         _shape_note(report)) if note]
     print(json.dumps(report) if args.json else _human(report))
     return 0
 
@@ -135,6 +135,15 @@ def _step_note(args: argparse.Namespace, spec: KVCacheSpec) -> str | None:
     return (f"{DEFAULT_MAX_NUM_BATCHED_TOKENS} tokens per step assumed (kvpool's engine): a windowed group "
             f"holds its window plus one step of blocks per request; give --max-num-batched-tokens (vLLM's "
             f"max_num_batched_tokens, x2 with its async scheduling) to plan for another scheduler")
+
+
+def _shape_note(report: dict[str, Any]) -> str | None:
+    """How blocks of groups whose layers differ in bytes are sized, against vLLM's rule."""
+    if len({g["layer_bytes_per_token"] for g in report["groups"]}) <= 1:
+        return None
+    return ("the groups' layers differ in bytes per token: every block has the same bytes, a group of "
+            "smaller layers holding more layer slots (one block size for every group); vLLM keeps the layers per "
+            "group and grows the smaller pages' block_size instead (unify_kv_cache_spec_page_size)")
 
 
 def _readings(args: argparse.Namespace) -> MemoryReadings:
