@@ -142,8 +142,9 @@ def _shape_note(report: dict[str, Any]) -> str | None:
     if len({g["layer_bytes_per_token"] for g in report["groups"]}) <= 1:
         return None
     return ("the groups' layers differ in bytes per token: every block has the same bytes, a group of "
-            "smaller layers holding more layer slots (one block size for every group); vLLM keeps the layers per "
-            "group and grows the smaller pages' block_size instead (unify_kv_cache_spec_page_size)")
+            "smaller layers holding more layer slots (one block size for every group); vLLM keeps the "
+            "layers per group and grows the smaller pages' block_size instead "
+            "(unify_kv_cache_spec_page_size)")
 
 
 def _readings(args: argparse.Namespace) -> MemoryReadings:
