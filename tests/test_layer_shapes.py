@@ -287,3 +287,18 @@ def test_random_shapes_fill_blocks_alike():
             assert {kinds[layer] for layer in g.layers} == {g.kind} and g.num_padding_layers >= 0
             assert g.bytes_per_block == spec.bytes_per_block
         assert spec.bytes_per_token == sum(heads[i] * (dims[i] + v_dims[i]) * 2 for i in owners)
+
+
+def test_two_chunk_sizes_by_hand():
+    # 3 layers: chunked C 8, chunked C 16, full; B 4: each its own group of 1 slot
+    spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4,
+                       layer_types=["chunked_attention", "chunked_attention", "full_attention"],
+                       layer_windows=[8, 16, None])
+    assert [(g.kind, g.window) for g in spec.groups] == [(LayerKind.CHUNKED, 8), (LayerKind.CHUNKED, 16),
+                                                         (F, None)]
+    # one token per step, 100 tokens: C / B blocks = 2 and 4; skipped: (C x (100 // C)) // B = 24 and 24
+    assert [g.max_blocks(100) for g in spec.groups] == [2, 4, 25]
+    assert [g.skipped_blocks(100) for g in spec.groups] == [24, 24, 0]
+    with pytest.raises(ConfigError, match="the chunk of layer 1, 6, must be a multiple of block_size 4"):
+        KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4,
+                    layer_types=["chunked_attention"] * 2, layer_windows=[8, 6])
