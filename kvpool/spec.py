@@ -268,7 +268,7 @@ def kv_cache_groups(layer_kinds: Sequence[LayerKind],
         shape = None if shapes is None else shapes[layer]
         if shapes is not None and shape is None:
             continue  # reads another layer's KV: no slot of its own
-        window = windows[layer] if per_layer else windows.get(kind)  # type: ignore[union-attr, call-overload]
+        window = windows[layer] if per_layer else windows.get(kind)  # type: ignore[index, union-attr]
         by_key.setdefault((kind, None if kind is LayerKind.FULL else window, shape), []).append(layer)
     per_key = [1 if layer_bytes is None else layer_bytes[layers[0]] for layers in by_key.values()]
     weights = [len(layers) * b for layers, b in zip(by_key.values(), per_key, strict=True)]
@@ -379,8 +379,9 @@ class KVCacheSpec:
                   for layer in range(self.num_layers)]
         sizes = [0 if s is None else s.elements * self.dtype_bytes for s in shapes]
         object.__setattr__(self, "_shapes", tuple(shapes))
-        object.__setattr__(self, "_groups", kv_cache_groups(self.layer_types, self._windows, self.block_size,
-                                                            shapes=shapes, layer_bytes=sizes))
+        object.__setattr__(self, "_groups", kv_cache_groups(
+            self.layer_types, self._windows, self.block_size,  # type: ignore[arg-type, attr-defined]
+            shapes=shapes, layer_bytes=sizes))
 
     _LAYER_LISTS = ("layer_num_kv_heads", "layer_head_dims", "layer_v_head_dims", "kv_source_layers")
 
@@ -405,9 +406,10 @@ class KVCacheSpec:
         """Each layer's window: its ``layer_windows`` entry, else its kind's (None for full layers)."""
         default = {LayerKind.SLIDING: self.sliding_window, LayerKind.CHUNKED: self.attention_chunk_size}
         given = self.layer_windows or (None,) * self.num_layers
+        kinds: tuple[LayerKind, ...] = self.layer_types or ()
         windows = tuple(None if kind is LayerKind.FULL else w if w is not None else default[kind]
-                        for kind, w in zip(self.layer_types, given, strict=True))
-        for layer, (kind, window) in enumerate(zip(self.layer_types, windows, strict=True)):
+                        for kind, w in zip(kinds, given, strict=True))
+        for layer, (kind, window) in enumerate(zip(kinds, windows, strict=True)):
             if kind is not LayerKind.FULL and window is None:
                 raise ConfigError(f"layer {layer} is {kind.value} but has no window (layer_windows[{layer}], "
                                   f"sliding_window or attention_chunk_size)")
@@ -423,8 +425,8 @@ class KVCacheSpec:
             if source > layer or self.kv_source_layers[source] != source:  # type: ignore[index]
                 raise ConfigError(f"kv_source_layers[{layer}] is {source}: a layer reads the KV of an "
                                   f"earlier layer that owns its KV")
-            if (self.layer_types[source], self._windows[source]) != (  # type: ignore[index]
-                    self.layer_types[layer], self._windows[layer]):  # type: ignore[index]
+            if (self.layer_types[source], self.layer_window(source)) != (  # type: ignore[index]
+                    self.layer_types[layer], self.layer_window(layer)):  # type: ignore[index]
                 raise ConfigError(f"kv_source_layers[{layer}] is {source}, a layer of another kind or window")
 
     def _own_shape(self, layer: int) -> LayerShape:
