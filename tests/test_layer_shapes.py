@@ -302,3 +302,14 @@ def test_two_chunk_sizes_by_hand():
     with pytest.raises(ConfigError, match="the chunk of layer 1, 6, must be a multiple of block_size 4"):
         KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4,
                     layer_types=["chunked_attention"] * 2, layer_windows=[8, 6])
+
+
+def test_gemma4_wrapper_reads_its_text_config():
+    """The multimodal Gemma 4 config keeps the language model under text_config (gemma4_text); a file whose
+    text_config has neither per_layer_config nor global_head_dim takes Gemma4TextConfig's 512."""
+    transformers = pytest.importorskip("transformers")
+    wrapped = transformers.Gemma4Config().to_dict()
+    assert KVCacheSpec.from_hf_config(wrapped).bytes_per_token == 143360  # as the text defaults above
+    text = {k: v for k, v in wrapped["text_config"].items() if k != "per_layer_config"}
+    spec = KVCacheSpec.from_hf_config({"model_type": "gemma4", "text_config": text})
+    assert spec.layer_shape(5).head_dim == 512 and spec.bytes_per_token == 143360
