@@ -276,3 +276,81 @@ class CheckpointMachine(RuleBasedStateMachine):
 
 TestCheckpointMachine = CheckpointMachine.TestCase
 TestCheckpointMachine.settings = settings(max_examples=60, stateful_step_count=15, deadline=None)
+
+
+# ---- the command line ----------------------------------------------------------------------------------
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    from kvpool.cli import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as exit_:
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _replay_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    import json
+
+    code, out, err = _cli(capsys, "replay", "--max-requests", "60", "--json", *argv)
+    assert (code, err) == (0, "")
+    return json.loads(out)
+
+
+def test_cli_replay_counts_state_beside_kv(capsys: pytest.CaptureFixture[str]) -> None:
+    # 400 GiB x 0.9 of Qwen3-Next's 12 attention layers (24,576 B per token, 393,216 B per block) is
+    # 983,040 blocks: nothing of 60 requests is evicted, so the KV hit of every admission is the plain
+    # replay's, and each policy's hit plus the KV it left unused (for lack of a checkpoint) is all of it
+    plain = _replay_json(capsys, "--num-blocks", "983040")
+    model = ("--model-config", "qwen3-next-80b-a3b", "--gpu-memory", "400GiB")
+    runs = {p: _replay_json(capsys, *model, "--state-save", p) for p in ("tail", "tail+junction", "dense")}
+    assert plain["hit_blocks"] > 0 and plain["evictions"] == 0
+    for policy, run in runs.items():
+        assert run["num_blocks"] == 983040 and run["evictions"] == 0 and run["state_save"] == policy
+        assert run["hit_blocks"] + run["kv_only_tokens"] // 16 == plain["hit_blocks"], policy
+        assert run["state_slots_peak"] == 1  # instant timing: one request at a time
+    assert runs["dense"]["hit_blocks"] == plain["hit_blocks"] and runs["dense"]["kv_only_tokens"] == 0
+    assert runs["tail"]["hit_blocks"] <= runs["tail+junction"]["hit_blocks"] <= plain["hit_blocks"]
+    assert runs["tail"]["checkpoints_saved"] == 60  # one per prompt: no output has a hash
+    default = _replay_json(capsys, *model)
+    assert default["state_save"] == "tail" and default["hit_blocks"] == runs["tail"]["hit_blocks"]
+    code, out, _ = _cli(capsys, "replay", "--max-requests", "5", *model, "--state-save", "dense")
+    assert code == 0 and "checkpoints_saved" in out and "kv_only_tokens" in out
+    code, out, _ = _cli(capsys, "replay", "--max-requests", "5")
+    assert code == 0 and "state_save" not in out
+
+
+@pytest.mark.parametrize(("argv", "match"), [
+    (("--model-config", "qwen3-next-80b-a3b", "--gpu-memory", "80GiB", "--state-save", "interval=0"),
+     "state_save interval must be"),
+    (("--model-config", "qwen3-next-80b-a3b", "--gpu-memory", "80GiB", "--state-save", "sometimes"),
+     "state_save must be one of"),
+    (("--state-save", "tail"), "--state-save needs --model-config of a recurrent"),
+    (("--model-config", "llama-3.1-8b", "--gpu-memory", "80GiB", "--state-checkpoints", "4"),
+     "--state-checkpoints needs"),
+    (("--model-config", "qwen3-next-80b-a3b", "--gpu-memory", "80GiB", "--state-checkpoints", "0"), "0"),
+])
+def test_cli_replay_bad_state_options(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], match: str
+                                      ) -> None:
+    code, out, err = _cli(capsys, "replay", *argv)
+    assert code == 2 and out == "" and match in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_plan_shows_the_recurrent_state(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    code, out, _ = _cli(capsys, "plan", "qwen3-next-80b-a3b", "--gpu-memory", "80GiB", "--json")
+    data = json.loads(out)
+    # 12 of 48 layers attend: 12 x 2 x 2 KV heads x 256 x 2 B = 24,576 B per token; 36 Gated DeltaNet layers
+    # of conv (2 x 16 x 128 + 32 x 128) x 3 x 2 B = 49,152 B and ssm 32 x 128 x 128 x 2 B = 1,048,576 B
+    state = data["recurrent_state"]
+    assert code == 0 and data["num_layers"] == 12 and data["bytes_per_token"] == 24576
+    assert (state["num_layers"], state["bytes_per_layer"]) == (36, 49152 + 1048576)
+    assert state["bytes_per_request"] == 36 * 1097728 == 39518208 and state["kv_token_equivalent"] == 1608
+    assert "sizing" not in state
+    code, out, _ = _cli(capsys, "plan", "qwen3-next-80b-a3b", "--gpu-memory", "80GiB", "--max-model-len",
+                        "32768")
+    assert code == 0 and "recurrent state  36 gated_delta_net layers" in out
+    assert "vLLM one pool: block size 544 tokens" in out and "SGLang two pools" in out
