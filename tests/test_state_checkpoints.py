@@ -105,7 +105,7 @@ def test_bad_checkpoint_capacities() -> None:
     with pytest.raises(ConfigError, match="needs a state_save"):
         ReplayConfig(state_checkpoints=4)
     with pytest.raises(ConfigError, match="state checkpoints must be"):
-        StateCheckpoints(0)
+        StateCheckpoints(-1)
     with pytest.raises(ConfigError, match="need a capacity"):
         StateCheckpoints(pool=StatePool(2))
 

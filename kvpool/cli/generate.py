@@ -112,10 +112,10 @@ def pool_blocks(loaded: Any, args: argparse.Namespace, tp_size: int = 1) -> int:
     or the CUDA profile taken after a warmup forward of ``--max-batched-tokens`` tokens."""
     if args.num_blocks is not None:
         return args.num_blocks
-    from kvpool.engine.models import kv_spec
+    from kvpool.engine.recurrent import model_kv_spec
     from kvpool.planner import MemoryReadings, plan_pool, profile_cuda_memory
 
-    spec = kv_spec(loaded.model, block_size=args.block_size, tp_size=tp_size)
+    spec = model_kv_spec(loaded.model, block_size=args.block_size, tp_size=tp_size)
     if args.kv_memory is None and loaded.model.device.type == "cuda":
         @torch.inference_mode()
         def warmup() -> None:  # the largest step: --max-batched-tokens tokens

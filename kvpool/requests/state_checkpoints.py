@@ -120,15 +120,16 @@ class StateCheckpoints:
     """Saved states keyed by block hash, at most ``capacity`` (None: unbounded), evicted least recently used.
 
     Args:
-        capacity: checkpoints held at most, pending saves included (None: no bound; needs ``pool`` None).
+        capacity: checkpoints held at most, pending saves included (None: no bound, needs ``pool`` None; 0:
+            none, every save skipped).
         pool: the :class:`StatePool` checkpoint slots come from (None: counted only, slot :data:`NO_SLOT`).
 
     Raises:
-        ConfigError: a capacity that is not an integer >= 1, or a pool with no capacity.
+        ConfigError: a capacity that is not an integer >= 0, or a pool with no capacity.
     """
 
     def __init__(self, capacity: int | None = None, *, pool: StatePool | None = None) -> None:
-        self.capacity = as_optional_int(capacity, "state checkpoints", minimum=1, error=ConfigError)
+        self.capacity = as_optional_int(capacity, "state checkpoints", minimum=0, error=ConfigError)
         if pool is not None and self.capacity is None:
             raise ConfigError("checkpoints in state slots need a capacity (the slots set aside for them)")
         self.pool = pool
