@@ -128,3 +128,22 @@ def test_bad_state_options() -> None:
         _engine(model, state_checkpoints=-1)
     with pytest.raises(ConfigError, match="one rank"):
         _engine(model, tp_size=2)
+
+
+def test_cli_generate_runs_a_hybrid(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from kvpool.cli import main
+
+    doc = "A state pool keeps one slot per request beside the paged KV."
+    argv = ["generate", "--model", "tiny-lfm2", "--max-new-tokens", "6", "--block-size", "4",
+            "--max-batched-tokens", "16", "--state-save", "dense", "--check", "--json",
+            "--prompt", f"{doc} Why?", "--prompt", f"{doc} How?"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    state = out["stats"]["recurrent_state"]
+    assert all(r["matches_reference"] for r in out["requests"])
+    assert state["state_save"] == "dense" and state["state_slots_used"] == 0
+    assert state["checkpoints_saved"] > 0 and out["stats"]["prefix_hit_tokens"] > 0
+    assert main(["generate", "--model", "tiny-lfm2", "--state-save", "interval=0"]) == 2
+    assert "--state-save interval must be" in capsys.readouterr().err

@@ -29,7 +29,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvpool.allocators.hashing import BlockHasher
 from kvpool.allocators.state_pool import StatePool
-from kvpool.errors import ConfigError, InvalidIdError
+from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError
 from kvpool.requests import KVCacheManager, Request, Scheduler
 from kvpool.requests.state_checkpoints import NO_SLOT, RequestStates, SavePolicy, StateCheckpoints
 from kvpool.spec import KVCacheGroup, LayerKind
@@ -354,3 +354,30 @@ def test_cli_plan_shows_the_recurrent_state(capsys: pytest.CaptureFixture[str]) 
                         "32768")
     assert code == 0 and "recurrent state  36 gated_delta_net layers" in out
     assert "vLLM one pool: block size 544 tokens" in out and "SGLang two pools" in out
+
+
+def test_metrics_export_the_state_counts() -> None:
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvpool.metrics import KVPoolCollector
+
+    requests = _junction_requests()
+    replayer = Replayer(requests, ReplayConfig(block_size=16, state_save="tail+junction"),
+                        hasher=BlockHasher("sha256"), next_token=lambda req: 1)
+    replayer.run(time.perf_counter())
+    registry = CollectorRegistry()
+    collector = KVPoolCollector().add_states(replayer.kv.states)
+    registry.register(collector)
+    got = {s.name: s.value for f in text_string_to_metric_families(generate_latest(registry).decode())
+           for s in f.samples if not s.name.endswith("_created")}
+    # the junction case by hand (module docstring): 4 checkpoints, C's restore, B's 2,000 unused KV tokens;
+    # instant timing holds one request slot; the checkpoints are unbounded (-1)
+    assert got == {"kvpool_state_slots_used": 0, "kvpool_state_slots_capacity": 1,
+                   "kvpool_state_checkpoints": 4, "kvpool_state_checkpoints_capacity": -1,
+                   "kvpool_state_checkpoints_saved_total": 4,
+                   "kvpool_state_checkpoint_hits_total": 1, "kvpool_state_checkpoints_evicted_total": 0,
+                   "kvpool_kv_tokens_without_state_total": 2000}
+    with pytest.raises(InvalidArgumentError, match="already"):
+        collector.add_states(replayer.kv.states)

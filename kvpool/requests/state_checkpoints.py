@@ -350,6 +350,23 @@ class RequestStates:
         """State slots held by running requests."""
         return len(self._slots)
 
+    @property
+    def num_request_capacity(self) -> int:
+        """State slots requests can hold: the pool's, less the checkpoints' when they share it."""
+        shared = self.checkpoints.pool is self.pool and self.checkpoints.capacity is not None
+        return self.pool.capacity - (self.checkpoints.capacity if shared else 0)  # type: ignore[operator]
+
+    def describe(self) -> dict[str, object]:
+        """The counts as one JSON-ready dict: the policy, request slots used and capacity, checkpoints held
+        and their capacity (None: unbounded), and :class:`CheckpointStats`."""
+        s = self.stats
+        return {"state_save": str(self.policy), "state_slots_used": self.num_request_slots,
+                "state_slots_capacity": self.num_request_capacity, "checkpoints": len(self.checkpoints),
+                "checkpoints_capacity": self.checkpoints.capacity, "checkpoints_saved": s.saved,
+                "checkpoint_hits": s.restored, "checkpoint_evictions": s.evicted, "saves_skipped": s.skipped,
+                "kv_only_tokens": s.kv_only_tokens, "state_slots_peak": s.peak_request_slots,
+                "checkpoints_peak": s.peak_checkpoints}
+
     def check_integrity(self) -> None:
         """The pool's and the checkpoints' invariants; request slots distinct and allocated, none also a
         checkpoint's. Raises IntegrityError."""
