@@ -147,3 +147,32 @@ def test_cli_generate_runs_a_hybrid(capsys: pytest.CaptureFixture[str]) -> None:
     assert state["checkpoints_saved"] > 0 and out["stats"]["prefix_hit_tokens"] > 0
     assert main(["generate", "--model", "tiny-lfm2", "--state-save", "interval=0"]) == 2
     assert "--state-save interval must be" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("policy", ["tail+junction", "interval=2"])
+def test_the_replay_makes_the_engines_pool_calls(policy: str) -> None:
+    """The engine and a replay of its requests (the clock gives back the engine's tokens) with the same
+    save policy and checkpoint slots make the same block pool calls and the same hits: the replay's state
+    counts are the engine's."""
+    from kvpool.allocators.hashing import BlockHasher
+    from kvpool.engine.distributed import RecordingPool
+    from kvpool.requests import Request
+    from kvpool.trace.replayer import ReplayConfig, Replayer
+
+    model = load_model("tiny-lfm2", seed=1).model
+    hasher = BlockHasher("sha256", shared=True)
+    engine = _engine(model, hasher=hasher, state_save=policy, state_checkpoints=6)
+    engine.kv_manager.coordinator.pool = engine_log = RecordingPool(engine.pool, on_check=lambda: None)
+    done = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    outputs = {r.request_id: r.output_token_ids for r in done}
+    config = ReplayConfig(block_size=4, num_blocks=30, timing="trace", max_batched_tokens=16, max_running=3,
+                          state_save=policy, state_checkpoints=6)
+    replayer = Replayer([Request(i, p, NEW) for i, p in enumerate(PROMPTS)], config, hasher=hasher,
+                        next_token=lambda req: outputs[req.request_id][req.num_output_tokens])
+    replayer.kv.coordinator.pool = replay_log = RecordingPool(replayer.kv.pool, on_check=lambda: None)
+    result = replayer.run(0.0)
+    assert engine.stats.preemptions > 0 and replay_log.log == engine_log.log
+    assert result.hit_blocks * 4 == sum(r.num_cached_tokens for r in done) > 0
+    assert result.checkpoints_saved == engine.states.stats.saved
+    assert result.checkpoint_hits == engine.states.stats.restored
+    assert result.kv_only_tokens == engine.states.stats.kv_only_tokens
