@@ -120,6 +120,15 @@ def test_negative_controls_diverge(family: tuple) -> None:
     assert gap > 1.0, f"{name}: zeroing the state slot moved the logits by {gap:.3f} only"
 
 
+def test_without_prefix_caching_every_state_starts_from_zero() -> None:
+    model = load_model("tiny-lfm2", seed=1).model
+    engine = _engine(model, enable_prefix_caching=False)
+    done = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert [r.output_token_ids for r in done] == [reference_greedy(model, p, 8)[0] for p in PROMPTS[:2]]
+    assert engine.states.stats.saved == 0 and len(engine.states.checkpoints) == 0
+    assert [r.num_cached_tokens for r in done] == [0, 0]
+
+
 def test_bad_state_options() -> None:
     model = load_model("tiny-lfm2", seed=1).model
     with pytest.raises(ConfigError, match="state_save interval"):
