@@ -38,7 +38,7 @@ from kvpool.allocators.groups import CacheHit, KVCacheCoordinator, group_key
 from kvpool.allocators.hashing import BlockHasher
 from kvpool.errors import ConfigError, InvalidIdError
 from kvpool.requests.request import Request
-from kvpool.spec import KVCacheGroup, LayerKind
+from kvpool.spec import KVCacheGroup, LayerKind, cdiv
 
 if TYPE_CHECKING:
     from kvpool.allocators.policies import FrequencyAdmission
@@ -214,6 +214,8 @@ class KVCacheManager:
         if states is not None and not states.has_free_slot:
             return None
         limit = min(len(hashes), (req.num_tokens - 1) // bs) if self.caching else 0
+        if self._fewest_new_blocks(req, limit, budget) > coord.num_free_blocks:
+            return None  # short even with the longest hit it could find: no lookup needed
         probe = self.tiers.probe() if self.tiers is not None else None
         hit = coord.find_longest_cache_hit(hashes, limit, count=False, probe=probe)
         kv_blocks = hit.num_blocks
@@ -221,7 +223,7 @@ class KVCacheManager:
             hit = self._joint_hit(req, hit, probe)
         loaded: dict[Hashable, int] = {}
         if self.tiers is not None and self._below(hit):
-            if self._need(req, hit, budget) > coord.num_free_blocks:
+            if not self._fits(req, hit, budget):
                 return None
             if self.on_admit is not None:
                 self.on_admit(req)
@@ -229,8 +231,7 @@ class KVCacheManager:
             hit = coord.find_longest_cache_hit(hashes, hit.num_blocks, count=False)
             if states is not None:
                 hit = self._joint_hit(req, hit, None)
-        need = self._need(req, hit, budget)
-        if need > coord.num_free_blocks:
+        if not self._fits(req, hit, budget):
             return None
         if self.on_admit is not None:
             self.on_admit(req)
@@ -260,10 +261,20 @@ class KVCacheManager:
                 return hit
             hit = self.coordinator.find_longest_cache_hit(req.block_hashes, j, count=False, probe=probe)
 
-    def _need(self, req: Request, hit: CacheHit, budget: int) -> int:
+    def _fewest_new_blocks(self, req: Request, limit: int, budget: int) -> int:
+        """A lower bound of the free blocks admitting ``req`` takes, whatever its hit: with a hit of k blocks
+        every group allocates ``cdiv(k * B + min(num_tokens - k * B, budget), B) - k`` new blocks (and
+        touches or loads the hit's blocks besides), which never grows with k, so k = ``limit`` gives the
+        fewest."""
+        bs = self.block_size
+        computed = limit * bs
+        return (cdiv(computed + min(req.num_tokens - computed, budget), bs) - limit) * len(self.groups)
+
+    def _fits(self, req: Request, hit: CacheHit, budget: int) -> bool:
+        """Whether the pool has the blocks to admit ``req`` from ``hit`` with a first chunk of ``budget``."""
         computed = hit.num_blocks * self.block_size
         chunk = min(req.num_tokens - computed, budget)
-        return self.coordinator.num_blocks_to_allocate(req.request_id, computed + chunk, hit)
+        return self.coordinator.can_allocate(req.request_id, computed + chunk, hit)
 
     def _below(self, hit: CacheHit) -> bool:
         """Whether a probed hit names blocks held in a tier (codes below -1)."""
