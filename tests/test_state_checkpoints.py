@@ -29,7 +29,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvpool.allocators.hashing import BlockHasher
 from kvpool.allocators.state_pool import StatePool
-from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError
+from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError, OutOfBlocksError
 from kvpool.requests import KVCacheManager, Request, Scheduler
 from kvpool.requests.state_checkpoints import NO_SLOT, RequestStates, SavePolicy, StateCheckpoints
 from kvpool.spec import KVCacheGroup, LayerKind
@@ -381,3 +381,62 @@ def test_metrics_export_the_state_counts() -> None:
                    "kvpool_kv_tokens_without_state_total": 2000}
     with pytest.raises(InvalidArgumentError, match="already"):
         collector.add_states(replayer.kv.states)
+
+
+class InterleavedMachine(RuleBasedStateMachine):
+    """Requests that branch off earlier ones, added at any time and stepped under a small token budget and a
+    short pool (chunked prefill, decodes beside prefills, preemption): after every step the request slots
+    are exactly the running requests', the shared pool holds those plus the checkpoints and the pending
+    saves, at most ``capacity`` checkpoints, and every hit ends at a boundary where a state was saved."""
+
+    @initialize(policy=st.sampled_from(["tail", "dense", "interval=3", "tail+junction"]),
+                capacity=st.integers(1, 4), blocks=st.integers(10, 18))
+    def setup(self, policy: str, capacity: int, blocks: int) -> None:
+        pool = StatePool(4 + capacity)
+        ckpt = StateCheckpoints(capacity, pool=pool)
+        self.committed: set[object] = set()  # every key a checkpoint was ever stored under
+        commit = ckpt.commit
+        ckpt.commit = lambda key, slot: (self.committed.add(key), commit(key, slot))[1]  # type: ignore
+        self.states = RequestStates(policy, 4, pool, checkpoints=ckpt)
+        self.kv = KVCacheManager((KVCacheGroup(0, LayerKind.FULL, None, (0,), 1, 4),), blocks,
+                                 hasher=BlockHasher("sha256"), states=self.states)
+        self.sched = Scheduler(self.kv, max_num_batched_tokens=6, max_num_seqs=4)
+        self.capacity, self.prompts, self.reqs = capacity, [list(range(12))], []
+
+    @rule(parent=st.integers(0, 20), share=st.integers(0, 20), tail=st.integers(1, 10), out=st.integers(1, 6))
+    def add(self, parent: int, share: int, tail: int, out: int) -> None:
+        base = self.prompts[parent % len(self.prompts)]
+        prompt = base[:share] + [60 + 7 * len(self.prompts) + i for i in range(tail)]
+        req = Request(len(self.reqs), prompt, out)
+        try:
+            self.sched.add_request(req)
+        except OutOfBlocksError:  # larger than the pool alone: refused, nothing changed
+            return
+        self.prompts.append(prompt)
+        self.reqs.append(req)
+
+    @rule(n=st.integers(1, 3))
+    def step(self, n: int) -> None:
+        for _ in range(n):
+            if self.sched.has_unfinished():
+                out = self.sched.schedule()
+                self.sched.update(out, [5] * out.num_sampled)
+
+    @invariant()
+    def slots_add_up(self) -> None:
+        if not hasattr(self, "kv"):
+            return
+        self.kv.check_integrity()
+        states, ckpt = self.states, self.states.checkpoints
+        pending = sum(len(states.pending(r)) for r in self.sched.running)
+        assert states.num_request_slots == len(self.sched.running)
+        assert states.pool.num_used_slots == len(self.sched.running) + len(ckpt) + pending
+        assert len(ckpt) + pending <= self.capacity
+        for req in self.reqs:  # a hit ends where some request's state was saved, never elsewhere
+            k = max(req.num_cached_tokens, 0) // 4
+            assert k == 0 or req.block_hashes[k - 1] in self.committed
+
+
+TestInterleavedMachine = InterleavedMachine.TestCase
+TestInterleavedMachine.settings = settings(max_examples=100, stateful_step_count=30, deadline=None,
+                                          derandomize=True)
