@@ -148,7 +148,8 @@ BUILTIN_DIR = Path(__file__).parent / "configs"
 BUILTIN_CONFIGS = (
     "deepseek-v2-lite", "deepseek-v3", "gemma-2-9b", "gemma-3-1b", "gemma-3-4b", "gemma-3-12b", "gemma-3-27b",
     "gpt-oss-20b", "llama-3.1-8b", "llama-3.1-70b", "llama-4-scout", "mistral-7b-v0.1", "mixtral-8x7b",
-    "phi-3-mini-4k", "qwen2.5-0.5b", "qwen2.5-7b", "qwen3-8b", "qwen3-30b-a3b", "smollm2-135m",
+    "phi-3-mini-4k", "qwen2.5-0.5b", "qwen2.5-7b", "qwen3-8b", "qwen3-30b-a3b", "qwen3-next-80b-a3b",
+    "smollm2-135m",
 )
 
 

@@ -30,6 +30,14 @@ name                                    type     what
 ``kvpool_kv_events_published``          counter  events in those batches
 ``kvpool_kv_event_batches_dropped``     counter  event batches dropped on a full buffer
 ``kvpool_kv_events_dropped``            counter  events in those dropped batches
+``kvpool_state_slots_used``             gauge    recurrent state slots held by running requests (hybrids)
+``kvpool_state_slots_capacity``         gauge    state slots for requests (the checkpoint slots apart)
+``kvpool_state_checkpoints``            gauge    state checkpoints held for prefix caching
+``kvpool_state_checkpoints_capacity``   gauge    checkpoints held at most (0: none kept)
+``kvpool_state_checkpoints_saved``      counter  checkpoints stored
+``kvpool_state_checkpoint_hits``        counter  admissions restored from a checkpoint
+``kvpool_state_checkpoints_evicted``    counter  checkpoints evicted (least recently used)
+``kvpool_kv_tokens_without_state``      counter  tokens whose KV was cached but past the last checkpoint
 ======================================  =======  ==========================================================
 
 (Counters are exposed with the ``_total`` suffix, e.g. ``kvpool_evicted_blocks_total``.)
@@ -76,6 +84,16 @@ class KVPoolCollector:
                  publisher: EventPublisher | None = None) -> None:
         self._sources: list[_Source] = []
         self.preemptions, self._publisher = preemptions, publisher
+        self._states: Any = None
+
+    def add_states(self, states: Any) -> KVPoolCollector:
+        """Export a recurrent hybrid's state slots and checkpoints (a
+        :class:`~kvpool.requests.state_checkpoints.RequestStates`: its slot counts and ``stats``, read at
+        each scrape); returns self. Raises InvalidArgumentError when states are added already."""
+        if self._states is not None:
+            raise InvalidArgumentError("recurrent states are already added")
+        self._states = states
+        return self
 
     def add_pool(self, pool: BlockPool, *, block_size: int, tier: str = "device", group: int | str = 0,
                  token_slots_used: Callable[[], int] | None = None, stats: Callable[[], Any] | None = None
@@ -117,7 +135,21 @@ class KVPoolCollector:
             put("kvpool_kv_events_published", (), pub.published_events)
             put("kvpool_kv_event_batches_dropped", (), pub.dropped_batches)
             put("kvpool_kv_events_dropped", (), pub.dropped_events)
+        if self._states is not None:
+            self._collect_states(self._states, put)
         yield from families.values()
+
+    @staticmethod
+    def _collect_states(states: Any, put: Callable[[str, tuple[str, ...], float], None]) -> None:
+        ckpt, stats = states.checkpoints, states.stats
+        put("kvpool_state_slots_used", (), states.num_request_slots)
+        put("kvpool_state_slots_capacity", (), states.num_request_capacity)
+        put("kvpool_state_checkpoints", (), len(ckpt))
+        put("kvpool_state_checkpoints_capacity", (), ckpt.capacity if ckpt.capacity is not None else -1)
+        put("kvpool_state_checkpoints_saved", (), stats.saved)
+        put("kvpool_state_checkpoint_hits", (), stats.restored)
+        put("kvpool_state_checkpoints_evicted", (), stats.evicted)
+        put("kvpool_kv_tokens_without_state", (), stats.kv_only_tokens)
 
     @staticmethod
     def _collect_pool(s: _Source, put: Callable[[str, tuple[str, ...], float], None]) -> None:
@@ -168,6 +200,18 @@ class KVPoolCollector:
                     c("kvpool_kv_events_published", "KV events in accepted batches", labels=[]),
                     c("kvpool_kv_event_batches_dropped", "KV event batches dropped, buffer full", labels=[]),
                     c("kvpool_kv_events_dropped", "KV events in dropped batches", labels=[])]
+        if self._states is not None:
+            out += [g("kvpool_state_slots_used", "Recurrent state slots held by running requests", labels=[]),
+                    g("kvpool_state_slots_capacity", "State slots for running requests", labels=[]),
+                    g("kvpool_state_checkpoints", "State checkpoints held for prefix caching", labels=[]),
+                    g("kvpool_state_checkpoints_capacity", "State checkpoints held at most (-1: no bound)",
+                      labels=[]),
+                    c("kvpool_state_checkpoints_saved", "State checkpoints stored", labels=[]),
+                    c("kvpool_state_checkpoint_hits", "Admissions restored from a state checkpoint",
+                      labels=[]),
+                    c("kvpool_state_checkpoints_evicted", "State checkpoints evicted", labels=[]),
+                    c("kvpool_kv_tokens_without_state", "Tokens whose KV was cached but lay past the last "
+                      "state checkpoint", labels=[])]
         return out
 
 

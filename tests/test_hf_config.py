@@ -357,6 +357,7 @@ BUILT_IN_SOURCES = {
     "mistral-7b-v0.1": "mistral-7b-v0.1", "mixtral-8x7b": "mixtral-8x7b-v0.1",
     "phi-3-mini-4k": "phi-3-mini-4k-instruct", "qwen2.5-0.5b": "qwen2.5-0.5b", "qwen2.5-7b": "qwen2.5-7b",
     "qwen3-8b": "qwen3-8b", "qwen3-30b-a3b": "qwen3-30b-a3b", "smollm2-135m": "smollm2-135m",
+    "qwen3-next-80b-a3b": "hybrid/qwen3-next-80b-a3b-instruct",
 }
 
 

@@ -74,6 +74,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     eviction = parser.add_argument_group("eviction")
     eviction.add_argument("--policy", choices=POLICIES, default="lru", metavar="NAME",
                           help=f"eviction policy of cached blocks: {', '.join(POLICIES)} (default lru)")
+    eviction.add_argument("--state-save", metavar="POLICY", default="tail",
+                          help="a recurrent hybrid's state save policy for prefix caching: tail (default), "
+                               "dense, interval=N, tail+junction")
     eviction.add_argument("--pin-prefix", metavar="TEXT",
                           help="pin the full blocks of TEXT's tokens (a system prompt the prompts start "
                                "with) once they are cached, in every KV cache group")
@@ -112,10 +115,10 @@ def pool_blocks(loaded: Any, args: argparse.Namespace, tp_size: int = 1) -> int:
     or the CUDA profile taken after a warmup forward of ``--max-batched-tokens`` tokens."""
     if args.num_blocks is not None:
         return args.num_blocks
-    from kvpool.engine.models import kv_spec
+    from kvpool.engine.recurrent import model_kv_spec
     from kvpool.planner import MemoryReadings, plan_pool, profile_cuda_memory
 
-    spec = kv_spec(loaded.model, block_size=args.block_size, tp_size=tp_size)
+    spec = model_kv_spec(loaded.model, block_size=args.block_size, tp_size=tp_size)
     if args.kv_memory is None and loaded.model.device.type == "cuda":
         @torch.inference_mode()
         def warmup() -> None:  # the largest step: --max-batched-tokens tokens
@@ -139,6 +142,9 @@ def run(args: argparse.Namespace) -> int:
     # event hashes, and those in a file or a shared Redis, leave the process: the same in every process
     args.hash_shared = args.hash_shared or args.kv_events is not None or leaves_process(args)
     hasher = hasher_from_args(args)
+    from kvpool.requests.state_checkpoints import SavePolicy
+
+    SavePolicy.parse(args.state_save, "--state-save")  # bad input fails before loading
     params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              seed=args.seed + i) for i in range(len(texts))]  # bad input fails before loading
     tp_size = tp_size_of(args, args.model)
@@ -180,7 +186,7 @@ def generate_on_rank(tp: Any, args: argparse.Namespace, texts: list[str], params
         engine = LLMEngine(loaded.model, num_blocks=num_blocks if tp is None else tp.min_int(num_blocks),
                            block_size=args.block_size, max_num_batched_tokens=args.max_batched_tokens,
                            eos_token_ids=loaded.eos_token_ids, hasher=hasher, tp_size=tp_size,
-                           kv_events=observers.publisher, policy=args.policy)
+                           kv_events=observers.publisher, policy=args.policy, state_save=args.state_save)
         prompts = [loaded.encode(text) for text in texts]
         if args.pin_prefix and (tp is None or tp.rank == 0):  # rank 0 decides; its pins reach the followers
             engine.pin_prefix(loaded.encode(args.pin_prefix))
@@ -264,6 +270,8 @@ def _stats(engine: Any, tp: Any = None, ship: Any = None) -> dict[str, Any]:
              "tp_size": 1 if tp is None else tp.size}
     if engine.offload is not None:
         stats["tier_hits"], stats["tiers"] = engine.kv_manager.hits_by_place(), engine.offload.stats()
+    if engine.states is not None:
+        stats["recurrent_state"] = engine.states.describe()
     if tp is not None:
         stats["tensor_parallel"] = {"backend": tp.backend, **ship.to_dict()}
     return stats
@@ -282,6 +290,11 @@ def _print_human(results: list[dict[str, Any]], stats: dict[str, Any]) -> None:
           f"peak used {stats['peak_blocks_used']}")
     print(f"prefix-hit tokens: {stats['prefix_hit_tokens']}, preemptions: {stats['preemptions']}")
     print(f"block hashes: {describe_hasher(stats['hashing'])}")
+    if "recurrent_state" in stats:
+        r = stats["recurrent_state"]
+        print(f"recurrent state: {r['state_slots_capacity']} slots (peak {r['state_slots_peak']} used), "
+              f"save policy {r['state_save']}: {r['checkpoints_saved']} checkpoints saved, "
+              f"{r['checkpoint_hits']} restored, {r['kv_only_tokens']} cached KV tokens past the last one")
     if "tier_hits" in stats:
         hits = ", ".join(f"{where} {n}" for where, n in stats["tier_hits"].items())
         print(f"prefix-hit blocks by tier: {hits} (load failures: {stats['tiers']['load_failures']})")

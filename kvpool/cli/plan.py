@@ -6,6 +6,11 @@ Without ``--gpu-memory`` it reads the local CUDA device (its total, free and alr
 ``--non-kv-memory`` (the model's weights and activations) to what is already in use. Each assumption that
 changes the answer (no non-KV memory, the KV dtype ``auto`` picked, the step size of a windowed model) is
 said in a ``note:`` line (``notes`` in ``--json``).
+
+An attention / recurrent hybrid (Qwen3-Next, Nemotron-H, ...: :func:`kvpool.state_spec.is_recurrent_config`)
+is planned over its attention layers only, and a ``recurrent state`` part follows: the state per request and
+its KV-token equivalent and, with ``--max-model-len``, both ways the engines size state beside KV
+(:mod:`kvpool.state_planner`: vLLM's one pool, SGLang's two pools) in the same KV memory.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from kvpool.planner import (
     profile_cuda_memory,
 )
 from kvpool.spec import KVCacheSpec, auto_kv_dtype, parse_kv_dtype
+from kvpool.state_planner import plan_state_memory
+from kvpool.state_spec import HybridSpec, is_recurrent_config
 from kvpool.units import human_bytes, plural
 
 
@@ -78,12 +85,34 @@ def add_memory_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
 def plan_from_args(config: str | dict[str, Any], args: argparse.Namespace, *, max_model_len: int | None = None
                    ) -> tuple[KVCacheSpec, PoolPlan]:
     """The spec of ``config`` and its plan from the :func:`add_memory_arguments` options, --block-size and
-    (where the command has it) --max-num-batched-tokens."""
-    spec = KVCacheSpec.from_hf_config(load_config(config), tp_size=args.tp_size,
-                                      kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size)
+    (where the command has it) --max-num-batched-tokens; a recurrent hybrid's spec is its attention layers'
+    (:func:`kv_spec_from_args`)."""
+    spec = kv_spec_from_args(config, args)
     plan = plan_pool(spec, _readings(args), gpu_memory_utilization=args.gpu_memory_utilization,
                      max_model_len=max_model_len, max_num_batched_tokens=_step_tokens(args))
     return spec, plan
+
+
+def hybrid_from_args(config: str | dict[str, Any], args: argparse.Namespace) -> HybridSpec | None:
+    """A recurrent hybrid's :class:`HybridSpec` (--tp-size, --kv-cache-dtype, --block-size), else None."""
+    config = load_config(config)
+    if not is_recurrent_config(config):
+        return None
+    return HybridSpec.from_hf_config(config, tp_size=args.tp_size, kv_cache_dtype=args.kv_cache_dtype,
+                                     block_size=args.block_size)
+
+
+def kv_spec_from_args(config: str | dict[str, Any], args: argparse.Namespace) -> KVCacheSpec:
+    """The KV cache spec of ``config``: of its attention layers only for a recurrent hybrid (ConfigError for
+    one without attention layers: its memory is state only)."""
+    config = load_config(config)
+    hybrid = hybrid_from_args(config, args)
+    if hybrid is None:
+        return KVCacheSpec.from_hf_config(config, tp_size=args.tp_size, kv_cache_dtype=args.kv_cache_dtype,
+                                          block_size=args.block_size)
+    if hybrid.attention is None:
+        raise ConfigError(f"{hybrid.model_type} has no attention layers: no KV cache to plan")
+    return hybrid.attention
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,10 +120,31 @@ def run(args: argparse.Namespace) -> int:
     spec, plan = plan_from_args(config, args, max_model_len=args.max_model_len)
     rule, dtype_note = kv_dtype_rule(config, args.kv_cache_dtype)
     report = {**plan_report(spec, plan), "kv_dtype_rule": rule, "hashing": hasher_from_args(args).describe()}
+    hybrid = hybrid_from_args(config, args)
+    if hybrid is not None:
+        report["recurrent_state"] = state_report(hybrid, plan.available_kv_bytes, args.max_model_len)
     report["notes"] = [note for note in (dtype_note, *_memory_notes(args, plan), _step_note(args, spec),
                                          _shape_note(report)) if note]
     print(json.dumps(report) if args.json else _human(report))
     return 0
+
+
+def state_report(hybrid: HybridSpec, kv_bytes: int, max_model_len: int | None) -> dict[str, Any]:
+    """A hybrid's recurrent state per request, and (with ``max_model_len``) :class:`StatePlan`'s lines for
+    ``kv_bytes`` of memory: the ``recurrent_state`` object of ``--json``."""
+    state = hybrid.state
+    report: dict[str, Any] = {
+        "kind": state.kind.value, "num_layers": state.num_layers, "layers": list(state.layers),
+        "conv_shape": list(state.conv_shape), "ssm_shape": list(state.ssm_shape),
+        "conv_dtype": str(state.conv_dtype).removeprefix("torch."),
+        "ssm_dtype": str(state.ssm_dtype).removeprefix("torch."),
+        "bytes_per_layer": state.bytes_per_layer, "bytes_per_request": hybrid.state_bytes_per_request,
+        "kv_token_equivalent": hybrid.kv_token_equivalent,
+        "attention_layers": list(hybrid.attention_layers),
+    }
+    if max_model_len is not None:
+        report["sizing"] = plan_state_memory(hybrid, kv_bytes, max_model_len).lines()[2:]  # both ways
+    return report
 
 
 def _step_tokens(args: argparse.Namespace) -> int:
@@ -246,7 +296,25 @@ def _human(r: dict[str, Any]) -> str:
     lines[4:4] = _group_lines(r)
     if "max_concurrency" in r:
         lines += _per_request_lines(r)
+    if "recurrent_state" in r:
+        lines += _state_lines(r["recurrent_state"])
     return "\n".join(lines + [f"note: {note}" for note in r["notes"]])
+
+
+def _state_lines(s: dict[str, Any]) -> list[str]:
+    """The recurrent part: layers, shapes and bytes per request; with --max-model-len both sizings."""
+    ssm = f", ssm {s['ssm_shape']} {s['ssm_dtype']}" if s["ssm_shape"] else ""
+    lines = [f"recurrent state  {plural(s['num_layers'], s['kind'] + ' layer')} "
+             f"{_layer_list(s['layers'])} beside {plural(len(s['attention_layers']), 'attention layer')}: "
+             f"conv {s['conv_shape']} {s['conv_dtype']}{ssm}",
+             f"  per request    {s['bytes_per_request']:,} B ({human_bytes(s['bytes_per_request'])}, "
+             f"{s['bytes_per_layer']:,} B per layer) = the KV of {s['kv_token_equivalent']:,.0f} tokens"]
+    if "sizing" in s:
+        lines.append("  the figures above are KV only; state and KV in the same KV memory, both ways:")
+        lines += [f"  {line}" for line in s["sizing"]]
+    else:
+        lines.append("  (give --max-model-len for vLLM's one pool and SGLang's two pools)")
+    return lines
 
 
 def _block_words(r: dict[str, Any]) -> str:

@@ -8,6 +8,10 @@ farthest-next-use bound); ``--sweep SIZES --policies NAMES`` replays every pool 
 prints the hit-ratio table; ``--report FILE.html`` writes a self-contained page of the runs. Tiers below
 the pool (``--host-blocks``, ``--disk-dir`` + ``--disk-blocks``, ``--remote``) keep the evicted blocks'
 hashes; ``tier_hits`` says where the hits were found, and ``--sweep`` with ``--plot`` draws them by tier.
+A recurrent hybrid's ``--model-config`` (Qwen3-Next, Nemotron-H, ...) replays its attention layers' KV and
+a state slot per running request; a prefix is a hit only up to a state checkpoint, saved by
+``--state-save`` (``tail``, the default for such a model, ``dense``, ``interval=N``, ``tail+junction``) into
+at most ``--state-checkpoints N`` checkpoints (least recently used evicted; default unbounded).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 from kvpool.cli._args import id_list, non_negative_float, positive_int, positive_int_list, word_list
 from kvpool.cli._observe import Observers, add_event_arguments
 from kvpool.cli._tiers import add_tier_arguments, build_tiers, check_tier_targets, wants_tiers
-from kvpool.cli.plan import add_memory_arguments, plan_from_args
+from kvpool.cli.plan import add_memory_arguments, hybrid_from_args, kv_spec_from_args, plan_from_args
 from kvpool.errors import ConfigError
 from kvpool.planner import PoolPlan
 from kvpool.spec import KVCacheSpec
@@ -57,6 +61,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     _capacity_arguments(parser.add_argument_group("pool size"))
     _policy_arguments(parser.add_argument_group("eviction"))
+    _state_arguments(parser.add_argument_group("recurrent state (hybrids of attention and Mamba / linear "
+                                               "attention)"))
     add_tier_arguments(parser, disk_in_blocks=True)
     _engine_arguments(parser.add_argument_group("engine model (step times; budgets apply to trace timing)"))
     add_event_arguments(parser)
@@ -80,6 +86,16 @@ def _policy_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--pin-prefix", type=id_list, metavar="ID,...", default=[],
                        help="pin the prefix of these trace hash ids (512-token blocks) once it is cached, "
                             "e.g. 0: the system prompt every Mooncake request starts with")
+
+
+def _state_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--state-save", metavar="POLICY",
+                       help="where a request's recurrent state is saved for prefix caching: tail (the end of "
+                            "its prompt and sequence; the default for a recurrent --model-config), dense "
+                            "(every block), interval=N (every N blocks), tail+junction (also where prefixes "
+                            "diverge)")
+    group.add_argument("--state-checkpoints", type=positive_int, metavar="N",
+                       help="state checkpoints held at most, least recently used evicted (default unbounded)")
 
 
 def _engine_arguments(group: argparse._ArgumentGroup) -> None:
@@ -155,9 +171,7 @@ def _plan_runs(args: argparse.Namespace
     if args.sweep:  # pool sizes in blocks; --model-config then gives the KV cache groups only
         _refuse_unused_memory_options(args, allowed=("--tp-size", "--kv-cache-dtype"))
         num_blocks, pool_plan = None, None
-        spec = None if args.model_config is None else KVCacheSpec.from_hf_config(
-            args.model_config, tp_size=args.tp_size, kv_cache_dtype=args.kv_cache_dtype,
-            block_size=args.block_size)
+        spec = None if args.model_config is None else kv_spec_from_args(args.model_config, args)
     else:
         num_blocks, spec, pool_plan = sizing_from_args(args)
     sizes: list[int | None] = [*args.sweep] if args.sweep else [num_blocks]
@@ -169,12 +183,24 @@ def _plan_runs(args: argparse.Namespace
         raise ConfigError("--kv-events follows one run: drop --sweep / --policies")
     for policy in policies:  # every name now, not after the first runs
         ReplayConfig(policy=policy)
+    state_save = _state_save(args)
     config = ReplayConfig(
         block_size=args.block_size, num_blocks=sizes[0], timing=args.timing,
         max_batched_tokens=args.max_batched_tokens, max_running=args.max_running, step_s=args.step_s,
         prefill_token_s=args.prefill_token_s, decode_token_s=args.decode_token_s, policy=policies[0],
-        pin_prefix=tuple(args.pin_prefix), groups=spec.groups if spec is not None and hybrid else ())
+        pin_prefix=tuple(args.pin_prefix), groups=spec.groups if spec is not None and hybrid else (),
+        state_save=state_save, state_checkpoints=args.state_checkpoints)
     return config, sizes, policies, spec, pool_plan
+
+
+def _state_save(args: argparse.Namespace) -> str | None:
+    """``--state-save`` (``tail`` for a recurrent ``--model-config`` without it); ConfigError when given
+    for a model without recurrent state."""
+    recurrent = args.model_config is not None and hybrid_from_args(args.model_config, args) is not None
+    if not recurrent and (args.state_save is not None or args.state_checkpoints is not None):
+        option = "--state-save" if args.state_save is not None else "--state-checkpoints"
+        raise ConfigError(f"{option} needs --model-config of a recurrent hybrid (Qwen3-Next, Nemotron-H...)")
+    return (args.state_save or "tail") if recurrent else None
 
 
 def _tier_factory(args: argparse.Namespace, trace: Any) -> Any:
@@ -257,12 +283,18 @@ _FORMATS = {
     "preemptions": ",", "evictions": ",", "block_ops": ",", "block_ops_per_s": ",.0f", "wall_s": ",.3f",
     "simulated_s": ",.3f", "policy": "", "pinned_blocks": ",", "plot": "", "report": "",
     "kv_cache_groups": ",", "bytes_per_block": ",", "peak_bytes_used": ",", "mean_bytes_used": ",",
-    "mean_memory_saving": ".4f",
+    "mean_memory_saving": ".4f", "state_save": "", "state_slots_peak": ",", "checkpoints_saved": ",",
+    "checkpoints_peak": ",", "checkpoint_hits": ",", "checkpoint_evictions": ",", "kv_only_tokens": ",",
 }
+#: Report fields of a recurrent hybrid's state, printed only for one.
+_STATE_FIELDS = ("state_save", "state_slots_peak", "checkpoints_saved", "checkpoints_peak", "checkpoint_hits",
+                 "checkpoint_evictions", "kv_only_tokens")
 
 
 def _human(report: dict[str, Any]) -> str:
-    lines = [f"{name:<20} {report[name]:{spec}}" for name, spec in _FORMATS.items() if name in report]
+    state = report.get("state_save") is not None
+    lines = [f"{name:<20} {report[name]:{spec}}" for name, spec in _FORMATS.items()
+             if name in report and (state or name not in _STATE_FIELDS)]
     if report.get("tiers"):
         hits = ", ".join(f"{where} {n:,}" for where, n in report["tier_hits"].items())
         lines.insert(10, f"{'tier_hits':<20} {hits}")

@@ -11,6 +11,14 @@ packed forward). Under tensor parallelism the same engine decides on rank 0, and
 batch to the other ranks first takes the place of its own (:mod:`kvpool.engine.distributed`).
 
 A full block is published to the prefix cache only after the forward that wrote its KV.
+
+An attention / recurrent hybrid (:data:`kvpool.engine.models.TINY_HYBRID_MODELS`, or a local folder of such a
+family) keeps its attention KV in the paged cache and each running request's recurrent state in a state slot
+(:class:`~kvpool.requests.state_checkpoints.RequestStates`, over the runner's
+:class:`~kvpool.storage.state.RecurrentStateCache`): taken at admission (zeroed, or filled from the state
+checkpoint that ends its prefix hit), freed at its end or preemption (a preempted request is recomputed).
+With prefix caching, states are saved at the block boundaries of ``state_save`` into ``state_checkpoints``
+checkpoint slots as the forward passes them.
 """
 
 from __future__ import annotations
@@ -24,7 +32,8 @@ import torch
 
 from kvpool.allocators.groups import KVCacheCoordinator
 from kvpool.allocators.hashing import BlockHasher, default_hasher
-from kvpool.engine.models import kv_spec
+from kvpool.allocators.state_pool import StatePool
+from kvpool.engine.recurrent import hybrid_spec, model_kv_spec
 from kvpool.engine.runner import ModelRunner, StepBatch
 from kvpool.engine.sampling import SamplingParams, sample
 from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError, KVPoolError
@@ -32,6 +41,9 @@ from kvpool.numeric import as_id_list, as_int, index_or_none
 from kvpool.requests.kv_manager import KVCacheManager
 from kvpool.requests.request import Request, RequestStatus
 from kvpool.requests.scheduler import Scheduler, SchedulerOutput
+from kvpool.requests.state_checkpoints import RequestStates, SavePolicy, StateCheckpoints
+from kvpool.spec import KVCacheSpec
+from kvpool.state_spec import is_recurrent_config
 
 if TYPE_CHECKING:  # the tiers and events need their extras: imported when they are enabled
     from kvpool.allocators.policies import FrequencyAdmission
@@ -91,6 +103,10 @@ class LLMEngine:
         pin_cap: the largest fraction of the pool that :meth:`pin_prefix` may pin.
         admission: a :class:`~kvpool.allocators.policies.FrequencyAdmission` the pool asks before it
             publishes a new block hash (None: publish every full block).
+        state_save: a recurrent hybrid's state save policy (``tail``, ``dense``, ``interval=N``,
+            ``tail+junction``: :mod:`kvpool.requests.state_checkpoints`); ignored for other models.
+        state_checkpoints: a recurrent hybrid's checkpoint slots (default ``max_num_seqs``; 0 without
+            prefix caching), beside one state slot per running request.
 
     Attributes: ``kv_manager`` (the :class:`~kvpool.requests.kv_manager.KVCacheManager`), ``scheduler``,
     ``kv`` (its :class:`KVCacheCoordinator`), ``pool`` (its :class:`BlockPool`), ``cache`` (the KV tensors),
@@ -102,18 +118,19 @@ class LLMEngine:
                  enable_prefix_caching: bool = True, kv_dtype: torch.dtype | None = None,
                  keep_logits: bool = False, hasher: BlockHasher | None = None, tp_size: int = 1,
                  kv_events: EventPublisher | None = None, policy: Any = "lru", pin_cap: float = 0.5,
-                 admission: FrequencyAdmission | None = None) -> None:
+                 admission: FrequencyAdmission | None = None, state_save: str | SavePolicy = "tail",
+                 state_checkpoints: int | None = None) -> None:
         max_num_batched_tokens = as_int(max_num_batched_tokens, "max_num_batched_tokens", minimum=1)
         max_num_seqs = as_int(max_num_seqs, "max_num_seqs", minimum=1)
         self.model, self.block_size, self.device = model, block_size, model.device
-        spec = kv_spec(model, block_size=block_size, dtype=kv_dtype, tp_size=tp_size)
-        self.runner = ModelRunner(model, spec, num_blocks)
+        spec = self._build_runner(model, num_blocks, block_size, kv_dtype, tp_size, max_num_seqs,
+                                  enable_prefix_caching, state_save, state_checkpoints)
         self.cache = self.runner.cache
         sink = self._event_sink(kv_events)
         self.hasher = hasher or (default_hasher() if sink is None else BlockHasher(shared=True))
         self.kv_manager = KVCacheManager(spec.groups, num_blocks, enable_caching=enable_prefix_caching,
                                          hasher=self.hasher, policy=policy, pin_cap=pin_cap,
-                                         admission=admission, event_sink=sink)
+                                         admission=admission, event_sink=sink, states=self.states)
         self.tp_size = tp_size
         self.scheduler = Scheduler(self.kv_manager, max_num_batched_tokens=max_num_batched_tokens,
                                    max_num_seqs=max_num_seqs)
@@ -124,6 +141,28 @@ class LLMEngine:
         self.stats = EngineStats(num_blocks)
         self.max_model_len: int | None = getattr(model.config, "max_position_embeddings", None)
         self.vocab_size: int = model.get_input_embeddings().num_embeddings
+
+    def _build_runner(self, model: Any, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None,
+                      tp_size: int, max_num_seqs: int, caching: bool, state_save: str | SavePolicy,
+                      state_checkpoints: int | None) -> KVCacheSpec:
+        """The runner (and, for a recurrent hybrid, :attr:`states`); returns the KV spec."""
+        self.hybrid, self.states = None, None
+        spec = model_kv_spec(model, block_size=block_size, dtype=kv_dtype, tp_size=tp_size)
+        if not is_recurrent_config(model.config.to_dict()):
+            self.runner = ModelRunner(model, spec, num_blocks)
+            return spec
+        policy = state_save if isinstance(state_save, SavePolicy) else SavePolicy.parse(state_save)
+        default = max_num_seqs if caching else 0
+        capacity = as_int(default if state_checkpoints is None else state_checkpoints, "state_checkpoints",
+                          minimum=0, error=ConfigError)
+        self.hybrid = hybrid_spec(model, block_size=block_size, dtype=kv_dtype)
+        self.runner = ModelRunner(model, spec, num_blocks, hybrid=self.hybrid,
+                                  num_state_slots=max_num_seqs + capacity)
+        pool = StatePool(max_num_seqs + capacity)
+        checkpoints = StateCheckpoints(capacity, pool=pool) if capacity else StateCheckpoints(0)
+        self.states = RequestStates(policy, block_size, pool, checkpoints=checkpoints,
+                                    mover=self.runner.recurrent.cache)
+        return spec
 
     # ---- the request path's parts, by their old names -----------------------------------------------
 
@@ -322,7 +361,11 @@ class LLMEngine:
             if samples:
                 rows.append(len(ids) - 1)
             spans.append((self.kv_manager.block_tables(req), start, end))
-        return StepBatch(ids, positions, rows, spans)
+        if self.states is None:
+            return StepBatch(ids, positions, rows, spans)
+        reqs = [req for req, _ in out.scheduled]
+        return StepBatch(ids, positions, rows, spans, [self.states.slot(r) for r in reqs],
+                         [self.states.pending(r) for r in reqs])
 
     def num_token_slots_used(self) -> int:
         """Token slots holding KV now: the tokens written in each block in use, a block that requests share

@@ -29,8 +29,9 @@ GEMMA3 = "gemma3-270m"  # Gemma 3 270M (15 sliding layers, window 512, 3 full) f
 TINY_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-gpt2", "tiny-mistral", "tiny-gemma2", "tiny-gemma3",
                "tiny-gpt-oss", "tiny-gemma4", "tiny-mimo")
 #: Tiny attention / recurrent hybrids (random weights, byte vocabulary): one per family of
-#: :mod:`kvpool.state_spec`, for the execute side of state slots (:mod:`kvpool.engine.recurrent`). The
-#: engine's scheduler does not drive state slots yet: :func:`kv_spec` refuses them.
+#: :mod:`kvpool.state_spec`, run by the engine with their state in state slots
+#: (:mod:`kvpool.engine.recurrent`; :func:`kv_spec` refuses them: see
+#: :func:`kvpool.engine.recurrent.model_kv_spec`).
 TINY_HYBRID_MODELS = ("tiny-qwen3-next", "tiny-qwen3.5", "tiny-nemotron-h", "tiny-granite-4.0-h",
                       "tiny-bamba", "tiny-lfm2", "tiny-kimi-linear", "tiny-olmo-hybrid", "tiny-jamba",
                       "tiny-falcon-h1")
@@ -107,12 +108,12 @@ def kv_spec(model: Any, *, block_size: int, dtype: torch.dtype | None = None, tp
     model's own dtype unless given.
 
     Raises ConfigError for an attention / recurrent hybrid (:func:`kvpool.state_spec.is_recurrent_config`):
-    its recurrent layers keep a state per request that the engine's scheduler does not hold yet, and
-    running them without one would silently restart every layer's state at each step."""
+    read as a plain KV spec, its recurrent layers would pass as attention (or hold no state at all), so
+    its spec is :func:`kvpool.engine.recurrent.model_kv_spec` (the attention layers) beside its state."""
     config = model.config.to_dict()
     if is_recurrent_config(config):
-        raise ConfigError(f"{config.get('model_type')} keeps a recurrent state per request, which the engine "
-                          f"does not schedule yet (kvpool.engine.recurrent runs it with state slots)")
+        raise ConfigError(f"{config.get('model_type')} keeps a recurrent state per request: its KV spec is "
+                          f"kvpool.engine.recurrent.model_kv_spec's (its attention layers), as LLMEngine's")
     kv_dtype = str(dtype or model.dtype).removeprefix("torch.")
     return KVCacheSpec.from_hf_config(config, block_size=block_size, kv_cache_dtype=kv_dtype, tp_size=tp_size)
 

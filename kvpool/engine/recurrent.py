@@ -14,6 +14,11 @@ A span that starts at token 0 is a fresh request: the mixer sees no previous sta
 transformers' prefill does) and writes the slot. A later span continues from the slot. Mamba-1 cannot
 continue a multi-token span from a saved state in transformers (its full-sequence scan ignores the initial
 state), so such a span runs token by token through the decode path, which does.
+
+A span may carry **saves** (prefix caching of states, :mod:`kvpool.requests.state_checkpoints`): ``(b,
+checkpoint slot)`` with ``start < b <= end``; each mixer then runs the span in pieces cut at every ``b``
+and copies its layer's state into the checkpoint slot as it passes ``b``, so the checkpoint holds exactly the
+state after the first ``b`` tokens (what a later request restores into its own slot).
 """
 
 from __future__ import annotations
@@ -117,22 +122,34 @@ class RecurrentStates:
                  device: torch.device | str = "cpu") -> None:
         self.spec = spec
         self.cache = RecurrentStateCache(spec, num_slots, device=device)
-        self._spans: list[tuple[int, int, int, int]] | None = None  # (row start, row end, token start, slot)
+        # (row start, row end, token start, slot, saves)
+        self._spans: list[tuple[int, int, int, int, Sequence[tuple[int, int]]]] | None = None
         for layer, module in _mixers(model, spec).items():
             module.forward = self._per_span(module.forward, layer)
 
     @contextlib.contextmanager
-    def step(self, spans: Sequence[tuple[int, int]], slots: Sequence[int]) -> Iterator[None]:
+    def step(self, spans: Sequence[tuple[int, int]], slots: Sequence[int],
+             saves: Sequence[Sequence[tuple[int, int]]] | None = None) -> Iterator[None]:
         """Run the forward inside this block as one engine step: request i computes tokens ``spans[i] =
-        (start, end)`` (packed back to back, in order) with its state in ``slots[i]``.
+        (start, end)`` (packed back to back, in order) with its state in ``slots[i]``, and saves its state
+        after token ``b`` into slot ``c`` for each ``(b, c)`` of ``saves[i]`` (ascending, ``start < b <=
+        end``).
 
-        Raises InvalidArgumentError for spans and slots of different lengths, or a slot out of range."""
-        if len(spans) != len(slots):
-            raise InvalidArgumentError(f"{len(spans)} spans but {len(slots)} state slots")
+        Raises InvalidArgumentError for spans, slots and saves of different lengths, a save outside its
+        span or out of order, or a slot out of range."""
+        saves = [()] * len(spans) if saves is None else saves
+        if not len(spans) == len(slots) == len(saves):
+            raise InvalidArgumentError(f"{len(spans)} spans but {len(slots)} state slots and {len(saves)} "
+                                       f"lists of saves")
         rows, row = [], 0
-        for (start, end), slot in zip(spans, slots, strict=True):
+        for (start, end), slot, cuts in zip(spans, slots, saves, strict=True):
+            for _, c in cuts:
+                self.cache.conv_view(self.spec.layers[0], c)  # checks the slot
+            bounds = [b for b, _ in cuts]
+            if bounds != sorted(set(bounds)) or any(not start < b <= end for b in bounds):
+                raise InvalidArgumentError(f"saves at {bounds} are not ascending within ({start}, {end}]")
             self.cache.conv_view(self.spec.layers[0], slot)  # checks the slot
-            rows.append((row, row + end - start, start, slot))
+            rows.append((row, row + end - start, start, slot, list(cuts)))
             row += end - start
         self._spans = rows
         try:
@@ -146,10 +163,31 @@ class RecurrentStates:
                 return original(*args, **kwargs)
             hidden = args[0] if args else kwargs.pop("hidden_states")
             rest = {k: v for k, v in kwargs.items() if k not in _NOT_PASSED and k != "hidden_states"}
-            outputs = [self._run(original, hidden[:, lo:hi], start, slot, rest)
-                       for lo, hi, start, slot in self._spans]
+            outputs = [self._run_saving(original, layer, hidden[:, lo:hi], start, slot, saves, rest)
+                       for lo, hi, start, slot, saves in self._spans]
             return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
         return forward
+
+    def _run_saving(self, original: Any, layer: int, hidden: torch.Tensor, start: int, slot: int,
+                    saves: Sequence[tuple[int, int]], rest: dict[str, Any]) -> torch.Tensor:
+        """The span in pieces cut at its saves, this layer's state copied into each checkpoint slot."""
+        if not saves:
+            return self._run(original, hidden, start, slot, rest)
+        outputs, done = [], 0
+        for b, checkpoint in saves:
+            if b - start > done:
+                outputs.append(self._run(original, hidden[:, done:b - start], start + done, slot, rest))
+                done = b - start
+            self._save(layer, slot, checkpoint)
+        if done < hidden.shape[1]:
+            outputs.append(self._run(original, hidden[:, done:], start + done, slot, rest))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+    def _save(self, layer: int, slot: int, checkpoint: int) -> None:
+        cache = self.cache
+        cache.conv_view(layer, checkpoint).copy_(cache.conv_view(layer, slot))
+        if cache.ssm is not None:
+            cache.ssm_view(layer, checkpoint).copy_(cache.ssm_view(layer, slot))
 
     def _run(self, original: Any, hidden: torch.Tensor, start: int, slot: int, rest: dict[str, Any]
              ) -> torch.Tensor:
@@ -182,6 +220,20 @@ def hybrid_spec(model: Any, *, block_size: int, dtype: torch.dtype | None = None
     name = str(dtype or model.dtype).removeprefix("torch.")
     return HybridSpec.from_hf_config(model.config.to_dict(), block_size=block_size, kv_cache_dtype=name,
                                      conv_dtype=name, ssm_dtype="float32")
+
+
+def model_kv_spec(model: Any, *, block_size: int, dtype: torch.dtype | None = None, tp_size: int = 1
+                  ) -> KVCacheSpec:
+    """The KV spec the engine's paged cache holds for ``model``: :func:`kvpool.engine.models.kv_spec`, or for
+    a recurrent hybrid its attention layers' (:func:`execution_kv_spec`; ConfigError for ``tp_size`` > 1)."""
+    from kvpool.engine.models import kv_spec
+    from kvpool.state_spec import is_recurrent_config
+
+    if not is_recurrent_config(model.config.to_dict()):
+        return kv_spec(model, block_size=block_size, dtype=dtype, tp_size=tp_size)
+    if tp_size != 1:
+        raise ConfigError("a recurrent hybrid runs on one rank here (tp_size 1)")
+    return execution_kv_spec(hybrid_spec(model, block_size=block_size, dtype=dtype), model)
 
 
 def execution_kv_spec(spec: HybridSpec, model: Any) -> KVCacheSpec:

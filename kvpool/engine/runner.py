@@ -37,6 +37,8 @@ class StepBatch:
             window left behind hold the null block).
         state_slots: per request, its state slot (recurrent hybrids; see :mod:`kvpool.engine.recurrent`), or
             None for a model without recurrent layers.
+        state_saves: per request, ``(b, checkpoint slot)`` pairs: save its state after token ``b`` (a
+            recurrent hybrid's prefix caching); None: no saves.
     """
 
     token_ids: list[int]
@@ -44,6 +46,7 @@ class StepBatch:
     sample_rows: list[int]
     spans: list[tuple[tuple[list[int], ...], int, int]]
     state_slots: list[int] | None = None
+    state_saves: list[list[tuple[int, int]]] | None = None
 
 
 class ModelRunner:
@@ -87,4 +90,5 @@ class ModelRunner:
             return contextlib.nullcontext()
         if batch.state_slots is None:
             raise InvalidArgumentError("a hybrid model's batch must name each request's state slot")
-        return self.recurrent.step([(start, end) for _, start, end in batch.spans], batch.state_slots)
+        return self.recurrent.step([(start, end) for _, start, end in batch.spans], batch.state_slots,
+                                   batch.state_saves)

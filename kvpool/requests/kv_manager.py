@@ -18,6 +18,11 @@ KV events, a tier chain below the device, tensor parallelism. The life of a requ
 4. **The end** (:meth:`free`) or a **preemption** (:meth:`preempt`): every block is freed tail first, so
    the prefix's head is evicted last; a preempted request is recomputed from scratch later.
 
+A recurrent hybrid's manager also holds :attr:`KVCacheManager.states`
+(:class:`~kvpool.requests.state_checkpoints.RequestStates`): a state slot per running request (taken at
+admission, zeroed or restored from a checkpoint, freed with the blocks), a hit cut back to the longest prefix
+that ends at a state checkpoint, saves planned as steps are scheduled and committed as they publish.
+
 Prefix hits are counted once per admission that succeeded (:attr:`stats`; :attr:`first_stats` for first
 admissions only: what a replay's hit ratio counts), by where each hit block was found.
 """
@@ -38,6 +43,7 @@ from kvpool.spec import KVCacheGroup, LayerKind, cdiv
 if TYPE_CHECKING:
     from kvpool.allocators.policies import FrequencyAdmission
     from kvpool.events import KVEventSink
+    from kvpool.requests.state_checkpoints import RequestStates
     from kvpool.storage.paged import BlockStore
     from kvpool.tiers.backend import TierBackend
     from kvpool.tiers.manager import OffloadManager
@@ -88,6 +94,8 @@ class KVCacheManager:
         event_sink: the pool's KV events (:class:`kvpool.events.KVEventSink`); :meth:`flush_events` once per
             step publishes them.
         pool: an all-free :class:`BlockPool` to use (see :class:`KVCacheCoordinator`).
+        states: a recurrent hybrid's :class:`~kvpool.requests.state_checkpoints.RequestStates` (state slots
+            and checkpoints, with the attention groups' block size), or None.
 
     Raises:
         InvalidArgumentError: as :class:`KVCacheCoordinator`.
@@ -96,12 +104,16 @@ class KVCacheManager:
     def __init__(self, groups: Sequence[KVCacheGroup], num_blocks: int, *, enable_caching: bool = True,
                  hasher: BlockHasher | None = None, policy: Any = "lru", pin_cap: float = 0.5,
                  admission: FrequencyAdmission | None = None, event_sink: KVEventSink | None = None,
-                 pool: BlockPool | None = None) -> None:
+                 pool: BlockPool | None = None, states: RequestStates | None = None) -> None:
         self.coordinator = KVCacheCoordinator(groups, num_blocks, enable_caching=enable_caching,
                                               event_sink=event_sink, policy=policy, pin_cap=pin_cap,
                                               admission=admission, pool=pool)
         self.groups, self.block_size = self.coordinator.groups, self.coordinator.block_size
         self.caching, self.hasher = enable_caching, hasher
+        if states is not None and states.block_size != self.block_size:
+            raise ConfigError(f"the state checkpoints' block size {states.block_size} is not the KV cache "
+                              f"groups' {self.block_size}")
+        self.states = states
         self.tiers: OffloadManager | None = None
         self.stats, self.first_stats = PrefixCacheStats(), PrefixCacheStats()
         self.ops = 0  # block ids and hashes handled by pool calls (a replay reports block ops per second)
@@ -195,14 +207,20 @@ class KVCacheManager:
 
     def admit(self, req: Request, budget: int) -> int | None:
         """Admit ``req`` (holding no blocks) with its cached prefix and a first chunk of at most ``budget``
-        tokens; returns the chunk's tokens, or None (no block allocated) when the pool is short. Sets
-        ``req.num_computed_tokens`` to the prefix hit (and ``num_cached_tokens`` at a first admission)."""
-        coord, bs, hashes = self.coordinator, self.block_size, req.block_hashes
+        tokens; returns the chunk's tokens, or None (no block allocated) when the pool is short (or, for a
+        hybrid, no state slot is free). Sets ``req.num_computed_tokens`` to the prefix hit (and
+        ``num_cached_tokens`` at a first admission)."""
+        coord, bs, hashes, states = self.coordinator, self.block_size, req.block_hashes, self.states
+        if states is not None and not states.has_free_slot:
+            return None
         limit = min(len(hashes), (req.num_tokens - 1) // bs) if self.caching else 0
         if self._fewest_new_blocks(req, limit, budget) > coord.num_free_blocks:
             return None  # short even with the longest hit it could find: no lookup needed
-        hit = coord.find_longest_cache_hit(hashes, limit, count=False,
-                                           probe=self.tiers.probe() if self.tiers is not None else None)
+        probe = self.tiers.probe() if self.tiers is not None else None
+        hit = coord.find_longest_cache_hit(hashes, limit, count=False, probe=probe)
+        kv_blocks = hit.num_blocks
+        if states is not None:
+            hit = self._joint_hit(req, hit, probe)
         loaded: dict[Hashable, int] = {}
         if self.tiers is not None and self._below(hit):
             if not self._fits(req, hit, budget):
@@ -211,6 +229,8 @@ class KVCacheManager:
                 self.on_admit(req)
             loaded = self.tiers.restore(self._plan(hit))
             hit = coord.find_longest_cache_hit(hashes, hit.num_blocks, count=False)
+            if states is not None:
+                hit = self._joint_hit(req, hit, None)
         if not self._fits(req, hit, budget):
             return None
         if self.on_admit is not None:
@@ -222,10 +242,24 @@ class KVCacheManager:
         req.num_computed_tokens = computed
         places = self._places(hit, loaded)
         self.stats.record(limit, places)
-        if req.num_cached_tokens < 0:
+        first = req.num_cached_tokens < 0
+        if first:
             req.num_cached_tokens = computed
             self.first_stats.record(limit, places)
+        if states is not None:
+            states.admit(req, hit.num_blocks, kv_blocks, first=first)
+            if self.caching:
+                states.plan(req, computed, computed + chunk)
         return chunk
+
+    def _joint_hit(self, req: Request, hit: CacheHit, probe: Any) -> CacheHit:
+        """``hit`` cut back to the longest prefix that every group restores and that ends at a state
+        checkpoint (or is empty): the joint hit of a recurrent hybrid."""
+        while True:
+            j = self.states.joint_blocks(req, hit.num_blocks)  # type: ignore[union-attr]
+            if j == hit.num_blocks:
+                return hit
+            hit = self.coordinator.find_longest_cache_hit(req.block_hashes, j, count=False, probe=probe)
 
     def _fewest_new_blocks(self, req: Request, limit: int, budget: int) -> int:
         """A lower bound of the free blocks admitting ``req`` takes, whatever its hit: with a hit of k blocks
@@ -282,6 +316,8 @@ class KVCacheManager:
         if need:
             coord.allocate(rid, computed + num_new_tokens)
         self.ops += freed + need
+        if self.states is not None and self.caching:
+            self.states.plan(req, computed, computed + num_new_tokens)
         return True
 
     def publish(self, req: Request) -> None:
@@ -296,6 +332,8 @@ class KVCacheManager:
         before = coord.num_published_blocks(req.request_id)
         coord.cache_blocks(req.request_id, req.block_hashes, written, token_ids=tokens)
         self.ops += (coord.num_published_blocks(req.request_id) - before) * len(self.groups)
+        if self.states is not None:
+            self.states.commit(req)
         if self._wanted_pins:
             self._pin_what_is_cached()
 
@@ -303,6 +341,8 @@ class KVCacheManager:
         """Free every block of ``req``, tail first (a no-op for a request that holds none)."""
         self.ops += self.coordinator.num_blocks_held(req.request_id)
         self.coordinator.free(req.request_id, req.priority)
+        if self.states is not None:
+            self.states.free(req)
 
     def preempt(self, req: Request) -> None:
         """Free ``req``'s blocks (its published blocks stay cached) so it is recomputed from scratch."""
@@ -396,3 +436,5 @@ class KVCacheManager:
         self.coordinator.check_integrity()
         if self.tiers is not None:
             self.tiers.check_integrity()
+        if self.states is not None:
+            self.states.check_integrity()

@@ -42,11 +42,13 @@ from typing import TYPE_CHECKING, Any
 from kvpool.allocators.block_pool import BlockPool
 from kvpool.allocators.hashing import BlockHasher
 from kvpool.allocators.policies import POLICIES, EvictionPolicy, FrequencyAdmission, make_policy
+from kvpool.allocators.state_pool import StatePool
 from kvpool.errors import ConfigError, IntegrityError, InvalidArgumentError, OutOfBlocksError
 from kvpool.numeric import as_int, as_optional_int, as_real
 from kvpool.requests.kv_manager import KVCacheManager, blocks_needed
 from kvpool.requests.request import Request
 from kvpool.requests.scheduler import Scheduler, SchedulerOutput
+from kvpool.requests.state_checkpoints import RequestStates, SavePolicy, StateCheckpoints
 from kvpool.spec import KVCacheGroup, LayerKind
 from kvpool.trace.belady import BeladyPolicy, TraceFuture
 from kvpool.trace.loaders import MOONCAKE_BLOCK_SIZE, TraceRequest
@@ -87,6 +89,10 @@ class ReplayConfig:
         pin_prefix: trace hash ids (512-token blocks) of a prefix to pin, e.g. ``(0,)`` for the system
             prompt every Mooncake request starts with: its blocks (in every group) are pinned as soon as
             all are cached and stay pinned to the end of the replay (``()``: pin nothing).
+        state_save: for a recurrent hybrid, its state save policy (``tail``, ``dense``, ``interval=N``,
+            ``tail+junction``: :mod:`kvpool.requests.state_checkpoints`): each running request holds a state
+            slot and a prefix is a hit only up to a state checkpoint. None: no recurrent state.
+        state_checkpoints: checkpoints held at most (least recently used evicted); None: unbounded.
 
     Raises:
         ConfigError: a value out of range.
@@ -103,6 +109,8 @@ class ReplayConfig:
     groups: tuple[KVCacheGroup, ...] = ()
     policy: str = "lru"
     pin_prefix: tuple[int, ...] = ()
+    state_save: str | None = None
+    state_checkpoints: int | None = None
 
     def __post_init__(self) -> None:
         if any(g.block_size != self.block_size for g in self.groups):
@@ -115,6 +123,12 @@ class ReplayConfig:
             raise ConfigError(f"pin_prefix must be a tuple of hash ids, got {self.pin_prefix!r}")
         object.__setattr__(self, "pin_prefix", tuple(as_int(h, "pin_prefix hash id", minimum=0,
                                                             error=ConfigError) for h in self.pin_prefix))
+        if self.state_save is not None:
+            object.__setattr__(self, "state_save", str(SavePolicy.parse(self.state_save, "state_save")))
+        elif self.state_checkpoints is not None:
+            raise ConfigError("state_checkpoints needs a state_save policy (a recurrent hybrid)")
+        object.__setattr__(self, "state_checkpoints", as_optional_int(
+            self.state_checkpoints, "state_checkpoints", minimum=1, error=ConfigError))
         for name in ("block_size", "num_blocks", "max_batched_tokens", "max_running"):
             check = as_optional_int if name == "num_blocks" else as_int
             object.__setattr__(self, name, check(getattr(self, name), name, minimum=1, error=ConfigError))
@@ -156,6 +170,12 @@ class ReplayResult:
     ``host``, ``disk``, ``remote``); ``tiers`` holds the :meth:`OffloadManager.stats` of the run, and
     ``block_ops`` includes the block operations of the manager and of the host tier's pool. Without tiers
     ``tier_hits`` is ``{"device": hit_blocks}``.
+
+    With ``config.state_save`` (a recurrent hybrid): ``state_slots_peak``, the most requests holding a state
+    slot at once; ``checkpoints_saved`` (stored over the run), ``checkpoints_peak`` (held at once),
+    ``checkpoint_hits`` (admissions restored from one), ``checkpoint_evictions``; ``kv_only_tokens``, at
+    first admissions, the tokens whose KV every group had cached but that lay past the last checkpoint (not
+    reused: ``hit_blocks`` excludes them). All 0 (``state_save`` None) otherwise.
     """
 
     requests_completed: int
@@ -180,6 +200,13 @@ class ReplayResult:
     tier_hits: dict[str, int] = field(default_factory=dict)
     tiers: dict[str, Any] = field(default_factory=dict)
     timeline: list[Sample] = field(default_factory=list, repr=False)
+    state_save: str | None = None
+    state_slots_peak: int = 0
+    checkpoints_saved: int = 0
+    checkpoints_peak: int = 0
+    checkpoint_hits: int = 0
+    checkpoint_evictions: int = 0
+    kv_only_tokens: int = 0
 
     def to_dict(self) -> dict[str, object]:
         """Every field but the timeline, JSON-ready."""
@@ -253,10 +280,11 @@ class Replayer:
         self.bs = config.block_size
         self.now = 0.0
         num_blocks = config.num_blocks or (pool.num_blocks if pool is not None else
-                                           unbounded_num_blocks(requests, config))
+                                           unbounded_num_blocks(self.requests, config))
         try:
             self.kv = KVCacheManager(config.kv_cache_groups, num_blocks, event_sink=event_sink, hasher=hasher,
-                                     policy=self._policy(num_blocks) if pool is None else "lru", pool=pool)
+                                     policy=self._policy(num_blocks) if pool is None else "lru", pool=pool,
+                                     states=self._states())
         except (MemoryError, InvalidArgumentError) as exc:  # too large for memory
             raise ConfigError(f"a pool of {num_blocks:,} blocks cannot be built ({exc}): give a smaller "
                               "num_blocks (--num-blocks)") from None
@@ -284,6 +312,14 @@ class Replayer:
         admission = FrequencyAdmission(tier_admission) if as_int(tier_admission, "tier_admission",
                                                                  minimum=1) > 1 else None
         self.kv.attach_tiers(tiers, write_through=write_through, asynchronous=False, admission=admission)
+
+    def _states(self) -> RequestStates | None:
+        """A recurrent hybrid's state slots (one per request that may run) and counted checkpoints."""
+        cfg = self.cfg
+        if cfg.state_save is None:
+            return None
+        return RequestStates(cfg.state_save, cfg.block_size, StatePool(cfg.max_num_seqs),
+                             checkpoints=StateCheckpoints(cfg.state_checkpoints))
 
     def _policy(self, num_blocks: int) -> EvictionPolicy:
         cfg = self.cfg
@@ -334,7 +370,17 @@ class Replayer:
             _ratio(hits, self.prompt_blocks), _ratio(hits * bs, self.prompt_tokens),
             self.peak, _ratio(self.area, self.now), self.sched.num_preemptions, ops, _ratio(ops, wall), wall,
             self.pool.stats.evictions, self.now, self.pool.num_blocks, bs, self.cfg.timing, self.cfg.policy,
-            pinned, tier_hits, tiers, timeline=self.timeline or [])
+            pinned, tier_hits, tiers, timeline=self.timeline or [], **self._state_report())
+
+    def _state_report(self) -> dict[str, Any]:
+        states = self.kv.states
+        if states is None:
+            return {}
+        s = states.stats
+        return {"state_save": self.cfg.state_save, "state_slots_peak": s.peak_request_slots,
+                "checkpoints_saved": s.saved, "checkpoints_peak": s.peak_checkpoints,
+                "checkpoint_hits": s.restored, "checkpoint_evictions": s.evicted,
+                "kv_only_tokens": s.kv_only_tokens}
 
     def _tier_report(self) -> tuple[dict[str, int], dict[str, Any]]:
         """(hits by place at first admissions, the manager's stats); checks every tier."""
