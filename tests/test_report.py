@@ -103,6 +103,9 @@ def test_report_is_one_self_contained_file(page: Path, sweep) -> None:
     for policy in ("lru", "lfu", "arc", "belady"):
         assert f'id="curves-curve-{policy}"' in text
     assert 'id="hit-ratios"' in text and 'id="bound-share"' in text and 'id="parameters"' in text
+    rejected = [f"<td>{r.result.requests_rejected:,}</td>" for r in sweep if r.policy == "lru"]
+    assert "<tr><td>requests rejected</td>" + "".join(rejected) + "</tr>" in text
+    assert "count as misses" in text and "31 rejected" in text  # beside the table's ratios and the curves'
     # element ids must be unique across the inline SVGs (clip paths would point into another figure)
     ids = re.findall(r'\bid="([^"]+)"', text)
     assert len(ids) == len(set(ids))
@@ -175,11 +178,18 @@ def test_cli_sweep_json_and_table(capsys: pytest.CaptureFixture[str], sweep) -> 
     assert [(r["num_blocks"], r["policy"]) for r in report["runs"]] == [(r.num_blocks, r.policy)
                                                                         for r in sweep]
     assert report["block_hit_ratio"]["belady"]["600"] == sweep[-1].result.block_hit_ratio
+    # like with like: every run's ratio is over all 400 prompts, the rejected ones' blocks as misses, and
+    # the rejected count stands beside each ratio (the pools of 300 and 600 reject 31 and 9 requests)
+    requests = load_trace(max_requests=400).requests
+    assert {r["prompt_blocks"] for r in report["runs"]} == {sum(r.input_tokens // 128 for r in requests)}
+    assert report["requests_rejected"] == {p: {"300": 31, "600": 9} for p in ("lru", "lfu", "arc", "belady")}
+    assert "rejected request's prompt blocks count as misses" in report["hit_ratio_basis"]
     assert main(argv) == 0
     text = capsys.readouterr().out.splitlines()
-    assert text[1].split() == ["hit", "ratio", "300", "600"]
-    belady = next(line for line in text if line.startswith("belady"))
-    assert belady.split()[1:] == [f"{sweep[i].result.block_hit_ratio:.4f}" for i in (3, 7)]
+    assert "count as misses" in text[1] and text[2].split() == ["hit", "ratio", "300", "600"]
+    at = text.index(next(line for line in text if line.startswith("belady")))
+    assert text[at].split()[1:] == [f"{sweep[i].result.block_hit_ratio:.4f}" for i in (3, 7)]
+    assert text[at + 1].split() == ["rejected", "31", "9"]
     assert text[-1].split()[:2] == ["belady", "100.0%"]
 
 

@@ -27,8 +27,8 @@ from kvpool.errors import ConfigError
 from kvpool.planner import PoolPlan
 from kvpool.spec import KVCacheSpec
 from kvpool.trace.loaders import FORMATS, load_trace
-from kvpool.trace.replay import REPLAY_POLICIES, TIMINGS, ReplayConfig, compare_all_full
-from kvpool.trace.sweep import SweepRun, hit_ratio_table, run_sweep
+from kvpool.trace.replay import HIT_RATIO_BASIS, REPLAY_POLICIES, TIMINGS, ReplayConfig, compare_all_full
+from kvpool.trace.sweep import SweepRun, hit_ratio_table, rejected_table, run_sweep
 
 #: Requests above which a progress bar is drawn (on a terminal, without --json).
 PROGRESS_MIN_REQUESTS = 1000
@@ -116,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
         finally:
             if bar is not None:
                 bar.close()
-    head = {"trace": trace.path, "format": trace.format, "skipped_rows": trace.skipped}
+    head = {"trace": trace.path, "format": trace.format, "skipped_rows": trace.skipped,
+            "hit_ratio_basis": HIT_RATIO_BASIS}
     report = {**head, **runs[0].result.to_dict()} if len(runs) == 1 else _sweep_report(head, config, runs)
     if config.groups and pool_plan is not None:  # a hybrid model's one run, beside the same memory all full
         report.update(compare_all_full(trace.requests, config, spec, pool_plan.available_kv_bytes,
@@ -207,8 +208,11 @@ def _shared_settings(config: ReplayConfig) -> dict[str, object]:
 def _sweep_report(head: dict[str, Any], config: ReplayConfig, runs: list[SweepRun]) -> dict[str, Any]:
     """The ``--json`` object of a sweep: every run's fields, and the hit ratios by policy and size."""
     table = hit_ratio_table(runs)
+    rejected = rejected_table(runs)
     return {**head, **_shared_settings(config), "runs": [run.result.to_dict() for run in runs],
-            "block_hit_ratio": {policy: {str(n): r for n, r in row.items()} for policy, row in table.items()}}
+            "block_hit_ratio": {policy: {str(n): r for n, r in row.items()} for policy, row in table.items()},
+            "requests_rejected": {policy: {str(n): k for n, k in row.items()}
+                                  for policy, row in rejected.items()}}
 
 
 def sizing_from_args(args: argparse.Namespace) -> tuple[int | None, KVCacheSpec | None, PoolPlan | None]:
@@ -253,19 +257,21 @@ def _progress_bar(total: int, *, off: bool) -> Any:
 _FORMATS = {
     "trace": "", "format": "", "timing": "", "block_size": ",", "num_blocks": ",", "skipped_rows": ",",
     "requests_completed": ",", "requests_rejected": ",", "prompt_blocks": ",", "hit_blocks": ",",
-    "block_hit_ratio": ".6f", "token_hit_ratio": ".6f", "peak_blocks_used": ",", "mean_blocks_used": ",.1f",
+    "block_hit_ratio": ".6f", "token_hit_ratio": ".6f",
+    "hit_ratio_basis": "", "peak_blocks_used": ",", "mean_blocks_used": ",.1f",
     "preemptions": ",", "evictions": ",", "block_ops": ",", "block_ops_per_s": ",.0f", "wall_s": ",.3f",
     "simulated_s": ",.3f", "policy": "", "pinned_blocks": ",", "plot": "", "report": "",
     "kv_cache_groups": ",", "bytes_per_block": ",", "peak_bytes_used": ",", "mean_bytes_used": ",",
-    "mean_memory_saving": ".4f",
+    "mean_memory_saving": ".4f", "memory_compared_requests": ",",
 }
 
 
 def _human(report: dict[str, Any]) -> str:
-    lines = [f"{name:<20} {report[name]:{spec}}" for name, spec in _FORMATS.items() if name in report]
+    lines = [f"{name:<24} {report[name]:{spec}}" for name, spec in _FORMATS.items() if name in report]
     if report.get("tiers"):
         hits = ", ".join(f"{where} {n:,}" for where, n in report["tier_hits"].items())
-        lines.insert(10, f"{'tier_hits':<20} {hits}")
+        at = next(i for i, line in enumerate(lines) if line.startswith("hit_blocks ")) + 1
+        lines.insert(at, f"{'tier_hits':<24} {hits}")
     for name, value in report.get("all_full", {}).items():
         lines.append(f"all full: {name:<20} {value:{_FORMATS.get(name, ',')}}")
     return "\n".join(lines)
@@ -273,18 +279,22 @@ def _human(report: dict[str, Any]) -> str:
 
 def _sweep_text(runs: list[SweepRun], report: dict[str, Any]) -> str:
     """The block hit ratio by policy (rows) and pool size (columns); with belady, each one's share of it."""
-    table = hit_ratio_table(runs)
+    table, rejected = hit_ratio_table(runs), rejected_table(runs)
     sizes = sorted({run.num_blocks for run in runs})
-    width = max(len(p) for p in table) + 2
+    width = max(12, *(len(p) for p in table)) + 2
 
-    def lines(title: str, cell: Any) -> list[str]:
+    def lines(title: str, cell: Any, under: Any = None) -> list[str]:
         out = [f"{title:<{width}}" + "".join(f"{s:>12,}" for s in sizes)]
         for policy, row in table.items():
             out.append(f"{policy:<{width}}" + "".join(f"{cell(policy, row, s):>12}" for s in sizes))
+            if under is not None:
+                out.append(f"{'  rejected':<{width}}" + "".join(f"{under(policy, s):>12}" for s in sizes))
         return out
 
     text = [f"trace {report['trace']} ({report['format']}), block size {report['block_size']}, "
-            f"{report['timing']} timing", *lines("hit ratio", lambda p, row, s: f"{row[s]:.4f}")]
+            f"{report['timing']} timing", f"hit ratios over {HIT_RATIO_BASIS}",
+            *lines("hit ratio", lambda p, row, s: f"{row[s]:.4f}",
+                   lambda p, s: f"{rejected[p][s]:,}" if s in rejected[p] else "-")]
     bound = table.get("belady")
     if bound:
         text += lines("of bound", lambda p, row, s: f"{row[s] / bound[s]:.1%}" if bound.get(s) else "-")
@@ -298,9 +308,10 @@ def _sweep_text(runs: list[SweepRun], report: dict[str, Any]) -> str:
 def _tier_lines(runs: list[SweepRun]) -> list[str]:
     """Block hit ratio by where the blocks were found (columns), per run (rows)."""
     places = list(dict.fromkeys(p for run in runs for p in run.result.tier_hits))
-    out = ["by tier (block hit ratio):", f"{'pool blocks':>12}" + "".join(f"{p:>10}" for p in places)]
+    out = ["by tier (block hit ratio):",
+           f"{'pool blocks':>12}" + "".join(f"{p:>10}" for p in places) + f"{'rejected':>10}"]
     for run in runs:
         total = run.result.prompt_blocks or 1
         cells = "".join(f"{run.result.tier_hits.get(p, 0) / total:>10.4f}" for p in places)
-        out.append(f"{run.num_blocks:>12,}{cells}  {run.policy}")
+        out.append(f"{run.num_blocks:>12,}{cells}{run.result.requests_rejected:>10,}  {run.policy}")
     return out

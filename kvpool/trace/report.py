@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvpool.allocators.block_pool import BLOCK_STATES, BlockPool
-from kvpool.trace.plot import COLORS, draw_timeline
+from kvpool.trace.plot import COLORS, draw_timeline, rejected_label
+from kvpool.trace.replayer import HIT_RATIO_BASIS
 
 if TYPE_CHECKING:
     from kvpool.trace.replayer import ReplayResult
@@ -157,6 +158,11 @@ def _curves_svg(runs: Sequence[SweepRun]) -> str:
         label, color = ("offline bound (belady)", "black") if bound else (policy, None)
         (line,) = ax.plot(x, y, marker="o", linestyle="--" if bound else "-", color=color, label=label)
         line.set_gid(f"curve-{policy}")
+        for run in runs:
+            if run.policy == policy and run.result.requests_rejected:
+                ax.annotate(f"{run.result.requests_rejected:,} rejected", (run.num_blocks,
+                            run.result.block_hit_ratio), textcoords="offset points", xytext=(4, -12),
+                            fontsize=7, color=line.get_color())
     if len(sizes) > 1 and sizes[-1] > 2 * sizes[0]:
         ax.set_xscale("log")
     ax.set_xticks(sizes, [f"{s:,}" for s in sizes])
@@ -184,7 +190,7 @@ def _run_svg(run: SweepRun) -> str:
     axes = fig.subplots(2 if heat else 1, 1, sharex=True, squeeze=False)[:, 0]
     draw_timeline(axes[0], result, max_points=1500)
     axes[0].set_title(f"{result.policy}, {result.num_blocks:,} blocks: block hit ratio "
-                      f"{result.block_hit_ratio:.4f}", fontsize=10)
+                      f"{result.block_hit_ratio:.4f} ({rejected_label(result)})", fontsize=10)
     if heat is not None and heat.columns:
         ax = axes[1]
         cmap = ListedColormap([COLORS[s] for s in BLOCK_STATES])
@@ -232,8 +238,13 @@ def _fmt(value: object) -> str:
 def _ratio_table(runs: Sequence[SweepRun]) -> str:
     sizes = sorted({run.num_blocks for run in runs})
     ratio = {(run.policy, run.num_blocks): run.result.block_hit_ratio for run in runs}
-    rows: list[list[object]] = [[p, *[ratio.get((p, s), "") for s in sizes]] for p in _policies(runs)]
-    out = _table(["block hit ratio", *[f"{s:,} blocks" for s in sizes]], rows, "hit-ratios")
+    rejected = {(run.policy, run.num_blocks): run.result.requests_rejected for run in runs}
+    rows: list[list[object]] = []
+    for p in _policies(runs):
+        rows += [[p, *[ratio.get((p, s), "") for s in sizes]],
+                 ["requests rejected", *[rejected.get((p, s), "") for s in sizes]]]
+    out = (f'<p class="basis">Hit ratios over {html.escape(HIT_RATIO_BASIS)}.</p>'
+           + _table(["block hit ratio", *[f"{s:,} blocks" for s in sizes]], rows, "hit-ratios"))
     if any(run.policy == "belady" for run in runs):
         share = []
         for policy in _policies(runs):
