@@ -45,6 +45,7 @@ _LAZY = {
     "KVCacheCoordinator": "kvpool.allocators.groups",
     "SWATokenToKVPoolAllocator": "kvpool.allocators.swa_token",
     "PagedKVCache": "kvpool.storage.paged",
+    "slot_mapping": "kvpool.storage.paged",
     "MLAKVCache": "kvpool.storage.mla",
     "HostKVCache": "kvpool.storage.host",
     "LLMEngine": "kvpool.engine.engine",
