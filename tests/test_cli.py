@@ -177,3 +177,39 @@ def test_units_plural_and_bytes() -> None:
     for bad in ("80GB", "1e9", "0x10", "1_000", "-1GiB", "1.5B", "9" * 30 + "TiB"):
         with pytest.raises(ValueError):
             parse_bytes(bad)
+
+
+# ---- generate: bad input fails before the weights load ----------------------------------------------
+
+CONFIGS = Path(__file__).parent / "configs"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--model", "tiny-llama", "--disk-dir", "/proc/nope", "--disk-bytes", "1MiB"],
+     "--disk-dir '/proc/nope'"),
+    (["--model", "tiny-qwen3-next", "--host-blocks", "8"], "keeps a recurrent state per request"),
+    (["--model", "RECURRENT-FOLDER", "--host-blocks", "8"], "keeps a recurrent state per request"),
+    (["--kv-memory", "64KiB"], "for one block"),  # SmolLM2's block of 16 tokens in float32: 720 KiB
+    (["--tp-size", "2"], "does not divide the 9 query heads"),
+])
+def test_generate_refuses_bad_input_before_loading_the_model(argv: list[str], message: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    import kvpool.engine.models as models
+
+    if not Path("/proc").is_dir():
+        pytest.skip("no /proc here")
+    folder = tmp_path / "recurrent"
+    folder.mkdir()
+    (folder / "config.json").write_text((CONFIGS / "hybrid" / "qwen3-next-80b-a3b-instruct.json").read_text())
+    argv = [str(folder) if a == "RECURRENT-FOLDER" else a for a in argv]
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model loaded before the input was checked")
+
+    for name in ("load_model", "_load_pretrained", "build_tiny_model", "gemma3_folder"):
+        monkeypatch.setattr(models, name, refuse)
+    monkeypatch.setenv("KVPOOL_TIER_KEY", "0123456789abcdef0123456789abcdef")
+    assert main(["generate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not Path("/proc/nope").exists()

@@ -128,6 +128,25 @@ def pool_blocks(loaded: Any, args: argparse.Namespace, tp_size: int = 1) -> int:
     return plan_pool(spec, readings, gpu_memory_utilization=1.0).num_blocks
 
 
+def check_before_load(args: argparse.Namespace, tp_size: int) -> None:
+    """What the model's config can tell before its weights load (README: bad input fails in seconds): a
+    model the engine refuses (a recurrent hybrid), a block size or ``--tp-size`` its spec refuses, a
+    ``--kv-memory`` (or the CPU default) that holds no block of it. The config comes from
+    :func:`kvpool.engine.models.config_before_load` (nothing to check for Gemma 3 270M before its first
+    conversion). Raises ConfigError / InsufficientMemoryError."""
+    from kvpool.engine.models import config_before_load, config_spec
+
+    config = config_before_load(args.model)
+    if config is None:
+        return
+    spec = config_spec(config, block_size=args.block_size, kv_dtype="float32", tp_size=tp_size)  # as loaded
+    if args.num_blocks is None and (args.kv_memory is not None or not torch.cuda.is_available()):
+        from kvpool.planner import MemoryReadings, plan_pool
+
+        budget = args.kv_memory if args.kv_memory is not None else DEFAULT_KV_MEMORY
+        plan_pool(spec, MemoryReadings(total_bytes=budget, non_kv_bytes=0), gpu_memory_utilization=1.0)
+
+
 def run(args: argparse.Namespace) -> int:
     from kvpool.engine.sampling import SamplingParams
 
@@ -142,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
     params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              seed=args.seed + i) for i in range(len(texts))]  # bad input fails before loading
     tp_size = tp_size_of(args, args.model)
+    check_before_load(args, tp_size)
     try:
         out = run_ranks(generate_on_rank, tp_size, args, texts, params, hasher, command="generate")
     except RankFailedError as exc:

