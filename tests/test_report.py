@@ -106,6 +106,7 @@ def test_report_is_one_self_contained_file(page: Path, sweep) -> None:
     rejected = [f"<td>{r.result.requests_rejected:,}</td>" for r in sweep if r.policy == "lru"]
     assert "<tr><td>requests rejected</td>" + "".join(rejected) + "</tr>" in text
     assert "count as misses" in text and "31 rejected" in text  # beside the table's ratios and the curves'
+    assert '<p id="summary">8 runs of 400 requests' in text
     # element ids must be unique across the inline SVGs (clip paths would point into another figure)
     ids = re.findall(r'\bid="([^"]+)"', text)
     assert len(ids) == len(set(ids))
@@ -135,6 +136,15 @@ def test_report_renders_in_headless_chromium(page: Path, sweep, tmp_path: Path) 
             tab.on("pageerror", lambda e: problems.append(str(e)))
             tab.goto(page.as_uri(), wait_until="load")
             assert tab.title() == "kvpool replay report"
+            # the summary line comes first; every table fits the page (no sideways scrolling)
+            summary = tab.locator("#summary")
+            assert summary.inner_text().startswith("8 runs of 400 requests")
+            assert summary.bounding_box()["y"] < tab.locator("h2").first.bounding_box()["y"]
+            for box in tab.locator("div.table").all():
+                assert box.evaluate("d => d.scrollWidth <= d.clientWidth"), box.inner_text()[:60]
+            body = tab.evaluate("document.body.getBoundingClientRect().right")
+            runs = tab.locator("#runs").bounding_box()
+            assert runs["x"] + runs["width"] <= body
             # the curves: one line per policy, each a drawn path of non-zero length
             for policy in ("lru", "lfu", "arc", "belady"):
                 length = tab.eval_on_selector(f"#curves-curve-{policy} path", "p => p.getTotalLength()")
@@ -165,6 +175,51 @@ def _heatmap_decodes(tab, figure: str) -> bool:
         await probe.decode();
         return probe.naturalWidth > 50 && probe.naturalHeight > 50;
     }""")
+
+
+def test_ratio_axis_by_hand() -> None:
+    from kvpool.trace.report import ratio_axis
+
+    # far apart (the smallest under half the largest): from 0, 8% above the top
+    assert ratio_axis([0.01, 0.2]) == (0.0, pytest.approx(0.216))
+    # 0.0739 and 0.0792 differ in the third decimal: their range, 15% of 0.0053 (0.000795) each side
+    low, high = ratio_axis([0.0792, 0.0739])
+    assert (low, high) == (pytest.approx(0.073105), pytest.approx(0.079995))
+    assert ratio_axis([0.05, 0.05]) == (pytest.approx(0.0495), pytest.approx(0.0505))  # at least 0.0005
+    assert ratio_axis([0.0, 0.0]) == (0.0, 1.0)
+
+
+def test_summary_and_parameters_by_hand(sweep) -> None:
+    from kvpool.trace.report import summary
+
+    line = summary(sweep, {"tiers": ["host 400 blocks"]})
+    online = [r for r in sweep if r.policy != "belady"]
+    best = max(online, key=lambda r: (r.result.block_hit_ratio, -r.num_blocks))
+    bound = next(r for r in sweep if r.policy == "belady" and r.num_blocks == best.num_blocks)
+    share = best.result.block_hit_ratio / bound.result.block_hit_ratio
+    assert line == (f"8 runs of 400 requests (4 policies, 2 pool sizes): best block hit ratio "
+                    f"{best.result.block_hit_ratio:.4f} ({best.policy} at {best.num_blocks:,} blocks, "
+                    f"{share:.1%} of the offline bound); "
+                    "requests rejected (counted as misses): 31 at 300 blocks, 9 at 600 blocks; tiers below "
+                    "the pool: host 400 blocks.")
+
+
+def test_cli_report_names_the_tiers_and_no_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "tiers.html"
+    assert main(["replay", "--max-requests", "300", "--block-size", "512", "--sweep", "60,120", "--policies",
+                 "lru,belady", "--host-blocks", "400", "--report", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    text = out.read_text()
+    params = text[text.index('id="parameters"'):]
+    assert "<td>tiers</td><td>host 400 blocks</td>" in params and "<td>pin prefix</td><td>none</td>" in params
+    assert "<td>trace</td><td>conversation_trace.jsonl (shipped with kvpool)</td>" in params
+    assert str(Path(report["trace"]).parent) not in text and "[]" not in params
+    assert 'id="tier-hits"' in text and 'id="tiers-tiers"' in text  # the by-tier chart and table
+    for run in report["runs"]:  # the by-tier table: each place's share of the prompt blocks
+        host = run["tier_hits"]["host"] / run["prompt_blocks"]
+        assert f"<td>{run['policy']}</td><td>{run['num_blocks']:,}</td><td>" in text
+        assert f"<td>{host:.4f}</td>" in text
+    assert "tiers below the pool: host 400 blocks." in text
 
 
 # ---- CLI ------------------------------------------------------------------------------------------------

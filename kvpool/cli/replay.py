@@ -21,11 +21,12 @@ from typing import Any
 
 from kvpool.cli._args import id_list, non_negative_float, positive_int, positive_int_list, word_list
 from kvpool.cli._observe import Observers, add_event_arguments
-from kvpool.cli._tiers import add_tier_arguments, build_tiers, check_tier_targets, wants_tiers
+from kvpool.cli._tiers import add_tier_arguments, build_tiers, check_tier_targets, tier_urls, wants_tiers
 from kvpool.cli.plan import add_memory_arguments, plan_from_args
 from kvpool.errors import ConfigError
 from kvpool.planner import PoolPlan
 from kvpool.spec import KVCacheSpec
+from kvpool.tiers.from_url import check_chain
 from kvpool.trace.loaders import FORMATS, load_trace
 from kvpool.trace.replay import HIT_RATIO_BASIS, REPLAY_POLICIES, TIMINGS, ReplayConfig, compare_all_full
 from kvpool.trace.sweep import SweepRun, hit_ratio_table, rejected_table, run_sweep
@@ -132,9 +133,7 @@ def run(args: argparse.Namespace) -> int:
     if args.report:
         from kvpool.trace.report import write_report
 
-        parameters = {**head, "requests": args.max_requests or "all", **_shared_settings(config),
-                      "pool sizes": ", ".join("unbounded" if n is None else f"{n:,}" for n in sizes),
-                      "policies": ", ".join(policies)}
+        parameters = _report_parameters(args, trace, config, sizes, policies)
         report["report"] = str(write_report(args.report, runs, parameters))
     if args.json:
         print(json.dumps(report))
@@ -198,6 +197,36 @@ def _tier_factory(args: argparse.Namespace, trace: Any) -> Any:
 def _check_output(path: str | None, option: str, suffix: str) -> None:
     if path and (Path(path).suffix.lower() != suffix or not Path(path).parent.is_dir()):
         raise ConfigError(f"{option} needs a FILE{suffix} in an existing folder, got {path!r}")
+
+
+def _report_parameters(args: argparse.Namespace, trace: Any, config: ReplayConfig, sizes: list[int | None],
+                       policies: list[str]) -> dict[str, object]:
+    """The report's parameters, for people: the trace by its file name (not the folder it lies in), the
+    tiers below the pool, the KV cache groups and pins spelled out."""
+    name = Path(str(trace.path)).name + (" (shipped with kvpool)" if args.trace is None else "")
+    shared = _shared_settings(config)
+    groups = [g.describe() for g in config.kv_cache_groups]
+    shared["groups"] = ", ".join(groups) if config.groups else "one full-attention group"
+    pins = ", ".join(map(str, config.pin_prefix))
+    shared["pin_prefix"] = f"hash ids {pins}" if pins else "none"
+    return {"trace": name, "format": trace.format, "requests": args.max_requests or "all",
+            "skipped rows": trace.skipped, "hit ratio basis": HIT_RATIO_BASIS,
+            "tiers": tier_descriptions(args) if wants_tiers(args) else "none",
+            "write through": args.write_through, "tier admission": args.tier_admission, **shared,
+            "pool sizes": ", ".join("unbounded" if n is None else f"{n:,}" for n in sizes),
+            "policies": ", ".join(policies)}
+
+
+def tier_descriptions(args: argparse.Namespace) -> list[str]:
+    """The tiers below the pool, fastest first: ``host 100,000 blocks``, ``disk 4,294,967,296 B in DIR``,
+    ``remote redis://HOST:PORT``."""
+    out = []
+    for tier in check_chain(tier_urls(args)):
+        size = f"{tier.blocks:,} blocks" if tier.blocks is not None else \
+            f"{tier.bytes:,} B" if tier.bytes is not None else ""
+        where = f" in {tier.path}" if tier.path else f" {tier.url}" if tier.medium == "remote" else ""
+        out.append(f"{tier.medium} {size}{where}".replace("  ", " ").strip())
+    return out
 
 
 def _shared_settings(config: ReplayConfig) -> dict[str, object]:

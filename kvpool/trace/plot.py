@@ -80,22 +80,32 @@ def plot_tier_sweep(results: Sequence[ReplayResult], path: str | Path, *, title:
         raise ValueError("a sweep of no runs has nothing to draw")
     from matplotlib.figure import Figure
 
-    places = list(dict.fromkeys(p for r in results for p in r.tier_hits))
     fig = Figure(figsize=(10, 4.5), dpi=100)
     ax = fig.subplots()
-    x = range(len(results))
-    bottom = [0.0] * len(results)
-    colors = {"device": "#d62728", "host": "#1f77b4", "disk": "#2ca02c", "remote": "#9467bd"}
-    for place in places:
-        share = [r.tier_hits.get(place, 0) / r.prompt_blocks if r.prompt_blocks else 0.0 for r in results]
-        ax.bar(x, share, bottom=bottom, label=place, color=colors.get(place))
-        bottom = [b + s for b, s in zip(bottom, share, strict=True)]
-    ax.set_xticks(list(x), [f"{r.num_blocks:,}\n{r.requests_rejected:,} rejected" for r in results])
-    ax.set_xlabel(f"device pool size (blocks of {results[0].block_size} tokens)")
-    ax.set_ylabel("block hit ratio")
-    ax.set_ylim(0, max(1e-9, max(bottom)) * 1.15)
+    draw_tier_sweep(ax, results)
     ax.set_title(f"{title}: block hit ratio by tier, {results[0].timing} timing", fontsize=10)
-    ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     return Path(path)
+
+
+#: Colours of the places a prefix hit is found.
+TIER_COLORS = {"device": "#d62728", "host": "#1f77b4", "disk": "#2ca02c", "remote": "#9467bd"}
+
+
+def draw_tier_sweep(ax: Any, results: Sequence[ReplayResult], *, policies: bool = False) -> None:
+    """Stack each replay's block hit ratio by where the blocks were found on ``ax``, one bar per result in
+    order, labelled with its pool size, its requests rejected and (``policies``) its policy."""
+    places = list(dict.fromkeys(p for r in results for p in r.tier_hits))
+    x = range(len(results))
+    bottom = [0.0] * len(results)
+    for place in places:
+        share = [r.tier_hits.get(place, 0) / r.prompt_blocks if r.prompt_blocks else 0.0 for r in results]
+        ax.bar(x, share, bottom=bottom, label=place, color=TIER_COLORS.get(place))
+        bottom = [b + s for b, s in zip(bottom, share, strict=True)]
+    ax.set_xticks(list(x), [f"{r.num_blocks:,}\n" + (f"{r.policy}\n" if policies else "")
+                            + f"{r.requests_rejected:,} rejected" for r in results])
+    ax.set_xlabel(f"device pool size (blocks of {results[0].block_size} tokens)")
+    ax.set_ylabel("block hit ratio")
+    ax.set_ylim(0, max(1e-9, max(bottom)) * 1.15)
+    ax.legend(loc="upper left", fontsize=8)
