@@ -35,7 +35,7 @@ def test_alloc_rows_and_ratios(capsys: pytest.CaptureFixture) -> None:
 
 
 def test_storage_rows_and_ratios(capsys: pytest.CaptureFixture) -> None:
-    result = bench(capsys, "storage", "--tokens", "1", "16", "--num-blocks", "8", "--repeat", "1")
+    result = bench(capsys, "storage", "--tokens", "1,16", "--num-blocks", "8", "--repeat", "1")
     rows = result["rows"]
     expected = {(pattern, t) for pattern in ("random", "paged") for t in (1, 16)}
     assert {(r["pattern"], r["tokens"]) for r in rows} == expected
@@ -69,7 +69,7 @@ def test_bad_counts_are_one_line_errors(capsys: pytest.CaptureFixture) -> None:
 
 @pytest.mark.parametrize(("argv", "why"), [
     # 8 blocks x 16 tokens = 128 slots: 256 tokens cannot be distinct slots (was dropped, exit 0, no rows)
-    (["storage", "--num-blocks", "8", "--tokens", "16", "256"],
+    (["storage", "--num-blocks", "8", "--tokens", "16,256"],
      "--tokens 256 is more than the cache's 128 slots"),
     (["storage", "--seed", str(2**70)], "--seed must be an integer in [0, 18446744073709551615]"),
     (["engine", "--model", "tiny-llama", "--num-blocks", "10"], "cannot hold the longest prompt"),
@@ -114,8 +114,8 @@ def test_groups_rows_and_ratios(capsys: pytest.CaptureFixture) -> None:
 
 
 def test_tiers_rows_and_ratios(capsys: pytest.CaptureFixture, redis_single) -> None:
-    result = bench(capsys, "tiers", "--batch", "2", "--repeat", "1", "--blocks", "smollm2-135m",
-                   "--remote", redis_single.url, "--replay-requests", "5")
+    result = bench(capsys, "tiers", "--batch", "2", "--repeat", "1", "--block-shapes", "smollm2-135m",
+                   "--remote", redis_single.url, "--max-requests", "5")
     rows = result["rows"]
     assert {(r["tier"], r["op"]) for r in rows} == {(t, op) for t in ("host", "disk", "remote")
                                                     for op in ("store", "load")}

@@ -213,3 +213,84 @@ def test_generate_refuses_bad_input_before_loading_the_model(argv: list[str], me
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
     assert not Path("/proc/nope").exists()
+
+
+# ---- one vocabulary of flags (kvpool.options) -------------------------------------------------------
+
+METAVAR = re.compile(r"[A-Z][A-Z_]*(\.[a-z]+)?(,\.\.\.)?")
+LEAVES = [p for p, parser in parsers() if p and not any(
+    isinstance(a, argparse._SubParsersAction) for a in parser._actions)]
+
+
+@pytest.mark.parametrize("path", LEAVES, ids=" ".join)
+def test_every_option_keeps_the_vocabulary(path: tuple[str, ...]) -> None:
+    from kvpool.cli._args import (
+        JSON_HELP,
+        CommaList,
+        id_list,
+        memory_bytes,
+        parse_bytes,
+        positive_int_list,
+        word_list,
+    )
+
+    parser = dict(parsers())[path]
+    formatter = parser._get_formatter()
+    shown = [a for a in parser._actions if a.option_strings and a.help is not argparse.SUPPRESS]
+    names = {s for a in shown for s in a.option_strings}
+    assert "--json" in names and "--replay" not in names and "--replay-requests" not in names
+    for action in shown:
+        where, line = f"{' '.join(path)} {action.option_strings[0]}", formatter._expand_help(action)
+        assert "(default " not in line, f"{where}: a default is written '(default: X)': {line!r}"
+        if action.option_strings[0] == "--json":
+            per_event = "print one JSON object per event, one a line"
+            assert action.help == (per_event if path == ("events",) else JSON_HELP), where
+        if action.nargs == 0 or isinstance(action, argparse._HelpAction):
+            continue
+        assert action.choices or (action.metavar and METAVAR.fullmatch(action.metavar)), \
+            f"{where}: a value is named in capitals (N, BYTES, S, NAME, ...), got {action.metavar!r}"
+        is_list = isinstance(action, CommaList) or action.type in (positive_int_list, id_list, word_list) \
+            or action.dest == "block_sizes"
+        assert action.nargs not in ("+", "*") or isinstance(action, CommaList), f"{where}: a space list"
+        assert is_list == bool(action.metavar and action.metavar.endswith(",...")), \
+            f"{where}: a list is one comma-separated value, metavar X,..."
+        if action.metavar == "BYTES":
+            assert action.type in (parse_bytes, memory_bytes), where
+        if action.option_strings[0].endswith("-blocks"):
+            assert action.metavar == "N", where
+
+
+@pytest.mark.parametrize(("argv", "dest", "value", "warning"), [
+    (["events", "tcp://127.0.0.1:5557", "--replay", "tcp://127.0.0.1:5558"], "replay", "tcp://127.0.0.1:5558",
+     "--replay is deprecated: use --kv-events-replay"),
+    (["bench", "tiers", "--replay-requests", "5"], "replay_requests", 5,
+     "--replay-requests is deprecated: use --max-requests"),
+    (["bench", "alloc", "--sizes", "256", "512"], "sizes", [256, 512],
+     "--sizes 256 512 (a space list) is deprecated: write --sizes 256,512"),
+    (["bench", "storage", "--tokens", "1", "16,64"], "tokens", [1, 16, 64], "write --tokens 1,16,64"),
+    (["bench", "tiers", "--block-shapes", "smollm2-135m", "llama-3-8b"], "blocks",
+     ["smollm2-135m", "llama-3-8b"], "write --block-shapes smollm2-135m,llama-3-8b"),
+    (["bench", "tiers", "--blocks", "llama-3-8b"], "blocks", ["llama-3-8b"],
+     "--blocks is deprecated: use --block-shapes"),
+])
+def test_old_spellings_still_parse_and_say_what_to_write(argv, dest, value, warning, capsys) -> None:
+    args = build_parser().parse_args(argv)
+    assert getattr(args, dest) == value
+    err = capsys.readouterr().err
+    assert warning in err and err.count("\n") == 1 and "warning:" in err
+
+
+def test_comma_lists_parse_and_refuse_by_item(capsys) -> None:
+    assert build_parser().parse_args(["bench", "alloc", "--sizes", "256,512"]).sizes == [256, 512]
+    assert capsys.readouterr().err == ""  # the convention: no warning
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["bench", "tiers", "--block-shapes", "smollm2-135m,gpt-9"])
+    assert exit_info.value.code == 2 and "'gpt-9' is not one of" in capsys.readouterr().err
+
+
+def test_json_is_one_line(capsys) -> None:
+    for argv in (["plan", "smollm2-135m", "--gpu-memory", "8GiB", "--json"],
+                 ["bench", "replay", "--max-requests", "20", "--block-sizes", "512", "--json"]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert out.count("\n") == 1 and out.startswith("{"), argv

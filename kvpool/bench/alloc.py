@@ -37,6 +37,7 @@ from kvpool.allocators.hashing import (
 from kvpool.allocators.policies import POLICIES
 from kvpool.bench.timing import median_ns, print_table, require_at_least
 from kvpool.errors import ConfigError, OutOfBlocksError
+from kvpool.options import CommaList, positive_int
 
 PEERS = [  # (peer, op, ns) measured earlier (DESIGN.md), compared with kvpool's row (op, pool size)
     ("vLLM 0.33 BlockPool", "allocate(1)+free", 1550.0, ("allocate(1)+free", 32768)),
@@ -80,10 +81,12 @@ class NaiveAllocator:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 32768, 1 << 20],
-                        help="pool sizes in blocks (default: 1024 32768 1048576)")
-    parser.add_argument("--ops", type=int, default=32768, help="blocks per timed repetition (default 32768)")
-    parser.add_argument("--repeat", type=int, default=7, help="timed repetitions (median)")
+    parser.add_argument("--sizes", action=CommaList, item=positive_int, default=[1024, 32768, 1 << 20],
+                        metavar="N,...", help="pool sizes in blocks (default: 1024,32768,1048576)")
+    parser.add_argument("--ops", type=positive_int, default=32768, metavar="N",
+                        help="blocks per timed repetition (default: 32768)")
+    parser.add_argument("--repeat", type=positive_int, default=7, metavar="N",
+                        help="timed repetitions (median)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -20,9 +20,9 @@ from kvpool.errors import ConfigError, RankFailedError
 
 
 def add_tp_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tp-size", type=positive_int,
+    parser.add_argument("--tp-size", type=positive_int, metavar="N",
                         help="tensor-parallel ranks: N worker processes, gloo on CPU, NCCL on CUDA "
-                             "(default 1; under torchrun: its WORLD_SIZE)")
+                             "(default: 1; under torchrun: its WORLD_SIZE)")
 
 
 def torchrun_world() -> int | None:

