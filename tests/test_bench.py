@@ -34,6 +34,15 @@ def test_alloc_rows_and_ratios(capsys: pytest.CaptureFixture) -> None:
             assert row["ratio"] == pytest.approx(row["kvpool_ns"] / row["baseline_ns"], abs=5e-4)
 
 
+def test_alloc_table_says_why_a_peer_has_no_kvpool_figure(capsys: pytest.CaptureFixture) -> None:
+    # the peers' rows compare with kvpool's at 32,768 blocks: at --sizes 256 there is none to show
+    assert main(["bench", "alloc", "--sizes", "256", "--ops", "256", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    peers = out[out.index("Peers"):]
+    assert "None" not in out
+    assert peers.count("n/a (not run: pool size 32,768 not in --sizes)") == 4  # the hash row has no pool
+
+
 def test_storage_rows_and_ratios(capsys: pytest.CaptureFixture) -> None:
     result = bench(capsys, "storage", "--tokens", "1,16", "--num-blocks", "8", "--repeat", "1")
     rows = result["rows"]

@@ -4,6 +4,7 @@ convention, quiet exits on a closed pipe."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -294,3 +295,30 @@ def test_json_is_one_line(capsys) -> None:
         assert main(argv) == 0
         out = capsys.readouterr().out
         assert out.count("\n") == 1 and out.startswith("{"), argv
+
+
+# ---- replay: what a figure cannot show, and how to get past a bad row ------------------------------
+
+
+def test_replay_of_a_trace_without_prefixes_says_its_hit_ratio_is_zero_by_construction(capsys) -> None:
+    assert main(["replay", "--format", "azure", "--max-requests", "50", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["block_hit_ratio"] == 0 and "no prefix information" in report["note"]
+    assert main(["replay", "--format", "azure", "--max-requests", "50"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("note: the trace has no prefix information")
+    assert main(["replay", "--max-requests", "50", "--json"]) == 0  # Mooncake's rows carry hash ids
+    assert "note" not in json.loads(capsys.readouterr().out)
+
+
+def test_a_malformed_trace_row_names_skip_malformed(tmp_path: Path, capsys) -> None:
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1]}\nnope\n')
+    assert main(["replay", str(trace)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{trace}:2: not a JSON object" in err and "--skip-malformed" in err
+    assert main(["replay", str(trace), "--skip-malformed", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["skipped_rows"] == 1
+    header = tmp_path / "bad.csv"  # a wrong header: no row to skip, so no hint
+    header.write_text("a,b,c\n1,2,3\n")
+    assert main(["replay", str(header), "--format", "azure"]) == 2
+    assert "--skip-malformed" not in capsys.readouterr().err

@@ -430,10 +430,15 @@ def _pairs_ns(factory: Callable[[], Any], k: int, repeat: int, alloc_one: Callab
 def _peer_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ours = {(r["op"], r["pool_blocks"]): r["kvpool_ns"] for r in rows if "kvpool_ns" in r}
     out = []
+    sizes = {size for _, size in ours}
     for peer, op, ns, key in PEERS:
         mine = ours.get(key)
-        out.append({"peer": peer, "op": op, "peer_ns": ns, "kvpool_op": key[0], "kvpool_ns": mine,
-                    "peer_over_kvpool": None if not mine else round(ns / mine, 2)})
+        row = {"peer": peer, "op": op, "peer_ns": ns, "kvpool_op": key[0], "kvpool_ns": mine,
+               "peer_over_kvpool": None if not mine else round(ns / mine, 2)}
+        if mine is None:  # say why there is no figure to compare with, rather than print None
+            row["kvpool_missing"] = (f"not run: pool size {key[1]:,} not in --sizes" if key[1] and
+                                     key[1] not in sizes else "skipped in this run")
+        out.append(row)
     return out
 
 
@@ -446,7 +451,8 @@ def _print(result: dict[str, Any]) -> None:
     for r in result["rows"]:
         if "skipped" in r:
             print(f"  {r['op']}: skipped ({r['skipped']})")
-    peers = [[p["peer"], p["op"], p["peer_ns"], p["kvpool_ns"], p["peer_over_kvpool"]]
-             for p in result["peers_measured_earlier"]]
+    peers = [[p["peer"], p["op"], p["peer_ns"],
+              p["kvpool_ns"] if p["kvpool_ns"] is not None else f"n/a ({p['kvpool_missing']})",
+              p["peer_over_kvpool"]] for p in result["peers_measured_earlier"]]
     print_table("\nPeers (DESIGN.md figures measured EARLIER on a similar machine, not in this run; "
                 "x = peer / kvpool)", ["peer", "op", "peer ns", "kvpool ns", "x"], peers)

@@ -30,7 +30,7 @@ from kvpool.cli._args import (
 from kvpool.cli._observe import Observers, add_event_arguments
 from kvpool.cli._tiers import add_tier_arguments, build_tiers, check_tier_targets, tier_urls, wants_tiers
 from kvpool.cli.plan import add_memory_arguments, plan_from_args
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, TraceFormatError
 from kvpool.planner import PoolPlan
 from kvpool.spec import KVCacheSpec
 from kvpool.tiers.from_url import check_chain
@@ -110,8 +110,7 @@ def run(args: argparse.Namespace) -> int:
     config, sizes, policies, spec, pool_plan = _plan_runs(args)  # bad input fails before the replay
     if wants_tiers(args):
         check_tier_targets(args)  # a bad URL or folder, or no tier secret: before the trace loads
-    trace = load_trace(args.trace, args.format, skip_malformed=args.skip_malformed,
-                       max_requests=args.max_requests)
+    trace = _load(args)
     with Observers(args) as observers:
         total = len(trace.requests) * len(sizes) * len(policies)
         bar = _progress_bar(total, off=args.json or args.no_progress)
@@ -126,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
                 bar.close()
     head = {"trace": trace.path, "format": trace.format, "skipped_rows": trace.skipped,
             "hit_ratio_basis": HIT_RATIO_BASIS}
+    if not any(r.hash_ids for r in trace.requests):
+        head["note"] = NO_PREFIX_NOTE
     report = {**head, **runs[0].result.to_dict()} if len(runs) == 1 else _sweep_report(head, config, runs)
     if config.groups and pool_plan is not None:  # a hybrid model's one run, beside the same memory all full
         report.update(compare_all_full(trace.requests, config, spec, pool_plan.available_kv_bytes,
@@ -146,7 +147,26 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report))
     else:
         print(_human(report) if len(runs) == 1 else _sweep_text(runs, report))
+        if "note" in report:
+            print(f"note: {report['note']}")
     return 0
+
+
+#: Said beside a trace's hit ratios when it carries no prefix information (Azure's rows: counts only).
+NO_PREFIX_NOTE = ("the trace has no prefix information (no block hash ids, as in Azure's rows): no prompt "
+                  "can share a cached block, so every hit ratio is 0 by construction; the replay still "
+                  "measures blocks in use, preemptions and evictions")
+
+
+def _load(args: argparse.Namespace) -> Any:
+    """The trace the arguments name; a malformed row's error says how to skip such rows."""
+    try:
+        return load_trace(args.trace, args.format, skip_malformed=args.skip_malformed,
+                          max_requests=args.max_requests)
+    except TraceFormatError as exc:
+        if not exc.skippable:
+            raise
+        raise TraceFormatError(f"{exc} (--skip-malformed skips and counts malformed rows)") from None
 
 
 def _plan_runs(args: argparse.Namespace
@@ -221,7 +241,8 @@ def _report_parameters(args: argparse.Namespace, trace: Any, config: ReplayConfi
             "tiers": tier_descriptions(args) if wants_tiers(args) else "none",
             "write through": args.write_through, "tier admission": args.tier_admission, **shared,
             "pool sizes": ", ".join("unbounded" if n is None else f"{n:,}" for n in sizes),
-            "policies": ", ".join(policies)}
+            "policies": ", ".join(policies),
+            **({"note": NO_PREFIX_NOTE} if not any(r.hash_ids for r in trace.requests) else {})}
 
 
 def tier_descriptions(args: argparse.Namespace) -> list[str]:
