@@ -177,6 +177,19 @@ def _heatmap_decodes(tab, figure: str) -> bool:
     }""")
 
 
+def test_plots_put_the_rejected_count_beside_the_ratio(sweep) -> None:
+    from matplotlib.figure import Figure
+
+    from kvpool.trace.plot import draw_tier_sweep, rejected_label
+
+    results = [run.result for run in sweep if run.policy == "lru"]
+    ax = Figure().subplots()
+    draw_tier_sweep(ax, results)
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["300\n31 rejected", "600\n9 rejected"]
+    assert rejected_label(results[0]) == "31 requests rejected, counted as misses"
+    assert rejected_label(run_replay([TraceRequest(0.0, 16, 1)], ReplayConfig())) == "no request rejected"
+
+
 def test_ratio_axis_by_hand() -> None:
     from kvpool.trace.report import ratio_axis
 
