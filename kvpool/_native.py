@@ -62,17 +62,27 @@ _state: dict[str, object] = {}
 
 
 class _DocLoader(importlib.abc.Loader):
-    """The extension loader of a compiled module, which then gives the module its source's docstrings."""
+    """The extension loader of a compiled module, which then gives it, and every other compiled module its
+    code imported meanwhile, their sources' docstrings (mypyc imports a module of the same build itself,
+    past the import system's finders)."""
 
-    def __init__(self, loader: importlib.abc.Loader) -> None:
-        self.loader = loader
+    def __init__(self, loader: importlib.abc.Loader, names: frozenset[str]) -> None:
+        self.loader, self.names = loader, names
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self.loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
         self.loader.exec_module(module)
-        copy_docstrings(module)
+        for name in sorted(self.names - _DOCUMENTED):
+            loaded = sys.modules.get(name)
+            if loaded is not None and is_compiled(loaded):
+                _DOCUMENTED.add(name)
+                copy_docstrings(loaded)
+
+
+#: Compiled modules whose docstrings were copied from their sources.
+_DOCUMENTED: set[str] = set()
 
 
 class _DocFinder(importlib.abc.MetaPathFinder):
@@ -87,7 +97,7 @@ class _DocFinder(importlib.abc.MetaPathFinder):
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)  # type: ignore[arg-type]
         if spec is not None and isinstance(spec.loader, importlib.machinery.ExtensionFileLoader):
-            spec.loader = _DocLoader(spec.loader)
+            spec.loader = _DocLoader(spec.loader, self.names)
         return spec
 
 

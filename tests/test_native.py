@@ -175,6 +175,17 @@ def test_compiled_modules_keep_the_sources_docstrings(name: str) -> None:
 
 
 @pytest.mark.skipif(not COMPILED_HERE, reason="no compiled build here")
+def test_modules_a_compiled_module_imports_itself_get_their_docstrings_too() -> None:
+    # mypyc imports policies for block_pool past the import system's finders: in a fresh process, importing
+    # block_pool first must still leave policies documented
+    code = ("import kvpool.allocators.block_pool, kvpool.allocators.policies as p, kvpool._native as n; "
+            "print(n.is_compiled(p), p.__doc__ is not None, p.LRUPolicy.__doc__ is not None)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent, env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)}).stdout
+    assert out.split() == ["True", "True", "True"]
+
+
+@pytest.mark.skipif(not COMPILED_HERE, reason="no compiled build here")
 def test_help_shows_the_compiled_classes_docs() -> None:
     import inspect
     import pydoc

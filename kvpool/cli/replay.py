@@ -324,11 +324,11 @@ _FORMATS = {
 
 
 def _human(report: dict[str, Any]) -> str:
-    lines = [f"{name:<24} {report[name]:{spec}}" for name, spec in _FORMATS.items() if name in report]
+    lines = [f"{name:<20} {report[name]:{spec}}" for name, spec in _FORMATS.items() if name in report]
     if report.get("tiers"):
         hits = ", ".join(f"{where} {n:,}" for where, n in report["tier_hits"].items())
         at = next(i for i, line in enumerate(lines) if line.startswith("hit_blocks ")) + 1
-        lines.insert(at, f"{'tier_hits':<24} {hits}")
+        lines.insert(at, f"{'tier_hits':<20} {hits}")
     for name, value in report.get("all_full", {}).items():
         lines.append(f"all full: {name:<20} {value:{_FORMATS.get(name, ',')}}")
     return "\n".join(lines)
