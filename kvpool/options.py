@@ -89,9 +89,9 @@ def add_deprecated_alias(parser: argparse.ArgumentParser | argparse._ArgumentGro
         parser.add_argument(old, dest=current.dest, action=_DeprecatedList, current=current,
                             help=argparse.SUPPRESS, default=argparse.SUPPRESS)
         return
+    same: dict[str, Any] = {k: v for k, v in (("type", current.type), ("choices", current.choices)) if v}
     parser.add_argument(old, dest=current.dest, action=DeprecatedAlias, current=current.option_strings[0],
-                        type=current.type, nargs=current.nargs, choices=current.choices,
-                        help=argparse.SUPPRESS, default=argparse.SUPPRESS)
+                        nargs=current.nargs, help=argparse.SUPPRESS, default=argparse.SUPPRESS, **same)
 
 
 class CommaList(argparse.Action):
