@@ -240,6 +240,7 @@ def test_every_option_keeps_the_vocabulary(path: tuple[str, ...]) -> None:
     shown = [a for a in parser._actions if a.option_strings and a.help is not argparse.SUPPRESS]
     names = {s for a in shown for s in a.option_strings}
     assert "--json" in names and "--replay" not in names and "--replay-requests" not in names
+    assert not re.search(r"\[\S+ \.\.\.\]", parser.format_help()), "a space list in the usage or help"
     for action in shown:
         where, line = f"{' '.join(path)} {action.option_strings[0]}", formatter._expand_help(action)
         assert "(default " not in line, f"{where}: a default is written '(default: X)': {line!r}"

@@ -145,6 +145,11 @@ class HelpFormatter(argparse.HelpFormatter):
         shown = " ".join(map(str, default)) if isinstance(default, list) else "%(default)s"
         return f"{text} (default: {shown})"
 
+    def _format_args(self, action: argparse.Action, default_metavar: str) -> str:
+        if isinstance(action, CommaList):  # one comma list (a space list only parses, for old scripts)
+            return str(self._metavar_formatter(action, default_metavar)(1)[0])
+        return super()._format_args(action, default_metavar)
+
 
 #: The torch CPU threads every command that runs torch uses unless told otherwise (see add_threads_argument).
 DEFAULT_THREADS = 1
