@@ -215,6 +215,7 @@ def test_summary_and_parameters_by_hand(sweep) -> None:
                     f"{share:.1%} of the offline bound); "
                     "requests rejected (counted as misses): 31 at 300 blocks, 9 at 600 blocks; tiers below "
                     "the pool: host 400 blocks.")
+    assert summary(sweep, {"tiers": "none"}).endswith("; no tier below the pool.")
 
 
 def test_cli_report_names_the_tiers_and_no_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -246,6 +246,8 @@ def summary(runs: Sequence[SweepRun], parameters: Mapping[str, object] = {}) -> 
     text += "); " + ("no request rejected" if not rejected else "requests rejected (counted as misses): " +
                      ", ".join(f"{n:,} at {size:,} blocks" for size, n in sorted(rejected.items())))
     tiers = parameters.get("tiers")
+    if tiers in (None, "none", [], ()):  # not given: the places the runs found hits in, if any below
+        tiers = [p for p in dict.fromkeys(p for run in runs for p in run.result.tier_hits) if p != "device"]
     text += f"; tiers below the pool: {_fmt_parameter(tiers)}" if tiers else "; no tier below the pool"
     return text + "."
 
