@@ -1,8 +1,8 @@
 """kvpool: the memory layer under an LLM inference engine's KV cache.
 
-Layers, bottom up (a module never imports one above it): ``errors``, ``numeric``, ``units`` / ``events`` ->
-``hf_config`` -> ``spec`` -> ``planner`` -> ``allocators`` -> ``storage`` -> ``engine`` / ``trace`` /
-``metrics`` -> ``bench`` -> ``cli``.
+Layers, bottom up (a module never imports one above it): ``errors``, ``numeric``, ``units`` / ``options``
+/ ``events`` -> ``hf_config`` -> ``spec`` -> ``planner`` -> ``allocators`` -> ``storage`` -> ``engine`` /
+``trace`` / ``metrics`` -> ``bench`` -> ``cli``.
 Public names are imported lazily, so ``import kvpool`` stays cheap and pulls in no optional dependency.
 """
 
@@ -45,6 +45,7 @@ _LAZY = {
     "KVCacheCoordinator": "kvpool.allocators.groups",
     "SWATokenToKVPoolAllocator": "kvpool.allocators.swa_token",
     "PagedKVCache": "kvpool.storage.paged",
+    "slot_mapping": "kvpool.storage.paged",
     "MLAKVCache": "kvpool.storage.mla",
     "HostKVCache": "kvpool.storage.host",
     "LLMEngine": "kvpool.engine.engine",

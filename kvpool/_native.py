@@ -20,16 +20,28 @@ kvpool module whose extension must not run. The compiled modules run only when a
 An extension whose module is not in the manifest (left over from an older build) is never used either.
 :func:`status` tells which case holds (``kvpool --version`` prints it). This module imports only the
 standard library: it runs before everything else.
+
+mypyc keeps no docstring: a compiled class's ``__doc__`` is empty and a compiled method's is None (its C
+doc string holds only the text signature). So each compiled module, as it is imported, gets the
+docstrings of its own source back (:func:`copy_docstrings`, read with ``ast``, which the digests tie to
+the build): the module's, each public class's, method's, property's and function's, at no cost per call
+(the C method and property tables' doc pointers are re-pointed; nothing is wrapped). For IDEs and type
+checkers the typed sources stay beside the extensions, and ``py.typed`` (PEP 561) says they are typed:
+they read the compiled API, docstrings included, from the ``.py`` files (a ``.pyi`` would only repeat
+them, and shadow them for mypy).
 """
 
 from __future__ import annotations
 
+import ast
+import ctypes
 import hashlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
 import sys
+import types
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -47,6 +59,46 @@ MANIFEST = "kvpool._native_manifest"
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 _state: dict[str, object] = {}
+
+
+class _DocLoader(importlib.abc.Loader):
+    """The extension loader of a compiled module, which then gives it, and every other compiled module its
+    code imported meanwhile, their sources' docstrings (mypyc imports a module of the same build itself,
+    past the import system's finders)."""
+
+    def __init__(self, loader: importlib.abc.Loader, names: frozenset[str]) -> None:
+        self.loader, self.names = loader, names
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.loader.exec_module(module)
+        for name in sorted(self.names - _DOCUMENTED):
+            loaded = sys.modules.get(name)
+            if loaded is not None and is_compiled(loaded):
+                _DOCUMENTED.add(name)
+                copy_docstrings(loaded)
+
+
+#: Compiled modules whose docstrings were copied from their sources.
+_DOCUMENTED: set[str] = set()
+
+
+class _DocFinder(importlib.abc.MetaPathFinder):
+    """Finds the compiled modules as the path search does, with a :class:`_DocLoader`."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = frozenset(names)
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None
+                  ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in self.names:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)  # type: ignore[arg-type]
+        if spec is not None and isinstance(spec.loader, importlib.machinery.ExtensionFileLoader):
+            spec.loader = _DocLoader(spec.loader, self.names)
+        return spec
 
 
 class _SourceFinder(importlib.abc.MetaPathFinder):
@@ -137,6 +189,8 @@ def activate() -> None:
     interpreted = {name: path for name, path in shadowing.items() if name not in compiled}
     if interpreted:
         sys.meta_path.insert(0, _SourceFinder(interpreted))
+    if compiled:
+        sys.meta_path.insert(0, _DocFinder(compiled))
     _state.update(compiled=compiled, reason=reason)
 
 
@@ -172,3 +226,96 @@ def interpreted(name: str) -> ModuleType:
         sys.modules[alias] = module  # dataclasses look their module up while the class is made
         spec.loader.exec_module(module)
     return sys.modules[alias]
+
+
+# ---- docstrings of the compiled modules ------------------------------------------------------------------
+
+
+def source_docstrings(path: Path) -> dict[str, str]:
+    """``{qualified name: docstring}`` of a module's source, as the interpreter would set ``__doc__``:
+    ``""`` for the module, ``"Class"``, ``"Class.method"``, ``"function"`` (top-level and class-body
+    definitions; of a name defined twice, such as a property and its setter, the first)."""
+    docs: dict[str, str] = {}
+    clean = sys.version_info >= (3, 13)  # the compiler strips docstrings' indentation from 3.13 on
+    pending: list[tuple[str, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef]] = [
+        ("", ast.parse(path.read_text(encoding="utf-8")))]
+    while pending:
+        name, node = pending.pop(0)
+        doc = ast.get_docstring(node, clean=clean)
+        if doc is not None:
+            docs.setdefault(name, doc)
+        if isinstance(node, (ast.Module, ast.ClassDef)):
+            pending += [(f"{name}.{child.name}".lstrip("."), child) for child in node.body
+                        if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+    return docs
+
+
+def copy_docstrings(module: ModuleType) -> int:
+    """Give compiled ``module`` (and its classes, methods, properties and functions) the docstrings of
+    its source (:func:`source_docstrings`) where theirs are missing; returns how many were set. Objects
+    whose doc cannot be set (an unknown layout) keep theirs."""
+    source = module_source(module.__name__)
+    if not source.exists():
+        return 0
+    done = 0
+    for qualname, doc in source_docstrings(source).items():
+        owner, name = _owner(module, qualname)
+        if owner is None:
+            continue
+        obj = module if not qualname else vars(owner).get(name)
+        if obj is not None and getattr(obj, "__doc__", None) != doc:
+            done += _set_doc(obj, doc)
+    return done
+
+
+def _owner(module: ModuleType, qualname: str) -> tuple[object | None, str]:
+    """(the object holding ``qualname``'s last part, that part), or (None, "") when it is not there."""
+    *path, name = qualname.split(".")
+    owner: object = module
+    for part in path:
+        owner = vars(owner).get(part)
+        if not isinstance(owner, type):
+            return None, ""
+    return owner, name
+
+
+#: The C doc strings given to compiled methods and properties (kept alive: the tables point at them).
+_DOC_BUFFERS: list[ctypes.Array[ctypes.c_char]] = []
+_PTR = ctypes.sizeof(ctypes.c_void_p)
+_HEAD = object.__basicsize__  # PyObject_HEAD
+
+
+def _set_doc(obj: object, doc: str) -> int:
+    """Set ``obj``'s docstring; 1 if it was set, else 0."""
+    if isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    if isinstance(obj, (types.MethodDescriptorType, types.ClassMethodDescriptorType)):
+        # PyMethodDescrObject: head, d_type, d_name, d_qualname, then PyMethodDef *d_method
+        return _set_c_doc(id(obj) + _HEAD + 3 * _PTR, obj.__name__, 3, doc)  # type: ignore[attr-defined]
+    if isinstance(obj, types.GetSetDescriptorType):  # PyGetSetDescrObject: the same, PyGetSetDef *d_getset
+        return _set_c_doc(id(obj) + _HEAD + 3 * _PTR, obj.__name__, 3, doc, signature=False)
+    if isinstance(obj, types.BuiltinFunctionType):  # PyCFunctionObject: head, then PyMethodDef *m_ml
+        return _set_c_doc(id(obj) + _HEAD, obj.__name__, 3, doc)
+    try:
+        obj.__doc__ = doc  # classes (compiled ones too), functions, properties
+    except (AttributeError, TypeError):
+        return 0
+    return 1
+
+
+def _set_c_doc(table_field: int, name: str, doc_slot: int, doc: str, *, signature: bool = True) -> int:
+    """Point the doc of the C table entry (PyMethodDef or PyGetSetDef: name at slot 0, doc at
+    ``doc_slot``) whose address is stored at ``table_field`` at ``doc``, after the entry's text signature
+    (``name(...)\n--\n\n``) when it has one; only when the entry's name is ``name`` (a layout check)."""
+    entry = ctypes.c_void_p.from_address(table_field).value
+    if not entry:
+        return 0
+    if ctypes.c_char_p.from_address(entry).value != name.encode():
+        return 0
+    slot = ctypes.c_char_p.from_address(entry + doc_slot * _PTR)
+    old = slot.value or b""
+    head = old[:old.index(b"\n--\n\n") + 5] if signature and b"\n--\n\n" in old else b""
+    buffer = ctypes.create_string_buffer(head + doc.encode("utf-8"))
+    _DOC_BUFFERS.append(buffer)
+    ctypes.c_void_p.from_address(entry + doc_slot * _PTR).value = ctypes.addressof(buffer)
+    return 1

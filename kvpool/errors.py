@@ -47,7 +47,12 @@ class IntegrityError(KVPoolError, AssertionError):
 
 
 class TraceFormatError(KVPoolError, ValueError):
-    """A malformed trace row; the message names the file and line."""
+    """A malformed trace row; the message names the file and line. ``skippable``: a row that
+    ``skip_malformed=True`` would have skipped and counted (not a bad header or a file that is not text)."""
+
+    def __init__(self, *args: object, skippable: bool = False) -> None:
+        super().__init__(*args)
+        self.skippable = skippable
 
 
 class CollectiveError(KVPoolError, RuntimeError):

@@ -34,8 +34,17 @@ def test_alloc_rows_and_ratios(capsys: pytest.CaptureFixture) -> None:
             assert row["ratio"] == pytest.approx(row["kvpool_ns"] / row["baseline_ns"], abs=5e-4)
 
 
+def test_alloc_table_says_why_a_peer_has_no_kvpool_figure(capsys: pytest.CaptureFixture) -> None:
+    # the peers' rows compare with kvpool's at 32,768 blocks: at --sizes 256 there is none to show
+    assert main(["bench", "alloc", "--sizes", "256", "--ops", "256", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    peers = out[out.index("Peers"):]
+    assert "None" not in out
+    assert peers.count("n/a (not run: pool size 32,768 not in --sizes)") == 4  # the hash row has no pool
+
+
 def test_storage_rows_and_ratios(capsys: pytest.CaptureFixture) -> None:
-    result = bench(capsys, "storage", "--tokens", "1", "16", "--num-blocks", "8", "--repeat", "1")
+    result = bench(capsys, "storage", "--tokens", "1,16", "--num-blocks", "8", "--repeat", "1")
     rows = result["rows"]
     expected = {(pattern, t) for pattern in ("random", "paged") for t in (1, 16)}
     assert {(r["pattern"], r["tokens"]) for r in rows} == expected
@@ -69,7 +78,7 @@ def test_bad_counts_are_one_line_errors(capsys: pytest.CaptureFixture) -> None:
 
 @pytest.mark.parametrize(("argv", "why"), [
     # 8 blocks x 16 tokens = 128 slots: 256 tokens cannot be distinct slots (was dropped, exit 0, no rows)
-    (["storage", "--num-blocks", "8", "--tokens", "16", "256"],
+    (["storage", "--num-blocks", "8", "--tokens", "16,256"],
      "--tokens 256 is more than the cache's 128 slots"),
     (["storage", "--seed", str(2**70)], "--seed must be an integer in [0, 18446744073709551615]"),
     (["engine", "--model", "tiny-llama", "--num-blocks", "10"], "cannot hold the longest prompt"),
@@ -114,8 +123,8 @@ def test_groups_rows_and_ratios(capsys: pytest.CaptureFixture) -> None:
 
 
 def test_tiers_rows_and_ratios(capsys: pytest.CaptureFixture, redis_single) -> None:
-    result = bench(capsys, "tiers", "--batch", "2", "--repeat", "1", "--blocks", "smollm2-135m",
-                   "--remote", redis_single.url, "--replay-requests", "5")
+    result = bench(capsys, "tiers", "--batch", "2", "--repeat", "1", "--block-shapes", "smollm2-135m",
+                   "--remote", redis_single.url, "--max-requests", "5")
     rows = result["rows"]
     assert {(r["tier"], r["op"]) for r in rows} == {(t, op) for t in ("host", "disk", "remote")
                                                     for op in ("store", "load")}

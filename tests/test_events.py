@@ -458,8 +458,8 @@ def test_cli_events_prints_one_line_per_event() -> None:
         sink.flush()
         sink.cleared()
         sink.flush()
-        human = _kvpool("events", live, "--replay", replay, "--max-events", "3")
-        as_json = _kvpool("events", live, "--replay", replay, "--json", "--timeout", "1")
+        human = _kvpool("events", live, "--kv-events-replay", replay, "--max-events", "3")
+        as_json = _kvpool("events", live, "--kv-events-replay", replay, "--json", "--timeout", "1")
     finally:
         pub.close()
     assert human.returncode == 0, human.stderr
@@ -473,7 +473,7 @@ def test_cli_events_prints_one_line_per_event() -> None:
     assert rows[0]["seq"] == 0 and rows[2]["seq"] == 1 and rows[0]["data_parallel_rank"] == 0
 
 
-@pytest.mark.parametrize("args", [["tcp://127.0.0.1"], ["tcp://127.0.0.1:1", "--replay", "nope"]])
+@pytest.mark.parametrize("args", [["tcp://127.0.0.1"], ["tcp://127.0.0.1:1", "--kv-events-replay", "nope"]])
 def test_cli_events_bad_endpoint_is_one_line(args: list[str], capsys: pytest.CaptureFixture) -> None:
     from kvpool.cli import main
 

@@ -139,3 +139,66 @@ def test_a_build_from_an_older_source_is_refused_with_a_warning(tmp_path):
     assert "kvpool/allocators/token.py changed since it was compiled" in result["status"]["reason"]
     assert "RuntimeWarning" in stderr and "running the interpreted code" in stderr
     assert all(f.endswith(".py") for f in result["files"].values()), result["files"]  # none of the build
+
+
+def _public_docs(module) -> dict[str, str | None]:
+    """``{qualified name: __doc__}`` of a module, its public classes and functions defined there, and their
+    public methods and properties (dunders aside)."""
+    docs: dict[str, str | None] = {"": module.__doc__}
+    for name, obj in vars(module).items():
+        if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+            continue
+        docs[name] = obj.__doc__
+        if isinstance(obj, type):
+            for attr, member in vars(obj).items():
+                if not attr.startswith("_") and (callable(member) or isinstance(member, property)):
+                    docs[f"{name}.{attr}"] = getattr(obj, attr).__doc__
+    return docs
+
+
+@pytest.mark.skipif(not COMPILED_HERE, reason="no compiled build here (KVPOOL_COMPILE=1 python3 setup.py "
+                                              "build_ext --inplace makes one)")
+@pytest.mark.parametrize("name", _native.COMPILED_MODULES)
+def test_compiled_modules_keep_the_sources_docstrings(name: str) -> None:
+    import importlib
+
+    compiled = importlib.import_module(name)
+    assert _native.is_compiled(compiled)
+    source = _public_docs(_native.interpreted(name))  # what the interpreter makes of the same source
+    assert len(source) > 5 and all(doc for qual, doc in source.items() if qual.count(".") == 0)
+    for qualname, doc in source.items():
+        obj = compiled
+        for part in filter(None, qualname.split(".")):
+            obj = getattr(obj, part)
+        if doc is not None:  # a method without a docstring (a dataclass's own) may keep mypyc's signature
+            assert obj.__doc__ == doc, qualname
+
+
+@pytest.mark.skipif(not COMPILED_HERE, reason="no compiled build here")
+def test_modules_a_compiled_module_imports_itself_get_their_docstrings_too() -> None:
+    # mypyc imports policies for block_pool past the import system's finders: in a fresh process, importing
+    # block_pool first must still leave policies documented
+    code = ("import kvpool.allocators.block_pool, kvpool.allocators.policies as p, kvpool._native as n; "
+            "print(n.is_compiled(p), p.__doc__ is not None, p.LRUPolicy.__doc__ is not None)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent, env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)}).stdout
+    assert out.split() == ["True", "True", "True"]
+
+
+@pytest.mark.skipif(not COMPILED_HERE, reason="no compiled build here")
+def test_help_shows_the_compiled_classes_docs() -> None:
+    import inspect
+    import pydoc
+
+    from kvpool import BlockPool, KVCacheCoordinator, TokenToKVPoolAllocator
+
+    for cls in (BlockPool, KVCacheCoordinator, TokenToKVPoolAllocator):
+        text = pydoc.render_doc(cls, renderer=pydoc.plaintext)
+        assert cls.__doc__.split("\n")[0].strip() in text
+    assert "Hand out ``n`` blocks" in pydoc.render_doc(BlockPool.allocate, renderer=pydoc.plaintext)
+    assert str(inspect.signature(BlockPool.allocate)) == "(self, /, n)"  # the text signature stays
+
+
+def test_the_package_says_it_is_typed() -> None:
+    assert (PACKAGE / "py.typed").is_file()
+    assert '"py.typed"' in (PACKAGE.parent / "pyproject.toml").read_text()

@@ -55,11 +55,13 @@ def tiny() -> object:
 
 
 class Subscriber:
-    """``kvpool events ENDPOINT --replay ... --json`` in another process; its lines read by a thread."""
+    """``kvpool events ENDPOINT --kv-events-replay ... --json`` in another process; its lines read by a
+    thread."""
 
     def __init__(self, live: str, replay: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvpool", "events", live, "--replay", replay,
-                                      "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvpool", "events", live, "--kv-events-replay",
+                                      replay, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 

@@ -375,3 +375,31 @@ def test_unusable_buffer_is_a_config_error(kw) -> None:
 def test_a_buffer_too_large_for_memory_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="cannot allocate"):
         PagedKVCache(spec(), 2**50)
+
+
+# ---- slot_mapping -----------------------------------------------------------------------------------------
+
+
+def test_slot_mapping_by_hand() -> None:
+    from kvpool import slot_mapping
+
+    # B 4, blocks [7, 2, 5]: positions 0-3 in block 7 (slots 28-31), 4-7 in block 2 (8-11), 8-9 in 5 (20, 21)
+    got = slot_mapping([7, 2, 5], range(10), 4)
+    assert got.dtype == torch.int64 and got.tolist() == [28, 29, 30, 31, 8, 9, 10, 11, 20, 21]
+    table = torch.tensor([7, 2, 5], dtype=torch.int32)  # a kernel's block table row
+    assert slot_mapping(table, torch.tensor([9, 4]), 4).tolist() == [21, 8]
+    assert slot_mapping([7], [], 4).tolist() == []
+
+
+@pytest.mark.parametrize(("table", "positions", "block_size", "message"), [
+    ([1, 2], [8], 4, r"positions must be in \[0, 8\)"),
+    ([1, 2], [-1], 4, "got min -1"),
+    ([1, 2], [0.5], 4, "positions must be integers"),
+    ([1.0], [0], 4, "block_table must be a 1-D integer tensor|block_table must be integers"),
+    ([1, 2], [0], 0, "block_size"),
+])
+def test_slot_mapping_refuses_bad_input(table, positions, block_size, message) -> None:
+    from kvpool import slot_mapping
+
+    with pytest.raises(InvalidArgumentError, match=message):
+        slot_mapping(table, positions, block_size)

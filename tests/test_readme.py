@@ -90,3 +90,24 @@ def test_readme_shell_block_runs(index: int, tmp_path: Path) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
     assert code_returned == 0, f"README shell block {index} failed:\n{code}\n{log.read_text()[-3000:]}"
+
+
+def test_wire_in_example_leaks_nothing_when_the_pool_is_short() -> None:
+    # the example run twice on one pool, the second time with every block but its 2 cached hits held by
+    # another request: 40 tokens need 3 blocks and only those 2 are free, so the example must refuse before
+    # touching them (a touch, then a failed allocate, kept both hits in use: the leak)
+    code = doc_tests()["wire-it-in"]
+    namespace: dict[str, object] = {"__name__": "readme_short"}
+    exec(compile(code, "README.md:wire-it-in", "exec"), namespace)  # noqa: S102 - our own README
+    pool = namespace["pool"]
+    neighbour = pool.allocate(pool.num_free_blocks - 2)  # uncached free blocks go first: the 2 hits stay
+    assert pool.num_cached_blocks == 2 and pool.num_free_blocks == 2
+    again = code.replace("cache, pool = PagedKVCache(spec, num_blocks=64), BlockPool(64)",
+                         "cache = PagedKVCache(spec, num_blocks=64)")
+    assert again != code
+    from kvpool import OutOfBlocksError
+
+    with pytest.raises(OutOfBlocksError):
+        exec(compile(again, "README.md:wire-it-in", "exec"), namespace)  # noqa: S102 - our own README
+    assert pool.num_used_blocks == len(neighbour) and pool.num_cached_blocks == 2
+    pool.check_integrity()

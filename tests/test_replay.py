@@ -290,7 +290,23 @@ def test_oversized_request_is_rejected_and_counted() -> None:
     requests = [TraceRequest(0.0, 100, 20), TraceRequest(1.0, 16, 0)]  # KV of 119 tokens: 8 blocks; 1
     for timing in ("instant", "trace"):
         result = run_replay(requests, ReplayConfig(block_size=16, num_blocks=7, timing=timing))
-        assert (result.requests_rejected, result.requests_completed, result.prompt_blocks) == (1, 1, 1)
+        # the rejected prompt counts as misses: 100 // 16 = 6 of its blocks, and 1 of the 16-token prompt
+        assert (result.requests_rejected, result.requests_completed, result.prompt_blocks) == (1, 1, 6 + 1)
+        assert (result.rejected_prompt_blocks, result.hit_blocks, result.token_hit_ratio) == (6, 0, 0.0)
+
+
+def test_every_pool_size_shares_the_hit_ratio_denominator() -> None:
+    # A (2 blocks of 512) twice around a 10-block request that shares nothing: a 4-block pool rejects it
+    # (its 5,120 tokens need 10 blocks) and the second A hits 1 block ((1,024 - 1) // 512); the ratio is
+    # over all 2 + 10 + 2 = 14 prompt blocks at every size, the rejected 10 as misses
+    a, huge = TraceRequest(0.0, 1024, 1, (1, 2)), TraceRequest(1.0, 5120, 1, tuple(range(100, 110)))
+    requests = [a, huge, TraceRequest(2.0, 1024, 1, (1, 2))]
+    small, big = (run_replay(requests, ReplayConfig(block_size=512, num_blocks=n)) for n in (4, 40))
+    assert (small.requests_rejected, small.rejected_prompt_blocks, small.hit_blocks) == (1, 10, 1)
+    assert (big.requests_rejected, big.rejected_prompt_blocks, big.hit_blocks) == (0, 0, 1)
+    assert small.prompt_blocks == big.prompt_blocks == 14
+    assert small.block_hit_ratio == big.block_hit_ratio == 1 / 14
+    assert small.token_hit_ratio == 512 / (1024 + 5120 + 1024)
 
 
 def test_hits_on_a_hand_trace() -> None:

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from kvpool.cli import main
-from kvpool.spec import LayerKind, kv_cache_groups
-from kvpool.trace.loaders import TraceRequest
-from kvpool.trace.replay import ReplayConfig, run_replay
+from kvpool.spec import KVCacheSpec, LayerKind, kv_cache_groups
+from kvpool.trace.loaders import TraceRequest, load_trace
+from kvpool.trace.replay import ReplayConfig, request_blocks, run_replay
 
 CONFIGS = Path(__file__).parent / "configs"
 S, F = LayerKind.SLIDING, LayerKind.FULL
@@ -117,3 +117,29 @@ def test_cli_hybrid_takes_policies_pins_tiers_sweeps_and_the_report(tmp_path, re
     assert code == 0 and len(sweep["runs"]) == 4 and report.stat().st_size > 10_000
     assert {r["num_blocks"] for r in sweep["runs"]} == {1000, 3000}
     assert all(r["tier_hits"]["host"] > 0 for r in sweep["runs"] if r["num_blocks"] == 1000)
+
+
+def test_cli_hybrid_compares_memory_over_the_requests_both_pools_serve(capsys):
+    # 20 GiB x 0.9 of KV for Gemma-3-27B: the per-group pool and the all-full pool reject different long
+    # requests, so the memory saving is over the requests both serve, each side replayed on them alone
+    # (before, each side averaged over its own requests and the saving could turn negative); the hit
+    # ratios are over every request's prompt, the rejected ones as misses, on both sides
+    path = str(CONFIGS / "gemma-3-27b-it.json")
+    code = main(["replay", "--max-requests", "200", "--model-config", path, "--gpu-memory", "80GiB",
+                 "--non-kv-memory", "60GiB", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0
+    requests = load_trace(max_requests=200).requests
+    spec = KVCacheSpec.from_hf_config(path, block_size=16)
+    mine = ReplayConfig(groups=spec.groups, num_blocks=report["num_blocks"])
+    theirs = ReplayConfig(num_blocks=report["all_full"]["num_blocks"])
+    served = [[request_blocks(r, c) <= c.num_blocks for r in requests] for c in (mine, theirs)]
+    assert served[0] != served[1] and report["requests_rejected"] == served[0].count(False)
+    both = [r for r, a, b in zip(requests, *served, strict=True) if a and b]
+    assert report["memory_compared_requests"] == len(both)
+    mean = run_replay(both, mine).mean_blocks_used * spec.bytes_per_block
+    full_mean = run_replay(both, theirs).mean_blocks_used * spec.bytes_per_token * 16
+    assert report["mean_memory_saving"] == pytest.approx(1 - mean / full_mean)
+    assert report["mean_memory_saving"] > 0
+    assert report["prompt_blocks"] == sum(r.input_tokens // 16 for r in requests)
+    assert report["all_full"]["requests_rejected"] == served[1].count(False)

@@ -103,6 +103,10 @@ def test_report_is_one_self_contained_file(page: Path, sweep) -> None:
     for policy in ("lru", "lfu", "arc", "belady"):
         assert f'id="curves-curve-{policy}"' in text
     assert 'id="hit-ratios"' in text and 'id="bound-share"' in text and 'id="parameters"' in text
+    rejected = [f"<td>{r.result.requests_rejected:,}</td>" for r in sweep if r.policy == "lru"]
+    assert "<tr><td>requests rejected</td>" + "".join(rejected) + "</tr>" in text
+    assert "count as misses" in text and "31 rejected" in text  # beside the table's ratios and the curves'
+    assert '<p id="summary">8 runs of 400 requests' in text
     # element ids must be unique across the inline SVGs (clip paths would point into another figure)
     ids = re.findall(r'\bid="([^"]+)"', text)
     assert len(ids) == len(set(ids))
@@ -132,6 +136,15 @@ def test_report_renders_in_headless_chromium(page: Path, sweep, tmp_path: Path) 
             tab.on("pageerror", lambda e: problems.append(str(e)))
             tab.goto(page.as_uri(), wait_until="load")
             assert tab.title() == "kvpool replay report"
+            # the summary line comes first; every table fits the page (no sideways scrolling)
+            summary = tab.locator("#summary")
+            assert summary.inner_text().startswith("8 runs of 400 requests")
+            assert summary.bounding_box()["y"] < tab.locator("h2").first.bounding_box()["y"]
+            for box in tab.locator("div.table").all():
+                assert box.evaluate("d => d.scrollWidth <= d.clientWidth"), box.inner_text()[:60]
+            body = tab.evaluate("document.body.getBoundingClientRect().right")
+            runs = tab.locator("#runs").bounding_box()
+            assert runs["x"] + runs["width"] <= body
             # the curves: one line per policy, each a drawn path of non-zero length
             for policy in ("lru", "lfu", "arc", "belady"):
                 length = tab.eval_on_selector(f"#curves-curve-{policy} path", "p => p.getTotalLength()")
@@ -164,6 +177,65 @@ def _heatmap_decodes(tab, figure: str) -> bool:
     }""")
 
 
+def test_plots_put_the_rejected_count_beside_the_ratio(sweep) -> None:
+    from matplotlib.figure import Figure
+
+    from kvpool.trace.plot import draw_tier_sweep, rejected_label
+
+    results = [run.result for run in sweep if run.policy == "lru"]
+    ax = Figure().subplots()
+    draw_tier_sweep(ax, results)
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["300\n31 rejected", "600\n9 rejected"]
+    assert rejected_label(results[0]) == "31 requests rejected, counted as misses"
+    assert rejected_label(run_replay([TraceRequest(0.0, 16, 1)], ReplayConfig())) == "no request rejected"
+
+
+def test_ratio_axis_by_hand() -> None:
+    from kvpool.trace.report import ratio_axis
+
+    # far apart (the smallest under half the largest): from 0, 8% above the top
+    assert ratio_axis([0.01, 0.2]) == (0.0, pytest.approx(0.216))
+    # 0.0739 and 0.0792 differ in the third decimal: their range, 15% of 0.0053 (0.000795) each side
+    low, high = ratio_axis([0.0792, 0.0739])
+    assert (low, high) == (pytest.approx(0.073105), pytest.approx(0.079995))
+    assert ratio_axis([0.05, 0.05]) == (pytest.approx(0.0495), pytest.approx(0.0505))  # at least 0.0005
+    assert ratio_axis([0.0, 0.0]) == (0.0, 1.0)
+
+
+def test_summary_and_parameters_by_hand(sweep) -> None:
+    from kvpool.trace.report import summary
+
+    line = summary(sweep, {"tiers": ["host 400 blocks"]})
+    online = [r for r in sweep if r.policy != "belady"]
+    best = max(online, key=lambda r: (r.result.block_hit_ratio, -r.num_blocks))
+    bound = next(r for r in sweep if r.policy == "belady" and r.num_blocks == best.num_blocks)
+    share = best.result.block_hit_ratio / bound.result.block_hit_ratio
+    assert line == (f"8 runs of 400 requests (4 policies, 2 pool sizes): best block hit ratio "
+                    f"{best.result.block_hit_ratio:.4f} ({best.policy} at {best.num_blocks:,} blocks, "
+                    f"{share:.1%} of the offline bound); "
+                    "requests rejected (counted as misses): 31 at 300 blocks, 9 at 600 blocks; tiers below "
+                    "the pool: host 400 blocks.")
+    assert summary(sweep, {"tiers": "none"}).endswith("; no tier below the pool.")
+
+
+def test_cli_report_names_the_tiers_and_no_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "tiers.html"
+    assert main(["replay", "--max-requests", "300", "--block-size", "512", "--sweep", "60,120", "--policies",
+                 "lru,belady", "--host-blocks", "400", "--report", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    text = out.read_text()
+    params = text[text.index('id="parameters"'):]
+    assert "<td>tiers</td><td>host 400 blocks</td>" in params and "<td>pin prefix</td><td>none</td>" in params
+    assert "<td>trace</td><td>conversation_trace.jsonl (shipped with kvpool)</td>" in params
+    assert str(Path(report["trace"]).parent) not in text and "[]" not in params
+    assert 'id="tier-hits"' in text and 'id="tiers-tiers"' in text  # the by-tier chart and table
+    for run in report["runs"]:  # the by-tier table: each place's share of the prompt blocks
+        host = run["tier_hits"]["host"] / run["prompt_blocks"]
+        assert f"<td>{run['policy']}</td><td>{run['num_blocks']:,}</td><td>" in text
+        assert f"<td>{host:.4f}</td>" in text
+    assert "tiers below the pool: host 400 blocks." in text
+
+
 # ---- CLI ------------------------------------------------------------------------------------------------
 
 
@@ -175,11 +247,18 @@ def test_cli_sweep_json_and_table(capsys: pytest.CaptureFixture[str], sweep) -> 
     assert [(r["num_blocks"], r["policy"]) for r in report["runs"]] == [(r.num_blocks, r.policy)
                                                                         for r in sweep]
     assert report["block_hit_ratio"]["belady"]["600"] == sweep[-1].result.block_hit_ratio
+    # like with like: every run's ratio is over all 400 prompts, the rejected ones' blocks as misses, and
+    # the rejected count stands beside each ratio (the pools of 300 and 600 reject 31 and 9 requests)
+    requests = load_trace(max_requests=400).requests
+    assert {r["prompt_blocks"] for r in report["runs"]} == {sum(r.input_tokens // 128 for r in requests)}
+    assert report["requests_rejected"] == {p: {"300": 31, "600": 9} for p in ("lru", "lfu", "arc", "belady")}
+    assert "rejected request's prompt blocks count as misses" in report["hit_ratio_basis"]
     assert main(argv) == 0
     text = capsys.readouterr().out.splitlines()
-    assert text[1].split() == ["hit", "ratio", "300", "600"]
-    belady = next(line for line in text if line.startswith("belady"))
-    assert belady.split()[1:] == [f"{sweep[i].result.block_hit_ratio:.4f}" for i in (3, 7)]
+    assert "count as misses" in text[1] and text[2].split() == ["hit", "ratio", "300", "600"]
+    at = text.index(next(line for line in text if line.startswith("belady")))
+    assert text[at].split()[1:] == [f"{sweep[i].result.block_hit_ratio:.4f}" for i in (3, 7)]
+    assert text[at + 1].split() == ["rejected", "31", "9"]
     assert text[-1].split()[:2] == ["belady", "100.0%"]
 
 

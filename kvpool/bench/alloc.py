@@ -37,6 +37,7 @@ from kvpool.allocators.hashing import (
 from kvpool.allocators.policies import POLICIES
 from kvpool.bench.timing import median_ns, print_table, require_at_least
 from kvpool.errors import ConfigError, OutOfBlocksError
+from kvpool.options import CommaList, positive_int
 
 PEERS = [  # (peer, op, ns) measured earlier (DESIGN.md), compared with kvpool's row (op, pool size)
     ("vLLM 0.33 BlockPool", "allocate(1)+free", 1550.0, ("allocate(1)+free", 32768)),
@@ -80,10 +81,12 @@ class NaiveAllocator:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 32768, 1 << 20],
-                        help="pool sizes in blocks (default: 1024 32768 1048576)")
-    parser.add_argument("--ops", type=int, default=32768, help="blocks per timed repetition (default 32768)")
-    parser.add_argument("--repeat", type=int, default=7, help="timed repetitions (median)")
+    parser.add_argument("--sizes", action=CommaList, item=positive_int, default=[1024, 32768, 1 << 20],
+                        metavar="N,...", help="pool sizes in blocks (default: 1024,32768,1048576)")
+    parser.add_argument("--ops", type=positive_int, default=32768, metavar="N",
+                        help="blocks per timed repetition (default: 32768)")
+    parser.add_argument("--repeat", type=positive_int, default=7, metavar="N",
+                        help="timed repetitions (median)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -427,10 +430,15 @@ def _pairs_ns(factory: Callable[[], Any], k: int, repeat: int, alloc_one: Callab
 def _peer_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ours = {(r["op"], r["pool_blocks"]): r["kvpool_ns"] for r in rows if "kvpool_ns" in r}
     out = []
+    sizes = {size for _, size in ours}
     for peer, op, ns, key in PEERS:
         mine = ours.get(key)
-        out.append({"peer": peer, "op": op, "peer_ns": ns, "kvpool_op": key[0], "kvpool_ns": mine,
-                    "peer_over_kvpool": None if not mine else round(ns / mine, 2)})
+        row = {"peer": peer, "op": op, "peer_ns": ns, "kvpool_op": key[0], "kvpool_ns": mine,
+               "peer_over_kvpool": None if not mine else round(ns / mine, 2)}
+        if mine is None:  # say why there is no figure to compare with, rather than print None
+            row["kvpool_missing"] = (f"not run: pool size {key[1]:,} not in --sizes" if key[1] and
+                                     key[1] not in sizes else "skipped in this run")
+        out.append(row)
     return out
 
 
@@ -443,7 +451,8 @@ def _print(result: dict[str, Any]) -> None:
     for r in result["rows"]:
         if "skipped" in r:
             print(f"  {r['op']}: skipped ({r['skipped']})")
-    peers = [[p["peer"], p["op"], p["peer_ns"], p["kvpool_ns"], p["peer_over_kvpool"]]
-             for p in result["peers_measured_earlier"]]
+    peers = [[p["peer"], p["op"], p["peer_ns"],
+              p["kvpool_ns"] if p["kvpool_ns"] is not None else f"n/a ({p['kvpool_missing']})",
+              p["peer_over_kvpool"]] for p in result["peers_measured_earlier"]]
     print_table("\nPeers (DESIGN.md figures measured EARLIER on a similar machine, not in this run; "
                 "x = peer / kvpool)", ["peer", "op", "peer ns", "kvpool ns", "x"], peers)

@@ -32,8 +32,9 @@ NUM_BLOCKS, BLOCK_SIZE, BATCH_TOKENS = 64, 16, 256  # the peer's CPU settings (D
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2", help="smollm2 (default), tiny-llama, ... or a folder")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per prompt")
+    parser.add_argument("--model", default="smollm2", metavar="NAME",
+                        help="smollm2 (default), tiny-llama, ... or a folder")
+    parser.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="tokens per prompt")
     parser.add_argument("--num-blocks", type=int, default=None, metavar="N",
                         help=f"KV blocks of {BLOCK_SIZE} tokens for kvpool and generate_batch (default: "
                              f"{NUM_BLOCKS}, or what the longest prompt needs)")

@@ -31,8 +31,8 @@ GPT_OSS_20B = KVCacheSpec(num_layers=24, num_kv_heads=8, head_dim=64, dtype="bfl
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=64, metavar="R", help="requests decoding")
-    parser.add_argument("--steps", type=int, default=512, metavar="S", help="decode steps per request")
+    parser.add_argument("--requests", type=int, default=64, metavar="N", help="requests decoding")
+    parser.add_argument("--steps", type=int, default=512, metavar="N", help="decode steps per request")
     parser.add_argument("--repeat", type=int, default=5, metavar="N", help="timed repetitions")
     parser.add_argument("--max-requests", type=int, default=2000, metavar="N",
                         help="trace requests to replay (0 skips the replay rows)")

@@ -27,8 +27,8 @@ def _block_sizes(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--block-sizes", type=_block_sizes, default=[512, 16], metavar="B,B",
-                        help="block sizes to replay at (default 512,16)")
+    parser.add_argument("--block-sizes", type=_block_sizes, default=[512, 16], metavar="B,...",
+                        help="block sizes to replay at (default: 512,16)")
     parser.add_argument("--max-requests", type=int, default=None, metavar="N",
                         help="replay the first N requests (default: all 12,031)")
 

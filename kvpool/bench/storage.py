@@ -21,20 +21,25 @@ import torch
 from kvpool.bench.timing import median_ns, print_table, require_at_least
 from kvpool.errors import ConfigError
 from kvpool.numeric import as_seed
+from kvpool.options import CommaList, positive_int
 from kvpool.spec import KVCacheSpec, parse_kv_dtype
 from kvpool.storage.paged import PagedKVCache
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 4096],
-                        help="token counts T per store_kv call (default: 1 16 256 4096)")
-    parser.add_argument("--num-blocks", type=int, default=2048, help="blocks in the cache")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
-    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads H")
-    parser.add_argument("--head-dim", type=int, default=128, help="head dim D")
-    parser.add_argument("--dtype", default="float16", help="KV dtype (float16, bfloat16, float32, fp8, ...)")
-    parser.add_argument("--repeat", type=int, default=7, help="timed repetitions (median)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random slots and K/V")
+    parser.add_argument("--tokens", action=CommaList, item=positive_int, default=[1, 16, 256, 4096],
+                        metavar="N,...", help="token counts T per store_kv call (default: 1,16,256,4096)")
+    parser.add_argument("--num-blocks", type=positive_int, default=2048, metavar="N",
+                        help="blocks in the cache")
+    parser.add_argument("--block-size", type=positive_int, default=16, metavar="B", help="tokens per block")
+    parser.add_argument("--kv-heads", type=positive_int, default=8, metavar="N", help="KV heads H")
+    parser.add_argument("--head-dim", type=positive_int, default=128, metavar="N", help="head dim D")
+    parser.add_argument("--dtype", default="float16", metavar="NAME",
+                        help="KV dtype (float16, bfloat16, float32, fp8, ...)")
+    parser.add_argument("--repeat", type=positive_int, default=7, metavar="N",
+                        help="timed repetitions (median)")
+    parser.add_argument("--seed", type=int, default=0, metavar="SEED",
+                        help="seed of the random slots and K/V")
 
 
 def _slots(pattern: str, tokens: int, cache: PagedKVCache) -> torch.Tensor:

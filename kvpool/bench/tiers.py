@@ -2,7 +2,7 @@
 timed in the same run, and the replay's speed with a tier chain.
 
 For two real block shapes (SmolLM2-135M and Llama-3-8B, bfloat16, 16 tokens: 360 KiB and 2 MiB), a batch of
-``--batch`` blocks (default 64) goes through each tier and back:
+``--batch`` blocks (default: 64) goes through each tier and back:
 
 * **host**: ``HostTier.store_from_device`` / ``load_to_device`` (the device is a CPU cache here) against one
   ``copy_`` of the same bytes between two contiguous tensors;
@@ -15,7 +15,7 @@ For two real block shapes (SmolLM2-135M and Llama-3-8B, bfloat16, 16 tokens: 360
 Each repetition times the tier and its baseline back to back (the tier cleared first, outside the timing),
 and the ratio is the median of the per-repetition ratios (baseline time / tier time: 1.0 = as fast as the
 baseline), so load from other processes hits both. Target: ratio >= 0.80 at 64 blocks. The replay row
-replays the first ``--replay-requests`` Mooncake requests at block size 16 on a 20,000-block device pool
+replays the first ``--max-requests`` Mooncake requests at block size 16 on a 20,000-block device pool
 with an unbounded host tier (the identity run); target >= 1M block operations per second.
 """
 
@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from kvpool.bench.timing import print_table, require_at_least
+from kvpool.options import CommaList, add_deprecated_alias, non_negative_int, positive_int
 from kvpool.spec import KVCacheSpec
 from kvpool.storage.paged import PagedKVCache
 
@@ -48,14 +49,21 @@ TARGET_OPS_PER_S = 1_000_000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch", type=int, default=64, help="blocks per store / load call (default 64)")
-    parser.add_argument("--repeat", type=int, default=5, help="timed repetitions (median; default 5)")
-    parser.add_argument("--blocks", nargs="+", choices=list(BLOCKS), default=list(BLOCKS),
-                        help=f"block shapes (default: {' '.join(BLOCKS)})")
-    parser.add_argument("--disk-dir", help="folder for the disk tier (default: a temporary one)")
+    parser.add_argument("--batch", type=positive_int, default=64, metavar="N",
+                        help="blocks per store / load call (default: 64)")
+    parser.add_argument("--repeat", type=positive_int, default=5, metavar="N",
+                        help="timed repetitions (median; default: 5)")
+    shapes = parser.add_argument("--block-shapes", dest="blocks", action=CommaList, allowed=list(BLOCKS),
+                                 default=list(BLOCKS), metavar="NAME,...",
+                                 help=f"block shapes (default: {','.join(BLOCKS)})")
+    add_deprecated_alias(parser, "--blocks", shapes)
+    parser.add_argument("--disk-dir", metavar="DIR",
+                        help="folder for the disk tier (default: a temporary one)")
     parser.add_argument("--remote", metavar="URL", help="a Redis to use (default: start one if installed)")
-    parser.add_argument("--replay-requests", type=int, default=2000,
-                        help="Mooncake requests for the replay row (0: skip it; default 2000)")
+    requests = parser.add_argument("--max-requests", dest="replay_requests", type=non_negative_int,
+                                   default=2000, metavar="N",
+                                   help="Mooncake requests for the replay row (0: skip it; default: 2000)")
+    add_deprecated_alias(parser, "--replay-requests", requests)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -27,9 +27,11 @@ def median_ns(fn: Callable[[], object], *, ops: int, repeat: int = 5,
 
 
 def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
-    """Print an aligned table; floats get 1 decimal (3 for ratios below 10)."""
+    """Print an aligned table; floats get 1 decimal (3 for ratios below 10), None prints ``-``."""
 
     def fmt(value: object) -> str:
+        if value is None:
+            return "-"
         if isinstance(value, float):
             return f"{value:.3f}" if abs(value) < 10 else f"{value:,.1f}"
         return str(value)

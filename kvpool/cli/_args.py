@@ -1,4 +1,4 @@
-"""Argument types shared by the subcommands."""
+"""Argument types shared by the subcommands (the conventions of their flags: :mod:`kvpool.options`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,17 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from kvpool import units
-from kvpool.numeric import INT64_MAX, SEED_MAX
+from kvpool.numeric import SEED_MAX
+from kvpool.options import (  # noqa: F401 - the vocabulary, re-exported for the subcommands
+    JSON_HELP,
+    CommaList,
+    DeprecatedAlias,
+    _integer,
+    add_deprecated_alias,
+    add_json_argument,
+    non_negative_int,
+    positive_int,
+)
 
 
 def parse_bytes(text: str) -> int:
@@ -33,30 +43,6 @@ def memory_bytes(text: str) -> int:
             f"{text!r} has no unit, so it is {units.plural(value, 'byte')}, less than any GPU or model; "
             f"write {text.strip()}GiB (binary units: KiB, MiB, GiB, TiB), or {text.strip()}B for bytes")
     return value
-
-
-def _integer(text: str, minimum: int, maximum: int) -> int:
-    try:
-        value = int(text) if len(text) <= 40 else None  # int() of thousands of digits raises anyway
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value is None or not minimum <= value <= maximum:
-        shown = text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
-        named = {INT64_MAX: "2**63 - 1", SEED_MAX: "2**64 - 1"}.get(maximum)
-        raise argparse.ArgumentTypeError(f"{shown!r} must be an integer in [{minimum}, {maximum}]"
-                                         if named is None else f"{shown!r} must be an integer >= "
-                                         f"{minimum} (at most {named})")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """An integer in [1, 2**63 - 1]."""
-    return _integer(text, 1, INT64_MAX)
-
-
-def non_negative_int(text: str) -> int:
-    """An integer in [0, 2**63 - 1]."""
-    return _integer(text, 0, INT64_MAX)
 
 
 def seed(text: str) -> int:
@@ -158,6 +144,11 @@ class HelpFormatter(argparse.HelpFormatter):
             return text  # an empty list (no ids given) says no more than None
         shown = " ".join(map(str, default)) if isinstance(default, list) else "%(default)s"
         return f"{text} (default: {shown})"
+
+    def _format_args(self, action: argparse.Action, default_metavar: str) -> str:
+        if isinstance(action, CommaList):  # one comma list (a space list only parses, for old scripts)
+            return str(self._metavar_formatter(action, default_metavar)(1)[0])
+        return super()._format_args(action, default_metavar)
 
 
 #: The torch CPU threads every command that runs torch uses unless told otherwise (see add_threads_argument).

@@ -24,7 +24,7 @@ def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--metrics-port", type=positive_int, metavar="P",
                        help="serve the pool's metrics at http://HOST:P/metrics while it runs")
     group.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
-                       help="address the metrics server binds (default 127.0.0.1; 0.0.0.0 for all)")
+                       help="address the metrics server binds (default: 127.0.0.1; 0.0.0.0 for all)")
 
 
 class Observers:

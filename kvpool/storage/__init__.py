@@ -2,6 +2,6 @@
 
 from kvpool.storage.host import HostKVCache
 from kvpool.storage.mla import MLAKVCache
-from kvpool.storage.paged import PagedKVCache, dequantize
+from kvpool.storage.paged import PagedKVCache, dequantize, slot_mapping
 
-__all__ = ["HostKVCache", "MLAKVCache", "PagedKVCache", "dequantize"]
+__all__ = ["HostKVCache", "MLAKVCache", "PagedKVCache", "dequantize", "slot_mapping"]

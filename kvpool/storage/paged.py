@@ -96,6 +96,53 @@ def block_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> tor
     return (block_table.to(torch.int64)[:, None] * block_size + offsets).flatten()[:seq_len]
 
 
+def slot_mapping(block_table: Sequence[int] | torch.Tensor, positions: Sequence[int] | range | torch.Tensor,
+                 block_size: int) -> torch.Tensor:
+    """The flat slot ids of one request's tokens at ``positions``: what :meth:`PagedKVCache.store_kv` and
+    the flat views (:meth:`PagedKVCache.flat_k_cache`) take.
+
+    Args:
+        block_table: the request's block ids in order (a list or a 1-D integer tensor): block ``i`` holds
+            positions ``i * block_size`` to ``(i + 1) * block_size - 1``.
+        positions: token positions in the request, 0-based (a range, a list or a 1-D integer tensor
+            ``[T]``): the whole prompt at prefill, the new token(s) at decode.
+        block_size: tokens per block, B.
+
+    Returns:
+        int64 ``[T]`` on ``block_table``'s device (CPU for a list): ``block_table[p // B] * B + p % B`` for
+        each position ``p``, in slot units (``block_id * B + offset``; int64, so large pools index right).
+
+    Raises:
+        InvalidArgumentError: ``block_size`` not an integer >= 1, a table or positions that are not 1-D
+            integers, or a position below 0 or at/after ``len(block_table) * block_size`` (the request's
+            blocks do not cover it: allocate first).
+    """
+    bs = as_int(block_size, "block_size", minimum=1)
+    table = _index_tensor(block_table, "block_table")
+    pos = _index_tensor(positions, "positions").to(table.device)
+    low, high = (int(pos.min()), int(pos.max())) if pos.numel() else (0, -1)
+    if low < 0 or high >= table.numel() * bs:
+        raise InvalidArgumentError(
+            f"positions must be in [0, {table.numel() * bs}) for a block table of "
+            f"{plural(table.numel(), 'block')} of {bs} tokens, got min {low}, max {high}")
+    return table[pos // bs] * bs + pos % bs
+
+
+def _index_tensor(values: Sequence[int] | range | torch.Tensor, name: str) -> torch.Tensor:
+    """``values`` as a 1-D int64 tensor (a tensor keeps its device); InvalidArgumentError otherwise."""
+    if isinstance(values, range):
+        return torch.arange(values.start, values.stop, values.step, dtype=torch.int64)
+    if not isinstance(values, torch.Tensor):
+        values = list(values)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise InvalidArgumentError(f"{name} must be integers, got {values[:4]!r}...")
+        return torch.tensor(values, dtype=torch.int64)
+    dtype = values.dtype
+    if values.dim() != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise InvalidArgumentError(f"{name} must be a 1-D integer tensor, got {dtype} {list(values.shape)}")
+    return values.to(torch.int64)
+
+
 def drop_padding(slot_mapping: torch.Tensor, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``slot_mapping`` and each of ``rows`` (``[T, ...]``) without the tokens whose slot is -1 (skip)."""
     keep = (slot_mapping != -1).nonzero().squeeze(1)

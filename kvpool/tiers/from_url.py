@@ -18,6 +18,7 @@ builds the tiers. Every malformed URL is a :class:`~kvpool.errors.ConfigError` n
 from __future__ import annotations
 
 import os
+import tempfile
 import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -105,11 +106,23 @@ def _positive(url: str, text: str) -> int:
 
 def check_folder(path: str, what: str) -> None:
     """The folder ``path`` exists and is writable, or its nearest existing parent is (it will be created);
-    ConfigError starting with ``what`` otherwise."""
+    ConfigError starting with ``what`` otherwise. Probed, not only asked (``os.access`` says yes to root
+    everywhere, even in ``/proc``): a folder is created in the nearest existing one and removed again, so
+    nothing is left behind."""
     folder = Path(path)
     parent = next((p for p in (folder, *folder.parents) if p.exists()), None)
-    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK) \
+            or not _can_create_in(parent):
         raise ConfigError(f"{what}: {path!r} is not a folder that can be created or written")
+
+
+def _can_create_in(folder: Path) -> bool:
+    """Whether a folder can be created (and removed) in ``folder``."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".kvpool-probe-", dir=folder))
+    except OSError:
+        return False
+    return True
 
 
 def check_chain(urls: Sequence[str]) -> list[TierURL]:

@@ -137,7 +137,7 @@ def _read_rows(path: str | Path, fmt: str, skip_malformed: bool, max_requests: i
                 except (ValueError, TypeError, KeyError) as exc:
                     if not skip_malformed:
                         why = f"missing field {exc}" if isinstance(exc, KeyError) else exc
-                        raise TraceFormatError(f"{path}:{lineno}: {why}") from None
+                        raise TraceFormatError(f"{path}:{lineno}: {why}", skippable=True) from None
                     skipped += 1
         except UnicodeDecodeError as exc:
             raise TraceFormatError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None

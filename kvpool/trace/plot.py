@@ -17,6 +17,15 @@ from kvpool.trace.replayer import ReplayResult
 COLORS = {"in use": "#d62728", "cached": "#1f77b4", "free": "#d9d9d9", "pinned": "#ff7f0e", "null": "#000000"}
 
 
+def rejected_label(result: ReplayResult) -> str:
+    """``"42 requests rejected, counted as misses"`` (or ``"no request rejected"``): what stands beside a
+    replay's hit ratio."""
+    n = result.requests_rejected
+    if not n:
+        return "no request rejected"
+    return f"{n:,} request{'s' if n != 1 else ''} rejected, counted as misses"
+
+
 def draw_timeline(ax: Any, result: ReplayResult, *, max_points: int | None = None) -> None:
     """Stack blocks in use / cached (evictable) / free over simulated time on ``ax`` (``max_points``: keep
     about that many samples, evenly spaced in sample order, plus the last). Raises ValueError when the
@@ -40,7 +49,8 @@ def draw_timeline(ax: Any, result: ReplayResult, *, max_points: int | None = Non
 def plot_timeline(result: ReplayResult, path: str | Path, *, title: str = "kvpool replay") -> Path:
     """Draw ``result.timeline`` as a stacked area chart (in use / cached / free blocks) into ``path``.
 
-    The title gives the block and token hit ratios, the pool size and the block size. Returns the path.
+    The title gives the block and token hit ratios (a rejected request's prompt counted as misses), the
+    requests rejected, the pool size and the block size. Returns the path.
     Raises ValueError when the result holds no timeline (replay with ``record_timeline=True``).
     """
     if not result.timeline:
@@ -51,7 +61,8 @@ def plot_timeline(result: ReplayResult, path: str | Path, *, title: str = "kvpoo
     ax = fig.subplots()
     draw_timeline(ax, result)
     ax.set_title(f"{title}: block hit ratio {result.block_hit_ratio:.4f}, token hit ratio "
-                 f"{result.token_hit_ratio:.4f}\n{result.num_blocks:,} blocks, {result.timing} timing, "
+                 f"{result.token_hit_ratio:.4f} ({rejected_label(result)})\n"
+                 f"{result.num_blocks:,} blocks, {result.timing} timing, "
                  f"{result.policy} eviction, {result.preemptions:,} preemptions, {result.evictions:,} "
                  "evictions", fontsize=10)
     fig.tight_layout()
@@ -62,28 +73,39 @@ def plot_timeline(result: ReplayResult, path: str | Path, *, title: str = "kvpoo
 def plot_tier_sweep(results: Sequence[ReplayResult], path: str | Path, *, title: str = "kvpool replay"
                     ) -> Path:
     """Draw the block hit ratio of each replay of a sweep, stacked by where the blocks were found (device,
-    host, disk, remote), against the device pool size (one bar per run, in the given order). Returns the
-    path. Raises ValueError for an empty sweep."""
+    host, disk, remote), against the device pool size (one bar per run, in the given order, labelled with
+    the requests it rejected: their prompts count as misses). Returns the path. Raises ValueError for an
+    empty sweep."""
     if not results:
         raise ValueError("a sweep of no runs has nothing to draw")
     from matplotlib.figure import Figure
 
-    places = list(dict.fromkeys(p for r in results for p in r.tier_hits))
     fig = Figure(figsize=(10, 4.5), dpi=100)
     ax = fig.subplots()
-    x = range(len(results))
-    bottom = [0.0] * len(results)
-    colors = {"device": "#d62728", "host": "#1f77b4", "disk": "#2ca02c", "remote": "#9467bd"}
-    for place in places:
-        share = [r.tier_hits.get(place, 0) / r.prompt_blocks if r.prompt_blocks else 0.0 for r in results]
-        ax.bar(x, share, bottom=bottom, label=place, color=colors.get(place))
-        bottom = [b + s for b, s in zip(bottom, share, strict=True)]
-    ax.set_xticks(list(x), [f"{r.num_blocks:,}" for r in results])
-    ax.set_xlabel(f"device pool size (blocks of {results[0].block_size} tokens)")
-    ax.set_ylabel("block hit ratio")
-    ax.set_ylim(0, max(1e-9, max(bottom)) * 1.15)
+    draw_tier_sweep(ax, results)
     ax.set_title(f"{title}: block hit ratio by tier, {results[0].timing} timing", fontsize=10)
-    ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     return Path(path)
+
+
+#: Colours of the places a prefix hit is found.
+TIER_COLORS = {"device": "#d62728", "host": "#1f77b4", "disk": "#2ca02c", "remote": "#9467bd"}
+
+
+def draw_tier_sweep(ax: Any, results: Sequence[ReplayResult], *, policies: bool = False) -> None:
+    """Stack each replay's block hit ratio by where the blocks were found on ``ax``, one bar per result in
+    order, labelled with its pool size, its requests rejected and (``policies``) its policy."""
+    places = list(dict.fromkeys(p for r in results for p in r.tier_hits))
+    x = range(len(results))
+    bottom = [0.0] * len(results)
+    for place in places:
+        share = [r.tier_hits.get(place, 0) / r.prompt_blocks if r.prompt_blocks else 0.0 for r in results]
+        ax.bar(x, share, bottom=bottom, label=place, color=TIER_COLORS.get(place))
+        bottom = [b + s for b, s in zip(bottom, share, strict=True)]
+    ax.set_xticks(list(x), [f"{r.num_blocks:,}\n" + (f"{r.policy}\n" if policies else "")
+                            + f"{r.requests_rejected:,} rejected" for r in results])
+    ax.set_xlabel(f"device pool size (blocks of {results[0].block_size} tokens)")
+    ax.set_ylabel("block hit ratio")
+    ax.set_ylim(0, max(1e-9, max(bottom)) * 1.15)
+    ax.legend(loc="upper left", fontsize=8)

@@ -18,6 +18,7 @@ from kvpool.errors import ConfigError
 from kvpool.spec import KVCacheSpec
 from kvpool.trace.loaders import TraceRequest, sub_blocks_per_hash_block
 from kvpool.trace.replayer import (
+    HIT_RATIO_BASIS,
     REPLAY_POLICIES,
     TIMINGS,
     ReplayConfig,
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from kvpool.events import KVEventSink
     from kvpool.tiers.backend import TierBackend
 
-__all__ = ["REPLAY_POLICIES", "TIMINGS", "ReplayConfig", "ReplayResult", "admission_order",
+__all__ = ["HIT_RATIO_BASIS", "REPLAY_POLICIES", "TIMINGS", "ReplayConfig", "ReplayResult", "admission_order",
            "compare_all_full", "request_blocks", "run_replay", "unbounded_num_blocks"]
 
 
@@ -84,19 +85,31 @@ def compare_all_full(requests: Sequence[TraceRequest], config: ReplayConfig, spe
                      available_bytes: int, result: ReplayResult) -> dict[str, Any]:
     """``result`` (a replay of ``config``, per group) in bytes, and the same requests replayed on the same
     ``available_bytes`` with every layer full attention: one plain pool of ``available_bytes //
-    (bytes_per_token x B)`` blocks. ``mean_memory_saving = 1 - mean bytes / all-full mean bytes``."""
+    (bytes_per_token x B)`` blocks. The all-full hit ratios share ``result``'s denominator (every request,
+    a rejected one's prompt as misses). ``mean_memory_saving = 1 - mean bytes / all-full mean bytes`` over
+    the same requests: when the two pools reject different requests, both are replayed again (without
+    tiers) on the ``memory_compared_requests`` that both serve, so a request one pool rejects never lowers
+    its memory."""
     full_block = spec.bytes_per_token * spec.block_size
     full_config = dataclasses.replace(config, groups=(), num_blocks=max(1, available_bytes // full_block))
     full = run_replay(requests, full_config)
-    mean, full_mean = result.mean_blocks_used * spec.bytes_per_block, full.mean_blocks_used * full_block
+    both = [r for r in requests if request_blocks(r, config) <= result.num_blocks
+            and request_blocks(r, full_config) <= full.num_blocks]
+    mine, theirs = result, full
+    if len(both) < len(requests):
+        mine = run_replay(both, dataclasses.replace(config, num_blocks=result.num_blocks))
+        theirs = run_replay(both, full_config)
+    mean, full_mean = mine.mean_blocks_used * spec.bytes_per_block, theirs.mean_blocks_used * full_block
     return {
         "kv_cache_groups": len(spec.groups), "bytes_per_block": spec.bytes_per_block,
-        "peak_bytes_used": result.peak_blocks_used * spec.bytes_per_block, "mean_bytes_used": round(mean),
+        "peak_bytes_used": result.peak_blocks_used * spec.bytes_per_block,
+        "mean_bytes_used": round(result.mean_blocks_used * spec.bytes_per_block),
         "mean_memory_saving": 1 - mean / full_mean if full_mean else 0.0,
+        "memory_compared_requests": len(both),
         "all_full": {"num_blocks": full.num_blocks, "bytes_per_block": full_block,
-                     "block_hit_ratio": full.block_hit_ratio, "preemptions": full.preemptions,
-                     "requests_rejected": full.requests_rejected, "peak_blocks_used": full.peak_blocks_used,
-                     "mean_blocks_used": full.mean_blocks_used,
+                     "block_hit_ratio": full.block_hit_ratio, "token_hit_ratio": full.token_hit_ratio,
+                     "requests_rejected": full.requests_rejected, "preemptions": full.preemptions,
+                     "peak_blocks_used": full.peak_blocks_used, "mean_blocks_used": full.mean_blocks_used,
                      "peak_bytes_used": full.peak_blocks_used * full_block,
-                     "mean_bytes_used": round(full_mean)},
+                     "mean_bytes_used": round(full.mean_blocks_used * full_block)},
     }

@@ -10,7 +10,8 @@ block after the step that wrote it, preemption by recompute, every KV cache grou
 eviction policy, pins and the tier chain. Like the engine, the step that completes a prefill samples the
 first output token; a request of ``output`` tokens decodes ``output - 1`` more steps and holds KV for
 ``input + output - 1`` tokens at its peak. A request that could never fit the pool alone is rejected
-and counted (the engine's ``OutOfBlocksError``).
+and counted (the engine's ``OutOfBlocksError``), its prompt as misses: the hit ratios of every pool size
+are over the same requests (:data:`HIT_RATIO_BASIS`).
 
 Timing modes:
 
@@ -68,6 +69,8 @@ TIMELINE_POINTS = 5000
 FAST_FORWARD = True
 #: ``instant`` timing's token budget per step: a whole prompt at once.
 UNLIMITED_TOKENS = 2**62
+#: What a replay's hit ratios are over, printed beside them: pools of any size share the denominator.
+HIT_RATIO_BASIS = "every request of the trace: a rejected request's prompt blocks count as misses"
 
 
 @dataclass(frozen=True)
@@ -156,9 +159,13 @@ class ReplayResult:
     """What a replay measured. Blocks are ``block_size``-token blocks of one KV cache group; ratios are in
     [0, 1].
 
-    ``prompt_blocks`` counts full prompt blocks of admitted requests and ``hit_blocks`` those found cached
-    at a request's first admission (at most the full blocks of its first ``input - 1`` tokens: the engine
-    always computes the last prompt token); ``token_hit_ratio = hit_blocks * block_size / prompt tokens``.
+    ``prompt_blocks`` counts the full prompt blocks of every request of the trace, admitted or rejected,
+    and ``hit_blocks`` those found cached at a request's first admission (at most the full blocks of its
+    first ``input - 1`` tokens: the engine always computes the last prompt token); ``token_hit_ratio =
+    hit_blocks * block_size / prompt tokens`` (every request's). So the ratios of replays of one trace on
+    pools of any size share one denominator: a rejected request's prompt counts as misses
+    (:data:`HIT_RATIO_BASIS`), ``rejected_prompt_blocks`` of them, and ``requests_rejected`` says how many
+    requests that was.
     ``peak_blocks_used`` and ``mean_blocks_used`` (time-weighted over the simulated run) count blocks with
     a reference, over every group. ``block_ops`` counts block ids and hashes handled by pool calls (hashes
     a lookup examined, blocks touched, allocated, published and freed); ``block_ops_per_s = block_ops /
@@ -197,6 +204,7 @@ class ReplayResult:
     timing: str
     policy: str = "lru"
     pinned_blocks: int = 0
+    rejected_prompt_blocks: int = 0
     tier_hits: dict[str, int] = field(default_factory=dict)
     tiers: dict[str, Any] = field(default_factory=dict)
     timeline: list[Sample] = field(default_factory=list, repr=False)
@@ -302,7 +310,7 @@ class Replayer:
         self.sample_every = span / TIMELINE_POINTS if config.timing == "trace" else 0.0
         self.next_sample = 0.0
         self.completed = self.rejected = 0
-        self.prompt_blocks = self.prompt_tokens = 0
+        self.prompt_blocks = self.prompt_tokens = self.rejected_blocks = 0
         self.area = 0.0
         self.peak = 0
 
@@ -370,7 +378,8 @@ class Replayer:
             _ratio(hits, self.prompt_blocks), _ratio(hits * bs, self.prompt_tokens),
             self.peak, _ratio(self.area, self.now), self.sched.num_preemptions, ops, _ratio(ops, wall), wall,
             self.pool.stats.evictions, self.now, self.pool.num_blocks, bs, self.cfg.timing, self.cfg.policy,
-            pinned, tier_hits, tiers, timeline=self.timeline or [], **self._state_report())
+            pinned, self.rejected_blocks, tier_hits, tiers, timeline=self.timeline or [],
+            **self._state_report())
 
     def _state_report(self) -> dict[str, Any]:
         states = self.kv.states
@@ -392,7 +401,7 @@ class Replayer:
 
     def _arrive(self, pending: deque[int]) -> None:
         """Queue the requests that arrived (``trace``), or the next one when none runs (``instant``); a
-        request that could never fit the pool alone is rejected and counted."""
+        request that could never fit the pool alone is rejected and counted, its prompt as misses."""
         instant = self.cfg.timing == "instant"
         while pending and (self.requests[pending[0]].arrival_s <= self.now if not instant else
                            not self.sched.has_unfinished()):
@@ -405,6 +414,8 @@ class Replayer:
                 self.sched.add_request(req)
             except OutOfBlocksError:
                 self.rejected += 1
+                self.rejected_blocks += req.num_prompt_tokens // self.bs
+                self._count_prompt(req)
                 if self.progress is not None:
                     self.progress(1)
 
@@ -438,8 +449,12 @@ class Replayer:
     def _count_admitted(self, out: SchedulerOutput) -> None:
         for req in out.admitted:
             if req.num_preemptions == 0:  # a first admission
-                self.prompt_blocks += req.num_prompt_tokens // self.bs
-                self.prompt_tokens += req.num_prompt_tokens
+                self._count_prompt(req)
+
+    def _count_prompt(self, req: Request) -> None:
+        """Count ``req``'s prompt in the hit ratios' denominators (once per request)."""
+        self.prompt_blocks += req.num_prompt_tokens // self.bs
+        self.prompt_tokens += req.num_prompt_tokens
 
     def _fast_forward(self, pending: deque[int] | None) -> None:
         """Run, in one go, the pure decode steps before the next event: a request needing a block,

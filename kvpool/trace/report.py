@@ -1,10 +1,14 @@
 """``kvpool replay ... --report out.html``: one self-contained HTML page of a replay or a sweep.
 
-The page shows (1) the block hit ratio against the pool size, one line per eviction policy, with the
-offline bound (``belady``) dashed; (2) the hit ratios as a table, and each policy's share of the bound;
-(3) for each run, picked from a list, the blocks in use / cached / free over simulated time above a heat
-map of the pool: block id against time, each cell coloured by the state of its blocks (free, in use,
-cached, pinned); (4) every run's numbers and the parameters of the replay.
+The page shows a summary line (the runs, the best hit ratio, the requests rejected, the tiers), then
+(1) the block hit ratio against the pool size, one line per eviction policy, with the offline bound
+(``belady``) dashed (the axis starts at 0 unless that would squeeze curves that differ by little: then it
+spans their range, and says so); (2) the hit ratios as a table with the requests each run rejected (their
+prompts count as misses), and each policy's share of the bound; (3) with tiers below the pool, the hit
+ratio split by where the blocks were found (the stacked chart ``--plot`` draws) and its table; (4) for
+each run, picked from a list, the blocks in use / cached / free over simulated time above a heat map of
+the pool: block id against time, each cell coloured by the state of its blocks (free, in use, cached,
+pinned); (5) every run's numbers and the parameters of the replay (lists and mappings spelled out).
 
 How it is drawn: matplotlib (the ``replay`` extra, which already draws ``--plot``) renders each figure as
 SVG, written into the page; the heat map is a raster image inside its SVG (a PNG data URI). Nothing is
@@ -29,7 +33,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvpool.allocators.block_pool import BLOCK_STATES, BlockPool
-from kvpool.trace.plot import COLORS, draw_timeline
+from kvpool.trace.plot import COLORS, draw_tier_sweep, draw_timeline, rejected_label
+from kvpool.trace.replayer import HIT_RATIO_BASIS
+from kvpool.units import plural
 
 if TYPE_CHECKING:
     from kvpool.trace.replayer import ReplayResult
@@ -102,15 +108,18 @@ class SweepRun:
 def write_report(path: str | Path, runs: Sequence[SweepRun], parameters: Mapping[str, object], *,
                  title: str = "kvpool replay report") -> Path:
     """Write the page for ``runs`` (each with a timeline; a heat map where recorded) and ``parameters``
-    (shown as given) to ``path`` and return it. Needs matplotlib. Raises ValueError for no runs or a run
-    without a timeline."""
+    (shown in order: numbers with separators, lists comma-joined or ``none``, mappings as ``key value``;
+    a ``tiers`` entry also goes into the summary) to ``path`` and return it. Needs matplotlib. Raises
+    ValueError for no runs or a run without a timeline."""
     if not runs:
         raise ValueError("a report needs at least one run")
     if any(not run.result.timeline for run in runs):
         raise ValueError("every run of a report needs its timeline: replay with record_timeline=True")
     sections = [
         f"<h1>{html.escape(title)}</h1>",
+        f'<p id="summary">{html.escape(summary(runs, parameters))}</p>',
         _section("Hit ratio against pool size", _curves_svg(runs) + _ratio_table(runs)),
+        *([_section("Hit ratio by tier", _tier_svg(runs) + _tier_table(runs))] if _has_tiers(runs) else []),
         _section("Pool over time", _run_picker(runs)),
         _section("Runs", _runs_table(runs)),
         _section("Parameters", _parameters_table(parameters)),
@@ -157,17 +166,90 @@ def _curves_svg(runs: Sequence[SweepRun]) -> str:
         label, color = ("offline bound (belady)", "black") if bound else (policy, None)
         (line,) = ax.plot(x, y, marker="o", linestyle="--" if bound else "-", color=color, label=label)
         line.set_gid(f"curve-{policy}")
+        for run in runs:
+            if run.policy == policy and run.result.requests_rejected:
+                ax.annotate(f"{run.result.requests_rejected:,} rejected", (run.num_blocks,
+                            run.result.block_hit_ratio), textcoords="offset points", xytext=(4, -12),
+                            fontsize=7, color=line.get_color())
     if len(sizes) > 1 and sizes[-1] > 2 * sizes[0]:
         ax.set_xscale("log")
     ax.set_xticks(sizes, [f"{s:,}" for s in sizes])
     ax.minorticks_off()
-    ax.set_ylim(bottom=0)
+    low, high = ratio_axis([run.result.block_hit_ratio for run in runs])
+    ax.set_ylim(low, high)
     ax.set_xlabel("pool size (blocks)")
     ax.set_ylabel("block hit ratio")
+    zoomed = low > 0
+    if zoomed:  # said on the figure and under it: the eye reads a bar's height from 0
+        ax.text(0.005, 1.01, f"axis from {low:.4f}, not from 0", transform=ax.transAxes, fontsize=8,
+                color="#a00")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    return _svg(fig, "curves")
+    note = (f'<p class="note" id="ratio-axis">The hit-ratio axis spans {low:.4f} to {high:.4f}, not from 0: '
+            "the curves differ by little.</p>" if zoomed else "")
+    return _svg(fig, "curves") + note
+
+
+def ratio_axis(ratios: Sequence[float]) -> tuple[float, float]:
+    """The hit-ratio axis (low, high) for ``ratios``: from 0 to a little above the largest, unless the
+    ratios span less than half of the largest (curves that differ in the third decimal would overlap):
+    then the range of the ratios with 15% margins (at least 0.0005 each side), never below 0."""
+    lo, hi = min(ratios), max(ratios)
+    if hi <= 0:
+        return 0.0, 1.0
+    if hi - lo >= 0.5 * hi:
+        return 0.0, hi * 1.08
+    pad = max((hi - lo) * 0.15, 0.0005)
+    return max(0.0, lo - pad), hi + pad
+
+
+def _has_tiers(runs: Sequence[SweepRun]) -> bool:
+    return any(place != "device" for run in runs for place in run.result.tier_hits)
+
+
+def _tier_svg(runs: Sequence[SweepRun]) -> str:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 4.2), dpi=100)
+    ax = fig.subplots()
+    draw_tier_sweep(ax, [run.result for run in runs], policies=len(_policies(runs)) > 1)
+    ax.set_gid("tiers")
+    fig.tight_layout()
+    return _svg(fig, "tiers")
+
+
+def _tier_table(runs: Sequence[SweepRun]) -> str:
+    places = list(dict.fromkeys(p for run in runs for p in run.result.tier_hits))
+    rows = [[run.policy, run.num_blocks, *[run.result.tier_hits.get(p, 0) / (run.result.prompt_blocks or 1)
+                                           for p in places], run.result.block_hit_ratio,
+             run.result.requests_rejected] for run in runs]
+    return _table(["policy", "pool blocks", *places, "total", "requests rejected"], rows, "tier-hits")
+
+
+def summary(runs: Sequence[SweepRun], parameters: Mapping[str, object] = {}) -> str:
+    """One line for the top of the page: how many runs of how many requests, the best block hit ratio (its
+    policy, pool size and share of the offline bound), the requests rejected, and the tiers."""
+    first = runs[0].result
+    requests = first.requests_completed + first.requests_rejected
+    online = [run for run in runs if run.policy != "belady"] or list(runs)
+    best = max(online, key=lambda run: (run.result.block_hit_ratio, -run.num_blocks))
+    n_policies, n_sizes = len(_policies(runs)), len({run.num_blocks for run in runs})
+    text = (f"{plural(len(runs), 'run')} of {plural(requests, 'request')} "
+            f"({n_policies} polic{'ies' if n_policies != 1 else 'y'}, {plural(n_sizes, 'pool size')}): "
+            "best block hit ratio "
+            f"{best.result.block_hit_ratio:.4f} ({best.policy} at {best.num_blocks:,} blocks")
+    bound = next((run for run in runs if run.policy == "belady" and run.num_blocks == best.num_blocks), None)
+    if bound is not None and bound is not best and bound.result.block_hit_ratio:
+        text += f", {best.result.block_hit_ratio / bound.result.block_hit_ratio:.1%} of the offline bound"
+    rejected = {run.num_blocks: run.result.requests_rejected for run in runs if run.result.requests_rejected}
+    text += "); " + ("no request rejected" if not rejected else "requests rejected (counted as misses): " +
+                     ", ".join(f"{n:,} at {size:,} blocks" for size, n in sorted(rejected.items())))
+    tiers = parameters.get("tiers")
+    if tiers in (None, "none", [], ()):  # not given: the places the runs found hits in, if any below
+        tiers = [p for p in dict.fromkeys(p for run in runs for p in run.result.tier_hits) if p != "device"]
+    text += f"; tiers below the pool: {_fmt_parameter(tiers)}" if tiers else "; no tier below the pool"
+    return text + "."
 
 
 def _run_id(run: SweepRun) -> str:
@@ -184,7 +266,7 @@ def _run_svg(run: SweepRun) -> str:
     axes = fig.subplots(2 if heat else 1, 1, sharex=True, squeeze=False)[:, 0]
     draw_timeline(axes[0], result, max_points=1500)
     axes[0].set_title(f"{result.policy}, {result.num_blocks:,} blocks: block hit ratio "
-                      f"{result.block_hit_ratio:.4f}", fontsize=10)
+                      f"{result.block_hit_ratio:.4f} ({rejected_label(result)})", fontsize=10)
     if heat is not None and heat.columns:
         ax = axes[1]
         cmap = ListedColormap([COLORS[s] for s in BLOCK_STATES])
@@ -232,8 +314,13 @@ def _fmt(value: object) -> str:
 def _ratio_table(runs: Sequence[SweepRun]) -> str:
     sizes = sorted({run.num_blocks for run in runs})
     ratio = {(run.policy, run.num_blocks): run.result.block_hit_ratio for run in runs}
-    rows: list[list[object]] = [[p, *[ratio.get((p, s), "") for s in sizes]] for p in _policies(runs)]
-    out = _table(["block hit ratio", *[f"{s:,} blocks" for s in sizes]], rows, "hit-ratios")
+    rejected = {(run.policy, run.num_blocks): run.result.requests_rejected for run in runs}
+    rows: list[list[object]] = []
+    for p in _policies(runs):
+        rows += [[p, *[ratio.get((p, s), "") for s in sizes]],
+                 ["requests rejected", *[rejected.get((p, s), "") for s in sizes]]]
+    out = (f'<p class="basis">Hit ratios over {html.escape(HIT_RATIO_BASIS)}.</p>'
+           + _table(["block hit ratio", *[f"{s:,} blocks" for s in sizes]], rows, "hit-ratios"))
     if any(run.policy == "belady" for run in runs):
         share = []
         for policy in _policies(runs):
@@ -258,19 +345,41 @@ def _run_picker(runs: Sequence[SweepRun]) -> str:
             "Heat map: each cell is the most common state of its blocks at that moment.</p>" + figures)
 
 
-_RUN_FIELDS = ("policy", "num_blocks", "block_hit_ratio", "token_hit_ratio", "hit_blocks", "prompt_blocks",
-               "evictions", "preemptions", "requests_completed", "requests_rejected", "peak_blocks_used",
-               "mean_blocks_used", "simulated_s", "wall_s")
+#: The runs table: heading (words, so a narrow page wraps them) and the cell of a result.
+_RUN_COLUMNS: tuple[tuple[str, Any], ...] = (
+    ("policy", lambda r: r.policy), ("pool blocks", lambda r: r.num_blocks),
+    ("block hit ratio", lambda r: r.block_hit_ratio), ("token hit ratio", lambda r: r.token_hit_ratio),
+    ("hit / prompt blocks", lambda r: f"{r.hit_blocks:,} / {r.prompt_blocks:,}"),
+    ("requests done / rejected", lambda r: f"{r.requests_completed:,} / {r.requests_rejected:,}"),
+    ("evictions", lambda r: r.evictions), ("preemptions", lambda r: r.preemptions),
+    ("peak / mean blocks used", lambda r: f"{r.peak_blocks_used:,} / {r.mean_blocks_used:,.0f}"),
+    ("simulated s", lambda r: r.simulated_s), ("wall s", lambda r: r.wall_s),
+)
 
 
 def _runs_table(runs: Sequence[SweepRun]) -> str:
-    rows = [[run.result.to_dict()[f] for f in _RUN_FIELDS] for run in runs]
-    return _table(_RUN_FIELDS, rows, "runs")
+    rows = [[cell(run.result) for _, cell in _RUN_COLUMNS] for run in runs]
+    return _table([heading for heading, _ in _RUN_COLUMNS], rows, "runs")
+
+
+def _fmt_parameter(value: object) -> str:
+    """A parameter for people: ints with separators, lists comma-joined (``none`` when empty), mappings as
+    ``key value`` pairs, None as ``none``."""
+    if value is None or isinstance(value, (list, tuple, dict)) and not value:
+        return "none"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_fmt_parameter(v)}" for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_fmt_parameter(v) for v in value)
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if type(value) is int:
+        return f"{value:,}"
+    return str(value) if isinstance(value, (str, float, bool)) else json.dumps(value, default=str)
 
 
 def _parameters_table(parameters: Mapping[str, object]) -> str:
-    rows = [[k, f"{v:,}" if type(v) is int else str(v) if isinstance(v, (str, float)) else json.dumps(v)]
-            for k, v in parameters.items()]
+    rows = [[k.replace("_", " "), _fmt_parameter(v)] for k, v in parameters.items()]
     return _table(["parameter", "value"], rows, "parameters")
 
 
@@ -297,7 +406,12 @@ svg { max-width: 100%; height: auto; display: block; }
 figure { margin: 0.5em 0; }
 div.table { overflow-x: auto; }
 table { border-collapse: collapse; margin: 0.8em 0; font-variant-numeric: tabular-nums; }
+table#runs { font-size: 12px; width: 100%; }
 th, td { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: right; }
+th { font-weight: 600; vertical-align: bottom; }
+td { white-space: nowrap; }
+table#parameters td { white-space: normal; overflow-wrap: anywhere; text-align: left; }
+#summary { font-size: 1.05em; background: #f4f7fb; border-left: 4px solid #1f77b4; padding: 0.5em 0.8em; }
 th:first-child, td:first-child { text-align: left; }
 thead th { background: #f4f4f4; }
 """

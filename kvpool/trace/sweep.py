@@ -2,8 +2,9 @@
 
 ``run_sweep`` runs :func:`kvpool.trace.replay.run_replay` once per (pool size, policy), each on a fresh
 pool, optionally recording each run's timeline and a :class:`~kvpool.trace.report.PoolHeatmap`;
-``hit_ratio_table`` arranges the block hit ratios by policy and size. ``belady`` (the offline bound) is a
-policy like the others here.
+``hit_ratio_table`` arranges the block hit ratios by policy and size, ``rejected_table`` the requests
+each run rejected (their prompts count as misses, so every run's ratio is over the same requests).
+``belady`` (the offline bound) is a policy like the others here.
 """
 
 from __future__ import annotations
@@ -56,4 +57,13 @@ def hit_ratio_table(runs: Sequence[SweepRun]) -> dict[str, dict[int, float]]:
     table: dict[str, dict[int, float]] = {}
     for run in runs:
         table.setdefault(run.policy, {})[run.num_blocks] = run.result.block_hit_ratio
+    return table
+
+
+def rejected_table(runs: Sequence[SweepRun]) -> dict[str, dict[int, int]]:
+    """``{policy: {num_blocks: requests_rejected}}`` in the runs' order: what stands beside each ratio of
+    :func:`hit_ratio_table` (a rejected request's prompt counts there as misses)."""
+    table: dict[str, dict[int, int]] = {}
+    for run in runs:
+        table.setdefault(run.policy, {})[run.num_blocks] = run.result.requests_rejected
     return table
