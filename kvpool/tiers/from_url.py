@@ -52,7 +52,10 @@ def parse_tier_url(url: str) -> TierURL:
     """
     if not isinstance(url, str):
         raise ConfigError(f"bad tier URL {url!r}: expected a str such as host://?blocks=1024")
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError as exc:  # an unclosed [ of an IPv6 address
+        raise ConfigError(f"bad tier URL {url!r}: {exc}") from None
     medium = MEDIUMS.get(parts.scheme)
     if medium is None:
         raise ConfigError(f"bad tier URL {url!r}: the scheme must be host://, file:// or redis://")
@@ -107,7 +110,10 @@ def check_folder(path: str, what: str) -> None:
     """The folder ``path`` exists and is writable, or its nearest existing parent is (it will be created);
     ConfigError starting with ``what`` otherwise."""
     folder = Path(path)
-    parent = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    try:
+        parent = next((p for p in (folder, *folder.parents) if "\0" not in path and p.exists()), None)
+    except OSError:  # a name too long for the file system
+        parent = None
     if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"{what}: {path!r} is not a folder that can be created or written")
 
