@@ -53,7 +53,10 @@ def parse_tier_url(url: str) -> TierURL:
     """
     if not isinstance(url, str):
         raise ConfigError(f"bad tier URL {url!r}: expected a str such as host://?blocks=1024")
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError as exc:  # an unclosed [ of an IPv6 address
+        raise ConfigError(f"bad tier URL {url!r}: {exc}") from None
     medium = MEDIUMS.get(parts.scheme)
     if medium is None:
         raise ConfigError(f"bad tier URL {url!r}: the scheme must be host://, file:// or redis://")
@@ -110,7 +113,10 @@ def check_folder(path: str, what: str) -> None:
     everywhere, even in ``/proc``): a folder is created in the nearest existing one and removed again, so
     nothing is left behind."""
     folder = Path(path)
-    parent = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    try:
+        parent = next((p for p in (folder, *folder.parents) if "\0" not in path and p.exists()), None)
+    except OSError:  # a name too long for the file system
+        parent = None
     if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK) \
             or not _can_create_in(parent):
         raise ConfigError(f"{what}: {path!r} is not a folder that can be created or written")
