@@ -227,7 +227,8 @@ class KVCacheSpec:
         dtype: KV storage dtype (a torch dtype or a name from :data:`KV_DTYPES`).
         block_size: tokens per block (vLLM's block_size, SGLang's page_size).
         attention: :class:`AttentionKind` (``"mha"`` or ``"mla"``).
-        kv_lora_rank, qk_rope_head_dim: the MLA latent's two parts (MLA only).
+        kv_lora_rank: the MLA latent's compressed part (MLA only).
+        qk_rope_head_dim: the MLA latent's RoPE part (MLA only).
         sliding_window: attention window W in tokens of the sliding layers, or None.
         tp_size: tensor-parallel ranks.
         layer_types: one :class:`LayerKind` (or its Hugging Face name) per layer; None means every layer
