@@ -1,0 +1,42 @@
+"""Every file or folder of this repository that the README or a documentation page names exists (issue 23:
+docs/DESIGN.md cited folders the repository does not have). A reference is a path that starts at one of the
+repository's top folders (``kvpool/...``, ``tests/...``, ``benchmarks/...``, ``scripts/...``, ``docs/...``,
+``.ci/...``) and is not the tail of a longer path or URL (``~/.cache/kvpool/...`` is no reference); a ``*``
+in it is a glob that must match something."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+TOP = ("kvpool", "tests", "benchmarks", "scripts", "docs", ".ci")
+REFERENCE = re.compile(r"(?<![\w./~-])(?:" + "|".join(map(re.escape, TOP)) + r")/[\w.*/-]*")
+
+
+def references(text: str) -> list[str]:
+    """The path-like references in a page's text, trailing punctuation dropped (``kvpool/spec.py.`` names
+    ``kvpool/spec.py``)."""
+    return sorted({m.group().rstrip(".,") for m in REFERENCE.finditer(text)})
+
+
+def _exists(reference: str) -> bool:
+    return any(ROOT.glob(reference.rstrip("/"))) if "*" in reference else (ROOT / reference).exists()
+
+
+def test_references_are_found() -> None:
+    text = ("`kvpool/storage/paged.py`, (tests/test_tp.py) and docs/DESIGN.md#layers, but not "
+            "~/.cache/kvpool/gemma3-270m, https://example.org/docs/x or kvpool[tiers]; kvpool/engine/, "
+            ".ci/run.")
+    assert references(text) == [".ci/run", "docs/DESIGN.md", "kvpool/engine/", "kvpool/storage/paged.py",
+                                "tests/test_tp.py"]
+    assert _exists("kvpool/allocators/*.py") and not _exists("tests/no_such_file.py")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_named_path_exists(page: Path) -> None:
+    missing = [ref for ref in references(page.read_text()) if not _exists(ref)]
+    assert not missing, f"{page.relative_to(ROOT)} names paths the repository does not have: {missing}"
