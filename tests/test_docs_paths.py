@@ -40,3 +40,16 @@ def test_references_are_found() -> None:
 def test_every_named_path_exists(page: Path) -> None:
     missing = [ref for ref in references(page.read_text()) if not _exists(ref)]
     assert not missing, f"{page.relative_to(ROOT)} names paths the repository does not have: {missing}"
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def test_the_readme_links_only_into_docs() -> None:
+    """The README is also the site's front page (scripts/mkdocs_hooks.py): its links must be anchors, pages
+    under docs/ (which the strict build checks, anchors included) or web addresses, never another file of the
+    repository, which the site does not have (name those in code: `benchmarks/README.md`)."""
+    targets = LINK.findall((ROOT / "README.md").read_text())
+    wrong = [t for t in targets if not t.startswith(("#", "docs/", "https://", "http://"))]
+    assert not wrong, f"README.md links outside docs/: {wrong}"
+    assert all((ROOT / t.split("#")[0]).is_file() for t in targets if t.startswith("docs/"))
