@@ -27,7 +27,7 @@ PROMPTS = [
     [(5 * i + 1) % 256 for i in range(41)],  # 41 tokens, unrelated
     DOC + DOC[:60],  # 120 tokens
 ]
-HYBRID = ("tiny-mistral", "tiny-gemma2", "tiny-gemma3")
+HYBRID = ("tiny-mistral", "tiny-gemma2", "tiny-gemma3", "tiny-gpt-oss")
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -58,7 +58,8 @@ def test_groups_of_the_tiny_models():
              for name in HYBRID}
     assert kinds == {"tiny-mistral": [(LayerKind.SLIDING, 2)],
                      "tiny-gemma2": [(LayerKind.SLIDING, 2), (LayerKind.FULL, 2)],
-                     "tiny-gemma3": [(LayerKind.SLIDING, 2), (LayerKind.SLIDING, 2), (LayerKind.FULL, 2)]}
+                     "tiny-gemma3": [(LayerKind.SLIDING, 2), (LayerKind.SLIDING, 2), (LayerKind.FULL, 2)],
+                     "tiny-gpt-oss": [(LayerKind.SLIDING, 1), (LayerKind.FULL, 1)]}
 
 
 def test_tokens_and_logits_match_transformers(tiny):
@@ -90,7 +91,7 @@ def test_preemption_matches(tiny):
     # too few blocks for all four at once: tiny-mistral's one sliding group needs up to cdiv(16 + 16 - 2, 4)
     # + 1 = 9 blocks per request with chunks of 16 (12 blocks, 11 usable); the full groups of the Gemmas
     # need up to 34 for the 120-token prompt (60 and 90 blocks)
-    blocks = {"tiny-mistral": 12, "tiny-gemma2": 60, "tiny-gemma3": 90}[name]
+    blocks = {"tiny-mistral": 12, "tiny-gemma2": 60, "tiny-gemma3": 90, "tiny-gpt-oss": 60}[name]
     engine, requests = run(model, num_blocks=blocks, max_num_batched_tokens=16)
     assert engine.stats.preemptions > 0
     assert_matches(requests, refs)
@@ -123,3 +124,22 @@ def test_gemma3_full_layers_keep_every_block():
     engine.generate([PROMPTS[3]], SamplingParams(max_new_tokens=NEW))
     # chunks of 4: sliding groups at most cdiv(16 + 4 - 2, 4) + 1 = 6 each; full 34 at the end
     assert engine.stats.peak_blocks_used <= 34 + 2 * 6
+
+
+def test_gpt_oss_sinks_change_what_the_engine_must_match():
+    """The sinks of tiny-gpt-oss take visible weight: with them at -1e9 (no sink) transformers' own logits
+    move by more than 0.1, so the engine matching the model with its sinks (above) carries them."""
+    model = load_model("tiny-gpt-oss", seed=1).model
+    tokens, logits = reference_greedy(model, PROMPTS[0], 4)
+    ids = torch.tensor([PROMPTS[0] + tokens[:3]])
+    sinks = [layer.self_attn.sinks for layer in model.model.layers]
+    saved = [s.detach().clone() for s in sinks]
+    with torch.no_grad():
+        with_sinks = model(ids).logits[0, -4:]
+        for s in sinks:
+            s.fill_(-1e9)
+        without = model(ids).logits[0, -4:]
+        for s, value in zip(sinks, saved, strict=True):
+            s.copy_(value)
+    torch.testing.assert_close(with_sinks, logits, atol=1e-4, rtol=0)
+    assert (without - with_sinks).abs().max() > 0.1

@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from kvpool.allocators.policies import LRUPolicy
-from kvpool.errors import InvalidArgumentError
+from kvpool.errors import ConfigError, InvalidArgumentError
 from kvpool.integrations.keys import group_of, offload_tier_key, page_tier_key, tier_key
 from kvpool.integrations.offload_policy import OffloadPolicy
 from kvpool.integrations.page_store import hit_prefix
-from kvpool.errors import ConfigError
 from kvpool.integrations.tier_jobs import TierJobs, open_tier, slot_runs
 from kvpool.tiers.auth import TierKey
 from kvpool.tiers.backend import HEADER_BYTES, Namespace

@@ -158,6 +158,8 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         kvpool_step: the step's :class:`StepMetadata`.
         softcap: Gemma 2's ``attn_logit_softcapping``: scores become ``tanh(s / softcap) * softcap`` before
             the mask and a float32 softmax, as transformers' eager attention does (SDPA has no softcap).
+        s_aux (in ``kwargs``): gpt-oss's attention sinks ``[Hq]``, a logit per head that joins the softmax
+            and is dropped after it, as transformers' gpt-oss eager attention computes.
 
     Returns:
         ``([1, T, Hq, D], None)``. GQA runs through ``enable_gqa`` (KV heads are not repeated in memory).
@@ -166,36 +168,33 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         attention call per layer, not one per request.
 
     Raises:
-        InvalidArgumentError: attention sinks (gpt-oss's ``s_aux``), or a ``sliding_window`` the model
-            passes that differs from the layer's KV cache group.
+        InvalidArgumentError: a ``sliding_window`` the model passes that differs from the layer's KV cache
+            group.
     """
     meta = kvpool_step
     layer = module.layer_idx if meta.kv_layers is None else meta.kv_layers[module.layer_idx]
     group_index = meta.cache.layer_group[layer]
-    _check_layer_kwargs(meta.cache.spec.groups[group_index], kwargs)
+    sinks = _layer_sinks(meta.cache.spec.groups[group_index], kwargs)
     step = meta.groups[group_index]
     # slots come from the engine's own block tables: skip the range check (a host sync on CUDA)
     meta.cache.store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), step.slot_mapping, layer,
                         check=False)
     k_flat, v_flat = meta.cache.flat_k_cache(layer), meta.cache.flat_v_cache(layer)
     if step.decode is not None:
-        return _decode_attention(query, k_flat, v_flat, step.decode, scaling, softcap), None
+        return _decode_attention(query, k_flat, v_flat, step.decode, scaling, softcap, sinks), None
     starts, outputs = meta.query_starts, []
     for i, slots in enumerate(step.context_slots):
         k = k_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(query.dtype)  # [1, Hkv, ctx, D]
         v = v_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(query.dtype)
         q = query[:, :, starts[i]:starts[i + 1]]
-        if softcap is None:
-            outputs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=step.masks[i], scale=scaling,
-                                                          enable_gqa=True))
-        else:
-            outputs.append(_softcapped_attention(q, k, v, step.masks[i], scaling, softcap))
+        outputs.append(_attend(q, k, v, step.masks[i], scaling, softcap, sinks))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     return out.transpose(1, 2), None
 
 
 def _decode_attention(query: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, batch: DecodeBatch,
-                      scaling: float | None, softcap: float | None) -> torch.Tensor:
+                      scaling: float | None, softcap: float | None,
+                      sinks: torch.Tensor | None) -> torch.Tensor:
     """Every request's one new query ``query[0, :, i]`` over its padded context: one gather per K and V and
     one attention call for the whole batch. Returns ``[1, R, Hq, D]``."""
     rows = query.shape[2]
@@ -203,35 +202,52 @@ def _decode_attention(query: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.T
     k = k_flat.index_select(0, batch.slots).view(shape).transpose(1, 2).to(query.dtype)  # [R, Hkv, W, D]
     v = v_flat.index_select(0, batch.slots).view(shape).transpose(1, 2).to(query.dtype)
     q = query[0].transpose(0, 1).unsqueeze(2)  # [R, Hq, 1, D]
-    if softcap is None:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=scaling, enable_gqa=True)
-    else:
-        out = _softcapped_attention(q, k, v, batch.mask, scaling, softcap)
+    out = _attend(q, k, v, batch.mask, scaling, softcap, sinks)
     return out.transpose(1, 2).transpose(0, 1)  # [R, 1, Hq, D] -> [1, R, Hq, D]
 
 
-def _check_layer_kwargs(group: KVCacheGroup, kwargs: dict[str, Any]) -> None:
-    if kwargs.get("s_aux") is not None:
-        raise InvalidArgumentError("attention sinks (s_aux, gpt-oss) are not supported by kvpool's paged "
-                                   "attention")
+def _layer_sinks(group: KVCacheGroup, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The layer's attention sinks (gpt-oss's ``s_aux``, one logit per query head) or None, after checking
+    the ``sliding_window`` the model passes against the layer's KV cache group."""
     window = kwargs.get("sliding_window")
     expected = group.window if group.kind is LayerKind.SLIDING else None
     if window is not None and window != expected:
         raise InvalidArgumentError(f"the model's layer slides over {window} tokens, its KV cache group "
                                    f"{group.index} is {group.describe()}")
+    return kwargs.get("s_aux")
 
 
-def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                          scaling: float | None, softcap: float) -> torch.Tensor:
-    """transformers' eager attention with logit soft-capping (Gemma 2), on ``[1, H, T, D]`` tensors."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            scaling: float | None, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention of ``q`` ``[R, Hq, T, D]`` over ``k``, ``v`` ``[R, Hkv, S, D]`` under the boolean ``mask``
+    (True: attend): SDPA, or transformers' eager attention where SDPA lacks the model's soft-capping or
+    sinks. Returns ``[R, Hq, T, D]``."""
+    if softcap is None and sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+    return _eager_attention(q, k, v, mask, scaling, softcap, sinks)
+
+
+def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     scaling: float | None, softcap: float | None,
+                     sinks: torch.Tensor | None) -> torch.Tensor:
+    """transformers' eager attention, on ``[R, H, T, D]`` tensors, with logit soft-capping (Gemma 2:
+    ``tanh(s / softcap) * softcap`` before the mask) and attention sinks (gpt-oss: a per-head logit ``[Hq]``
+    that joins every row's softmax and is dropped after it, so a row's weights sum to less than 1)."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    scores = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * scale / softcap) * softcap
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(weights, v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    weights = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+    return torch.matmul(weights.to(v.dtype), v)
 
 
 def register_paged_attention() -> str:

