@@ -8,7 +8,7 @@ checks it), so every link of the front page is checked by the strict build like 
 kvpool's docstrings name other objects with Sphinx roles (``:class:`~kvpool.tiers.HostTier```), which
 mkdocstrings leaves as text (``:class:`` before the name). Each becomes an optional autorefs reference: a
 link where the name is a documented object's full path, the name in code otherwise; ``~`` shows the last
-part only, as Sphinx does.
+part only, as Sphinx does. A paragraph ending in reST's ``::`` before a literal block ends in ``:``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+LITERAL = re.compile(r"::(</p>\s*<div class=\"highlight\">)")
 ROLE = re.compile(r":(?:class|meth|func|mod|attr|data|exc|obj):<code>(?P<tilde>~?)(?P<name>[\w.\s]+?)</code>")
 
 
@@ -27,7 +28,7 @@ def _reference(match: re.Match[str]) -> str:
 
 
 def on_page_content(html: str, **_: object) -> str:
-    return ROLE.sub(_reference, html)
+    return LITERAL.sub(r":\1", ROLE.sub(_reference, html))
 
 
 def on_page_read_source(page: object, **_: object) -> str | None:
