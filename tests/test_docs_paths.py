@@ -53,3 +53,19 @@ def test_the_readme_links_only_into_docs() -> None:
     wrong = [t for t in targets if not t.startswith(("#", "docs/", "https://", "http://"))]
     assert not wrong, f"README.md links outside docs/: {wrong}"
     assert all((ROOT / t.split("#")[0]).is_file() for t in targets if t.startswith("docs/"))
+
+
+#: Packages documented by the command line reference rather than the API pages.
+TOOLS = ("kvpool/bench/", "kvpool/cli/")
+
+
+def test_every_public_module_has_an_api_page() -> None:
+    """Each public module (no leading underscore, no package ``__init__``, not a tool) is rendered by a
+    ``::: kvpool.module`` directive on one of docs/api/'s pages, and every directive names a module."""
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts) for p in (ROOT / "kvpool").rglob("*.py")
+               if not p.name.startswith("_") and not p.relative_to(ROOT).as_posix().startswith(TOOLS)}
+    directives = {m for page in (ROOT / "docs" / "api").glob("*.md")
+                  for m in re.findall(r"^::: (kvpool[\w.]*)$", page.read_text(), re.M)}
+    missing = modules - directives
+    assert not missing, f"modules with no ::: directive on a docs/api/ page (add one): {sorted(missing)}"
+    assert not directives - modules, f"docs/api/ directives naming no module: {directives - modules}"
