@@ -254,3 +254,42 @@ def test_counts_follow_the_integer_rule_and_change_nothing(bad):
     assert coord.pool.num_cached_blocks == 4
     assert coord.find_longest_cache_hit(hashes, np.int64(1)).num_blocks == 1
     coord.check_integrity()
+
+
+@pytest.mark.parametrize(("kinds", "spare"), [((F,), 0), ((F,), 1), ((S, F), 0), ((S, F), 1)])
+def test_can_allocate_counts_cached_free_hits_as_taken(kinds, spare):
+    """A hit on cached free blocks takes them off the free list. Request "a" publishes 12 tokens (3 blocks
+    per group) and ends, so its blocks are cached free; a new 13-token request hitting those 3 blocks needs
+    1 new block per group plus the hit's cached free blocks: 3 in a full group, 2 in the sliding group of
+    window 8 (the blocks of tokens 4..11). A pool of exactly "a"'s blocks + ``spare`` fits it only with a
+    spare block: full 1 + 3 = 4 of 3 + spare; sliding and full 2 + 5 = 7 of 6 + spare."""
+    held = 3 * len(kinds)
+    coord = coordinator(num_blocks=held + spare + (S in kinds), kinds=kinds)  # + the null block
+    tokens = list(range(13))
+    prefill(coord, "a", tokens[:12])
+    coord.free("a")
+    hit = coord.find_longest_cache_hit(block_hashes(tokens, B), 3)
+    need = len(kinds) + {(F,): 3, (S, F): 5}[kinds]
+    assert hit.num_blocks == 3 and coord.num_blocks_to_allocate("b", 13, hit) == need == held + 1
+    assert coord.num_free_blocks == held + spare
+    assert coord.can_allocate("b", 13, hit) is bool(spare)
+    if spare:
+        coord.allocate("b", 13, hit)
+        assert coord.num_free_blocks == 0
+    coord.check_integrity()
+
+
+def test_pool_prefix_match_and_unreferenced_count():
+    pool = BlockPool(6)
+    blocks = pool.allocate(3)
+    hashes = block_hashes(list(range(12)), B)
+    pool.cache_blocks(blocks, hashes)
+    pool.free([blocks[2]])
+    before = pool.stats
+    assert pool.match_prefix(hashes) == blocks and pool.match_prefix([hashes[1]]) == [blocks[1]]
+    assert pool.match_prefix([b"x" * 16, hashes[0]]) == []
+    assert pool.stats == before  # no hit or miss counted, unlike lookup
+    assert pool.num_unreferenced(blocks) == 1 and pool.num_unreferenced([blocks[2], blocks[2]]) == 2
+    for bad in ([6], [-1], [True]):
+        with pytest.raises(InvalidIdError):
+            pool.num_unreferenced(bad)

@@ -499,6 +499,11 @@ class BlockPool:
         self._misses += len(hashes) - len(hit)
         return hit
 
+    def match_prefix(self, block_hashes: Sequence[Hashable]) -> list[int]:
+        """:meth:`lookup` without counting stats: the block ids of the longest cached prefix of
+        ``block_hashes`` (a list or tuple). Raises InvalidArgumentError for an unhashable hash."""
+        return self._match(block_hashes)
+
     def _match(self, hashes: Sequence[Hashable]) -> list[int]:
         if not self._caching:
             return []
@@ -686,6 +691,18 @@ class BlockPool:
         num_blocks = as_int(num_blocks, "num_blocks", minimum=len(block_hashes))
         ref = self._ref
         return num_blocks - sum(1 for block in self._match(block_hashes) if ref[block] > 0)
+
+    def num_unreferenced(self, block_ids: Sequence[int]) -> int:
+        """How many of ``block_ids`` hold no reference: cached free blocks, each of which a ``touch`` takes
+        off the free list (a repeated id counts each time). Raises InvalidIdError for an id that is not an
+        integer in ``[0, num_blocks)``."""
+        ref, n, count = self._ref, self._n, 0
+        for b in block_ids:
+            if type(b) is not int or not 0 <= b < n:
+                raise InvalidIdError(f"block ids must be integers in [0, {n}), got {_head(list(block_ids))}")
+            if ref[b] == 0:
+                count += 1
+        return count
 
     def can_allocate(self, block_hashes: Sequence[Hashable], num_blocks: IntArg) -> bool:
         """Whether :meth:`num_blocks_to_allocate` fits in :attr:`num_free_blocks` right now."""

@@ -129,6 +129,7 @@ class KVCacheCoordinator:
         self.null_block: int = self.pool.null_block if windowed else -1  # type: ignore[assignment]
         # full groups first: their hit is a prefix scan, and it bounds the windowed groups' scans
         self._hit_order = sorted(groups, key=lambda g: g.kind is not LayerKind.FULL)
+        self._one_full_group = len(groups) == 1 and groups[0].kind is LayerKind.FULL
         self._windowed = [g for g in groups if g.kind is not LayerKind.FULL]
         self._reqs: dict[Hashable, _Request] = {}
         self._hits = self._misses = 0
@@ -166,6 +167,13 @@ class KVCacheCoordinator:
         """
         max_blocks = as_optional_int(max_blocks, "max_blocks", minimum=0)
         limit = len(block_hashes) if max_blocks is None else min(max_blocks, len(block_hashes))
+        if probe is None and self._one_full_group:  # a uniform model: the pool's own prefix match
+            keys = block_hashes[:limit] if limit < len(block_hashes) else block_hashes
+            blocks = self.pool.match_prefix(keys)
+            if count:
+                self._hits += len(blocks)
+                self._misses += limit - len(blocks)
+            return CacheHit(len(blocks), (blocks,), tuple(block_hashes[:len(blocks)]))
         probes: list[dict[int, int | None]] = [{} for _ in self.groups]
         k = limit if self.pool.enable_caching else 0
         changed = True
@@ -192,6 +200,8 @@ class KVCacheCoordinator:
                    memo: dict[int, int | None],
                    probe: Callable[[int, Sequence[Hashable], int], int | None] | None) -> int:
         """The longest k <= bound whose blocks ``skipped_blocks(k * B) .. k - 1`` are cached in ``group``."""
+        if group.kind is LayerKind.FULL and probe is None:
+            return self._full_hit(group.index, hashes, bound, memo)
         if group.kind is LayerKind.FULL:
             k = 0
             while k < bound and self._probe(group, hashes, k, memo, probe) is not None:
@@ -206,6 +216,22 @@ class KVCacheCoordinator:
                 return k
             k, i = i, i - 1  # block i is missing: no prefix longer than i can be restored
         return 0
+
+    def _full_hit(self, g: int, hashes: Sequence[Hashable], bound: int, memo: dict[int, int | None]) -> int:
+        """:meth:`_group_hit` of a full-attention group ``g`` in the device pool alone: the longest run of
+        cached blocks from the start, read straight from the pool's index (the hot path of an admission)."""
+        get, k = self.pool.get_cached_block, 0
+        while k < bound:
+            if k in memo:
+                block = memo[k]
+            else:
+                h = hashes[k]
+                block = get(h if g == 0 else (g, h))
+                memo[k] = block
+            if block is None:
+                return k
+            k += 1
+        return k
 
     def _hit_table(self, group: KVCacheGroup, k: int, memo: dict[int, int | None]) -> list[int]:
         start = group.skipped_blocks(k * self.block_size) if k else 0
@@ -226,9 +252,25 @@ class KVCacheCoordinator:
             return sum(max(0, target - len(t)) for t in req.tables)
         if hit is None:
             return target * len(self.groups)
-        ref, null = self.pool.ref_count, self.null_block
-        revived = sum(1 for blocks in hit.blocks for b in blocks if b != null and (b < 0 or ref(b) == 0))
+        null, revived = self.null_block, 0
+        for blocks in hit.blocks:
+            if blocks and null < 0 and min(blocks) >= 0:  # all in the pool (no null block, no tier code)
+                revived += self.pool.num_unreferenced(blocks)
+                continue
+            held = [b for b in blocks if b >= 0 and b != null]
+            revived += self.pool.num_unreferenced(held) + sum(1 for b in blocks if b < 0 and b != null)
         return max(0, target - hit.num_blocks) * len(self.groups) + revived
+
+    def can_allocate(self, request_id: Hashable, num_tokens: IntArg, hit: CacheHit | None = None) -> bool:
+        """Whether :meth:`num_blocks_to_allocate` fits in :attr:`num_free_blocks` now; the hit's cached free
+        blocks are counted only when its new blocks fit (a short pool answers in O(groups)). Raises as
+        :meth:`num_blocks_to_allocate`."""
+        free = self.pool.num_free_blocks
+        if hit is not None and request_id not in self._reqs:
+            target = cdiv(as_int(num_tokens, "num_tokens", minimum=0), self.block_size)
+            if max(0, target - hit.num_blocks) * len(self.groups) > free:
+                return False
+        return self.num_blocks_to_allocate(request_id, num_tokens, hit) <= free
 
     def allocate(self, request_id: Hashable, num_tokens: IntArg, hit: CacheHit | None = None) -> None:
         """Give every group of ``request_id`` blocks for its first ``num_tokens`` tokens.

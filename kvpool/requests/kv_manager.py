@@ -33,7 +33,7 @@ from kvpool.allocators.groups import CacheHit, KVCacheCoordinator, group_key
 from kvpool.allocators.hashing import BlockHasher
 from kvpool.errors import ConfigError, InvalidIdError
 from kvpool.requests.request import Request
-from kvpool.spec import KVCacheGroup, LayerKind
+from kvpool.spec import KVCacheGroup, LayerKind, cdiv
 
 if TYPE_CHECKING:
     from kvpool.allocators.policies import FrequencyAdmission
@@ -201,18 +201,19 @@ class KVCacheManager:
         ``req.num_computed_tokens`` to the prefix hit (and ``num_cached_tokens`` at a first admission)."""
         coord, bs, hashes = self.coordinator, self.block_size, req.block_hashes
         limit = min(len(hashes), (req.num_tokens - 1) // bs) if self.caching else 0
+        if self._fewest_new_blocks(req, limit, budget) > coord.num_free_blocks:
+            return None  # short even with the longest hit it could find: no lookup needed
         hit = coord.find_longest_cache_hit(hashes, limit, count=False,
                                            probe=self.tiers.probe() if self.tiers is not None else None)
         loaded: dict[Hashable, int] = {}
         if self.tiers is not None and self._below(hit):
-            if self._need(req, hit, budget) > coord.num_free_blocks:
+            if not self._fits(req, hit, budget):
                 return None
             if self.on_admit is not None:
                 self.on_admit(req)
             loaded = self.tiers.restore(self._plan(hit))
             hit = coord.find_longest_cache_hit(hashes, hit.num_blocks, count=False)
-        need = self._need(req, hit, budget)
-        if need > coord.num_free_blocks:
+        if not self._fits(req, hit, budget):
             return None
         if self.on_admit is not None:
             self.on_admit(req)
@@ -228,10 +229,20 @@ class KVCacheManager:
             self.first_stats.record(limit, places)
         return chunk
 
-    def _need(self, req: Request, hit: CacheHit, budget: int) -> int:
+    def _fewest_new_blocks(self, req: Request, limit: int, budget: int) -> int:
+        """A lower bound of the free blocks admitting ``req`` takes, whatever its hit: with a hit of k blocks
+        every group allocates ``cdiv(k * B + min(num_tokens - k * B, budget), B) - k`` new blocks (and
+        touches or loads the hit's blocks besides), which never grows with k, so k = ``limit`` gives the
+        fewest."""
+        bs = self.block_size
+        computed = limit * bs
+        return (cdiv(computed + min(req.num_tokens - computed, budget), bs) - limit) * len(self.groups)
+
+    def _fits(self, req: Request, hit: CacheHit, budget: int) -> bool:
+        """Whether the pool has the blocks to admit ``req`` from ``hit`` with a first chunk of ``budget``."""
         computed = hit.num_blocks * self.block_size
         chunk = min(req.num_tokens - computed, budget)
-        return self.coordinator.num_blocks_to_allocate(req.request_id, computed + chunk, hit)
+        return self.coordinator.can_allocate(req.request_id, computed + chunk, hit)
 
     def _below(self, hit: CacheHit) -> bool:
         """Whether a probed hit names blocks held in a tier (codes below -1)."""
