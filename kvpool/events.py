@@ -27,8 +27,10 @@ sink); :class:`QueueEventPublisher` is a bounded in-process queue; :class:`ZmqEv
 sends each batch as vLLM's ZMQ publisher does: multipart ``(topic, seq as 8-byte big-endian, msgpack
 payload)`` on a PUB socket, and keeps the last ``buffer_steps`` batches for vLLM's replay protocol on a
 ROUTER socket. A full queue drops the batch and counts it (``dropped_batches``, ``dropped_events``); its
-sequence number is skipped, so a subscriber sees the gap. :class:`KVEventSubscriber` receives them in order
-and fills gaps from the replay socket.
+sequence number is skipped, so a subscriber sees the gap. Replay never holds up the live stream (a bounded
+share of reply frames per live batch), and :meth:`ZmqEventPublisher.close` drains from the sending thread.
+:class:`KVEventSubscriber` (:mod:`kvpool.events_subscriber`, re-exported here) receives them in order, fills
+gaps from the replay socket and follows a publisher restarted on the same endpoint.
 
 This module sits on the ground floor beside :mod:`kvpool.errors`: it imports nothing else of kvpool.
 ``msgspec`` is needed to import it (``pip install kvpool[events]``), ``pyzmq`` for the ZMQ classes.
@@ -36,7 +38,9 @@ This module sits on the ground floor beside :mod:`kvpool.errors`: it imports not
 
 from __future__ import annotations
 
+import bisect
 import itertools
+import operator
 import queue
 import re
 import threading
@@ -523,6 +527,42 @@ def _open(ctx: Any, kind: int, endpoint: str, bind: bool, hwm: int) -> Any:
     return sock
 
 
+class _Replays:
+    """The replay requests being answered: a cursor each into the kept batches (ascending sequence
+    numbers), answered a few frames at a time, round-robin, up to the last batch kept when it came."""
+
+    def __init__(self, buffer: deque[tuple[int, bytes]], topic: bytes) -> None:
+        self._buffer, self._topic = buffer, topic
+        self._active: deque[list[Any]] = deque()  # [identity, next seq, last seq to send]
+
+    def __len__(self) -> int:
+        return len(self._active)
+
+    def add(self, identity: bytes, start: int) -> None:
+        self._active.append([identity, start, self._buffer[-1][0] if self._buffer else -1])
+
+    def frames(self, budget: int) -> list[tuple[bytes, ...]]:
+        """Up to ``budget`` ROUTER messages, each reply ending with its end marker."""
+        out: list[tuple[bytes, ...]] = []
+        while self._active and len(out) < budget:
+            frame = self._frame(self._active[0])
+            out.append(frame)
+            if frame[3] is END_SEQ:
+                self._active.popleft()
+            else:
+                self._active.rotate(-1)
+        return out
+
+    def _frame(self, cursor: list[Any]) -> tuple[bytes, ...]:
+        identity, start, last = cursor
+        i = bisect.bisect_left(self._buffer, start, key=operator.itemgetter(0))
+        if i == len(self._buffer) or self._buffer[i][0] > last:  # (batches the buffer let go are gaps)
+            return identity, b"", b"", END_SEQ, b""
+        seq, payload = self._buffer[i]
+        cursor[1] = seq + 1
+        return identity, b"", self._topic, seq.to_bytes(8, "big"), payload
+
+
 class ZmqEventPublisher(EventPublisher):
     """Publishes batches as vLLM's ``ZmqEventPublisher`` does (byte for byte), from a background thread.
 
@@ -541,10 +581,19 @@ class ZmqEventPublisher(EventPublisher):
     A batch the thread cannot encode (a value msgpack cannot carry, e.g. in a caller's extra keys) is
     skipped and counted in ``unsent_batches``; its number is a gap, as a dropped batch's.
 
+    Replay never holds up the live stream: the thread takes up to ``MAX_REPLAYS`` requests at a time (the
+    rest wait in the socket) and sends at most ``REPLAY_FRAMES_PER_BATCH`` of their frames, round-robin,
+    before each live batch. A reply holds the batches kept from ``start_seq`` up to the last one kept when
+    the request was taken. Counters: ``sent_batches``, ``replay_frames``, ``undelivered_batches`` (still
+    queued when :meth:`close` ran out of time); ``thread_error`` says why the thread stopped, if it failed.
+
     Raises:
         ConfigError: a malformed endpoint, or one that cannot be bound (an address in use).
         ImportError: pyzmq is not installed.
     """
+
+    REPLAY_FRAMES_PER_BATCH = 64
+    MAX_REPLAYS = 64
 
     def __init__(self, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "",
                  connect: bool = False, buffer_steps: int = 10_000, hwm: int = 100_000,
@@ -570,9 +619,12 @@ class ZmqEventPublisher(EventPublisher):
             raise
         self._seq = itertools.count()
         self.unsent_batches = 0  # taken, but not encodable: skipped by the sending thread (a gap)
-        self._queue: queue.Queue[tuple[int, KVEventBatch] | None] = queue.Queue(max_queue_size)
+        self.sent_batches = self.replay_frames = self.undelivered_batches = 0
+        self.thread_error: str | None = None
+        self._queue: queue.Queue[tuple[int, KVEventBatch]] = queue.Queue(max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._stop = threading.Event()
+        self._replays = _Replays(self._buffer, self._topic)
+        self._stop, self._abort = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvpool-kv-events", daemon=True)
         self._thread.start()
 
@@ -592,176 +644,82 @@ class ZmqEventPublisher(EventPublisher):
         return True
 
     def _run(self) -> None:
+        """The sending thread: it alone touches the sockets, and closes them when it ends."""
         encode = msgspec.msgpack.Encoder().encode
-        while True:
-            if self._replay is not None:
-                while self._replay.poll(0):
-                    self._serve_replay()
-            try:
-                item = self._queue.get(timeout=0.02)
-            except queue.Empty:
-                if self._stop.is_set():
-                    return
-                continue
-            if item is None:
-                return
-            seq, batch = item
-            try:
-                payload = encode(batch)
-            except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
-                self.unsent_batches += 1  # a value msgpack cannot carry (an extra key): a gap, not a
-                continue  # dead thread that would silently drop every later batch
-            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
-            self._buffer.append((seq, payload))
+        try:
+            while self._step(encode):
+                pass
+        except Exception as exc:  # never raise from the thread: keep what happened for the owner
+            self.thread_error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.undelivered_batches = self._queue.qsize()
+            self._pub_close(linger_ms=0 if self._abort.is_set() else 1000)  # let the last messages leave
 
-    def _serve_replay(self) -> None:
-        frames = self._replay.recv_multipart()
-        if len(frames) != 3 or len(frames[2]) != 8:
-            return  # not a replay request: ignored, as vLLM does
-        identity, start = frames[0], int.from_bytes(frames[2], "big")
-        for seq, payload in list(self._buffer):
-            if seq >= start:
-                self._replay.send_multipart((identity, b"", self._topic, seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((identity, b"", b"", END_SEQ, b""))
+    def _step(self, encode: Callable[[Any], bytes]) -> bool:
+        """Answer a bounded share of the replay requests, then send one live batch; False: stop now."""
+        stopping = self._stop.is_set()
+        if self._abort.is_set():
+            return False
+        if self._replay is not None and not stopping:
+            self._serve_replays()
+        try:  # with replay work waiting, do not wait for a batch; when stopping, drain what is queued
+            seq, batch = (self._queue.get_nowait() if stopping or len(self._replays)
+                          else self._queue.get(timeout=0.02))
+        except queue.Empty:
+            return not stopping
+        try:
+            payload = encode(batch)
+        except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
+            self.unsent_batches += 1  # a value msgpack cannot carry (an extra key): a gap, not a
+            return True  # dead thread that would silently drop every later batch
+        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        self._buffer.append((seq, payload))
+        self.sent_batches += 1
+        return True
+
+    def _serve_replays(self) -> None:
+        """Take new requests (up to ``MAX_REPLAYS`` being answered) and send ``REPLAY_FRAMES_PER_BATCH``
+        frames of them; anything that is not a replay request is ignored, as vLLM does."""
+        while len(self._replays) < self.MAX_REPLAYS and self._replay.poll(0):
+            frames = self._replay.recv_multipart()
+            if len(frames) == 3 and len(frames[2]) == 8:
+                self._replays.add(frames[0], int.from_bytes(frames[2], "big"))
+        frames = self._replays.frames(self.REPLAY_FRAMES_PER_BATCH)
+        for frame in frames:
+            self._replay.send_multipart(frame)  # a ROUTER never blocks: past a peer's hwm it drops
+        self.replay_frames += len(frames)
+        if frames:
+            time.sleep(0)  # let the caller's threads have the interpreter between shares
 
     def close(self, timeout: float = 5.0) -> None:
-        """Send what is queued (waiting up to ``timeout`` seconds), then close the sockets. Idempotent."""
+        """Send what is queued (waiting up to ``timeout`` seconds; replies still being sent are cut
+        short), then close the sockets (the sending thread does, so that none closes under it). Batches
+        left unsent when the time is up are counted in ``undelivered_batches``. Idempotent."""
         if self._closed:
             return
         super().close()
         self._stop.set()
         self._thread.join(timeout)
-        self._pub_close(linger_ms=1000)  # let the last messages leave
+        if self._thread.is_alive():
+            self._abort.set()  # it ends after the step it is in
+            self._thread.join()
+        self.undelivered_batches = self._queue.qsize()  # (one taken while it closed included)
 
     def _pub_close(self, linger_ms: int = 0) -> None:
-        for sock in (getattr(self, "_pub", None), self._replay):
-            if sock is not None:
-                sock.close(linger=linger_ms)
+        """Close the sockets: the PUB socket's last messages get ``linger_ms`` to leave; replies still
+        queued for a client that does not read them are dropped at once."""
+        if getattr(self, "_pub", None) is not None:
+            self._pub.close(linger=linger_ms)
+        if self._replay is not None:
+            self._replay.close(linger=0)
         self._ctx.term()
 
 
-class KVEventSubscriber:
-    """Receives a :class:`ZmqEventPublisher`'s (or vLLM's) batches in sequence order.
+def __getattr__(name: str) -> Any:
+    """``KVEventSubscriber`` and ``SequenceTracker`` live in :mod:`kvpool.events_subscriber` (one floor up);
+    ``from kvpool.events import KVEventSubscriber`` keeps working."""
+    if name in ("KVEventSubscriber", "SequenceTracker", "SubscriberStats"):
+        from kvpool import events_subscriber
 
-    Connects a SUB socket to ``endpoint`` (subscribed to ``topic``). With ``replay_endpoint`` it also
-    connects a DEALER to the publisher's replay socket and asks for what it missed: every batch from 0
-    before the first it receives, every gap, and (after ``idle_s`` without a message) anything published
-    since the last one, so a subscriber that joins late or drops messages still gets every batch the
-    publisher keeps. Batches it could not get are counted in ``missed``; undecodable ones in ``malformed``.
-    ``hwm``: the sockets' receive high-water marks, in messages (a whole replay should fit).
-
-    Raises:
-        ConfigError: a malformed endpoint.
-        ImportError: pyzmq is not installed.
-    """
-
-    def __init__(self, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "",
-                 idle_s: float = 0.2, hwm: int = 1_000_000) -> None:
-        zmq = _zmq()
-        check_endpoint(endpoint)
-        if replay_endpoint is not None:
-            check_endpoint(replay_endpoint)
-        self._ctx = zmq.Context()
-        self._sub = _open(self._ctx, zmq.SUB, endpoint, bind=False, hwm=hwm)
-        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        self._replay = (None if replay_endpoint is None
-                        else _open(self._ctx, zmq.DEALER, replay_endpoint, bind=False, hwm=hwm))
-        self._poller = zmq.Poller()
-        for sock in (self._sub, self._replay):
-            if sock is not None:
-                self._poller.register(sock, zmq.POLLIN)
-        self._decode = msgspec.msgpack.Decoder(KVEventBatch).decode
-        self._next: int | None = 0 if self._replay is not None else None  # next seq to hand out
-        self._pending: dict[int, bytes] = {}
-        self._asked = 0.0  # when the outstanding replay request was sent (0: none)
-        self._idle_s, self._last_heard = idle_s, time.monotonic()
-        self.missed = self.malformed = 0
-
-    def recv(self, timeout: float | None = None) -> tuple[int, KVEventBatch] | None:
-        """The next batch in sequence order as ``(seq, batch)``, waiting up to ``timeout`` seconds (None:
-        forever); None when none came in time."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            ready = self._ready()
-            if ready is not None:
-                return ready
-            wait = self._idle_s if deadline is None else min(self._idle_s, deadline - time.monotonic())
-            if wait <= 0:
-                return None
-            events = dict(self._poller.poll(max(1, int(wait * 1000))))
-            if self._sub in events:
-                self._take_live()
-            if self._replay is not None and self._replay in events:
-                self._take_replay()
-            if not events and time.monotonic() - self._last_heard >= self._idle_s:
-                self._ask()  # idle: catch up with whatever was published meanwhile
-
-    def _ready(self) -> tuple[int, KVEventBatch] | None:
-        while self._next is not None and self._next in self._pending:
-            seq, payload = self._next, self._pending.pop(self._next)
-            self._next += 1
-            try:
-                return seq, self._decode(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                self.malformed += 1
-        return None
-
-    def _take_live(self) -> None:
-        frames = self._sub.recv_multipart()
-        self._last_heard = time.monotonic()
-        if len(frames) != 3 or len(frames[1]) != 8:
-            self.malformed += 1
-            return
-        seq = int.from_bytes(frames[1], "big")
-        if self._next is None:
-            self._next = seq
-        if seq >= self._next:
-            self._pending[seq] = frames[2]
-        if seq > self._next and self._next not in self._pending:
-            if self._replay is None:
-                self._skip_to(seq)
-            else:
-                self._ask()
-
-    def _take_replay(self) -> None:
-        frames = self._replay.recv_multipart()
-        self._last_heard = time.monotonic()
-        if len(frames) != 4:
-            self.malformed += 1
-            return
-        seq_bytes, payload = frames[2], frames[3]
-        if seq_bytes == END_SEQ:
-            self._asked = 0.0
-            if self._next not in self._pending and self._pending:  # the publisher no longer has it
-                self._skip_to(min(self._pending))
-            return
-        seq = int.from_bytes(seq_bytes, "big")
-        if self._next is not None and seq >= self._next:
-            self._pending[seq] = payload
-
-    def _skip_to(self, seq: int) -> None:
-        assert self._next is not None
-        self.missed += seq - self._next
-        self._next = seq
-
-    def _ask(self) -> None:
-        """Ask the replay socket for everything from the next sequence number on; at most one request at a
-        time, unless the last one went unanswered for 25 idle periods (its end marker lost)."""
-        now = time.monotonic()
-        if self._asked and now - self._asked < 25 * self._idle_s:
-            return
-        if self._replay is not None and self._next is not None and self._next <= _U64:  # past the last
-            self._replay.send_multipart((b"", self._next.to_bytes(8, "big")))
-            self._asked = self._last_heard = now
-
-    def close(self) -> None:
-        for sock in (self._sub, self._replay):
-            if sock is not None:
-                sock.close(linger=0)
-        self._ctx.term()
-
-    def __enter__(self) -> KVEventSubscriber:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        return getattr(events_subscriber, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

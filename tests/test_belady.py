@@ -1,9 +1,10 @@
 """The offline bound (belady) against an exhaustive search over every eviction choice on small traces.
 
 The brute force is a model of the ``instant`` replay written here from its rules, not from its code:
-between requests the pool is all free, so the whole state is the set of cached hashes. For each request it
-tries every set of cached blocks an allocation could evict and keeps the best total of hit blocks
-(memoized on (request, cached set)). The same model with the farthest-next-use rule must give the real
+between requests the pool is all free, so the whole state is the multiset of cached hashes (a request that
+recomputes a cached hash past its hit publishes a second block of it). For each request it tries every
+multiset of cached blocks an allocation could evict and keeps the best total of hit blocks (memoized on
+(request, cached multiset)). The same model with the farthest-next-use rule must give the real
 replay's belady hits exactly, and nothing may beat the exhaustive optimum.
 
 How close the bound comes is printed by ``test_belady_is_close_to_the_optimum`` (run with ``-s``) and
@@ -16,6 +17,7 @@ import functools
 import itertools
 import math
 import random
+from collections import Counter
 from collections.abc import Callable
 
 import pytest
@@ -49,10 +51,11 @@ class InstantModel:
     """The instant replay on a pool of ``n`` blocks, with the eviction choices left to ``choose``.
 
     Per request: the hit is the longest cached prefix of its full prompt blocks, among the full blocks of
-    its first input - 1 tokens (the last prompt token is always computed); it takes its prompt blocks
-    (uncached free first, then evicting cached ones it does not hold), publishes each full prompt block
-    whose hash is not cached already, takes its output blocks the same way (its KV covers input + output
-    - 1 tokens: the last sampled token is never written), and frees everything.
+    its first input - 1 tokens (the last prompt token is always computed; the hit holds one block of each
+    hash); it takes its prompt blocks (uncached free first, then evicting cached ones it does not hold),
+    publishes each full prompt block past the hit (a second block of a hash cached already too), takes its
+    output blocks the same way (its KV covers input + output - 1 tokens: the last sampled token is never
+    written), and frees everything. A state is the sorted tuple of the cached blocks' hashes.
     """
 
     def __init__(self, requests: list[TraceRequest], n: int) -> None:
@@ -67,57 +70,63 @@ class InstantModel:
         r = self.reqs[i]
         return tuple(r.hash_ids[: r.input_tokens // B])
 
-    def outcomes(self, i: int, cached: frozenset[int], choose: Chooser) -> list[tuple[int, frozenset[int]]]:
-        """Every (hits, cached set afterwards) of request ``i`` from ``cached`` under ``choose``."""
-        r, nodes = self.reqs[i], self.full(i)
+    def outcomes(self, i: int, cached: tuple[int, ...], choose: Chooser) -> list[tuple[int, tuple[int, ...]]]:
+        """Every (hits, cached multiset afterwards) of request ``i`` from ``cached`` under ``choose``, which
+        gets (request, evictable blocks, how many to evict, every published block in the pool)."""
+        r, nodes, state = self.reqs[i], self.full(i), Counter(cached)
         h, limit = 0, min(len(nodes), (r.input_tokens - 1) // B)
-        while h < limit and nodes[h] in cached:
+        while h < limit and state[nodes[h]]:
             h += 1
         need, total = math.ceil(r.input_tokens / B), self.blocks(r)
-        hit, out = set(nodes[:h]), []
-        for first in choose(i, cached - hit, max(0, need - h - (self.n - len(cached)))):
-            c1 = cached - first
-            published = {x for x in nodes[h:] if x not in c1}
-            c2 = c1 | published
-            uncached_free = self.n - len(c1) - (need - h)
-            for second in choose(i, c2 - hit - published, max(0, total - need - uncached_free)):
-                out.append((h, frozenset(c2 - second)))
+        hit, published, out = Counter(nodes[:h]), Counter(nodes[h:]), []
+        for first in choose(i, state - hit, max(0, need - h - (self.n - len(cached))), state):
+            c1 = state - first
+            uncached_free = self.n - c1.total() - (need - h)
+            for second in choose(i, c1 - hit, max(0, total - need - uncached_free), c1 + published):
+                out.append((h, tuple(sorted((c1 - second + published).elements()))))
         return out
 
     def optimum(self) -> int:
-        """Most hits over every eviction choice (memoized on (request, cached set))."""
+        """Most hits over every eviction choice (memoized on (request, cached multiset))."""
 
-        def every(i: int, candidates: frozenset[int], k: int) -> list[frozenset[int]]:
-            return [frozenset(c) for c in itertools.combinations(sorted(candidates), k)]
+        def every(i: int, candidates: Counter, k: int, held: Counter) -> list[Counter]:
+            return [Counter(c) for c in set(itertools.combinations(sorted(candidates.elements()), k))]
 
         @functools.cache
-        def best(i: int, cached: frozenset[int]) -> int:
+        def best(i: int, cached: tuple[int, ...]) -> int:
             if i == len(self.reqs):
                 return 0
             return max(h + best(i + 1, after) for h, after in self.outcomes(i, cached, every))
 
-        return best(0, frozenset())
+        return best(0, ())
 
     def farthest_next_use(self) -> int:
-        """Hits when each eviction takes the blocks next used farthest ahead (never used: first), the
-        deeper one first on a tie."""
+        """Hits when each eviction takes, one block at a time, a spare (a block whose hash another block in
+        the pool holds too) if there is one, else the block next used farthest ahead (never used: first),
+        the deeper one first on a tie."""
 
         def rank(x: int, i: int) -> tuple[int, int]:
             later = [j for j in range(i + 1, len(self.reqs)) if x in self.full(j)]
             depth = next(self.full(j).index(x) for j in range(i, -1, -1) if x in self.full(j))
             return (later[0] if later else len(self.reqs), depth)
 
-        def farthest(i: int, candidates: frozenset[int], k: int) -> list[frozenset[int]]:
-            return [frozenset(sorted(candidates, key=lambda x: rank(x, i), reverse=True)[:k])]
+        def farthest(i: int, candidates: Counter, k: int, held: Counter) -> list[Counter]:
+            candidates, held, gone = Counter(candidates), Counter(held), Counter()
+            for _ in range(k):
+                x = max(+candidates, key=lambda x: (held[x] > 1, rank(x, i)))
+                candidates[x] -= 1
+                held[x] -= 1
+                gone[x] += 1
+            return [gone]
 
-        cached, hits = frozenset(), 0
+        cached, hits = (), 0
         for i in range(len(self.reqs)):
             ((h, cached),) = self.outcomes(i, cached, farthest)
             hits += h
         return hits
 
 
-Chooser = Callable[[int, frozenset, int], list]
+Chooser = Callable[[int, Counter, int, Counter], list]
 
 
 def replay_hits(requests: list[TraceRequest], n: int, policy: str) -> int:

@@ -107,19 +107,6 @@ def test_reserve_then_abort_100_times_ends_with_all_blocks_free() -> None:
     pool.check_integrity()
 
 
-def test_same_hash_on_a_second_block_keeps_the_first() -> None:
-    pool = BlockPool(4)
-    blocks = pool.allocate(2)
-    pool.cache_blocks(blocks[:1], ["h"])
-    pool.cache_blocks(blocks[1:], ["h"])  # a duplicate computation of the same block: stays private
-    assert pool.lookup(["h"]) == [0]
-    assert pool.block_hash(1) is None and pool.num_cached_blocks == 1
-    pool.free([1, 0])  # 1 has no hash: free stack; 0 joins the LRU
-    assert pool.evictable_blocks() == [0]
-    assert pool.allocate(3) == [1, 2, 3]  # uncached first: the stack pops 1 (freed last), then 2, 3
-    pool.check_integrity()
-
-
 def test_republishing_the_same_hash_is_a_no_op() -> None:
     pool = BlockPool(2)
     pool.allocate(1)

@@ -1,5 +1,5 @@
 """BlockPool's KV event hooks: each change of the prefix index, case by case, and a random run whose event
-stream, replayed into a set, equals the pool's index after every operation."""
+stream, replayed into a count of holders per hash, equals the pool's blocks after every operation."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import random
 import pytest
 
 pytest.importorskip("msgspec")
+
+from collections import Counter  # noqa: E402
 
 from kvpool.allocators.block_pool import BlockPool  # noqa: E402
 from kvpool.allocators.hashing import LoRAIdentity, block_extra_keys  # noqa: E402
@@ -50,14 +52,19 @@ def test_cache_blocks_reports_new_hashes_with_parent_tokens_and_keys() -> None:
     ]
 
 
-def test_a_hash_held_by_another_block_is_not_reported_and_splits_the_run() -> None:
+def test_a_hash_held_by_another_block_is_reported_for_this_block_too() -> None:
     pool, sink = recorded()
     a, b = pool.allocate(1), pool.allocate(3)
     pool.cache_blocks(a, [H[1]])
     sink.take_events()
-    pool.cache_blocks(b, H[:3], token_ids=[1, 2, 3, 4, 5, 6])  # b[1]'s H[1] stays a[0]'s: b[1] private
-    assert sink.take_events() == [stored([H[0]], None, [1, 2]), stored([H[2]], H[1], [5, 6])]
-    assert pool.block_hash(b[1]) is None
+    pool.cache_blocks(b, H[:3], token_ids=[1, 2, 3, 4, 5, 6])  # b[1] is a second holder of H[1]
+    assert sink.take_events() == [stored(H[:3], None, [1, 2, 3, 4, 5, 6])]
+    assert pool.block_hash(b[1]) == H[1] and pool.get_cached_block(H[1]) == a[0]
+    pool.free(a)
+    pool.free(b[::-1])  # LRU: a[0], b[2], b[1], b[0]
+    pool.allocate(5)  # 4 free blocks, then a[0]: H[1] stays, on b[1]; still one BlockRemoved per block
+    assert sink.take_events() == [BlockRemoved([H[1]], "CPU", 0)]
+    assert pool.get_cached_block(H[1]) == b[1]
 
 
 def test_null_block_positions_keep_the_token_slices_in_line() -> None:
@@ -120,23 +127,23 @@ def test_no_sink_and_no_caching_record_nothing() -> None:
     assert sink.pending_events == 0
 
 
-def test_events_replayed_into_a_set_equal_the_index_after_every_operation() -> None:
+def test_events_replayed_into_counts_equal_the_blocks_after_every_operation() -> None:
     """5,000 random operations (seeded): allocate (evicting), touch of hits, publish, free, evict_blocks,
-    reset; after each, the hashes the stream says are cached equal the pool's own index."""
+    reset; after each, the holders per hash the stream counts (a BlockStored adds one per hash, a
+    BlockRemoved takes one) equal the pool's blocks holding each hash."""
     rng = random.Random(13)
     pool, sink = recorded(num_blocks=24, block_size=1)
-    cached: set = set()
+    cached: Counter = Counter()
     held: list[list[int]] = []
     universe = list(range(40))  # int hashes: a small universe so hits, duplicates and evictions happen
 
     def apply() -> None:
         for event in sink.take_events():
             if isinstance(event, BlockStored):
-                assert not cached & set(event.block_hashes), "a hash stored twice without a removal"
                 cached.update(event.block_hashes)
             elif isinstance(event, BlockRemoved):
-                assert set(event.block_hashes) <= cached, "a hash removed that was never stored"
-                cached.difference_update(event.block_hashes)
+                assert all(cached[h] > 0 for h in event.block_hashes), "a hash removed that was not stored"
+                cached.subtract(event.block_hashes)
             else:
                 cached.clear()
 
@@ -159,8 +166,9 @@ def test_events_replayed_into_a_set_equal_the_index_after_every_operation() -> N
         elif not held:
             assert pool.reset_prefix_cache()
         apply()
-        assert cached == {pool.block_hash(b) for b in range(24)} - {None}
+        assert +cached == Counter(h for h in map(pool.block_hash, range(24)) if h is not None)
     pool.check_integrity()
+    assert pool.num_cached_blocks > len({pool.block_hash(b) for b in range(24)} - {None})  # duplicates
 
 
 def test_an_eviction_listener_and_the_sink_both_hear_an_eviction() -> None:
@@ -193,7 +201,7 @@ def test_a_hybrid_replay_names_each_group() -> None:
     config = ReplayConfig(block_size=16, groups=groups, timing="trace", num_blocks=200)
     replayer = Replayer(requests, config, event_sink=KVEventSink(pub, block_size=16))
     result = replayer.run(time.perf_counter())
-    cached: set = set()
+    cached: Counter = Counter()
     for event in (e for batch in pub.drain() for e in batch.events):
         if isinstance(event, BlockStored):
             assert (event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window) == \
@@ -201,7 +209,8 @@ def test_a_hybrid_replay_names_each_group() -> None:
             cached.update((event.group_idx, h) for h in event.block_hashes)
         else:
             assert isinstance(event, BlockRemoved)
-            cached.difference_update((event.group_idx, h) for h in event.block_hashes)
+            cached.subtract((event.group_idx, h) for h in event.block_hashes)
     pool = replayer.kv.pool
-    assert cached == {split_group_key(k) for k in {pool.block_hash(b) for b in range(200)} - {None}}
-    assert {g for g, _ in cached} == {0, 1} and result.evictions > 0 and result.hit_blocks > 0
+    keys = [pool.block_hash(b) for b in range(200)]
+    assert +cached == Counter(split_group_key(k) for k in keys if k is not None)
+    assert {g for g, _ in +cached} == {0, 1} and result.evictions > 0 and result.hit_blocks > 0

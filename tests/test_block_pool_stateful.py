@@ -1,11 +1,12 @@
 """BlockPool against a brute-force model, driven by hypothesis: random sequences of every operation,
 error paths included, with ``check_integrity()`` and a full comparison of observable state after each step.
 
-The model keeps per-block ref counts, hashes and pins, and answers every question by scanning all blocks:
-the index is "which block holds h", the eviction order is a sort of the cached free blocks by what the
-policy's model (below) records. It never predicts which uncached block ``allocate`` picks, only the rules:
-uncached blocks first, then the cached free blocks in eviction order. With a null block (block 0) the model
-never frees, hands out or hashes it, and the machine slips it (repeated) into the ids of free, touch,
+The model keeps per-block ref counts, hashes, publish times and pins, and answers every question by scanning
+all blocks: the index is "of the blocks holding h, the one published first" (several blocks may hold one hash:
+each publish of a block holding none publishes it), the eviction order is a sort of the cached free blocks by
+what the policy's model (below) records. It never predicts which uncached block ``allocate`` picks, only the
+rules: uncached blocks first, then the cached free blocks in eviction order. With a null block (block 0) the
+model never frees, hands out or hashes it, and the machine slips it (repeated) into the ids of free, touch,
 cache_blocks and evict_blocks. One machine runs per eviction policy, one with frequency admission.
 """
 
@@ -176,7 +177,9 @@ class ARCModel(LRUModel):
         self.in_t2[b] = True
 
     def evicted(self, b: int, h: int) -> None:
-        (self.b2 if self.in_t2[b] else self.b1).append(h)
+        ghosts = self.b2 if self.in_t2[b] else self.b1
+        if h not in ghosts:  # (a second holder of h evicted: h is a ghost already, in its place)
+            ghosts.append(h)
         self.in_t2[b] = False
         self.trim()
 
@@ -213,6 +216,7 @@ class Model:
         self.first = 1 if null else 0  # the first id allocate may hand out
         self.ref = [0] * n
         self.hash: list[int | None] = [None] * n
+        self.published_at = [0] * n  # the clock when each hashed block was published
         self.pins: dict[int, int] = {}
         self.max_pinned = int(0.5 * (n - self.first))
         self.clock, self.now = 0, 0.0
@@ -225,8 +229,9 @@ class Model:
         return self.clock
 
     def holder(self, h: int) -> int | None:
+        """The block a lookup of ``h`` finds: of those holding it, the one published first."""
         found = [b for b in range(self.n) if self.hash[b] == h]
-        return found[0] if found else None
+        return min(found, key=lambda b: self.published_at[b]) if found else None
 
     def uncached_free(self) -> set[int]:
         return {b for b in range(self.first, self.n) if self.ref[b] == 0 and self.hash[b] is None}
@@ -431,9 +436,10 @@ class BlockPoolMachine(RuleBasedStateMachine):
         m = self.model
         if call:
             self.pool.cache_blocks(ids, hashes)
-        for b, h in zip(ids, hashes, strict=True):
-            if m.caching and m.hash[b] is None and m.holder(h) is None and m.admit(h):
+        for b, h in zip(ids, hashes, strict=True):  # a hash held already is not offered to admission
+            if m.caching and m.hash[b] is None and (m.holder(h) is not None or m.admit(h)):
                 m.hash[b] = h
+                m.published_at[b] = m.tick()
                 m.policy.published(b, h)
 
     @precondition(lambda self: any(r == 0 for r in self.model.ref))
@@ -552,6 +558,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert pool.evictable_blocks() == m.lru()
         assert pool.num_free_blocks == len(m.uncached_free()) + len(m.lru())
         assert pool.num_cached_blocks == sum(h is not None for h in m.hash)
+        assert [pool.get_cached_block(h) for h in range(12)] == [m.holder(h) if m.caching else None
+                                                                 for h in range(12)]
         assert pool.num_used_blocks == sum(r > 0 for r in m.ref)
         assert (pool.stats.hits, pool.stats.misses, pool.stats.evictions) == (m.hits, m.misses, m.evictions)
         assert pool.pinned_blocks() == m.pins

@@ -6,14 +6,20 @@ request holds per group: a table of ``cdiv(tokens allocated, B)`` entries whose 
 the ``skipped_blocks`` prefix of the last ``remove_skipped_blocks`` (or of the hit). Every lookup is checked
 against a brute-force hit: the longest k for which every group has a cached block under its own key at each
 position ``skipped_blocks(k * B) .. k - 1``, tried for every k (O(k^2), independent of the coordinator's
-fixed-point scan); the hit's blocks must be those cached blocks. Allocation must raise exactly when the
+fixed-point scan), where "cached under a key" is brute force too: of the blocks holding the key (a scan of
+every block; several may hold one, when two requests computed the same block), the one published first
+(the machine notes each block's publish time after every call that can publish or evict); the hit's blocks
+must be those blocks. Allocation must raise exactly when the
 pool has fewer free blocks than the model's count, and change nothing then. A hit taken before another
 request took its blocks over must be refused as stale exactly when a hit block no longer holds its group's
-key; counts that break the integer rule change nothing. Every step, the set of keys rebuilt from the pool's
-KV events alone (each event's group and kind) equals the pool's prefix index.
+key; counts that break the integer rule change nothing. Every step, the holders per key counted from the
+pool's KV events alone (each event's group and kind; one BlockStored or BlockRemoved per block) equal the
+pool's blocks holding each key.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 from hypothesis import settings
@@ -56,15 +62,33 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.publisher = QueueEventPublisher(maxsize=100_000)
         sink = KVEventSink(self.publisher, block_size=B, max_batch_events=batch)
         self.coord = KVCacheCoordinator(self.groups, n, event_sink=sink)
-        self.seen: set = set()  # the prefix index as the events tell it
+        self.seen: Counter = Counter()  # holders per key as the events tell it
         self.null = self.coord.null_block  # 0, or -1 (none) for a model without windows
         self.reqs: dict[int, Req] = {}
         self.next_id = 0
+        self.n = n
+        self.keys: list = [None] * n  # each block's key when last noted
+        self.published_at = [0] * n  # and when it was published (a call number)
+        self.calls = 0
+        self.index: dict = {}
 
     # ---- brute force ------------------------------------------------------------------------------------
 
+    def noted(self) -> None:
+        """After a call that can publish or evict: note the publish time of each block whose key changed,
+        and rebuild the index (each key -> its holder published first) by a scan of every block."""
+        self.calls += 1
+        pool, index = self.coord.pool, {}
+        for b in range(self.n):
+            key = pool.block_hash(b)
+            if key != self.keys[b]:
+                self.keys[b], self.published_at[b] = key, self.calls
+            if key is not None and (key not in index or self.published_at[b] < self.published_at[index[key]]):
+                index[key] = b
+        self.index = index
+
     def cached(self, g: int, h: object) -> int | None:
-        return self.coord.pool.get_cached_block(group_key(g, h))
+        return self.index.get(group_key(g, h))
 
     def brute_hit(self, hashes: list) -> int:
         best = 0
@@ -107,9 +131,11 @@ class CoordinatorMachine(RuleBasedStateMachine):
             assert self.coord.num_free_blocks == free_before and rid not in self.coord.requests
             return
         self.coord.allocate(rid, target, hit)
+        self.noted()
         req.computed = req.removed_at = computed
         req.allocated = target
         self.coord.cache_blocks(rid, req.hashes, target)  # the forward pass wrote the chunk
+        self.noted()
         req.computed = target
         self.reqs[rid] = req
 
@@ -133,8 +159,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
             self.finish(rid)  # preempted by recompute
             return
         self.coord.allocate(rid, target)
+        self.noted()
         req.allocated = max(req.allocated, target)
         self.coord.cache_blocks(rid, req.hashes, target)
+        self.noted()
         req.computed = target
 
     @precondition(lambda self: self.reqs)
@@ -153,6 +181,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.next_id += 2
         per_group = self.coord.num_free_blocks // len(self.groups)
         self.coord.allocate(filler, per_group * B)  # publishes nothing
+        self.noted()
         pool = self.coord.pool
         stale = any(b != self.null and pool.block_hash(b) != group_key(g, hashes[i])
                     for g, blocks in enumerate(hit.blocks) for i, b in enumerate(blocks))
@@ -165,6 +194,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
             assert not stale and self.coord.num_free_blocks == free
         else:
             assert not stale
+            self.noted()
             self.coord.free(filler + 1)
         self.coord.free(filler)
 
@@ -205,19 +235,20 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.coord.pool.event_sink.flush()
         for batch in self.publisher.drain():
             for event in batch.events:
-                keys = {group_key(event.group_idx, h) for h in getattr(event, "block_hashes", ())}
+                keys = [group_key(event.group_idx, h) for h in getattr(event, "block_hashes", ())]
                 if isinstance(event, BlockStored):
                     kind = self.groups[event.group_idx].kind
                     assert event.kv_cache_spec_kind == {S: "sliding_window", F: "full_attention",
                                                         C: "chunked_local_attention"}[kind]
-                    assert not keys & self.seen
-                    self.seen |= keys
+                    self.seen.update(keys)
                 elif isinstance(event, BlockRemoved):
-                    assert keys <= self.seen
-                    self.seen -= keys
+                    assert all(self.seen[k] > 0 for k in keys)
+                    self.seen.subtract(keys)
         pool = self.coord.pool
-        assert len(self.seen) == pool.num_cached_blocks and all(pool.get_cached_block(k) is not None
-                                                                for k in self.seen)
+        held_keys = [pool.block_hash(b) for b in range(self.n)]
+        assert +self.seen == Counter(k for k in held_keys if k is not None)
+        assert sum(self.seen.values()) == pool.num_cached_blocks
+        assert all(pool.get_cached_block(k) == b for k, b in self.index.items())
 
     def teardown(self) -> None:
         if hasattr(self, "coord"):

@@ -70,8 +70,9 @@ def lru_model(requests: list[TraceRequest], block_size: int, num_blocks: int) ->
     """(hits, evictions, rejected) of a serial replay on a pool that hands out never-cached free blocks
     first, then evicts the least recently freed cached block. A request hits at most the full blocks of its
     first input - 1 tokens, allocates the rest of its prompt's blocks, publishes its full prompt blocks
-    after the prefill (a hash held by another cached block stays there), allocates its decode blocks, and
-    frees its blocks tail first."""
+    after the prefill, allocates its decode blocks, and frees its blocks tail first. (None of the blocks
+    it publishes is cached already: a request frees its tail first, so a cached block's parent is more
+    recent than it, hence cached too, and the hit stops only where the rest of the chain is gone.)"""
     trie, cached, plain = PrefixTrie(), OrderedDict(), num_blocks
     hits = evictions = rejected = 0
 
@@ -96,7 +97,8 @@ def lru_model(requests: list[TraceRequest], block_size: int, num_blocks: int) ->
         hits += h
         prompt = math.ceil(req.input_tokens / block_size)
         take(prompt - h)
-        published = [n for n in nodes[h:] if n not in cached]  # a hash held elsewhere stays there
+        published = nodes[h:]
+        assert not any(n in cached for n in published)
         take(total - prompt)
         held = nodes[:h] + published
         plain += total - len(held)

@@ -21,12 +21,18 @@ With ``reserve_null_block=True`` block 0 is the **null block**, in none of the t
 handed out, never counted free, holds no hash, reports ref count 0, and is skipped wherever it appears in
 ``free``, ``touch``, ``cache_blocks`` or ``evict_blocks`` (repeats of it included).
 
-A block's hash is in the prefix index (hash -> block id) exactly while the block holds it. Every method
-validates its whole argument before it changes anything, so a call that raises leaves the pool as it was.
+A block's hash is in the prefix index exactly while the block holds it. Several blocks may hold one hash
+(two requests computed the same block at once): each is published and findable, the index maps the hash to
+the one published first (what ``lookup`` and ``get_cached_block`` return), and the others wait in publish
+order; when that block's hash goes (evicted, ``evict_blocks``), the next one takes its place (vLLM's
+``BlockHashToBlockMap``). Every method validates its whole argument before it changes anything, so a call
+that raises leaves the pool as it was.
 
 **KV events.** A pool given an ``event_sink`` (:class:`kvpool.events.KVEventSink`) tells it every change of
-the prefix index: hashes that ``cache_blocks`` adds (``BlockStored``), hashes that eviction or
-``evict_blocks`` drop (``BlockRemoved``), a ``reset_prefix_cache`` (``AllBlocksCleared``); the sink checks a
+the prefix index, block by block as vLLM does: each block ``cache_blocks`` publishes (``BlockStored``; a
+second block of a hash too), each block whose hash eviction or ``evict_blocks`` drops (``BlockRemoved``), a
+``reset_prefix_cache`` (``AllBlocksCleared``); so a consumer counts each hash's holders, and a hash is
+cached while it counts more ``BlockStored`` than ``BlockRemoved``. The sink checks a
 call's hashes before anything changes. A pool without a sink records nothing and pays one ``is None`` test
 per ``cache_blocks``, eviction, ``evict_blocks`` or reset; ``allocate`` from the free stack and ``free``
 pay nothing.
@@ -68,7 +74,7 @@ if TYPE_CHECKING:
 class BlockPoolStats:
     """Prefix-cache counters, in blocks. ``hits``/``misses`` are counted by :meth:`BlockPool.lookup` only:
     a lookup of ``k`` hashes whose cached prefix is ``h`` blocks adds ``h`` hits and ``k - h`` misses.
-    ``evictions`` counts cached free blocks that ``allocate`` recycled (their hash left the index)."""
+    ``evictions`` counts cached free blocks that ``allocate`` recycled (each lost its hash)."""
 
     hits: int
     misses: int
@@ -142,16 +148,20 @@ class BlockPool:
         self._pins: dict[int, int] = {}  # pinned block -> pin count (each pin holds one reference)
         self._pin_cap = pin_cap
         self._max_pinned = int(pin_cap * (num_blocks - self._reserved))
-        self._index: dict[Hashable, int] = {}
+        self._index: dict[Hashable, int] = {}  # hash -> the block lookups find (published first)
+        self._dups: dict[Hashable, list[int]] = {}  # hash -> its other blocks, in publish order
+        self._num_dups = 0  # blocks in the lists of _dups
         self._hits = self._misses = self._evictions = 0
         self._sink = event_sink
         self._on_evict: EvictionListener | None = None
         self._on_publish: EvictionListener | None = None
 
     def set_eviction_listener(self, listener: EvictionListener | None) -> None:
-        """Call ``listener(block_ids, block_hashes)`` each time ``allocate`` evicts cached free blocks: the
-        ids and the hashes they held, in eviction order, after the hashes left the index and before the
-        blocks are handed out (their KV is still intact until the caller writes them). The offload manager
+        """Call ``listener(block_ids, block_hashes)`` each time ``allocate`` evicts cached free blocks whose
+        hashes leave the index with them: the ids and the hashes they held, in eviction order, after the
+        hashes left the index and before the blocks are handed out (their KV is still intact until the
+        caller writes them). A block evicted while another block still holds its hash is not named (its
+        KV is still on the device). The offload manager
         (:mod:`kvpool.tiers.manager`) copies that KV to a lower tier here. The listener must not call this
         pool and must not raise. None removes it.
 
@@ -164,10 +174,10 @@ class BlockPool:
         self._on_evict = listener
 
     def set_publish_listener(self, listener: EvictionListener | None) -> None:
-        """Call ``listener(block_ids, block_hashes)`` after each ``cache_blocks`` with the blocks whose
-        hashes entered the prefix index in that call (in call order; not the ones already published, kept
-        private or refused by the admission filter). A write-through tier chain stores them here. The
-        listener must not call this pool and must not raise. None removes it.
+        """Call ``listener(block_ids, block_hashes)`` after each ``cache_blocks`` with the blocks whose hashes
+        entered the prefix index in that call (in call order; not the ones already published, those whose hash
+        another block holds already, or those refused by the admission filter). A write-through tier chain
+        stores them here. The listener must not call this pool and must not raise. None removes it.
 
         Raises:
             InvalidArgumentError: a listener is set already (remove it first), or ``listener`` is not
@@ -234,7 +244,7 @@ class BlockPool:
     def _evict(self, m: int) -> list[int]:
         """Take ``m`` blocks from the LRU head, dropping their hashes from the index first."""
         lru = self._lru
-        if lru is None or self._on_evict is not None or self._sink is not None:
+        if lru is None or self._on_evict is not None or self._sink is not None or self._dups:
             return self._evict_and_tell(m)
         popitem, index, hashes, out = lru.popitem, self._index, self._hash, []
         for _ in range(m):
@@ -246,31 +256,54 @@ class BlockPool:
         return out
 
     def _evict_and_tell(self, m: int) -> list[int]:
-        """:meth:`_evict` for any policy, then tell the event sink the hashes that left the index, and the
-        eviction listener the ids and the hashes they held."""
-        index, hashes, lru, out, gone = self._index, self._hash, self._lru, [], []
+        """:meth:`_evict` for any policy and with duplicate holders, then tell the event sink the hash of
+        every evicted block, and the eviction listener the ids and hashes of those whose hash left the index
+        (no other block holds it)."""
+        hashes, lru, out, gone = self._hash, self._lru, [], []
         if lru is not None:
             popitem = lru.popitem
-            for _ in range(m):
-                block = popitem(False)[0]
-                h = hashes[block]
-                del index[h]
-                hashes[block] = None
-                out.append(block)
-                gone.append(h)
+            out = [popitem(False)[0] for _ in range(m)]
         else:
             pop = self._policy.pop
             out = [pop() for _ in range(m)]
-            gone = [hashes[block] for block in out]
-            for block, h in zip(out, gone, strict=True):
-                del index[h]
-                hashes[block] = None
+        last = []  # positions of the blocks that held the last copy of their hash
+        for i, block in enumerate(out):
+            h = hashes[block]
+            gone.append(h)
+            hashes[block] = None
+            if self._unindex(block, h):
+                last.append(i)
         self._evictions += m
         if self._sink is not None:
             self._sink.removed(gone)
-        if self._on_evict is not None:
-            self._on_evict(out, gone)
+        if self._on_evict is not None and last:
+            if len(last) < m:
+                self._on_evict([out[i] for i in last], [gone[i] for i in last])
+            else:
+                self._on_evict(out, gone)
         return out
+
+    def _unindex(self, block: int, block_hash: Hashable) -> bool:
+        """Drop ``block``'s entry of ``block_hash`` from the index (the next holder, if any, becomes the one
+        lookups find); returns whether no block holds the hash now."""
+        index = self._index
+        rest = self._dups.get(block_hash) if self._dups else None
+        if rest is None:
+            del index[block_hash]
+            return True
+        if index[block_hash] == block:
+            index[block_hash] = rest.pop(0)
+        else:
+            rest.remove(block)
+        self._num_dups -= 1
+        if not rest:
+            del self._dups[block_hash]
+        return False
+
+    def _add_holder(self, block: int, block_hash: Hashable) -> None:
+        """Index ``block`` as a further holder of ``block_hash``, which another block holds already."""
+        self._dups.setdefault(block_hash, []).append(block)
+        self._num_dups += 1
 
     def free(self, block_ids: Iterable[int], priority: IntArg = 0) -> None:
         """Drop one reference from each block; a block that reaches 0 becomes free.
@@ -384,11 +417,12 @@ class BlockPool:
                      ) -> None:
         """Publish full blocks whose KV has been written: ``block_hashes[i]`` names ``block_ids[i]``.
 
-        Publishing the hash a block already holds is a no-op. If a *different* block already holds a hash,
-        the first one stays published and this block stays private (it is freed to the free stack, not
-        the LRU): the index maps each hash to one block. Never publish a partial block. With an
-        ``admission`` filter, a new hash is published only once the filter admits it (otherwise the block
-        stays private, as above).
+        Publishing the hash a block already holds is a no-op. If a *different* block already holds the hash
+        (two requests computed the same block), this block is published too, as a further holder: lookups
+        keep finding the first until its hash goes, then this one (see the module docstring). Never publish
+        a partial block. With an ``admission`` filter, a hash no block holds is published only once the
+        filter admits it (otherwise the block stays private: it is freed to the free stack, not the
+        eviction order); a further holder of an admitted hash is not offered again.
 
         The null block is skipped with its hash (as vLLM's ``cache_full_blocks`` skips it).
 
@@ -396,7 +430,7 @@ class BlockPool:
         event sink reads them: ``parent_hash``, the hash of the block before ``block_ids[0]`` (None: it is
         a sequence's first block); ``token_ids``, the tokens of all the blocks (block_size each);
         ``extra_keys``, one per block (``kvpool.allocators.hashing.block_extra_keys``); ``lora_name``, the
-        LoRA adapter's name. Only the hashes that enter the index are reported.
+        LoRA adapter's name. Every block published in the call is reported (a further holder too).
 
         Raises:
             InvalidArgumentError: lengths differ, or a hash is None or unhashable; with an event sink, a
@@ -423,30 +457,38 @@ class BlockPool:
         index, hashes = self._index, self._hash
         if self._on_publish is not None:
             entered = [i for i, (block, h) in enumerate(zip(ids, block_hashes, strict=True))
-                       if hashes[block] is None and h not in index and self._enter(block, h)]
+                       if hashes[block] is None and self._enter(block, h) == 1]
             if entered:
                 self._on_publish([ids[i] for i in entered], [block_hashes[i] for i in entered])
             return
         if self._lru is None or self._admission is not None:
             for block, h in zip(ids, block_hashes, strict=True):
-                if hashes[block] is None and h not in index:
+                if hashes[block] is None:
                     self._enter(block, h)
             return
         for block, h in zip(ids, block_hashes, strict=True):
-            if hashes[block] is None and h not in index:
-                index[h] = block
+            if hashes[block] is None:
+                if index.setdefault(h, block) != block:
+                    self._add_holder(block, h)
                 hashes[block] = h
 
-    def _enter(self, block: int, block_hash: Hashable) -> bool:
-        """Publish ``block_hash`` on ``block`` if the admission filter (if any) admits it, telling the
-        policy; returns whether it entered the index."""
-        if self._admission is not None and not self._admission.admit(block_hash):
-            return False
-        self._index[block_hash] = block
+    def _enter(self, block: int, block_hash: Hashable) -> int:
+        """Publish ``block_hash`` on ``block`` (which holds none), telling the policy: 1 when the hash
+        entered the index, 2 when ``block`` joined another holder of it, 0 when the admission filter (if
+        any) refused a new hash."""
+        index = self._index
+        if block_hash in index:
+            self._add_holder(block, block_hash)
+            entered = 2
+        elif self._admission is not None and not self._admission.admit(block_hash):
+            return 0
+        else:
+            index[block_hash] = block
+            entered = 1
         self._hash[block] = block_hash
         if self._lru is None:
             self._policy.published(block, block_hash)
-        return True
+        return entered
 
     def _cache_recorded(self, ids: list[int], block_hashes: Sequence[Hashable], sink: KVEventSink,
                         parent_hash: Hashable | None, token_ids: Sequence[int] | None,
@@ -459,20 +501,27 @@ class BlockPool:
             kept_ids, kept_hashes = [ids[i] for i in keep], [block_hashes[i] for i in keep]
         self._check_publish(kept_ids, kept_hashes)
         sink.check_publish(kept_hashes, parent_hash, len(ids), token_ids, extra_keys)
-        index, hashes, new = self._index, self._hash, []
+        index, hashes, new, entered = self._index, self._hash, [], []
         inline = self._lru is not None and self._admission is None  # else through _enter
         for i, block, h in zip(keep, kept_ids, kept_hashes, strict=True):
-            if hashes[block] is None and h not in index:
+            if hashes[block] is None:
                 if inline:
-                    index[h] = block
+                    if index.setdefault(h, block) == block:
+                        entered.append(i)
+                    else:
+                        self._add_holder(block, h)
                     hashes[block] = h
-                elif not self._enter(block, h):
-                    continue
+                else:
+                    how = self._enter(block, h)
+                    if not how:
+                        continue
+                    if how == 1:
+                        entered.append(i)
                 new.append(i)
         if new:
             sink.stored(block_hashes, new, parent_hash, token_ids, extra_keys, lora_name)
-            if self._on_publish is not None:
-                self._on_publish([ids[i] for i in new], [block_hashes[i] for i in new])
+            if self._on_publish is not None and entered:
+                self._on_publish([ids[i] for i in entered], [block_hashes[i] for i in entered])
 
     def _check_publish(self, block_ids: list[int], block_hashes: Sequence[Hashable]) -> None:
         unreferenced = self._check_ids(block_ids)
@@ -519,7 +568,8 @@ class BlockPool:
         return hit
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
-        """Unpublish the named blocks: each one's hash leaves the prefix index, so it never matches again.
+        """Unpublish the named blocks: each one's entry leaves the prefix index, so it never matches again
+        (another block holding the same hash stays published: lookups find it instead).
         What a KV connector or a tier calls when the KV stored in those blocks is invalidated (vLLM's
         ``evict_blocks``). An in-use block keeps its ref count and stays in use, now private; a cached free
         block becomes uncached free (it joins the free stack, handed out before any cached block); a block
@@ -535,11 +585,11 @@ class BlockPool:
         if self._reserved:
             ids = _without_null(ids)
         self._check_ids(ids)
-        index, hashes, lru, free, ref, gone = self._index, self._hash, self._lru, self._free, self._ref, []
+        hashes, lru, free, ref, gone = self._hash, self._lru, self._free, self._ref, []
         for block in ids:
             r, h = ref[block], hashes[block]
             if h is not None:
-                del index[h]
+                self._unindex(block, h)
                 hashes[block] = None
                 gone.append(h)
                 if lru is None:
@@ -573,6 +623,8 @@ class BlockPool:
         if self._lru is not None:
             self._lru.clear()
         self._index.clear()
+        self._dups.clear()
+        self._num_dups = 0
         if self._sink is not None:
             self._sink.cleared()
         return True
@@ -770,8 +822,9 @@ class BlockPool:
 
     @property
     def num_cached_blocks(self) -> int:
-        """Blocks holding a published hash (in the prefix index), in use or free."""
-        return len(self._index)
+        """Blocks holding a published hash (in the prefix index), in use or free; several blocks of one
+        hash count each."""
+        return len(self._index) + self._num_dups
 
     @property
     def num_evictable_blocks(self) -> int:
@@ -840,9 +893,21 @@ class BlockPool:
                      for b, c in self._pins.items()), "a pinned block is unhashed or has fewer refs than pins"
                  )
         _require(len(self._pins) <= self._max_pinned, "more blocks are pinned than the cap")
-        _require(all(0 <= b < n and hashes[b] is h for h, b in self._index.items()),
+        self._check_index()
+
+    def _check_index(self) -> None:
+        """The index and the per-block hashes agree: every entry (the block lookups find, and each further
+        holder) names a distinct block that holds the entry's hash, and every hashed block has one."""
+        n, hashes, dups = self._n, self._hash, self._dups
+        entries = [(h, b) for h, b in self._index.items()]
+        entries += [(h, b) for h, rest in dups.items() for b in rest]
+        _require(all(0 <= b < n and (hashes[b] is h or hashes[b] == h) for h, b in entries),
                  "an index entry names a block that does not hold its hash")
-        _require(sum(1 for h in hashes if h is not None) == len(self._index), "a block hash is not indexed")
+        _require(len({b for _, b in entries}) == len(entries), "a block has two index entries")
+        _require(all(rest and h in self._index for h, rest in dups.items()),
+                 "a hash has further holders but none that lookups find, or an empty list of them")
+        _require(self._num_dups == sum(map(len, dups.values())), "the count of further holders is off")
+        _require(sum(1 for h in hashes if h is not None) == len(entries), "a block hash is not indexed")
         _require(self._caching or not self._index, "caching is off but the index is not empty")
 
     def __repr__(self) -> str:
@@ -850,7 +915,7 @@ class BlockPool:
         pins = f", pinned={len(self._pins)}" if self._pins else ""
         return (f"BlockPool(num_blocks={self._n}, policy={self._policy.name}, free={len(self._free)}, "
                 f"evictable={self.num_evictable_blocks}, used={self.num_used_blocks}, "
-                f"cached={len(self._index)}{pins}{null})")
+                f"cached={self.num_cached_blocks}{pins}{null})")
 
 
 

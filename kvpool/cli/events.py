@@ -1,7 +1,9 @@
 """``kvpool events ENDPOINT``: subscribe to a KV event stream (kvpool's or vLLM's), one line per event.
 
 Lines come in sequence order; with ``--replay`` missed batches are fetched from the publisher's replay
-socket. ``--json`` prints one JSON object per event: ``seq``, ``ts``, ``data_parallel_rank``, ``type`` and
+socket (a request unanswered for 2 s is given up and its gap counted missed; on exit the batches
+waiting behind a gap are printed, and one line on stderr says what was missed, or that no batch came).
+``--json`` prints one JSON object per event: ``seq``, ``ts``, ``data_parallel_rank``, ``type`` and
 the event's fields (hashes as lowercase hex strings when they are bytes, integers otherwise).
 """
 
@@ -36,24 +38,48 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvpool.events import KVEventSubscriber
 
-    printed = 0
     with KVEventSubscriber(args.endpoint, replay_endpoint=args.replay, topic=args.topic) as sub:
+        printed = 0
         try:
             while args.max_events is None or printed < args.max_events:
                 got = sub.recv(timeout=args.timeout)
-                if got is None:
+                if got is None:  # silent for --timeout: print what waits behind a gap, then stop
+                    for seq, batch in sub.drain():
+                        printed = _print_batch(args, seq, batch, printed)
                     break
-                seq, batch = got
-                for event in batch.events:
-                    row = event_dict(seq, batch.ts, batch.data_parallel_rank, event)
-                    print(json.dumps(row) if args.json else event_line(row), flush=True)
-                    printed += 1
+                printed = _print_batch(args, *got, printed)
         except KeyboardInterrupt:
             pass
-        if sub.missed or sub.malformed:
-            print(f"kvpool events: {plural(sub.missed, 'message')} missed, {sub.malformed} malformed",
-                  file=sys.stderr)
+        _report(args, sub.stats)
     return 0
+
+
+def _print_batch(args: argparse.Namespace, seq: int, batch: Any, printed: int) -> int:
+    """Print the batch's events (up to --max-events in all); returns how many are printed now."""
+    for event in batch.events:
+        if args.max_events is not None and printed >= args.max_events:
+            break
+        row = event_dict(seq, batch.ts, batch.data_parallel_rank, event)
+        print(json.dumps(row) if args.json else event_line(row), flush=True)
+        printed += 1
+    return printed
+
+
+def _report(args: argparse.Namespace, stats: Any) -> None:
+    """One line on stderr when something went amiss: no batch at all, or batches missed or unreadable."""
+    if stats.delivered == 0 and stats.missed == 0 and args.timeout is not None:
+        print(f"kvpool events: no batch from {args.endpoint} in {args.timeout:g} s", file=sys.stderr)
+    elif stats.missed or stats.malformed or stats.restarts:
+        why = []
+        if stats.replay_timeouts:
+            why.append(f"{args.replay} did not answer {plural(stats.replay_timeouts, 'replay request')}")
+        elif stats.missed and args.replay is None:
+            why.append("no --replay to fetch them from")
+        if stats.restarts:
+            why.append(f"the publisher restarted {plural(stats.restarts, 'time')}")
+        tail = f" ({'; '.join(why)})" if why else ""
+        print(f"kvpool events: {plural(stats.missed, 'message')} missed, {stats.malformed} "
+              f"malformed{tail}", file=sys.stderr)
 
 
 def event_dict(seq: int, ts: float, rank: int | None, event: Any) -> dict[str, Any]:

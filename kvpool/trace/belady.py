@@ -59,7 +59,9 @@ class TraceFuture:
 class BeladyPolicy(EvictionPolicy):
     """Evict the evictable block whose hash is next used farthest ahead (never used again first), the
     deeper block first on a tie (child before parent). Rank of a block holding a hash seen at depth ``j``
-    with next use ``u``: ``u * (max_depth + 1) + j``; the highest rank goes first.
+    with next use ``u``: ``u * (max_depth + 1) + j``; the highest rank goes first. A block whose hash another
+    block holds too (two requests computed it) is a spare: the next use hits the other one, so spares go
+    before every other block, and the last holder of a hash gets its rank back.
 
     Only the replay can drive it: it must call :meth:`admitted` for every request it admits for the first
     time, in the future's order (an out-of-order call raises :class:`IntegrityError`).
@@ -74,7 +76,8 @@ class BeladyPolicy(EvictionPolicy):
         self._width = future.max_depth + 1
         self._never = (future.never + 1) * self._width  # above every finite rank
         self._rank: dict[Hashable, int] = {}  # hashes with a next use: their rank from now on
-        self._holder: dict[Hashable, int] = {}  # cached hash -> block (as the pool's index)
+        self._spare = self._never + 1  # above every rank: a hash held by another block too
+        self._holders: dict[Hashable, list[int]] = {}  # cached key -> its blocks (as the pool's index)
         self._heap = KeyedHeap(0)
         self._hash: list[Hashable | None] = []
         self.position = 0  # requests admitted so far
@@ -91,25 +94,34 @@ class BeladyPolicy(EvictionPolicy):
         if i >= len(future.requests) or future.requests[i] is not req:
             raise IntegrityError(f"belady expected admitted request #{i} of its future, got another one")
         self.position = i + 1
-        width, never, rank, holder, heap = self._width, future.never, self._rank, self._holder, self._heap
+        width, never, rank, holders, heap = self._width, future.never, self._rank, self._holders, self._heap
         for j, (h, u) in enumerate(zip(hashes, future.next_use(i), strict=True)):
             if u < never:
                 rank[h] = u * width + j
             else:
                 rank.pop(h, None)
             for g in range(self.num_groups):
-                block = holder.get(group_key(g, h))
-                if block is not None and block in heap:
-                    heap.push(block, -(u * width + j))
+                blocks = holders.get(group_key(g, h))
+                if blocks is not None and len(blocks) == 1 and blocks[0] in heap:
+                    heap.push(blocks[0], -(u * width + j))
 
     def published(self, block: int, block_hash: Hashable) -> None:
-        self._holder[block_hash] = block
+        blocks = self._holders.setdefault(block_hash, [])
+        blocks.append(block)
         self._hash[block] = block_hash
+        if len(blocks) == 2 and blocks[0] in self._heap:  # the other holder is a spare now
+            self._heap.push(blocks[0], -self._spare)
 
     def insert(self, block: int, priority: int) -> None:
+        self._heap.push(block, -self._rank_of(block))
+
+    def _rank_of(self, block: int) -> int:
         key = self._hash[block]
-        self._heap.push(block, -self._rank.get(split_group_key(key)[1] if key is not None else None,
-                                               self._never))
+        if key is None:
+            return self._never
+        if len(self._holders[key]) > 1:
+            return self._spare
+        return self._rank.get(split_group_key(key)[1], self._never)
 
     def remove(self, block: int) -> None:
         self._heap.discard(block)
@@ -125,9 +137,15 @@ class BeladyPolicy(EvictionPolicy):
 
     def _forget(self, block: int) -> None:
         h = self._hash[block]
-        if h is not None and self._holder.get(h) == block:
-            del self._holder[h]
         self._hash[block] = None
+        if h is None:
+            return
+        blocks = self._holders[h]
+        blocks.remove(block)
+        if not blocks:
+            del self._holders[h]
+        elif len(blocks) == 1 and blocks[0] in self._heap:  # the last holder: its own rank again
+            self._heap.push(blocks[0], -self._rank_of(blocks[0]))
 
     def order(self) -> list[int]:
         return self._heap.order()
