@@ -30,6 +30,14 @@ tokens" for a hybrid model (``num_blocks // groups x B``); vLLM 0.33 logs ``max_
 max_model_len`` there, ``context_tokens`` here. The plan also gives what the windows save against the same
 model with every layer full, and the bytes of padding layer slots (:func:`kvpool.spec.kv_cache_groups`).
 
+Layers of several shapes (Gemma 4's 512-wide full layers beside 256-wide sliding ones; MiMo-V2-Flash's
+sliding layers with twice the KV heads): every pool block has one size, ``bytes_per_block``, and a group of
+smaller layers holds more of them per block (:func:`kvpool.spec.kv_cache_groups`), so padding is only whole
+empty layer slots, counted per group (``padding_bytes_per_block``) and per request. vLLM's rule for pages
+that differ (``unify_kv_cache_spec_page_size``) keeps the layers per group and grows the smaller pages'
+``block_size`` instead (no padding where the pages divide, one block size per group); kvpool's coordinator
+keeps one block size for every group, so it grows the layer slots.
+
 :func:`plan_pool` is pure. :func:`profile_cuda_memory` takes the readings on a live CUDA device.
 """
 
@@ -95,13 +103,26 @@ class GroupPlan:
     num_padding_layers: int
     bytes_per_block: int
     blocks_per_request: int | None
+    slots: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    v_head_dim: int = 0
+    layer_bytes_per_token: int = 0
+    padding_bytes_per_block: int = 0
 
     @classmethod
     def of(cls, group: KVCacheGroup, spec: KVCacheSpec, max_model_len: int | None,
            step_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS) -> GroupPlan:
+        """The plan's view of ``group``: its shape per rank (``num_kv_heads``, ``head_dim``, ``v_head_dim``,
+        ``layer_bytes_per_token``), its ``slots`` per block and the bytes of each block they leave empty
+        (``padding_bytes_per_block``)."""
         blocks = None if max_model_len is None else group.max_blocks(max_model_len, step_tokens)
+        shape = group.shape
         return cls(group.index, group.kind.value, group.window, group.layers, len(group.layers),
-                   group.num_padding_layers, spec.bytes_per_block, blocks)
+                   group.num_padding_layers, spec.bytes_per_block, blocks, group.slots,
+                   shape.num_kv_heads if shape else 0, shape.head_dim if shape else 0,
+                   shape.v_head_dim if shape else 0, group.layer_bytes_per_token,
+                   group.padding_bytes_per_block)
 
 
 @dataclass(frozen=True)
@@ -219,11 +240,11 @@ def _per_request(spec: KVCacheSpec, num_blocks: int, available: int, max_model_l
     if max_model_len is None:
         return {"max_concurrency": None}
     blocks = sum(g.max_blocks(max_model_len, step) for g in spec.groups)
-    page = spec.bytes_per_layer_token * spec.block_size  # one layer's share of a block
+    all_layers = spec.bytes_per_token * spec.block_size  # every KV-owning layer's share of B tokens
     full_blocks = cdiv(max_model_len, spec.block_size)
-    all_full = full_blocks * spec.num_layers * page
-    padding = sum(g.max_blocks(max_model_len, step) * g.num_padding_layers for g in spec.groups) * page
-    all_full_blocks = max(available, 0) // (spec.num_layers * page)
+    all_full = full_blocks * all_layers
+    padding = sum(g.max_blocks(max_model_len, step) * g.padding_bytes_per_block for g in spec.groups)
+    all_full_blocks = max(available, 0) // all_layers
     concurrency = (num_blocks - num_null_blocks(spec)) / blocks
     return {"max_concurrency": concurrency, "context_tokens": math.floor(concurrency * max_model_len),
             "blocks_per_request": blocks,

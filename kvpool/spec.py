@@ -14,11 +14,19 @@ groups** of equal size (:func:`kv_cache_groups`, vLLM's uniform-page rule), each
 over one shared pool.
 A pool block then holds one group's layers, ``layers_per_block`` of them, so ``bytes_per_block =
 layers_per_block x bytes per layer-token x block_size``; ``bytes_per_token`` still counts every layer.
+
+Layers of different shapes (Gemma 4: full layers of head_dim 512 beside sliding ones of 256; MiMo-V2-Flash:
+K head_dim 192, V 128, twice the KV heads on sliding layers; or two sliding windows) are described per
+layer (``layer_num_kv_heads``, ``layer_head_dims``, ``layer_v_head_dims``, ``layer_windows``), and a layer
+that reads another's KV (Gemma 4's ``num_kv_shared_layers``) names it in ``kv_source_layers`` and owns none.
+Groups then form by (kind, window, shape), so a group's layers are alike, and every pool block has the same
+bytes: a group of smaller layers gets more layer slots per block (:func:`kv_cache_groups`).
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,6 +134,21 @@ def cdiv(a: int, b: int) -> int:
 
 
 @dataclass(frozen=True)
+class LayerShape:
+    """One layer's K and V per token on one rank: ``num_kv_heads`` heads of ``head_dim`` (K) and
+    ``v_head_dim`` (V) elements; :meth:`elements` is their sum over K and V."""
+
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+
+    @property
+    def elements(self) -> int:
+        """Elements one token takes in the layer: ``num_kv_heads x (head_dim + v_head_dim)``."""
+        return self.num_kv_heads * (self.head_dim + self.v_head_dim)
+
+
+@dataclass(frozen=True)
 class KVCacheGroup:
     """One KV cache group: layers of one kind and window that share a block table per request.
 
@@ -134,9 +157,11 @@ class KVCacheGroup:
         kind: the layers' :class:`LayerKind`.
         window: W tokens (sliding) or C tokens (chunked); None for full attention.
         layers: the model's layer indices in the group, in order.
-        slots: layer slots in one pool block (the same for every group of a spec); ``slots - len(layers)``
-            of them are padding.
+        slots: layer slots in one pool block (the same for every group of a spec whose layers are all of
+            one shape; more for a group of smaller layers); ``slots - len(layers)`` of them are padding.
         block_size: tokens per block.
+        shape: the layers' :class:`LayerShape` on one rank, or None where the caller gave no shapes.
+        layer_bytes_per_token: bytes one token takes in one of the layers on one rank (0: not given).
     """
 
     index: int
@@ -145,11 +170,25 @@ class KVCacheGroup:
     layers: tuple[int, ...]
     slots: int
     block_size: int
+    shape: LayerShape | None = None
+    layer_bytes_per_token: int = 0
 
     @property
     def num_padding_layers(self) -> int:
         """Layer slots of each block of this group that hold no layer (vLLM's padding layers)."""
         return self.slots - len(self.layers)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one pool block of this group: ``slots x layer_bytes_per_token x block_size`` (padding
+        slots included; the same for every group of a spec)."""
+        return self.slots * self.layer_bytes_per_token * self.block_size
+
+    @property
+    def padding_bytes_per_block(self) -> int:
+        """Bytes of each block of this group that hold no layer: ``num_padding_layers x
+        layer_bytes_per_token x block_size``."""
+        return self.num_padding_layers * self.layer_bytes_per_token * self.block_size
 
     def skipped_blocks(self, num_tokens: int) -> int:
         """Leading blocks that no query at position ``>= num_tokens`` reads again (they can be freed).
@@ -190,29 +229,59 @@ class KVCacheGroup:
         return self.kind.value
 
 
-def kv_cache_groups(layer_kinds: Sequence[LayerKind], windows: dict[LayerKind, int | None],
-                    block_size: int) -> tuple[KVCacheGroup, ...]:
-    """Split layers into KV cache groups of one size (vLLM's ``_get_kv_cache_groups_uniform_page_size``).
+def kv_cache_groups(layer_kinds: Sequence[LayerKind],
+                    windows: dict[LayerKind, int | None] | Sequence[int | None], block_size: int, *,
+                    shapes: Sequence[LayerShape | None] | None = None,
+                    layer_bytes: Sequence[int] | None = None) -> tuple[KVCacheGroup, ...]:
+    """Split layers into KV cache groups (vLLM's ``_get_kv_cache_groups_uniform_page_size``, over layers of
+    one shape or several).
 
-    Layers of one kind are split into groups of ``size`` slots: ``size`` is the fewest layers of any kind
-    (the "1" of an n:1 pattern, e.g. Gemma 3's 5:1), or the most when that is under 1.5x the fewest (fewer
-    groups, little padding). A kind of ``n`` layers gets ``cdiv(n, size)`` groups; group ``i`` of it holds
-    layers ``layers[i::cdiv(n, size)]`` (vLLM's strided split). Kinds are ordered by their first layer,
-    so group indices match vLLM's. A model whose layers all attend alike has one group of every layer.
+    Args:
+        layer_kinds: each layer's :class:`LayerKind`.
+        windows: the window (sliding W, chunked C) of each kind, or one entry per layer (None for full).
+        block_size: tokens per block.
+        shapes: each layer's :class:`LayerShape`, None for a layer that owns no KV (it reads another's);
+            None: every layer owns KV of one shape.
+        layer_bytes: bytes one token takes in each layer (``shapes``' order; needed with ``shapes``).
+
+    Layers of one (kind, window, shape) form a key. Where every layer takes the same bytes, keys are split
+    into groups of ``size`` slots: ``size`` is the fewest layers of any key (the "1" of an n:1 pattern,
+    e.g. Gemma 3's 5:1), or the most when that is under 1.5x the fewest (fewer groups, little padding).
+    Where layers differ in bytes, the same rule runs on each key's bytes per token (layers x bytes), and the
+    result is rounded up to a multiple of every key's per-layer bytes (their lcm): that is one block's
+    bytes per token, ``T``, and a key of layers of ``p`` bytes gets ``T / p`` slots per block, so every block
+    of the pool has the same bytes and a group of smaller layers holds more of them. (vLLM, with one layer
+    count per group, instead grows the smaller pages' ``block_size`` by the ratio, ``unify_kv_cache_spec_
+    page_size``; kvpool's coordinator keeps one block size and grows the layer count.)
+    A key of ``n`` layers and ``s`` slots gets ``cdiv(n, s)`` groups; group ``i`` of it holds ``layers[i::
+    cdiv(n, s)]`` (vLLM's strided split). Keys are ordered by their first layer, so group indices match
+    vLLM's. A model whose layers all attend alike has one group of every layer.
     Example: Gemma-3-27B (52 sliding, 10 full) gives size 10: groups 0-5 sliding (9, 9, 9, 9, 8 and 8
-    layers, 8 padding slots in all) and group 6 full.
+    layers, 8 padding slots in all) and group 6 full. Gemma 4 E2B defaults (25 sliding layers of 4 KiB per
+    token, 5 full of 8 KiB): T = 5 x 8 KiB, so 10 sliding slots (3 groups of 9, 8, 8 layers) and 5 full.
     """
-    by_kind: dict[LayerKind, list[int]] = {}
+    per_layer = not isinstance(windows, dict)
+    if per_layer and len(windows) != len(layer_kinds):
+        raise ConfigError(f"windows has {len(windows)} entries for {len(layer_kinds)} layers")
+    by_key: dict[tuple[Any, ...], list[int]] = {}
     for layer, kind in enumerate(layer_kinds):
-        by_kind.setdefault(kind, []).append(layer)
-    counts = [len(layers) for layers in by_kind.values()]
-    size = max(counts) if max(counts) < 1.5 * min(counts) else min(counts)
+        shape = None if shapes is None else shapes[layer]
+        if shapes is not None and shape is None:
+            continue  # reads another layer's KV: no slot of its own
+        window = windows[layer] if per_layer else windows.get(kind)  # type: ignore[index, union-attr]
+        by_key.setdefault((kind, None if kind is LayerKind.FULL else window, shape), []).append(layer)
+    per_key = [1 if layer_bytes is None else layer_bytes[layers[0]] for layers in by_key.values()]
+    weights = [len(layers) * b for layers, b in zip(by_key.values(), per_key, strict=True)]
+    base = max(weights) if max(weights) < 1.5 * min(weights) else min(weights)
+    unit = math.lcm(*per_key)
+    per_block = cdiv(base, unit) * unit  # T: a block's bytes per token, a multiple of every key's layer
     groups: list[KVCacheGroup] = []
-    for kind, layers in by_kind.items():
-        n = cdiv(len(layers), size)
+    for (kind, window, shape), layers, b in zip(by_key, by_key.values(), per_key, strict=True):
+        slots = per_block // b
+        n = cdiv(len(layers), slots)
         for i in range(n):
-            groups.append(KVCacheGroup(len(groups), kind, windows.get(kind), tuple(layers[i::n]), size,
-                                       block_size))
+            groups.append(KVCacheGroup(len(groups), kind, window, tuple(layers[i::n]), slots, block_size,
+                                       shape, 0 if layer_bytes is None else b))
     return tuple(groups)
 
 
@@ -236,6 +305,19 @@ class KVCacheSpec:
         attention_chunk_size: C tokens of the chunked layers (Llama 4), a multiple of ``block_size``.
         num_attention_heads: query heads, or None when unknown. It takes no memory; it tells GQA
             (fewer KV heads than query heads) and MQA (one KV head) from MHA in :attr:`attention_label`.
+        v_head_dim: elements per V head where V is narrower or wider than K (MiMo-V2-Flash: K 192, V 128);
+            None: ``head_dim``.
+        layer_num_kv_heads: one entry per layer where layers differ (Gemma 4's full layers, MiMo's sliding
+            ones), overriding ``num_kv_heads``; None: every layer alike.
+        layer_head_dims: the same for ``head_dim`` (an entry also sets that layer's V width unless
+            ``layer_v_head_dims`` gives it).
+        layer_v_head_dims: the same for ``v_head_dim``.
+        layer_windows: one window per layer (W of a sliding layer, C of a chunked one; ignored for full
+            layers) where windows differ (e.g. 256 and 1024); a None entry takes ``sliding_window`` /
+            ``attention_chunk_size``.
+        kv_source_layers: per layer, the layer whose KV it reads: itself, or an earlier layer of the same
+            kind that owns its KV (Gemma 4's ``num_kv_shared_layers``); such a layer owns no KV. None:
+            every layer owns its KV.
 
     Sizes are integers by the rule of :mod:`kvpool.numeric` (numpy ints are converted; never bools).
 
@@ -245,7 +327,9 @@ class KVCacheSpec:
             the heads, or be a multiple of them),
             fewer query heads than KV heads, ``layer_types`` of the wrong length or with an unknown name,
             sliding layers without ``sliding_window``, chunked layers without ``attention_chunk_size`` or
-            with one that is not a multiple of ``block_size``.
+            with one that is not a multiple of ``block_size``; a per-layer list of the wrong length or with
+            a size that is not a positive integer (the message names the field and layer), a KV source that
+            is not an earlier KV-owning layer of the same kind.
     """
 
     num_layers: int
@@ -261,6 +345,12 @@ class KVCacheSpec:
     layer_types: tuple[LayerKind, ...] | None = None
     attention_chunk_size: int | None = None
     num_attention_heads: int | None = None
+    v_head_dim: int | None = None
+    layer_num_kv_heads: tuple[int, ...] | None = None
+    layer_head_dims: tuple[int, ...] | None = None
+    layer_v_head_dims: tuple[int, ...] | None = None
+    layer_windows: tuple[int | None, ...] | None = None
+    kv_source_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", parse_kv_dtype(self.dtype))
@@ -272,17 +362,116 @@ class KVCacheSpec:
         self._set_ints(as_int, 1, "num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size")
         if self.num_layers > MAX_LAYERS:  # checked before any per-layer list is built
             raise ConfigError(too_many_layers("num_layers", self.num_layers))
-        self._set_ints(as_optional_int, 1, "sliding_window", "attention_chunk_size", "num_attention_heads")
+        self._set_ints(as_optional_int, 1, "sliding_window", "attention_chunk_size", "num_attention_heads",
+                       "v_head_dim")
         self._set_ints(as_int, 1 if mla else 0, "kv_lora_rank")
         self._set_ints(as_int, 0, "qk_rope_head_dim")
+        self._set_layer_lists(mla)
         if not mla:
-            self._check_tp_split()
-            if self.num_attention_heads is not None and self.num_attention_heads < self.num_kv_heads:
+            for heads in sorted(set(self.layer_num_kv_heads or (self.num_kv_heads,))):
+                self._check_tp_split(heads)
+            fewest = min(self.layer_num_kv_heads or (self.num_kv_heads,))
+            if self.num_attention_heads is not None and self.num_attention_heads < fewest:
                 raise ConfigError(f"num_attention_heads {self.num_attention_heads} is fewer than "
-                                  f"num_kv_heads {self.num_kv_heads}")
+                                  f"num_kv_heads {fewest}")
         object.__setattr__(self, "layer_types", self._checked_layer_types())
-        windows = {LayerKind.SLIDING: self.sliding_window, LayerKind.CHUNKED: self.attention_chunk_size}
-        object.__setattr__(self, "_groups", kv_cache_groups(self.layer_types, windows, self.block_size))
+        object.__setattr__(self, "_windows", self._checked_windows())
+        self._check_kv_sources()
+        shapes = [self._own_shape(layer) if self.kv_source(layer) == layer else None
+                  for layer in range(self.num_layers)]
+        sizes = [0 if s is None else s.elements * self.dtype_bytes for s in shapes]
+        object.__setattr__(self, "_shapes", tuple(shapes))
+        object.__setattr__(self, "_groups", kv_cache_groups(
+            self.layer_types, self._windows, self.block_size,  # type: ignore[arg-type, attr-defined]
+            shapes=shapes, layer_bytes=sizes))
+
+    _LAYER_LISTS = ("layer_num_kv_heads", "layer_head_dims", "layer_v_head_dims", "kv_source_layers")
+
+    def _set_layer_lists(self, mla: bool) -> None:
+        """Each per-layer list checked (length, entries) and stored as a tuple of ints."""
+        for field in (*self._LAYER_LISTS, "layer_windows"):
+            values = getattr(self, field)
+            if values is None:
+                continue
+            if isinstance(values, str) or not isinstance(values, Sequence):
+                raise ConfigError(f"{field} must be a list with one entry per layer, got {values!r:.60}")
+            if len(values) != self.num_layers:
+                raise ConfigError(f"{field} has {len(values)} entries but num_layers is {self.num_layers}")
+            if mla and field != "kv_source_layers":
+                raise ConfigError(f"{field} is for MHA/GQA layers; an MLA spec has one latent per layer")
+            low = 0 if field == "kv_source_layers" else 1
+            check = as_optional_int if field == "layer_windows" else as_int
+            object.__setattr__(self, field, tuple(
+                check(v, f"{field}[{i}]", minimum=low, error=ConfigError) for i, v in enumerate(values)))
+
+    def _checked_windows(self) -> tuple[int | None, ...]:
+        """Each layer's window: its ``layer_windows`` entry, else its kind's (None for full layers)."""
+        default = {LayerKind.SLIDING: self.sliding_window, LayerKind.CHUNKED: self.attention_chunk_size}
+        given = self.layer_windows or (None,) * self.num_layers
+        kinds: tuple[LayerKind, ...] = self.layer_types or ()
+        windows = tuple(None if kind is LayerKind.FULL else w if w is not None else default[kind]
+                        for kind, w in zip(kinds, given, strict=True))
+        for layer, (kind, window) in enumerate(zip(kinds, windows, strict=True)):
+            if kind is not LayerKind.FULL and window is None:
+                raise ConfigError(f"layer {layer} is {kind.value} but has no window (layer_windows[{layer}], "
+                                  f"sliding_window or attention_chunk_size)")
+            if kind is LayerKind.CHUNKED and window is not None and window % self.block_size:
+                raise ConfigError(f"the chunk of layer {layer}, {window}, must be a multiple of block_size "
+                                  f"{self.block_size} (a chunk's blocks are freed whole)")
+        return windows
+
+    def _check_kv_sources(self) -> None:
+        for layer, source in enumerate(self.kv_source_layers or ()):
+            if source == layer:
+                continue
+            if source > layer or self.kv_source_layers[source] != source:  # type: ignore[index]
+                raise ConfigError(f"kv_source_layers[{layer}] is {source}: a layer reads the KV of an "
+                                  f"earlier layer that owns its KV")
+            if (self.layer_types[source], self.layer_window(source)) != (  # type: ignore[index]
+                    self.layer_types[layer], self.layer_window(layer)):  # type: ignore[index]
+                raise ConfigError(f"kv_source_layers[{layer}] is {source}, a layer of another kind or window")
+
+    def _own_shape(self, layer: int) -> LayerShape:
+        """Layer ``layer``'s K/V shape on one rank (MLA: the latent as one head of ``latent_dim``, no V)."""
+        if self.attention is AttentionKind.MLA:
+            return LayerShape(1, self.latent_dim, 0)
+        heads = self.layer_num_kv_heads[layer] if self.layer_num_kv_heads else self.num_kv_heads
+        head_dim = self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+        if self.layer_v_head_dims:
+            v_head_dim = self.layer_v_head_dims[layer]
+        elif self.layer_head_dims and self.v_head_dim is None:
+            v_head_dim = head_dim
+        else:
+            v_head_dim = self.v_head_dim or head_dim
+        return LayerShape(max(1, heads // self.tp_size), head_dim, v_head_dim)
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose KV ``layer`` reads (itself unless ``kv_source_layers`` names another)."""
+        return self.kv_source_layers[layer] if self.kv_source_layers else layer
+
+    def layer_shape(self, layer: int) -> LayerShape:
+        """The :class:`LayerShape` of the KV ``layer`` reads, on one rank (its source's, if shared)."""
+        return self._shapes[self.kv_source(layer)]  # type: ignore[attr-defined, no-any-return]
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer ``layer``'s window (W sliding, C chunked), None for a full layer."""
+        return self._windows[layer]  # type: ignore[attr-defined, no-any-return]
+
+    def layer_bytes_per_token(self, layer: int) -> int:
+        """KV bytes one token takes in ``layer`` on one rank; 0 for a layer that reads another's KV."""
+        if self.kv_source(layer) != layer:
+            return 0
+        return self._shapes[layer].elements * self.dtype_bytes  # type: ignore[attr-defined, no-any-return]
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that own KV (``num_layers`` less the layers reading another's)."""
+        return sum(1 for layer in range(self.num_layers) if self.kv_source(layer) == layer)
+
+    @property
+    def uniform_shape(self) -> bool:
+        """Whether every KV-owning layer has one shape (the ``[2, S, N, B, H, D]`` layout holds it)."""
+        return len({s for s in self._shapes if s is not None}) == 1  # type: ignore[attr-defined]
 
     def _checked_layer_types(self) -> tuple[LayerKind, ...]:
         if self.layer_types is None:
@@ -299,6 +488,8 @@ class KVCacheSpec:
         if bad:  # None, a number, a list (not even hashable): no layer type name
             raise ConfigError(f"unknown layer type {bad[0]!r} in layer_types; known: {known}")
         kinds = tuple(LayerKind(k) for k in self.layer_types)
+        if self.layer_windows is not None:  # windows checked per layer (_checked_windows)
+            return kinds
         if LayerKind.SLIDING in kinds and self.sliding_window is None:
             raise ConfigError("layer_types has sliding_attention layers but sliding_window is not set")
         if LayerKind.CHUNKED in kinds:
@@ -318,8 +509,8 @@ class KVCacheSpec:
             value = check(getattr(self, field), field, minimum=minimum, error=ConfigError)
             object.__setattr__(self, field, value)
 
-    def _check_tp_split(self) -> None:
-        heads, tp = self.num_kv_heads, self.tp_size
+    def _check_tp_split(self, heads: int) -> None:
+        tp = self.tp_size
         if heads >= tp and heads % tp:
             raise ConfigError(f"tp_size {tp} does not divide num_kv_heads {heads}")
         if heads < tp and tp % heads:
@@ -355,16 +546,20 @@ class KVCacheSpec:
 
     @property
     def bytes_per_layer_token(self) -> int:
-        """KV bytes one token takes in one layer on one rank: ``2 x heads x head_dim x dtype`` (MLA: the
-        latent ``latent_dim x dtype``)."""
-        if self.attention is AttentionKind.MLA:
-            return self.latent_dim * self.dtype_bytes
-        return 2 * self.num_kv_heads_per_rank * self.head_dim * self.dtype_bytes
+        """KV bytes one token takes in one layer on one rank: ``heads x (head_dim + v_head_dim) x dtype``,
+        i.e. ``2 x heads x head_dim x dtype`` where K and V are alike (MLA: the latent ``latent_dim x
+        dtype``). Raises :class:`ConfigError` where layers differ: use :meth:`layer_bytes_per_token`."""
+        sizes = {self.layer_bytes_per_token(layer) for layer in range(self.num_layers)} - {0}
+        if len(sizes) != 1:
+            raise ConfigError("the layers of this spec differ in KV bytes per token; use "
+                              "layer_bytes_per_token(layer) or bytes_per_token")
+        return sizes.pop()
 
     @property
     def bytes_per_token(self) -> int:
-        """KV bytes one token takes on one rank in every layer (formulas in the module docstring)."""
-        return self.num_layers * self.bytes_per_layer_token
+        """KV bytes one token takes on one rank in every layer that owns KV (the sum of
+        :meth:`layer_bytes_per_token`; formulas in the module docstring)."""
+        return sum(self.layer_bytes_per_token(layer) for layer in range(self.num_layers))
 
     @property
     def groups(self) -> tuple[KVCacheGroup, ...]:
@@ -384,8 +579,9 @@ class KVCacheSpec:
     @property
     def bytes_per_block(self) -> int:
         """KV bytes one pool block takes on one rank: ``layers_per_block x bytes_per_layer_token x
-        block_size`` (``bytes_per_token x block_size`` for a uniform model)."""
-        return self.layers_per_block * self.bytes_per_layer_token * self.block_size
+        block_size`` (``bytes_per_token x block_size`` for a uniform model); the same for every group
+        (:attr:`KVCacheGroup.bytes_per_block`), where layers differ in shape too."""
+        return self.groups[0].bytes_per_block
 
     @classmethod
     def from_hf_config(
@@ -407,7 +603,8 @@ class KVCacheSpec:
 
         fields = read_kv_fields(path_or_dict)
         model_dtype, model_type = fields.pop("model_dtype"), fields.pop("model_type")
-        if fields["layer_types"] is not None:
-            fields["layer_types"] = tuple(fields["layer_types"])
+        for key in ("layer_types", *cls._LAYER_LISTS, "layer_windows"):
+            if fields.get(key) is not None:
+                fields[key] = tuple(fields[key])
         return cls(**fields, dtype=parse_kv_dtype(kv_cache_dtype, model_dtype, model_type=model_type),
                    block_size=block_size, tp_size=tp_size)

@@ -27,7 +27,7 @@ PROMPTS = [
     [(5 * i + 1) % 256 for i in range(41)],  # 41 tokens, unrelated
     DOC + DOC[:60],  # 120 tokens
 ]
-HYBRID = ("tiny-mistral", "tiny-gemma2", "tiny-gemma3", "tiny-gpt-oss")
+HYBRID = ("tiny-mistral", "tiny-gemma2", "tiny-gemma3", "tiny-gpt-oss", "tiny-gemma4", "tiny-mimo")
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -59,7 +59,13 @@ def test_groups_of_the_tiny_models():
     assert kinds == {"tiny-mistral": [(LayerKind.SLIDING, 2)],
                      "tiny-gemma2": [(LayerKind.SLIDING, 2), (LayerKind.FULL, 2)],
                      "tiny-gemma3": [(LayerKind.SLIDING, 2), (LayerKind.SLIDING, 2), (LayerKind.FULL, 2)],
-                     "tiny-gpt-oss": [(LayerKind.SLIDING, 1), (LayerKind.FULL, 1)]}
+                     "tiny-gpt-oss": [(LayerKind.SLIDING, 1), (LayerKind.FULL, 1)],
+                     # 4 layers own KV (4 and 5 reuse 3 and 2): sliding 2 x (16 + 16) x 4 B = 256 B per
+                     # token, full 1 x (64 + 64) x 4 B = 512 B: 2 sliding slots per block, 1 full
+                     "tiny-gemma4": [(LayerKind.SLIDING, 2), (LayerKind.SLIDING, 1), (LayerKind.FULL, 1)],
+                     # full 1 x (24 + 16) x 4 B = 160 B per token, sliding 2 x 40 x 4 = 320 B: full layers
+                     # 2 x 160 = 320 B per token in all, the fewest: 2 full slots, 1 sliding
+                     "tiny-mimo": [(LayerKind.FULL, 2)] + [(LayerKind.SLIDING, 1)] * 4}
 
 
 def test_tokens_and_logits_match_transformers(tiny):
@@ -91,7 +97,8 @@ def test_preemption_matches(tiny):
     # too few blocks for all four at once: tiny-mistral's one sliding group needs up to cdiv(16 + 16 - 2, 4)
     # + 1 = 9 blocks per request with chunks of 16 (12 blocks, 11 usable); the full groups of the Gemmas
     # need up to 34 for the 120-token prompt (60 and 90 blocks)
-    blocks = {"tiny-mistral": 12, "tiny-gemma2": 60, "tiny-gemma3": 90, "tiny-gpt-oss": 60}[name]
+    blocks = {"tiny-mistral": 12, "tiny-gemma2": 60, "tiny-gemma3": 90, "tiny-gpt-oss": 60,
+              "tiny-gemma4": 60, "tiny-mimo": 90}[name]
     engine, requests = run(model, num_blocks=blocks, max_num_batched_tokens=16)
     assert engine.stats.preemptions > 0
     assert_matches(requests, refs)
@@ -143,3 +150,26 @@ def test_gpt_oss_sinks_change_what_the_engine_must_match():
             s.copy_(value)
     torch.testing.assert_close(with_sinks, logits, atol=1e-4, rtol=0)
     assert (without - with_sinks).abs().max() > 0.1
+
+
+def test_gemma4_layers_keep_their_own_shapes():
+    """tiny-gemma4's cache is packed: each layer's views have its own heads and head_dim, the two layers
+    that reuse KV read their source's memory, and a block is 512 B per token x 4 tokens in every group."""
+    model = load_model("tiny-gemma4", seed=1).model
+    engine = LLMEngine(model, num_blocks=16, block_size=BLOCK)
+    cache = engine.cache
+    assert cache.packed and cache.buffer.shape == (16, 512 * BLOCK // 4)
+    assert [tuple(cache.k_cache(layer).shape[2:]) for layer in range(6)] == [(2, 16), (2, 16), (1, 64),
+                                                                            (2, 16), (2, 16), (1, 64)]
+    assert cache.k_cache(4).data_ptr() == cache.k_cache(3).data_ptr()
+    assert cache.v_cache(5).data_ptr() == cache.v_cache(2).data_ptr()
+    assert cache.spec.bytes_per_token == 3 * 256 + 512
+
+
+def test_mimo_values_are_narrower_than_keys():
+    """tiny-mimo stores V heads of 16 beside K heads of 24 (a packed cache): 1 x 40 x 4 B per token in a
+    full layer, 2 x 40 x 4 B in a sliding one, not 2 x 24 per head."""
+    model = load_model("tiny-mimo", seed=1).model
+    cache = LLMEngine(model, num_blocks=8, block_size=BLOCK).cache
+    assert cache.packed and (cache.k_cache(0).shape[2:], cache.v_cache(1).shape[2:]) == ((1, 24), (2, 16))
+    assert cache.spec.bytes_per_token == 2 * 160 + 4 * 320 and cache.bytes_per_block == 320 * BLOCK

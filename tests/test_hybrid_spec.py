@@ -387,7 +387,9 @@ def test_cli_plan_json_and_text_show_the_groups(capsys):
     assert [g["blocks_per_request"] for g in data["groups"]] == [81] * 6 + [8192]
     assert data["groups"][6] == {"index": 6, "kind": "full_attention", "window": None,
                                  "layers": list(range(5, 62, 6)), "num_layers": 10, "num_padding_layers": 0,
-                                 "bytes_per_block": 1310720, "blocks_per_request": 8192}
+                                 "bytes_per_block": 1310720, "blocks_per_request": 8192, "slots": 10,
+                                 "num_kv_heads": 16, "head_dim": 128, "v_head_dim": 128,
+                                 "layer_bytes_per_token": 8192, "padding_bytes_per_block": 0}
     assert data["padding_bytes_per_request"] == 648 * 131072
     assert main(args) == 0
     text = capsys.readouterr().out

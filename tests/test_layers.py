@@ -14,8 +14,8 @@ RANKS = {
     # _native (compiled or interpreted modules) runs before everything and imports only the standard library
     "_native": -1,
     "errors": 0, "numeric": 0.5, "units": 0.7, "events": 1, "hf_config": 1, "spec": 2, "planner": 3,
-    # the KV event subscriber, one floor over the wire types it decodes (kvpool.events re-exports it lazily)
-    "events_subscriber": 1.2,
+    # the KV event subscriber over the wire format and sockets of events (which re-exports it lazily)
+    "events_subscriber": 1.1,
     # recurrent-state hybrids: state_spec over spec and hf_config, state_planner over state_spec
     "state_spec": 2.5, "state_planner": 3.5,
     "allocators": 4, "storage": 5, "tiers": 5.5, "requests": 5.8, "engine": 6, "trace": 6, "metrics": 6,

@@ -169,9 +169,7 @@ class BlockPool:
             InvalidArgumentError: a listener is set already (remove it first), or ``listener`` is not
                 callable.
         """
-        if listener is not None and (self._on_evict is not None or not callable(listener)):
-            raise InvalidArgumentError("this pool has an eviction listener already, or it is not callable")
-        self._on_evict = listener
+        self._on_evict = _new_listener(self._on_evict, listener, "an eviction listener")
 
     def set_publish_listener(self, listener: EvictionListener | None) -> None:
         """Call ``listener(block_ids, block_hashes)`` after each ``cache_blocks`` with the blocks whose hashes
@@ -183,9 +181,7 @@ class BlockPool:
             InvalidArgumentError: a listener is set already (remove it first), or ``listener`` is not
                 callable.
         """
-        if listener is not None and (self._on_publish is not None or not callable(listener)):
-            raise InvalidArgumentError("this pool has a publish listener already, or it is not callable")
-        self._on_publish = listener
+        self._on_publish = _new_listener(self._on_publish, listener, "a publish listener")
 
     # ---- allocation -------------------------------------------------------------------------------------
 
@@ -918,6 +914,15 @@ class BlockPool:
                 f"cached={self.num_cached_blocks}{pins}{null})")
 
 
+
+
+def _new_listener(current: EvictionListener | None, listener: EvictionListener | None,
+                  what: str) -> EvictionListener | None:
+    """``listener`` to replace ``current`` (None removes it); InvalidArgumentError while ``current`` is set
+    or when ``listener`` is not callable."""
+    if listener is not None and (current is not None or not callable(listener)):
+        raise InvalidArgumentError(f"this pool has {what} already, or it is not callable")
+    return listener
 
 
 def _ints(ids: list[Any]) -> list[int]:

@@ -91,8 +91,8 @@ def run(args: argparse.Namespace) -> int:
     spec, plan = plan_from_args(config, args, max_model_len=args.max_model_len)
     rule, dtype_note = kv_dtype_rule(config, args.kv_cache_dtype)
     report = {**plan_report(spec, plan), "kv_dtype_rule": rule, "hashing": hasher_from_args(args).describe()}
-    report["notes"] = [note for note in (dtype_note, *_memory_notes(args, plan), _step_note(args, spec))
-                       if note]
+    report["notes"] = [note for note in (dtype_note, *_memory_notes(args, plan), _step_note(args, spec),
+                                         _shape_note(report)) if note]
     print(json.dumps(report) if args.json else _human(report))
     return 0
 
@@ -137,6 +137,16 @@ def _step_note(args: argparse.Namespace, spec: KVCacheSpec) -> str | None:
             f"max_num_batched_tokens, x2 with its async scheduling) to plan for another scheduler")
 
 
+def _shape_note(report: dict[str, Any]) -> str | None:
+    """How blocks of groups whose layers differ in bytes are sized, against vLLM's rule."""
+    if len({g["layer_bytes_per_token"] for g in report["groups"]}) <= 1:
+        return None
+    return ("the groups' layers differ in bytes per token: every block has the same bytes, a group of "
+            "smaller layers holding more layer slots (one block size for every group); vLLM keeps the "
+            "layers per group and grows the smaller pages' block_size instead "
+            "(unify_kv_cache_spec_page_size)")
+
+
 def _readings(args: argparse.Namespace) -> MemoryReadings:
     if args.gpu_memory is not None:
         return MemoryReadings(total_bytes=args.gpu_memory, non_kv_bytes=args.non_kv_memory)
@@ -155,7 +165,8 @@ def plan_report(spec: KVCacheSpec, plan: PoolPlan) -> dict[str, Any]:
         "num_kv_heads": spec.num_kv_heads, "num_kv_heads_per_rank": spec.num_kv_heads_per_rank,
         "head_dim": spec.head_dim, "kv_dtype": str(spec.dtype).removeprefix("torch."),
         "kv_dtype_bytes": spec.dtype_bytes, "tp_size": spec.tp_size, "sliding_window": spec.sliding_window,
-        "num_groups": len(spec.groups), **plan.to_dict(),
+        "num_groups": len(spec.groups), "num_kv_layers": spec.num_kv_layers,
+        "layer_shapes": _layer_shapes(spec), **plan.to_dict(),
     }
     if plan.max_model_len is None:
         for key in _PER_REQUEST_KEYS:
@@ -163,6 +174,21 @@ def plan_report(spec: KVCacheSpec, plan: PoolPlan) -> dict[str, Any]:
         for group in report["groups"]:
             del group["blocks_per_request"]
     return report
+
+
+def _layer_shapes(spec: KVCacheSpec) -> list[dict[str, Any]]:
+    """The distinct K/V shapes of the KV-owning layers per rank, in layer order: ``num_layers``,
+    ``num_kv_heads``, ``head_dim``, ``v_head_dim`` and ``bytes_per_token`` (one layer's)."""
+    shapes: dict[Any, dict[str, Any]] = {}
+    for layer in range(spec.num_layers):
+        if spec.kv_source(layer) != layer:
+            continue
+        shape = spec.layer_shape(layer)
+        entry = shapes.setdefault(shape, {"num_layers": 0, "num_kv_heads": shape.num_kv_heads,
+                                          "head_dim": shape.head_dim, "v_head_dim": shape.v_head_dim,
+                                          "bytes_per_token": spec.layer_bytes_per_token(layer)})
+        entry["num_layers"] += 1
+    return list(shapes.values())
 
 
 #: ``--json`` keys that exist only with ``--max-model-len``.
@@ -183,8 +209,19 @@ def _layout_line(r: dict[str, Any]) -> str:
         split = "replicated" if r["num_kv_heads"] < tp else f"of {plural(r['num_kv_heads'], 'KV head')}"
         rank = (f", {plural(query, 'query head')}" if query is not None else "") + (
             f", tensor parallel {tp} ({split})" if tp > 1 else "")
-    return (f"{r['attention_label']}: {plural(r['num_layers'], 'layer')} x {parts} x {r['head_dim']} x "
-            f"{r['kv_dtype_bytes']} B ({r['kv_dtype']}){rank}")
+    shapes = r["layer_shapes"]
+    shared = r["num_layers"] - r["num_kv_layers"]
+    reuse = f" ({shared} more reuse another layer's KV)" if shared else ""
+    if r["attention"] != "mla" and (len(shapes) > 1 or shapes[0]["head_dim"] != shapes[0]["v_head_dim"]):
+        per_rank = " per rank" if tp > 1 else ""
+        parts = " + ".join(
+            f"{sh['num_layers']} x {plural(sh['num_kv_heads'], 'KV head')}{per_rank} x "
+            + (f"2 (K, V) x {sh['head_dim']}" if sh["head_dim"] == sh["v_head_dim"]
+               else f"({sh['head_dim']} K + {sh['v_head_dim']} V)") for sh in shapes)
+        return (f"{r['attention_label']}: {plural(r['num_kv_layers'], 'layer')}{reuse}: {parts} x "
+                f"{r['kv_dtype_bytes']} B ({r['kv_dtype']}){rank}")
+    return (f"{r['attention_label']}: {plural(r['num_kv_layers'], 'layer')}{reuse} x {parts} x "
+            f"{r['head_dim']} x {r['kv_dtype_bytes']} B ({r['kv_dtype']}){rank}")
 
 
 def _human(r: dict[str, Any]) -> str:
@@ -216,6 +253,8 @@ def _block_words(r: dict[str, Any]) -> str:
     """``16 tokens``; for several groups ``16 tokens x 10 layer slots: one KV cache group's block``."""
     if r["num_groups"] == 1:
         return f"{r['block_size']} tokens"
+    if len(r["layer_shapes"]) > 1:
+        return f"{r['block_size']} tokens x one KV cache group's layer slots, the same bytes in every group"
     return f"{r['block_size']} tokens x {r['layers_per_block']} layer slots: one KV cache group's block"
 
 
@@ -234,8 +273,10 @@ def _group_lines(r: dict[str, Any]) -> list[str]:
     """One line per KV cache group (kind, window, layers, padding, blocks per request)."""
     groups = r["groups"]
     padding = sum(g["num_padding_layers"] for g in groups)
-    head = (f"KV cache groups  {plural(len(groups), 'group')} of "
-            f"{plural(r['layers_per_block'], 'layer slot')} per block")
+    shaped = len(r["layer_shapes"]) > 1
+    slots = (f"{plural(r['layers_per_block'], 'layer slot')} per block" if not shaped else
+             f"{r['bytes_per_block']:,} B per block, the layer slots sized per group")
+    head = f"KV cache groups  {plural(len(groups), 'group')} of {slots}"
     head += f", {padding} of them padding" if padding else ""
     lines = [head]
     for g in groups:
@@ -243,8 +284,14 @@ def _group_lines(r: dict[str, Any]) -> list[str]:
                             f" (chunk {g['window']})" if g["kind"] == "chunked_attention" else "")
         layers = f"{plural(g['num_layers'], 'layer')} {_layer_list(g['layers'])}"
         line = f"  group {g['index']:<8} {kind}, {layers}"
+        if shaped:
+            dims = (f"{g['head_dim']}" if g["head_dim"] == g["v_head_dim"] else
+                    f"{g['head_dim']} K + {g['v_head_dim']} V")
+            line += f" of {plural(g['num_kv_heads'], 'KV head')} x {dims} in {g['slots']} slots"
         if g["num_padding_layers"]:
             line += f" + {g['num_padding_layers']} padding"
+            if shaped:
+                line += f" ({g['padding_bytes_per_block']:,} B per block)"
         if "blocks_per_request" in g:
             line += f", {g['blocks_per_request']:,} blocks per request"
         lines.append(line)

@@ -164,8 +164,13 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
             the softmax and is dropped after it, as transformers' gpt-oss eager attention computes.
 
     Returns:
-        ``([1, T, Hq, D], None)``. GQA runs through ``enable_gqa`` (KV heads are not repeated in memory).
-        ``index_select`` gathers a request's K/V (4x faster on CPU than advanced indexing). A decode step
+        ``([1, T, Hq, Dv], None)`` (Dv: the layer's V head size, D where K and V are alike). GQA runs
+        through ``enable_gqa`` (KV heads are not repeated in memory). ``index_select`` on the flat view
+        gathers a request's K/V (4x faster on CPU than advanced indexing; a packed cache, whose layers differ
+        in shape, has no flat view and indexes block and offset: ``PagedKVCache.gather_slots``). A layer
+        that reads another's KV (Gemma 4's shared layers) is given its source's views and group, so it
+        stores the same K/V again (the model hands it its source's) and attends over its source's slots.
+        A decode step
         of several requests runs as one padded batch (:class:`DecodeBatch`): one gather per K and V and one
         attention call per layer, not one per request.
 
@@ -181,28 +186,28 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     # slots come from the engine's own block tables: skip the range check (a host sync on CUDA)
     meta.cache.store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), step.slot_mapping, layer,
                         check=False)
-    k_flat, v_flat = meta.cache.flat_k_cache(layer), meta.cache.flat_v_cache(layer)
     if step.decode is not None:
-        return _decode_attention(query, k_flat, v_flat, step.decode, scaling, softcap, sinks), None
+        return _decode_attention(query, meta.cache, layer, step.decode, scaling, softcap, sinks), None
     starts, outputs = meta.query_starts, []
     for i, slots in enumerate(step.context_slots):
-        k = k_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(query.dtype)  # [1, Hkv, ctx, D]
-        v = v_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(query.dtype)
+        k, v = meta.cache.gather_slots(layer, slots)  # [ctx, Hkv, D], [ctx, Hkv, Dv]
+        k = k.transpose(0, 1).unsqueeze(0).to(query.dtype)  # [1, Hkv, ctx, D]
+        v = v.transpose(0, 1).unsqueeze(0).to(query.dtype)
         q = query[:, :, starts[i]:starts[i + 1]]
         outputs.append(_attend(q, k, v, step.masks[i], scaling, softcap, sinks))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     return out.transpose(1, 2), None
 
 
-def _decode_attention(query: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, batch: DecodeBatch,
+def _decode_attention(query: torch.Tensor, cache: Any, layer: int, batch: DecodeBatch,
                       scaling: float | None, softcap: float | None,
                       sinks: torch.Tensor | None) -> torch.Tensor:
     """Every request's one new query ``query[0, :, i]`` over its padded context: one gather per K and V and
-    one attention call for the whole batch. Returns ``[1, R, Hq, D]``."""
+    one attention call for the whole batch. Returns ``[1, R, Hq, Dv]``."""
     rows = query.shape[2]
-    shape = (rows, batch.width, k_flat.shape[1], k_flat.shape[2])
-    k = k_flat.index_select(0, batch.slots).view(shape).transpose(1, 2).to(query.dtype)  # [R, Hkv, W, D]
-    v = v_flat.index_select(0, batch.slots).view(shape).transpose(1, 2).to(query.dtype)
+    k, v = cache.gather_slots(layer, batch.slots)  # [R * W, Hkv, D], [R * W, Hkv, Dv]
+    k = k.view(rows, batch.width, *k.shape[1:]).transpose(1, 2).to(query.dtype)  # [R, Hkv, W, D]
+    v = v.view(rows, batch.width, *v.shape[1:]).transpose(1, 2).to(query.dtype)
     q = query[0].transpose(0, 1).unsqueeze(2)  # [R, Hq, 1, D]
     out = _attend(q, k, v, batch.mask, scaling, softcap, sinks)
     return out.transpose(1, 2).transpose(0, 1)  # [R, 1, Hq, D] -> [1, R, Hq, D]

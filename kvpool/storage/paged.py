@@ -7,6 +7,15 @@ only its group's blocks (so the buffer is ``num_blocks x spec.bytes_per_block``,
 per-block tensors: a block is an index into dim 2, a slot is ``block_id * block_size + offset`` (int64
 everywhere, so pools past 2^31 elements per layer index correctly).
 
+Layers of several shapes (Gemma 4's full layers of head_dim 512 beside sliding ones of 256; MiMo-V2-Flash's
+V narrower than K): the **packed** layout, one buffer ``[num_blocks, E]`` of ``E = spec.bytes_per_block /
+dtype bytes`` elements, block-major like vLLM's per-block pages. Slot ``p`` of a block of group g holds one
+layer's page, K then V: ``[B, H_g, D_g]`` then ``[B, H_g, Dv_g]`` at element ``p x B x H_g x (D_g + Dv_g)``,
+so each layer gets views of its own shape (``k_cache(l)`` ``[N, B, H_l, D_l]``, ``v_cache(l)`` ``[N, B, H_l,
+Dv_l]``, strided by E between blocks). A layer that reads another's KV (``spec.kv_source``) gets its
+source's views. There is no flat ``[N*B, H, D]`` view in this layout (a block holds more than one layer's
+page): :meth:`PagedKVCache.gather_slots` reads slots in either layout.
+
 The shared machinery (allocation, raw byte views, slot and block id checks, ``copy_blocks``, memory stats)
 lives in :class:`BlockStore`, which :class:`kvpool.storage.mla.MLAKVCache` reuses.
 """
@@ -292,6 +301,8 @@ class PagedKVCache(BlockStore):
         dtype: storage dtype, overriding ``spec.dtype`` (e.g. a float32 model whose spec was built by hand).
         layout: ``"NHD"`` (default) allocates ``[2, L, N, B, H, D]``; ``"HND"`` allocates
             ``[2, L, N, H, B, D]`` so that FlashInfer's HND pages are contiguous (see :meth:`flashinfer_kv`).
+            A spec whose layers differ in shape (or whose V width differs from K's) is stored packed
+            (module docstring; NHD pages only): ``packed`` is then True.
         k_scale: per-tensor fp8 scale of K (stored = value / scale); ignored for other dtypes.
         v_scale: the same for V.
         pin_memory: page-locked CPU memory (the host tier sets it when CUDA exists).
@@ -304,7 +315,8 @@ class PagedKVCache(BlockStore):
     layout).
 
     Raises:
-        ConfigError: an MLA spec (use ``MLAKVCache``), an unknown layout, or a non-positive ``num_blocks``.
+        ConfigError: an MLA spec (use ``MLAKVCache``), an unknown layout (or HND for a packed spec), or a
+            non-positive ``num_blocks``.
     """
 
     block_dim = 2
@@ -317,18 +329,34 @@ class PagedKVCache(BlockStore):
         if layout not in LAYOUTS:
             raise ConfigError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         self.spec, self.layout = spec, layout
+        self._flat_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # gather_slots' flat views
         self.num_layers, self.head_dim = spec.num_layers, spec.head_dim
         self.num_heads = spec.num_kv_heads_per_rank
         self.layers_per_block = spec.layers_per_block
+        shape = spec.layer_shape(0)
+        #: True where layers differ in shape (or V in width from K): the ``[N, E]`` layout of the module
+        #: docstring, each layer's views of its own shape
+        self.packed = not spec.uniform_shape or shape.head_dim != shape.v_head_dim
+        if self.packed and layout != "NHD":
+            raise ConfigError("layers of several K/V shapes are stored packed, in NHD pages only")
+        #: per layer: its (H, D, Dv) on this rank (its KV source's for a layer that reads another's KV)
+        self.layer_shapes = [spec.layer_shape(layer) for layer in range(self.num_layers)]
         #: per layer: (its KV cache group, its slot in that group's blocks); layer l reads and writes only
-        #: blocks of group ``layer_group[l]``, so layers of different groups share a slot's memory
+        #: blocks of group ``layer_group[l]``, so layers of different groups share a slot's memory. A layer
+        #: reading another's KV takes its source's group and slot.
         self.layer_group = [0] * self.num_layers
         self._slot = [0] * self.num_layers
         for group in spec.groups:
             for position, layer in enumerate(group.layers):
                 self.layer_group[layer], self._slot[layer] = group.index, position
+        for layer in range(self.num_layers):
+            source = spec.kv_source(layer)
+            self.layer_group[layer], self._slot[layer] = self.layer_group[source], self._slot[source]
         dtype = dtype or spec.dtype
         self.k_scale, self.v_scale = fp8_scales(dtype, k_scale, v_scale)
+        if self.packed:
+            self._init_packed(num_blocks, device, dtype, pin_memory, zero)
+            return
         bhd = (spec.block_size, self.num_heads, self.head_dim)
         page = bhd if layout == "NHD" else (self.num_heads, spec.block_size, self.head_dim)
         super().__init__((2, self.layers_per_block, num_blocks, *page), spec.block_size, device=device,
@@ -338,6 +366,25 @@ class PagedKVCache(BlockStore):
         self._raw_views = [[self._nhd(self._raw[kv, slot]) for slot in slots] for kv in (0, 1)]
         self._flat_raw = [[self._flat(self._raw[kv, slot]) for slot in slots] for kv in (0, 1)]
         self._triton = _triton_store(self.device) if layout == "NHD" else None
+
+    def _init_packed(self, num_blocks: int, device: str | torch.device, dtype: torch.dtype, pin_memory: bool,
+                     zero: bool) -> None:
+        """The ``[N, E]`` buffer and each layer's K ``[N, B, H, D]`` and V ``[N, B, H, Dv]`` views."""
+        self.block_dim = 0
+        b, group = self.spec.block_size, self.spec.groups[0]
+        per_block = group.slots * b * group.shape.elements  # type: ignore[union-attr]
+        super().__init__((num_blocks, per_block), b, device=device, dtype=dtype, pin_memory=pin_memory,
+                         zero=zero)
+        self._views = [[], []]
+        for layer, sh in enumerate(self.layer_shapes):
+            start = self._slot[layer] * b * sh.elements
+            k_end = start + b * sh.num_kv_heads * sh.head_dim
+            v_end = k_end + b * sh.num_kv_heads * sh.v_head_dim
+            n = self.buffer.shape[0]
+            self._views[0].append(self.buffer[:, start:k_end].view(n, b, sh.num_kv_heads, sh.head_dim))
+            self._views[1].append(self.buffer[:, k_end:v_end].view(n, b, sh.num_kv_heads, sh.v_head_dim))
+        self._raw_views = self._flat_raw = [[], []]
+        self._triton = None
 
     def _nhd(self, page: torch.Tensor) -> torch.Tensor:
         return page if self.layout == "NHD" else page.permute(0, 2, 1, 3)
@@ -356,8 +403,11 @@ class PagedKVCache(BlockStore):
         return self._views[1][layer]
 
     def kv_cache(self, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s K and V ``[2, N, B, H, D]`` (a view; non-contiguous over dim 0 and in HND)."""
+        """Layer ``layer``'s K and V ``[2, N, B, H, D]`` (a view; non-contiguous over dim 0 and in HND).
+        Not in the packed layout (K and V are two views there): InvalidArgumentError."""
         layer = self._check_layer(layer, self.num_layers)
+        if self.packed:
+            raise InvalidArgumentError("a packed cache keeps K and V as two views: use k_cache and v_cache")
         return self._nhd_pair(self.buffer[:, self._slot[layer]])
 
     def _nhd_pair(self, pages: torch.Tensor) -> torch.Tensor:
@@ -373,15 +423,35 @@ class PagedKVCache(BlockStore):
 
     def _flat_view(self, kv: int, layer: int) -> torch.Tensor:
         layer = self._check_layer(layer, self.num_layers)
-        if self.layout != "NHD":
-            raise InvalidArgumentError("the flat [N*B, H, D] view exists only in the NHD layout")
+        if self.layout != "NHD" or self.packed:
+            raise InvalidArgumentError("the flat [N*B, H, D] view exists only in the NHD layout of one shape "
+                                       "(gather_slots reads slots in any layout)")
         return self._flat(self.buffer[kv, self._slot[layer]])
+
+    def gather_slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K ``[n, H, D]`` and V ``[n, H, Dv]`` at ``slots`` (int64 ``[n]`` on this
+        device, trusted: the engine's own tables), as stored (no dtype conversion). One ``index_select``
+        of the flat view where there is one; else the block and offset of each slot."""
+        if not self.packed and self.layout == "NHD":
+            k_flat, v_flat = self._flat_views(layer)
+            return k_flat.index_select(0, slots), v_flat.index_select(0, slots)
+        block = torch.div(slots, self.block_size, rounding_mode="floor")
+        offset = slots - block * self.block_size
+        return self._views[0][layer][block, offset], self._views[1][layer][block, offset]
+
+    def _flat_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cached = self._flat_kv.get(layer)
+        if cached is None:
+            cached = self._flat_kv[layer] = (self.flat_k_cache(layer), self.flat_v_cache(layer))
+        return cached
 
     def flashinfer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """FlashInfer's paged ``(k_cache, v_cache)`` tuple for ``layer`` in this cache's layout, contiguous
         views: NHD ``[N, B, H, D]`` each, HND ``[N, H, B, D]`` each. (FlashInfer's single-tensor form
         ``[N, 2, B, H, D]`` interleaves K and V per page, which this buffer does not: use the tuple.)"""
         layer = self._check_layer(layer, self.num_layers)
+        if self.packed:  # contiguous within a block, strided by the block's elements between blocks
+            return self._views[0][layer], self._views[1][layer]
         return self.buffer[0, self._slot[layer]], self.buffer[1, self._slot[layer]]
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, layer: int, *,
@@ -389,9 +459,9 @@ class PagedKVCache(BlockStore):
         """Write token ``t``'s K and V into slot ``slot_mapping[t]`` of ``layer``; slot -1 skips the token.
 
         Args:
-            k: ``[T, H, D]``, on the cache's device, in the cache dtype (an fp8 cache also takes a float
-                dtype, divided by ``k_scale`` and converted).
-            v: as ``k`` (divided by ``v_scale``).
+            k: ``[T, H, D]`` (the layer's own shape: ``layer_shapes[layer]``), on the cache's device, in the
+                cache dtype (an fp8 cache also takes a float dtype, divided by ``k_scale`` and converted).
+            v: ``[T, H, Dv]``, as ``k`` (divided by ``v_scale``).
             slot_mapping: int64 ``[T]``, each ``block_id * block_size + offset`` or -1.
             check: False skips the slot range check on CUDA (no host sync; a bad slot is then undefined
                 behaviour). On the host the check always runs: it costs what finding -1 slots would.
@@ -402,11 +472,19 @@ class PagedKVCache(BlockStore):
             InvalidIdError: a slot outside ``[0, N*B)`` other than -1. Nothing is written when it raises.
         """
         layer = self._check_layer(layer, self.num_layers)
-        tail = (self.num_heads, self.head_dim)
-        num_tokens = self._check_rows(k, "k", tail, None)
-        self._check_rows(v, "v", tail, num_tokens)
+        shape = self.layer_shapes[layer]
+        num_tokens = self._check_rows(k, "k", (shape.num_kv_heads, shape.head_dim), None)
+        self._check_rows(v, "v", (shape.num_kv_heads, shape.v_head_dim), num_tokens)
         pad = self._padding_after_check(slot_mapping, num_tokens, check)  # the Triton kernel skips -1
         k, v = encode(k, self.dtype, self.k_scale), encode(v, self.dtype, self.v_scale)
+        if self.packed:
+            if pad:
+                slot_mapping, k, v = drop_padding(slot_mapping, k, v)
+            block = torch.div(slot_mapping, self.block_size, rounding_mode="floor")
+            index = (block, slot_mapping - block * self.block_size)
+            self._views[0][layer].index_put_(index, k)
+            self._views[1][layer].index_put_(index, v)
+            return
         if self._triton is not None:
             self._triton(k, v, slot_mapping, self.flat_k_cache(layer), self.flat_v_cache(layer))
             return
@@ -432,7 +510,7 @@ class PagedKVCache(BlockStore):
         """
         layer = self._check_layer(layer, self.num_layers)
         blocks = self._block_index(block_table, seq_len)
-        k, v = (view.index_select(0, blocks).reshape(-1, self.num_heads, self.head_dim)[:seq_len]
+        k, v = (view.index_select(0, blocks).flatten(0, 1)[:seq_len]
                 for view in (self._views[0][layer], self._views[1][layer]))
         if dtype is None:
             return k, v
@@ -453,6 +531,7 @@ class PagedKVCache(BlockStore):
         return len(modules)
 
     def stats(self) -> dict[str, Any]:
-        """:meth:`BlockStore.stats` plus ``num_layers``, ``num_kv_heads``, ``head_dim`` and ``layout``."""
+        """:meth:`BlockStore.stats` plus ``num_layers``, ``num_kv_heads``, ``head_dim``, ``layout`` and
+        ``packed`` (the model-wide heads and head_dim; a packed cache's layers have their own)."""
         return {**super().stats(), "num_layers": self.num_layers, "num_kv_heads": self.num_heads,
-                "head_dim": self.head_dim, "layout": self.layout}
+                "head_dim": self.head_dim, "layout": self.layout, "packed": self.packed}
