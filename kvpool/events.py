@@ -313,8 +313,9 @@ class KVEventSink:
         block_size: tokens per block of the pool (``BlockStored.block_size``).
         medium: where the KV lives: ``"GPU"`` (device memory), ``"CPU"``, ``"STORAGE"``.
         group_idx: the KV cache group of the pool (0 for a model with one group).
-        kv_cache_spec_kind, sliding_window: the group's kind (vLLM's names, e.g. ``"full_attention"``) and
-            sliding window in tokens, sent with each ``BlockStored``.
+        kv_cache_spec_kind: the group's kind (vLLM's names, e.g. ``"full_attention"``), sent with each
+            ``BlockStored``.
+        sliding_window: the group's sliding window in tokens, sent with each ``BlockStored``.
         hash_format: ``"bytes"`` or ``"int64"`` (see :func:`wire_hash`).
 
     Raises:

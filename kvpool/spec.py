@@ -296,7 +296,8 @@ class KVCacheSpec:
         dtype: KV storage dtype (a torch dtype or a name from :data:`KV_DTYPES`).
         block_size: tokens per block (vLLM's block_size, SGLang's page_size).
         attention: :class:`AttentionKind` (``"mha"`` or ``"mla"``).
-        kv_lora_rank, qk_rope_head_dim: the MLA latent's two parts (MLA only).
+        kv_lora_rank: the MLA latent's compressed part (MLA only).
+        qk_rope_head_dim: the MLA latent's RoPE part (MLA only).
         sliding_window: attention window W in tokens of the sliding layers, or None.
         tp_size: tensor-parallel ranks.
         layer_types: one :class:`LayerKind` (or its Hugging Face name) per layer; None means every layer
@@ -306,10 +307,11 @@ class KVCacheSpec:
             (fewer KV heads than query heads) and MQA (one KV head) from MHA in :attr:`attention_label`.
         v_head_dim: elements per V head where V is narrower or wider than K (MiMo-V2-Flash: K 192, V 128);
             None: ``head_dim``.
-        layer_num_kv_heads, layer_head_dims, layer_v_head_dims: one entry per layer where layers differ
-            (Gemma 4's full layers, MiMo's sliding ones), overriding ``num_kv_heads``, ``head_dim`` and
-            ``v_head_dim`` (a ``layer_head_dims`` entry also sets that layer's V width unless
-            ``layer_v_head_dims`` gives it); None: every layer alike.
+        layer_num_kv_heads: one entry per layer where layers differ (Gemma 4's full layers, MiMo's sliding
+            ones), overriding ``num_kv_heads``; None: every layer alike.
+        layer_head_dims: the same for ``head_dim`` (an entry also sets that layer's V width unless
+            ``layer_v_head_dims`` gives it).
+        layer_v_head_dims: the same for ``v_head_dim``.
         layer_windows: one window per layer (W of a sliding layer, C of a chunked one; ignored for full
             layers) where windows differ (e.g. 256 and 1024); a None entry takes ``sliding_window`` /
             ``attention_chunk_size``.

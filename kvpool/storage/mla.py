@@ -28,8 +28,12 @@ class MLAKVCache(BlockStore):
 
     Args:
         spec: an MLA :class:`KVCacheSpec`.
-        num_blocks, device, dtype, pin_memory, zero: as for :class:`kvpool.storage.paged.PagedKVCache`
-            (``dtype`` overrides ``spec.dtype``; the buffer is ``torch.empty`` unless ``zero``).
+        num_blocks: as for :class:`kvpool.storage.paged.PagedKVCache`.
+        device: as for :class:`kvpool.storage.paged.PagedKVCache`.
+        dtype: overrides ``spec.dtype``, as for :class:`kvpool.storage.paged.PagedKVCache`.
+        pin_memory: as for :class:`kvpool.storage.paged.PagedKVCache`.
+        zero: as for :class:`kvpool.storage.paged.PagedKVCache` (the buffer is ``torch.empty`` unless
+            ``zero``).
         scale: per-tensor fp8 scale of the latent (ignored for other dtypes).
 
     Views (no copies): :meth:`kv_cache` ``[N, B, R + P]``, :meth:`flat_kv_cache` ``[N*B, R + P]``, and the two

@@ -350,7 +350,8 @@ class PagedKVCache(BlockStore):
             ``[2, L, N, H, B, D]`` so that FlashInfer's HND pages are contiguous (see :meth:`flashinfer_kv`).
             A spec whose layers differ in shape (or whose V width differs from K's) is stored packed
             (module docstring; NHD pages only): ``packed`` is then True.
-        k_scale, v_scale: per-tensor fp8 scales (stored = value / scale); ignored for other dtypes.
+        k_scale: per-tensor fp8 scale of K (stored = value / scale); ignored for other dtypes.
+        v_scale: the same for V.
         pin_memory: page-locked CPU memory (the host tier sets it when CUDA exists).
         zero: zero-fill instead of ``torch.empty`` (see :class:`BlockStore` for why the default is empty).
 
@@ -505,9 +506,9 @@ class PagedKVCache(BlockStore):
         """Write token ``t``'s K and V into slot ``slot_mapping[t]`` of ``layer``; slot -1 skips the token.
 
         Args:
-            k, v: ``[T, H, D]`` and ``[T, H, Dv]`` (the layer's own shape: ``layer_shapes[layer]``), on the
-                cache's device, in the cache dtype (an fp8 cache also takes a float dtype, divided by
-                ``k_scale`` / ``v_scale`` and converted).
+            k: ``[T, H, D]`` (the layer's own shape: ``layer_shapes[layer]``), on the cache's device, in the
+                cache dtype (an fp8 cache also takes a float dtype, divided by ``k_scale`` and converted).
+            v: ``[T, H, Dv]``, as ``k`` (divided by ``v_scale``).
             slot_mapping: int64 ``[T]``, each ``block_id * block_size + offset`` or -1.
             check: False skips the slot range check on CUDA (no host sync; a bad slot is then undefined
                 behaviour). On the host the check always runs: it costs what finding -1 slots would.

@@ -76,7 +76,8 @@ class Namespace:
             (:func:`weights_fingerprint`, :func:`config_fingerprint`).
         kv_dtype: the KV storage dtype (``"bfloat16"``).
         layout: the block layout and shape (:func:`block_layout`).
-        tp_rank, tp_size: the tensor-parallel rank and world size.
+        tp_rank: the tensor-parallel rank.
+        tp_size: the tensor-parallel world size.
         layer_group: the KV cache group index (0 for a model whose layers form one group).
         hash_scheme: how the block hashes were computed (the hash algorithm), so that two schemes never
             meet under one key.

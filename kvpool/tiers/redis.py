@@ -84,7 +84,8 @@ class RedisTier(TierBackend):
 
     Args:
         url: ``redis://HOST:PORT[/DB]`` or ``rediss://...`` (any node of a cluster).
-        namespace, block_bytes: as for every tier (``block_bytes=0``: hash-only values).
+        namespace: as for every tier.
+        block_bytes: as for every tier (``block_bytes=0``: hash-only values).
         prefix: the first part of every key.
         cluster: True/False to say whether ``url`` is a cluster; None asks the server.
         timeout_s: connect and socket timeout of each call.

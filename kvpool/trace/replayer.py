@@ -84,7 +84,9 @@ class ReplayConfig:
         timing: ``"instant"`` or ``"trace"`` (see the module docstring).
         max_batched_tokens: token budget of one step (``trace`` timing).
         max_running: most requests in flight at once (``trace`` timing).
-        step_s, prefill_token_s, decode_token_s: the step-time model, in seconds.
+        step_s: the step-time model: seconds per step.
+        prefill_token_s: the step-time model: seconds per uncached prompt token.
+        decode_token_s: the step-time model: seconds per decode token.
         groups: a hybrid model's KV cache groups (``KVCacheSpec.groups``): blocks are counted per group
             (windows free blocks, a hit is the prefix every group restores); empty (default): one
             full-attention group.
