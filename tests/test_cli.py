@@ -188,8 +188,8 @@ CONFIGS = Path(__file__).parent / "configs"
 @pytest.mark.parametrize(("argv", "message"), [
     (["--model", "tiny-llama", "--disk-dir", "/proc/nope", "--disk-bytes", "1MiB"],
      "--disk-dir '/proc/nope'"),
-    (["--model", "tiny-qwen3-next", "--host-blocks", "8"], "keeps a recurrent state per request"),
-    (["--model", "RECURRENT-FOLDER", "--host-blocks", "8"], "keeps a recurrent state per request"),
+    (["--model", "tiny-qwen3-next", "--tp-size", "2"], "tensor parallelism shards"),
+    (["--model", "RECURRENT-FOLDER", "--tp-size", "2"], "tensor parallelism shards"),
     (["--kv-memory", "64KiB"], "for one block"),  # SmolLM2's block of 16 tokens in float32: 720 KiB
     (["--tp-size", "2"], "does not divide the 9 query heads"),
 ])
