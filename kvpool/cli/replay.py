@@ -103,7 +103,8 @@ def _state_arguments(group: argparse._ArgumentGroup) -> None:
                             "(every block), interval=N (every N blocks), tail+junction (also where prefixes "
                             "diverge)")
     group.add_argument("--state-checkpoints", type=positive_int, metavar="N",
-                       help="state checkpoints held at most, least recently used evicted (default unbounded)")
+                       help="state checkpoints held at most, least recently used evicted "
+                            "(default: unbounded)")
 
 
 def _engine_arguments(group: argparse._ArgumentGroup) -> None:
