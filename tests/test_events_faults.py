@@ -276,7 +276,7 @@ def test_a_gap_opened_while_a_request_is_out_is_asked_for_again() -> None:
     assert [(seq, _hash(b)) for seq, b in got] == [(i, i) for i in range(s + 5)]
 
 
-# ---- issue 23 item 5: kvpool events --replay when the replay socket is gone; no publisher ---------------
+# ---- issue 23 item 5: kvpool events --kv-events-replay when the replay socket is gone; no publisher --------
 
 
 def test_cli_events_with_its_replay_socket_gone_skips_ahead_and_says_what_it_missed(
@@ -307,7 +307,7 @@ def test_cli_events_with_its_replay_socket_gone_skips_ahead_and_says_what_it_mis
         _sent(pub, 5)
         feeder = threading.Thread(target=publish_until_it_prints)
         feeder.start()
-        rc = main(["events", live, "--replay", nobody, "--json", "--timeout", "3"])
+        rc = main(["events", live, "--kv-events-replay", nobody, "--json", "--timeout", "3"])
         feeder.join()
     finally:
         pub.close()
@@ -323,6 +323,6 @@ def test_cli_events_with_no_publisher_says_so(capsys: pytest.CaptureFixture) -> 
     from kvpool.cli import main
 
     live = tcp(free_port())
-    assert main(["events", live, "--replay", tcp(free_port()), "--timeout", "0.3"]) == 0
+    assert main(["events", live, "--kv-events-replay", tcp(free_port()), "--timeout", "0.3"]) == 0
     done = capsys.readouterr()
     assert done.out == "" and done.err.splitlines() == [f"kvpool events: no batch from {live} in 0.3 s"]

@@ -13,7 +13,8 @@ RANKS = {
     # numeric (the one rule for ids, counts and numbers) and units (counts and bytes for people): the ground
     # _native (compiled or interpreted modules) runs before everything and imports only the standard library
     "_native": -1,
-    "errors": 0, "numeric": 0.5, "units": 0.7, "events": 1, "hf_config": 1, "spec": 2, "planner": 3,
+    "errors": 0, "numeric": 0.5, "units": 0.7, "options": 0.8, "events": 1, "hf_config": 1, "spec": 2,
+    "planner": 3,
     # the KV event subscriber over the wire format and sockets of events (which re-exports it lazily)
     "events_subscriber": 1.1,
     # recurrent-state hybrids: state_spec over spec and hf_config, state_planner over state_spec

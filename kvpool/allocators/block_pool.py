@@ -744,10 +744,11 @@ class BlockPool:
         """How many of ``block_ids`` hold no reference: cached free blocks, each of which a ``touch`` takes
         off the free list (a repeated id counts each time). Raises InvalidIdError for an id that is not an
         integer in ``[0, num_blocks)``."""
+        ids = _ints(list(block_ids))  # a bool or another type: InvalidIdError
         ref, n, count = self._ref, self._n, 0
-        for b in block_ids:
-            if type(b) is not int or not 0 <= b < n:
-                raise InvalidIdError(f"block ids must be integers in [0, {n}), got {_head(list(block_ids))}")
+        for b in ids:
+            if not 0 <= b < n:
+                raise InvalidIdError(f"block ids must be integers in [0, {n}), got {_head(ids)}")
             if ref[b] == 0:
                 count += 1
         return count
