@@ -39,6 +39,7 @@ This module sits on the ground floor beside :mod:`kvpool.errors`: it imports not
 from __future__ import annotations
 
 import bisect
+import importlib
 import itertools
 import operator
 import queue
@@ -719,7 +720,6 @@ def __getattr__(name: str) -> Any:
     """``KVEventSubscriber`` and ``SequenceTracker`` live in :mod:`kvpool.events_subscriber` (one floor up);
     ``from kvpool.events import KVEventSubscriber`` keeps working."""
     if name in ("KVEventSubscriber", "SequenceTracker", "SubscriberStats"):
-        from kvpool import events_subscriber
-
-        return getattr(events_subscriber, name)
+        # a name users import from here: resolved on first use, so this floor imports nothing above it
+        return getattr(importlib.import_module("kvpool.events_subscriber"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
