@@ -8,7 +8,7 @@ multiset of cached blocks an allocation could evict and keeps the best total of 
 replay's belady hits exactly, and nothing may beat the exhaustive optimum.
 
 How close the bound comes is printed by ``test_belady_is_close_to_the_optimum`` (run with ``-s``) and
-reported in the README.
+reported in docs/policies.md.
 """
 
 from __future__ import annotations

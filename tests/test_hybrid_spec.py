@@ -261,7 +261,7 @@ def test_gpt_oss_gets_twice_the_requests():
 
 
 def test_mistral_at_32k_slides_every_layer():
-    # the README's figure: bf16, 2 x 32 x 8 x 128 x 2 B x 16 tokens = 2 MiB per block; 80 GiB x 0.9 - 15 GiB
+    # docs/hybrid.md: bf16, 2 x 32 x 8 x 128 x 2 B x 16 tokens = 2 MiB per block; 80 GiB x 0.9 - 15 GiB
     # = 57 GiB = 29184 blocks, one the null block; a 32K request at 256 tokens per step holds
     # cdiv(4096 - 2 + 256, 16) + 1 = 273 of them (2048 all full)
     plan = plan_pool(spec_of("mistral-7b-v0.1"), MemoryReadings(80 * GiB, 15 * GiB), max_model_len=32768)

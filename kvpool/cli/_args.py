@@ -164,7 +164,7 @@ def threads(text: str) -> int:
 def add_threads_argument(parser: argparse.ArgumentParser) -> None:
     """``--threads N``, the one convention of every command that runs torch: N >= 1 threads (at most 4 per
     CPU), or 0 for torch's own default (one per core). The default is 1: on a small machine busy with other
-    work, more intra-op threads wait for the busy cores and run several times slower (see README)."""
+    work, more intra-op threads wait for the busy cores and run several times slower (docs/benchmarks.md)."""
     parser.add_argument("--threads", type=threads, default=DEFAULT_THREADS, metavar="N",
                         help="torch CPU threads, at most 4 per CPU; 0 = torch's own (one per core)")
 

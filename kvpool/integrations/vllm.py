@@ -179,7 +179,7 @@ class KvpoolPriority(KvpoolCachePolicy):
 
 
 class KvpoolARC(KvpoolCachePolicy):
-    """kvpool's ``arc`` (Megiddo and Modha's ARC as kvpool implements it; see the README for how it differs
+    """kvpool's ``arc`` (Megiddo and Modha's ARC as kvpool implements it; docs/integrations.md: how it differs
     from vLLM's built-in ``arc``)."""
 
     @classmethod

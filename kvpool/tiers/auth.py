@@ -22,7 +22,7 @@ Where the secret comes from (:meth:`TierKey.from_env`), first match wins:
 
 The key itself is ``BLAKE3-derive_key("kvpool 2025-06 tier value MAC key v1", secret)`` (32 bytes; BLAKE3's
 key derivation mode), and a value's tag ``BLAKE3-keyed_hash(key, header[:48] || payload)[:16]`` (the
-``blake3`` package, SIMD: 0.4-2 GB/s on one core of the shared 2-core test box, the README's bench; ``pip
+``blake3`` package, SIMD: 0.4-2 GB/s on one core of the shared 2-core test box, docs/benchmarks.md; ``pip
 install kvpool[tiers]``). BLAKE3's keyed mode is a PRF, so a tag needs no nonce and a key has no usage
 limit.
 """
