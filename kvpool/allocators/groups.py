@@ -200,8 +200,6 @@ class KVCacheCoordinator:
                    memo: dict[int, int | None],
                    probe: Callable[[int, Sequence[Hashable], int], int | None] | None) -> int:
         """The longest k <= bound whose blocks ``skipped_blocks(k * B) .. k - 1`` are cached in ``group``."""
-        if group.kind is LayerKind.FULL and probe is None:
-            return self._full_hit(group.index, hashes, bound, memo)
         if group.kind is LayerKind.FULL:
             k = 0
             while k < bound and self._probe(group, hashes, k, memo, probe) is not None:
@@ -217,22 +215,6 @@ class KVCacheCoordinator:
             k, i = i, i - 1  # block i is missing: no prefix longer than i can be restored
         return 0
 
-    def _full_hit(self, g: int, hashes: Sequence[Hashable], bound: int, memo: dict[int, int | None]) -> int:
-        """:meth:`_group_hit` of a full-attention group ``g`` in the device pool alone: the longest run of
-        cached blocks from the start, read straight from the pool's index (the hot path of an admission)."""
-        get, k = self.pool.get_cached_block, 0
-        while k < bound:
-            if k in memo:
-                block = memo[k]
-            else:
-                h = hashes[k]
-                block = get(h if g == 0 else (g, h))
-                memo[k] = block
-            if block is None:
-                return k
-            k += 1
-        return k
-
     def _hit_table(self, group: KVCacheGroup, k: int, memo: dict[int, int | None]) -> list[int]:
         start = group.skipped_blocks(k * self.block_size) if k else 0
         return [self.null_block] * start + [memo[i] for i in range(start, k)]  # type: ignore[misc]
@@ -247,29 +229,34 @@ class KVCacheCoordinator:
         pool (a block to load it into). Raises InvalidArgumentError for a ``num_tokens`` that is not an
         integer >= 0."""
         req = self._reqs.get(request_id)
-        target = cdiv(as_int(num_tokens, "num_tokens", minimum=0), self.block_size)
         if req is not None:
+            target = cdiv(as_int(num_tokens, "num_tokens", minimum=0), self.block_size)
             return sum(max(0, target - len(t)) for t in req.tables)
+        new = self.num_new_blocks(num_tokens, 0 if hit is None else hit.num_blocks)
         if hit is None:
-            return target * len(self.groups)
+            return new
         null, revived = self.null_block, 0
-        for blocks in hit.blocks:
-            if blocks and null < 0 and min(blocks) >= 0:  # all in the pool (no null block, no tier code)
-                revived += self.pool.num_unreferenced(blocks)
-                continue
+        for blocks in hit.blocks:  # pool blocks, null entries, and codes of blocks held in a tier (< -1)
             held = [b for b in blocks if b >= 0 and b != null]
-            revived += self.pool.num_unreferenced(held) + sum(1 for b in blocks if b < 0 and b != null)
-        return max(0, target - hit.num_blocks) * len(self.groups) + revived
+            revived += self.pool.num_unreferenced(held) + len(blocks) - len(held) - blocks.count(null)
+        return new + revived
+
+    def num_new_blocks(self, num_tokens: IntArg, num_hit_blocks: int = 0) -> int:
+        """Blocks a new request of ``num_tokens`` tokens allocates besides a hit of ``num_hit_blocks`` blocks:
+        ``max(0, cdiv(num_tokens, B) - num_hit_blocks)`` in every group (a hit's table covers its k
+        positions, null entries included). Raises InvalidArgumentError for a ``num_tokens`` that is not an
+        integer >= 0."""
+        target = cdiv(as_int(num_tokens, "num_tokens", minimum=0), self.block_size)
+        return max(0, target - num_hit_blocks) * len(self.groups)
 
     def can_allocate(self, request_id: Hashable, num_tokens: IntArg, hit: CacheHit | None = None) -> bool:
         """Whether :meth:`num_blocks_to_allocate` fits in :attr:`num_free_blocks` now; the hit's cached free
         blocks are counted only when its new blocks fit (a short pool answers in O(groups)). Raises as
         :meth:`num_blocks_to_allocate`."""
         free = self.pool.num_free_blocks
-        if hit is not None and request_id not in self._reqs:
-            target = cdiv(as_int(num_tokens, "num_tokens", minimum=0), self.block_size)
-            if max(0, target - hit.num_blocks) * len(self.groups) > free:
-                return False
+        if hit is not None and request_id not in self._reqs \
+                and self.num_new_blocks(num_tokens, hit.num_blocks) > free:
+            return False
         return self.num_blocks_to_allocate(request_id, num_tokens, hit) <= free
 
     def allocate(self, request_id: Hashable, num_tokens: IntArg, hit: CacheHit | None = None) -> None:

@@ -38,7 +38,7 @@ from kvpool.allocators.groups import CacheHit, KVCacheCoordinator, group_key
 from kvpool.allocators.hashing import BlockHasher
 from kvpool.errors import ConfigError, InvalidIdError
 from kvpool.requests.request import Request
-from kvpool.spec import KVCacheGroup, LayerKind, cdiv
+from kvpool.spec import KVCacheGroup, LayerKind
 
 if TYPE_CHECKING:
     from kvpool.allocators.policies import FrequencyAdmission
@@ -268,9 +268,8 @@ class KVCacheManager:
         every group allocates ``cdiv(k * B + min(num_tokens - k * B, budget), B) - k`` new blocks (and
         touches or loads the hit's blocks besides), which never grows with k, so k = ``limit`` gives the
         fewest."""
-        bs = self.block_size
-        computed = limit * bs
-        return (cdiv(computed + min(req.num_tokens - computed, budget), bs) - limit) * len(self.groups)
+        computed = limit * self.block_size
+        return self.coordinator.num_new_blocks(computed + min(req.num_tokens - computed, budget), limit)
 
     def _fits(self, req: Request, hit: CacheHit, budget: int) -> bool:
         """Whether the pool has the blocks to admit ``req`` from ``hit`` with a first chunk of ``budget``."""
