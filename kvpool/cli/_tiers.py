@@ -18,6 +18,7 @@ from typing import Any
 
 from kvpool.cli._args import parse_bytes, positive_int
 from kvpool.errors import ConfigError
+from kvpool.tiers.auth import redact_url
 from kvpool.tiers.from_url import check_chain, check_folder, disk_url, host_url, tiers_from_urls
 
 _ORDER = {"host": 0, "disk": 1, "remote": 2}
@@ -131,7 +132,7 @@ def public_root_hint(args: argparse.Namespace, hasher: Any) -> str | None:
 def _leaving(args: argparse.Namespace) -> str:
     """The options asking for tiers that keep blocks outside the process."""
     named = [name for name, on in (("--disk-dir", args.disk_dir), ("--remote", args.remote)) if on]
-    named += [f"--tier {t.url}" for t in check_chain(args.tier) if t.medium != "host"]
+    named += [f"--tier {redact_url(t.url)}" for t in check_chain(args.tier) if t.medium != "host"]
     return " and ".join(named)
 
 

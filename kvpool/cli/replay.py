@@ -37,6 +37,7 @@ from kvpool.cli.plan import add_memory_arguments, hybrid_from_args, kv_spec_from
 from kvpool.errors import ConfigError, TraceFormatError
 from kvpool.planner import PoolPlan
 from kvpool.spec import KVCacheSpec
+from kvpool.tiers.auth import redact_url
 from kvpool.tiers.from_url import check_chain
 from kvpool.trace.loaders import FORMATS, load_trace
 from kvpool.trace.replay import HIT_RATIO_BASIS, REPLAY_POLICIES, TIMINGS, ReplayConfig, compare_all_full
@@ -279,7 +280,8 @@ def tier_descriptions(args: argparse.Namespace) -> list[str]:
     for tier in check_chain(tier_urls(args)):
         size = f"{tier.blocks:,} blocks" if tier.blocks is not None else \
             f"{tier.bytes:,} B" if tier.bytes is not None else ""
-        where = f" in {tier.path}" if tier.path else f" {tier.url}" if tier.medium == "remote" else ""
+        remote = f" {redact_url(tier.url)}" if tier.medium == "remote" else ""
+        where = f" in {tier.path}" if tier.path else remote
         out.append(f"{tier.medium} {size}{where}".replace("  ", " ").strip())
     return out
 

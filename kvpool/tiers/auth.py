@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import hmac
 import os
+import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from kvpool.allocators.hashing import SEED_ENV, secret_bytes
 from kvpool.errors import ConfigError
@@ -43,6 +44,21 @@ KEY_ENV = "KVPOOL_TIER_KEY"
 TAG_BYTES = 16
 _CONTEXT = "kvpool 2025-06 tier value MAC key v1"  # BLAKE3 derive_key context: fixed, globally unique
 _PUBLIC_SECRET = b"kvpool public tier key: it authenticates nothing"
+_T = TypeVar("_T")
+
+
+def redact_url(url: _T) -> _T:
+    """``url`` as error messages and reports may show it: a string's password (what follows the user name in
+    ``scheme://user:password@host``, or the whole user part when it has no ``:``) replaced by ``***``;
+    anything else unchanged. Nothing is parsed beyond that, so a malformed URL is redacted too."""
+    if not isinstance(url, str):
+        return url
+    match = re.match(r"([^:/?#]+://)([^/?#]*)(.*)", url, re.DOTALL)
+    if match is None or "@" not in match[2]:
+        return url
+    user_info, host = match[2].rsplit("@", 1)
+    user = user_info.split(":", 1)[0] + ":***" if ":" in user_info else "***"
+    return f"{match[1]}{user}@{host}{match[3]}"  # type: ignore[return-value]
 
 
 def _blake3() -> Any:

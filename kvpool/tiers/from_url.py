@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.errors import ConfigError
+from kvpool.tiers.auth import redact_url
 from kvpool.units import parse_bytes
 
 MEDIUMS = {"host": "host", "file": "disk", "redis": "remote", "rediss": "remote"}
@@ -52,41 +53,41 @@ def parse_tier_url(url: str) -> TierURL:
             cannot be created or written, a malformed Redis address.
     """
     if not isinstance(url, str):
-        raise ConfigError(f"bad tier URL {url!r}: expected a str such as host://?blocks=1024")
+        raise _bad_url(url, "expected a str such as host://?blocks=1024")
     try:
         parts = urllib.parse.urlsplit(url)
     except ValueError as exc:  # an unclosed [ of an IPv6 address
-        raise ConfigError(f"bad tier URL {url!r}: {exc}") from None
+        raise _bad_url(url, str(exc)) from None
     medium = MEDIUMS.get(parts.scheme)
     if medium is None:
-        raise ConfigError(f"bad tier URL {url!r}: the scheme must be host://, file:// or redis://")
+        raise _bad_url(url, "the scheme must be host://, file:// or redis://")
     if medium == "remote":
         from kvpool.tiers.redis import check_url  # redis-py: only for a Redis tier
 
         return TierURL(medium, check_url(url))
     if parts.fragment:
-        raise ConfigError(f"bad tier URL {url!r}: no #fragment")
+        raise _bad_url(url, "no #fragment")
     options = _options(url, parts.query)
     if medium == "host":
         if parts.netloc or parts.path not in ("", "/"):
-            raise ConfigError(f"bad tier URL {url!r}: a host tier has no address (host://?blocks=N)")
+            raise _bad_url(url, "a host tier has no address (host://?blocks=N)")
         if set(options) != {"blocks"}:
-            raise ConfigError(f"bad tier URL {url!r}: a host tier takes one option, blocks=N")
+            raise _bad_url(url, "a host tier takes one option, blocks=N")
         return TierURL(medium, url, blocks=_positive(url, options["blocks"]))
     if parts.netloc not in ("", "localhost") or not parts.path:
-        raise ConfigError(f"bad tier URL {url!r}: a disk tier is file:///ABSOLUTE/DIR (or file:DIR)")
+        raise _bad_url(url, "a disk tier is file:///ABSOLUTE/DIR (or file:DIR)")
     if len(options) != 1 or not set(options) <= {"bytes", "blocks"}:
-        raise ConfigError(f"bad tier URL {url!r}: a disk tier takes one size, bytes=SIZE or blocks=N")
+        raise _bad_url(url, "a disk tier takes one size, bytes=SIZE or blocks=N")
     path = urllib.parse.unquote(parts.path)
-    check_folder(path, f"bad tier URL {url!r}")
+    check_folder(path, f"bad tier URL {redact_url(url)!r}")
     if "blocks" in options:
         return TierURL(medium, url, blocks=_positive(url, options["blocks"]), path=path)
     try:
         size = parse_bytes(options["bytes"])
     except ValueError as exc:
-        raise ConfigError(f"bad tier URL {url!r}: {exc}") from None
+        raise _bad_url(url, str(exc)) from None
     if size < 1:
-        raise ConfigError(f"bad tier URL {url!r}: the disk tier needs bytes > 0")
+        raise _bad_url(url, "the disk tier needs bytes > 0")
     return TierURL(medium, url, bytes=size, path=path)
 
 
@@ -94,16 +95,16 @@ def _options(url: str, query: str) -> dict[str, str]:
     try:
         pairs = urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
     except ValueError:
-        raise ConfigError(f"bad tier URL {url!r}: options are name=value pairs joined by &") from None
+        raise _bad_url(url, "options are name=value pairs joined by &") from None
     options = dict(pairs)
     if len(options) != len(pairs):
-        raise ConfigError(f"bad tier URL {url!r}: an option is given twice")
+        raise _bad_url(url, "an option is given twice")
     return options
 
 
 def _positive(url: str, text: str) -> int:
     if not (text.isascii() and text.isdigit()) or len(text) > 19 or int(text) < 1:
-        raise ConfigError(f"bad tier URL {url!r}: blocks must be an integer >= 1, got {text!r}")
+        raise _bad_url(url, f"blocks must be an integer >= 1, got {text!r}")
     return int(text)
 
 
@@ -186,3 +187,8 @@ def disk_url(folder: str, *, bytes: int | None = None, blocks: int | None = None
     """The URL of a disk tier in ``folder`` (made absolute) bounded in bytes or blocks."""
     path = urllib.parse.quote(str(Path(folder).absolute()))
     return f"file://{path}?bytes={bytes}" if bytes is not None else f"file://{path}?blocks={blocks}"
+
+
+def _bad_url(url: object, why: str) -> ConfigError:
+    """The error for a refused URL: it names the URL with its password hidden (:func:`redact_url`)."""
+    return ConfigError(f"bad tier URL {redact_url(url)!r}: {why}")

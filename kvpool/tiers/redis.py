@@ -43,7 +43,7 @@ from redis.retry import Retry
 
 from kvpool.errors import ConfigError, IntegrityError
 from kvpool.numeric import as_optional_int, as_real
-from kvpool.tiers.auth import TierKey, require_auth_key
+from kvpool.tiers.auth import TierKey, redact_url, require_auth_key
 from kvpool.tiers.backend import Namespace, TierBackend, block_keys, encode_header, verify_parts
 
 SCHEMES = ("redis", "rediss")
@@ -61,21 +61,21 @@ def check_url(url: str) -> str:
     options: its values are only parsed at the first connection, which must never raise) or a fragment is
     refused: the tier sets its own timeouts (``timeout_s``)."""
     if not isinstance(url, str):
-        raise ConfigError(f"bad Redis URL {url!r}: expected a str")
+        raise _bad_url(url, "expected a str")
     try:
         parts = urllib.parse.urlsplit(url)
         port = parts.port
     except (ValueError, TypeError):
-        raise ConfigError(f"bad Redis URL {url!r}: the port must be a number in 0-65535") from None
+        raise _bad_url(url, "the port must be a number in 0-65535") from None
     if parts.scheme not in SCHEMES or not parts.hostname:
-        raise ConfigError(f"bad Redis URL {url!r}: expected redis://HOST:PORT (or rediss://)")
+        raise _bad_url(url, "expected redis://HOST:PORT (or rediss://)")
     if port is None or not port > 0:
-        raise ConfigError(f"bad Redis URL {url!r}: give the port, e.g. redis://127.0.0.1:6379")
+        raise _bad_url(url, "give the port, e.g. redis://127.0.0.1:6379")
     db = parts.path.strip("/")
     if db and not (db.isascii() and db.isdigit() and int(db) < 2**31):
-        raise ConfigError(f"bad Redis URL {url!r}: the path may only name a database number")
+        raise _bad_url(url, "the path may only name a database number")
     if parts.query or parts.fragment or url.rstrip().endswith(("?", "#")):
-        raise ConfigError(f"bad Redis URL {url!r}: no ?options or #fragment (give redis://HOST:PORT[/DB])")
+        raise _bad_url(url, "no ?options or #fragment (give redis://HOST:PORT[/DB])")
     return url
 
 
@@ -399,3 +399,8 @@ class RedisTier(TierBackend):
         if client is not None:
             with contextlib.suppress(*_FAULTS):
                 client.close()
+
+
+def _bad_url(url: object, why: str) -> ConfigError:
+    """The error for a refused URL: it names the URL with its password hidden (:func:`redact_url`)."""
+    return ConfigError(f"bad Redis URL {redact_url(url)!r}: {why}")
