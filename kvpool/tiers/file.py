@@ -38,7 +38,7 @@ import torch
 from kvpool.errors import ConfigError, IntegrityError
 from kvpool.numeric import as_int
 from kvpool.tiers.auth import TierKey, require_auth_key
-from kvpool.tiers.backend import HEADER_BYTES, Namespace, TierBackend, block_keys, encode_header, verify_parts
+from kvpool.tiers.backend import HEADER_BYTES, Namespace, TierBackend, block_key, encode_header, verify_parts
 from kvpool.units import plural
 
 #: ``listener(keys, payloads)``: blocks a store is about to evict, with their verified payloads.
@@ -70,6 +70,7 @@ class FileTier(TierBackend):
         self.auth_key = require_auth_key(auth_key, "a disk tier")
         self.directory = Path(directory)
         self._dir = self.directory / namespace.tag
+        self._prefix = f"{self._dir}{os.sep}"  # a block's path as a str (pathlib costs more than the I/O)
         self._write_lock = threading.RLock()  # changes of the folder, each with its index change
         self._doomed: list[tuple[bytes, int, bool]] = []  # bad files a read found: (key, stamp, unlink)
         self._stamps = itertools.count(1)  # a stamp per indexed write: a reader knows the file it read
@@ -84,8 +85,8 @@ class FileTier(TierBackend):
     def exists(self, keys: Sequence[Hashable]) -> int:
         index, n = self._index, 0
         with self._lock:
-            for key in block_keys(keys):
-                if key not in index:
+            for key in keys:  # converted one at a time: a long tail past the first miss costs nothing
+                if block_key(key) not in index:
                     break
                 n += 1
         return n
@@ -136,11 +137,11 @@ class FileTier(TierBackend):
     def delete(self, keys: Sequence[Hashable]) -> int:
         gone = 0
         with self._folder():
-            for key in block_keys(keys):
+            for key in map(block_key, keys):
                 with self._lock:
                     if self._index.pop(key, None) is None:
                         continue
-                _unlink(self._path(key))
+                _unlink(self._file(key))
                 gone += 1
         return gone
 
@@ -152,7 +153,7 @@ class FileTier(TierBackend):
 
     def refresh(self, keys: Sequence[Hashable]) -> None:
         with self._lock:
-            for key in block_keys(keys):
+            for key in map(block_key, keys):
                 if key in self._index:
                     self._index.move_to_end(key)
 
@@ -193,8 +194,13 @@ class FileTier(TierBackend):
     # ---- files ---------------------------------------------------------------------------------------
 
     def _path(self, key: bytes) -> Path:
+        """Where ``key``'s file lives."""
+        return Path(self._file(key))
+
+    def _file(self, key: bytes) -> str:
+        """:meth:`_path` as a str (what the I/O calls take: a ``Path`` costs more than the call)."""
         name = key.hex()
-        return self._dir / name[:2] / name
+        return f"{self._prefix}{name[:2]}{os.sep}{name}"
 
     def _read(self, key: bytes, row: torch.Tensor | None) -> str | None:
         """Read ``key``'s file into ``row`` (one ``readv``: header, payload, and one byte that must stay
@@ -203,7 +209,7 @@ class FileTier(TierBackend):
         payload = memoryview(row.numpy()) if row is not None else memoryview(bytearray(0))
         extra = bytearray(1)
         try:
-            fd = os.open(self._path(key), os.O_RDONLY)
+            fd = os.open(self._file(key), os.O_RDONLY)
         except FileNotFoundError:
             return "missing"
         except OSError:
@@ -223,11 +229,12 @@ class FileTier(TierBackend):
         to its name: a reader only reads indexed keys, and a key is indexed once its file is whole (a torn
         file a crash leaves behind fails its checksum: a miss)."""
         payload = memoryview(row.numpy()) if row is not None else memoryview(b"")
-        path = self._path(key)
+        path = self._file(key)
         try:
-            if path.parent.name not in self._subdirs:
-                path.parent.mkdir(exist_ok=True)
-                self._subdirs.add(path.parent.name)
+            subdir = key.hex()[:2]
+            if subdir not in self._subdirs:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                self._subdirs.add(subdir)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 _write_all(fd, [encode_header(self._ns, key, payload, auth_key=self.auth_key), payload])
@@ -261,7 +268,7 @@ class FileTier(TierBackend):
                     self._stats.evictions += 1
             self._stats.evictions += len(left_out)
         for key in victims:
-            _unlink(self._path(key))
+            _unlink(self._file(key))
 
     def _pass_down(self, victims: list[bytes], left_out: list[tuple[bytes, torch.Tensor | None]]) -> None:
         keys, payloads = [], []
@@ -309,7 +316,7 @@ class FileTier(TierBackend):
                     dropped.append((key, unlink))
         for key, unlink in dropped:
             if unlink:
-                _unlink(self._path(key))
+                _unlink(self._file(key))
 
     def _count_failure(self, n: int = 1) -> None:
         with self._lock:
@@ -334,7 +341,7 @@ class FileTier(TierBackend):
         self._subdirs = {p.name for p in self._dir.iterdir() if p.is_dir()}
         while self.used_bytes > self._capacity:
             key, _ = self._index.popitem(last=False)
-            _unlink(self._path(key))
+            _unlink(self._file(key))
 
 
 def _claim(folder: Path) -> int:
@@ -368,9 +375,9 @@ def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:
             views[0] = views[0][done:]
 
 
-def _unlink(path: Path) -> None:
+def _unlink(path: str | Path) -> None:
     with contextlib.suppress(OSError):
-        path.unlink()
+        os.unlink(path)
 
 
 def _require(ok: bool, what: str) -> None:
