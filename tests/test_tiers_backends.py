@@ -311,8 +311,8 @@ def stored_file(tmp_path: Path, n: int = 3) -> tuple[FileTier, torch.Tensor]:
 
 @pytest.fixture(params=["in turn", "overlapped"])
 def load_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a disk test through both loads: MACs checked in turn, and on the MAC thread while the next
-    block is read (``overlap_bytes`` at most the tests' 512-byte blocks)."""
+    """Run a disk test both ways: MACs computed and checked in turn, and on the MAC thread while the block
+    is written or the next one read (``overlap_bytes`` at most the tests' 512-byte blocks)."""
     monkeypatch.setattr(FileTier, "overlap_bytes", 0 if request.param == "in turn" else 1)
     return request.param
 
@@ -374,7 +374,7 @@ def test_a_load_refreshes_exactly_the_blocks_it_returns(tmp_path: Path, load_pat
     t.check_integrity()
 
 
-def test_a_full_disk_is_a_counted_store_failure(tiny_tmpfs: Path) -> None:
+def test_a_full_disk_is_a_counted_store_failure(tiny_tmpfs: Path, load_path: str) -> None:
     t = FileTier(tiny_tmpfs, NS, capacity_bytes=10**9, block_bytes=BPB, auth_key=KEY)  # more than it holds
     data = rows(400, seed=8)
     stored = t.set(keys(400), data)

@@ -2,12 +2,13 @@
 
 Layout: ``DIR/<namespace tag>/<first 2 hex digits>/<32 hex digits of the block key>``, each file one value
 (64-byte header with its MAC + payload, see :mod:`kvpool.tiers.backend`), written with one ``writev``
-straight to its name: a key is indexed only once its file is whole, and a torn file (a crash mid-write)
-fails its MAC. The index (key -> the stamp of the write that made its file, LRU order) lives in memory;
-files left by an earlier run of the same namespace are indexed at start (oldest modification first), so a
-restart finds them (and a file that does not verify under this run's key is a miss then). One process owns a
-namespace directory at a time (an exclusive ``flock`` on ``.lock``); share blocks across processes with the
-Redis tier.
+straight to its name (a payload of at least ``FileTier.overlap_bytes``: the payload first, while the MAC
+thread computes the header, then the header): a key is indexed only once its file is whole, and a torn
+file (a crash mid-write) fails its MAC. The index (key -> the stamp of the write that made its file, LRU
+order) lives in memory; files left by an earlier run of the same namespace are indexed at start (oldest
+modification first), so a restart finds them (and a file that does not verify under this run's key is a
+miss then). One process owns a namespace directory at a time (an exclusive ``flock`` on ``.lock``); share
+blocks across processes with the Redis tier.
 
 Threads: reads (``exists``, ``get``, ``refresh``) take the index lock only for their index lookups and read
 the file outside it (a ``get`` of blocks of at least ``FileTier.overlap_bytes`` checks each block's MAC on
@@ -294,9 +295,14 @@ class FileTier(TierBackend):
     def _write(self, key: bytes, row: torch.Tensor | None) -> bool:
         """Write ``key``'s value (one ``writev``); False (counted) when the disk refuses. It goes straight
         to its name: a reader only reads indexed keys, and a key is indexed once its file is whole (a torn
-        file a crash leaves behind fails its checksum: a miss)."""
+        file a crash leaves behind fails its checksum: a miss). A payload of at least ``overlap_bytes`` is
+        written first, behind the header's place, while the MAC thread computes the header; the header
+        follows."""
         payload = memoryview(row.numpy()) if row is not None else memoryview(b"")
         path = self._file(key)
+        header = None
+        if row is not None and 0 < self.overlap_bytes <= self.block_bytes:
+            header = self._mac_thread().submit(encode_header, self._ns, key, payload, auth_key=self.auth_key)
         try:
             subdir = key.hex()[:2]
             if subdir not in self._subdirs:
@@ -304,10 +310,16 @@ class FileTier(TierBackend):
                 self._subdirs.add(subdir)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                _write_all(fd, [encode_header(self._ns, key, payload, auth_key=self.auth_key), payload])
+                if header is None:
+                    _write_all(fd, [encode_header(self._ns, key, payload, auth_key=self.auth_key), payload])
+                else:
+                    _write_all(fd, [payload], HEADER_BYTES)
+                    _write_all(fd, [header.result()], 0)
             finally:
                 os.close(fd)
         except OSError:
+            if header is not None:
+                header.result()  # the MAC thread is done with the row before the caller reuses it
             _unlink(path)
             self._count_failure()
             return False
@@ -430,11 +442,14 @@ def _claim(folder: Path) -> int:
     return fd
 
 
-def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:
-    """``writev`` until every part is written (a short write continues where it stopped)."""
+def _write_all(fd: int, parts: list[bytes | memoryview], offset: int | None = None) -> None:
+    """``writev`` until every part is written (a short write continues where it stopped); at ``offset``
+    (``pwritev``) when one is given."""
     views = [memoryview(p) for p in parts]
     while views:
-        done = os.writev(fd, views)
+        done = os.writev(fd, views) if offset is None else os.pwritev(fd, views, offset)
+        if offset is not None:
+            offset += done
         while views and done >= len(views[0]):
             done -= len(views[0])
             views.pop(0)
