@@ -132,5 +132,13 @@ def test_tiers_rows_and_ratios(capsys: pytest.CaptureFixture, redis_single) -> N
         assert row["blocks_bytes"] == 2 * 2 * 30 * 16 * 3 * 64 * 2  # 2 blocks: K and V, 30 layers, bf16
         assert row["gb_s"] == pytest.approx(row["blocks_bytes"] / row["s"] / 1e9)
         assert row["ratio"] == pytest.approx(row["s"] and row["baseline_s"] / row["s"])  # one repetition
+        if row["tier"] == "host":  # no MAC: no second baseline
+            assert row["mac_baseline"] is None and row["ratio_vs_mac"] is None
+        else:
+            assert row["mac_baseline"] == row["baseline"] + " + MAC"
+            assert row["ratio_vs_mac"] == pytest.approx(row["mac_baseline_s"] / row["s"])
+    (mac,) = result["mac"]
+    assert mac["block_bytes"] == 2 * 30 * 16 * 3 * 64 * 2
+    assert all(mac[k] > 0 for k in ("blake3_gb_s", "blake3_threads_gb_s", "blake2b_gb_s"))
     replay = result["replay"]
     assert replay["block_ops_per_s"] == pytest.approx(replay["block_ops"] / replay["wall_s"])

@@ -309,8 +309,16 @@ def stored_file(tmp_path: Path, n: int = 3) -> tuple[FileTier, torch.Tensor]:
     return t, data
 
 
+@pytest.fixture(params=["in turn", "overlapped"])
+def load_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a disk test both ways: MACs computed and checked in turn, and on the MAC thread while the block
+    is written or the next one read (``overlap_bytes`` at most the tests' 512-byte blocks)."""
+    monkeypatch.setattr(FileTier, "overlap_bytes", 0 if request.param == "in turn" else 1)
+    return request.param
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip payload", "flip header", "append", "empty"])
-def test_a_damaged_file_is_a_counted_miss_and_is_deleted(tmp_path: Path, damage: str) -> None:
+def test_a_damaged_file_is_a_counted_miss_and_is_deleted(tmp_path: Path, damage: str, load_path: str) -> None:
     t, data = stored_file(tmp_path)
     path = t._path(block_key(1))
     raw = bytearray(path.read_bytes())
@@ -335,7 +343,7 @@ def test_a_damaged_file_is_a_counted_miss_and_is_deleted(tmp_path: Path, damage:
     t.check_integrity()
 
 
-def test_a_value_of_another_namespace_is_a_foreign_miss(tmp_path: Path) -> None:
+def test_a_value_of_another_namespace_is_a_foreign_miss(tmp_path: Path, load_path: str) -> None:
     t, _ = stored_file(tmp_path)
     other = FileTier(tmp_path / "o", OTHER, capacity_bytes=10 * (HEADER_BYTES + BPB), block_bytes=BPB,
                      auth_key=KEY)
@@ -352,7 +360,21 @@ def test_a_file_deleted_behind_the_tiers_back_is_missing(tmp_path: Path) -> None
     t.check_integrity()
 
 
-def test_a_full_disk_is_a_counted_store_failure(tiny_tmpfs: Path) -> None:
+def test_a_load_refreshes_exactly_the_blocks_it_returns(tmp_path: Path, load_path: str) -> None:
+    t, data = stored_file(tmp_path, n=5)  # LRU order 0 1 2 3 4
+    path = t._path(block_key(3))
+    raw = bytearray(path.read_bytes())
+    raw[HEADER_BYTES] ^= 1
+    path.write_bytes(bytes(raw))
+    out = torch.zeros(5, BPB, dtype=torch.uint8)
+    assert t.get(keys(5), out) == 3 and torch.equal(out[:3], data[:3])
+    # 0, 1, 2 read and moved to the tail in order; 3 is a miss and dropped; 4 (after it) is left alone
+    assert list(t._index) == [block_key(i) for i in (4, 0, 1, 2)]
+    assert t.stats().loaded == 3 and t.stats().unauthenticated == 1
+    t.check_integrity()
+
+
+def test_a_full_disk_is_a_counted_store_failure(tiny_tmpfs: Path, load_path: str) -> None:
     t = FileTier(tiny_tmpfs, NS, capacity_bytes=10**9, block_bytes=BPB, auth_key=KEY)  # more than it holds
     data = rows(400, seed=8)
     stored = t.set(keys(400), data)

@@ -20,7 +20,7 @@ SUITES = {
     "engine": "kvpool generate tokens/s against transformers' generate_batch and padded generate",
     "replay": "trace replay block operations per second",
     "groups": "KV cache group coordinator per decode step against one plain pool; replay memory per group",
-    "tiers": "host / disk / Redis tier store and load GB/s against raw copy_, file and redis-py baselines",
+    "tiers": "host / disk / Redis store and load GB/s against raw copy_, file, redis-py and raw + MAC",
 }
 
 

@@ -2,16 +2,19 @@
 
 Layout: ``DIR/<namespace tag>/<first 2 hex digits>/<32 hex digits of the block key>``, each file one value
 (64-byte header with its MAC + payload, see :mod:`kvpool.tiers.backend`), written with one ``writev``
-straight to its name: a key is indexed only once its file is whole, and a torn file (a crash mid-write)
-fails its MAC. The index (key -> the stamp of the write that made its file, LRU order) lives in memory;
-files left by an earlier run of the same namespace are indexed at start (oldest modification first), so a
-restart finds them (and a file that does not verify under this run's key is a miss then). One process owns a
-namespace directory at a time (an exclusive ``flock`` on ``.lock``); share blocks across processes with the
-Redis tier.
+straight to its name (a payload of at least ``FileTier.overlap_bytes``: the payload first, while the MAC
+thread computes the header, then the header): a key is indexed only once its file is whole, and a torn
+file (a crash mid-write) fails its MAC. The index (key -> the stamp of the write that made its file, LRU
+order) lives in memory; files left by an earlier run of the same namespace are indexed at start (oldest
+modification first), so a restart finds them (and a file that does not verify under this run's key is a
+miss then). One process owns a namespace directory at a time (an exclusive ``flock`` on ``.lock``); share
+blocks across processes with the Redis tier.
 
 Threads: reads (``exists``, ``get``, ``refresh``) take the index lock only for their index lookups and read
-the file outside it; every change of the folder (``set``'s writes and evictions, ``delete``, ``clear``,
-the removal of a file a read found bad) runs under ``_write_lock`` together with its index change, so the
+the file outside it (a ``get`` of blocks of at least ``FileTier.overlap_bytes`` checks each block's MAC on
+the tier's MAC thread while it reads the next one: a load then costs about max(read, MAC), not their
+sum); every change of the folder (``set``'s writes and evictions, ``delete``, ``clear``, the removal of a
+file a read found bad) runs under ``_write_lock`` together with its index change, so the
 index and the files never disagree. A reader never waits for that lock (a store may hold it while its
 evictions cascade into a stalled Redis): it notes the bad file, and whoever holds the lock next removes it,
 if its index entry is still the one the read found (a block evicted and written again meanwhile is left
@@ -23,6 +26,7 @@ missing, truncated, flipped, foreign or unauthenticated file is a miss and the f
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
 import fcntl
@@ -38,7 +42,7 @@ import torch
 from kvpool.errors import ConfigError, IntegrityError
 from kvpool.numeric import as_int
 from kvpool.tiers.auth import TierKey, require_auth_key
-from kvpool.tiers.backend import HEADER_BYTES, Namespace, TierBackend, block_keys, encode_header, verify_parts
+from kvpool.tiers.backend import HEADER_BYTES, Namespace, TierBackend, block_key, encode_header, verify_parts
 from kvpool.units import plural
 
 #: ``listener(keys, payloads)``: blocks a store is about to evict, with their verified payloads.
@@ -62,6 +66,9 @@ class FileTier(TierBackend):
     """
 
     medium = "disk"
+    #: Payload bytes from which ``get`` checks each block's MAC on a thread of its own while it reads the
+    #: next block (0: never): below it the hand-off costs about what it hides.
+    overlap_bytes = 1 << 20
 
     def __init__(self, directory: str | os.PathLike, namespace: Namespace, *, capacity_bytes: int,
                  block_bytes: int, auth_key: TierKey | str | bytes | None = None) -> None:
@@ -70,6 +77,7 @@ class FileTier(TierBackend):
         self.auth_key = require_auth_key(auth_key, "a disk tier")
         self.directory = Path(directory)
         self._dir = self.directory / namespace.tag
+        self._prefix = f"{self._dir}{os.sep}"  # a block's path as a str (pathlib costs more than the I/O)
         self._write_lock = threading.RLock()  # changes of the folder, each with its index change
         self._doomed: list[tuple[bytes, int, bool]] = []  # bad files a read found: (key, stamp, unlink)
         self._stamps = itertools.count(1)  # a stamp per indexed write: a reader knows the file it read
@@ -77,6 +85,7 @@ class FileTier(TierBackend):
         self._lock_fd = _claim(self._dir)
         self._subdirs: set[str] = set()
         self._cascade: Cascade | None = None
+        self._macs: concurrent.futures.ThreadPoolExecutor | None = None  # the MAC thread of big loads
         self._scan()
 
     # ---- the interface ------------------------------------------------------------------------------
@@ -84,14 +93,25 @@ class FileTier(TierBackend):
     def exists(self, keys: Sequence[Hashable]) -> int:
         index, n = self._index, 0
         with self._lock:
-            for key in block_keys(keys):
-                if key not in index:
+            for key in keys:  # converted one at a time: a long tail past the first miss costs nothing
+                if block_key(key) not in index:
                     break
                 n += 1
         return n
 
     def get(self, keys: Sequence[Hashable], out: torch.Tensor | None) -> int:
         names = self._check_rows(keys, out, "out")
+        if out is not None and len(names) > 1 and 0 < self.overlap_bytes <= self.block_bytes:
+            n = self._get_overlapped(names, out)
+        else:
+            n = self._get_in_turn(names, out)
+        with self._lock:
+            self._stats.loaded += n
+            self._stats.loaded_bytes += n * self.block_bytes
+        return n
+
+    def _get_in_turn(self, names: list[bytes], out: torch.Tensor | None) -> int:
+        """Read and verify one block after the other; how many leading ones are good."""
         n = 0
         for i, key in enumerate(names):
             with self._lock:
@@ -105,10 +125,47 @@ class FileTier(TierBackend):
                 self._miss(key, why, stamp)
                 break
             n += 1
-        with self._lock:
-            self._stats.loaded += n
-            self._stats.loaded_bytes += n * self.block_bytes
         return n
+
+    def _get_overlapped(self, names: list[bytes], out: torch.Tensor) -> int:
+        """As :meth:`_get_in_turn`, the MAC of block ``i`` checked on the tier's MAC thread while block ``i +
+        1`` is read (BLAKE3 and ``readv`` release the GIL), so a load costs about max(read, MAC) instead of
+        their sum. A block is marked recently used once it verified, in order, so the index ends as the
+        one-by-one loop leaves it (a block read ahead of a bad one is not refreshed)."""
+        n, checking = 0, None  # checking: (key, stamp, future of why block n is a miss)
+        for i, key in enumerate([*names, None]):
+            stamp, why, header = None, None, bytearray(HEADER_BYTES)
+            if key is not None:
+                with self._lock:
+                    stamp = self._index.get(key)
+                if stamp is not None:
+                    why = self._read(key, out[i], header=header)
+            if checking is not None:
+                bad = checking[2].result()
+                if bad is not None:
+                    self._miss(checking[0], bad, checking[1])
+                    return n
+                with self._lock:
+                    if checking[0] in self._index:
+                        self._index.move_to_end(checking[0])
+                n += 1
+            if key is None:
+                return n
+            if stamp is None:  # not indexed
+                with self._lock:
+                    self._stats.missing += 1
+                return n
+            if why is not None:
+                self._miss(key, why, stamp)
+                return n
+            checking = (key, stamp, self._mac_thread().submit(self._verify, key, header, out[i]))
+        return n
+
+    def _mac_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._macs is None:
+                self._macs = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-disk-mac")
+            return self._macs
 
     def set(self, keys: Sequence[Hashable], blocks: torch.Tensor | None) -> int:
         """Refresh the keys held already, then write the others in order, as if one at a time into an LRU
@@ -136,11 +193,11 @@ class FileTier(TierBackend):
     def delete(self, keys: Sequence[Hashable]) -> int:
         gone = 0
         with self._folder():
-            for key in block_keys(keys):
+            for key in map(block_key, keys):
                 with self._lock:
                     if self._index.pop(key, None) is None:
                         continue
-                _unlink(self._path(key))
+                _unlink(self._file(key))
                 gone += 1
         return gone
 
@@ -152,7 +209,7 @@ class FileTier(TierBackend):
 
     def refresh(self, keys: Sequence[Hashable]) -> None:
         with self._lock:
-            for key in block_keys(keys):
+            for key in map(block_key, keys):
                 if key in self._index:
                     self._index.move_to_end(key)
 
@@ -186,6 +243,9 @@ class FileTier(TierBackend):
                      f"used {self.used_bytes} B exceeds {self._capacity} B")
 
     def close(self) -> None:
+        if self._macs is not None:
+            self._macs.shutdown()
+            self._macs = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -193,17 +253,24 @@ class FileTier(TierBackend):
     # ---- files ---------------------------------------------------------------------------------------
 
     def _path(self, key: bytes) -> Path:
-        name = key.hex()
-        return self._dir / name[:2] / name
+        """Where ``key``'s file lives."""
+        return Path(self._file(key))
 
-    def _read(self, key: bytes, row: torch.Tensor | None) -> str | None:
+    def _file(self, key: bytes) -> str:
+        """:meth:`_path` as a str (what the I/O calls take: a ``Path`` costs more than the call)."""
+        name = key.hex()
+        return f"{self._prefix}{name[:2]}{os.sep}{name}"
+
+    def _read(self, key: bytes, row: torch.Tensor | None, *, header: bytearray | None = None) -> str | None:
         """Read ``key``'s file into ``row`` (one ``readv``: header, payload, and one byte that must stay
-        empty); why it is a miss, or None."""
-        header = bytearray(HEADER_BYTES)
+        empty); why it is a miss, or None. Given a ``header`` buffer, the header is read into it and left
+        unchecked, with the MAC, for :meth:`_verify`."""
+        verify = header is None
+        header = bytearray(HEADER_BYTES) if header is None else header
         payload = memoryview(row.numpy()) if row is not None else memoryview(bytearray(0))
         extra = bytearray(1)
         try:
-            fd = os.open(self._path(key), os.O_RDONLY)
+            fd = os.open(self._file(key), os.O_RDONLY)
         except FileNotFoundError:
             return "missing"
         except OSError:
@@ -216,24 +283,43 @@ class FileTier(TierBackend):
             os.close(fd)
         if got != HEADER_BYTES + len(payload):  # truncated, or longer than a value
             return "corrupt"
+        if not verify:
+            return None
         return verify_parts(header, payload, self._ns, key, self.block_bytes, auth_key=self.auth_key)
+
+    def _verify(self, key: bytes, header: bytearray, row: torch.Tensor) -> str | None:
+        """Why a block :meth:`_read` left unchecked is a miss, or None (on the MAC thread)."""
+        return verify_parts(header, memoryview(row.numpy()), self._ns, key, self.block_bytes,
+                            auth_key=self.auth_key)
 
     def _write(self, key: bytes, row: torch.Tensor | None) -> bool:
         """Write ``key``'s value (one ``writev``); False (counted) when the disk refuses. It goes straight
         to its name: a reader only reads indexed keys, and a key is indexed once its file is whole (a torn
-        file a crash leaves behind fails its checksum: a miss)."""
+        file a crash leaves behind fails its checksum: a miss). A payload of at least ``overlap_bytes`` is
+        written first, behind the header's place, while the MAC thread computes the header; the header
+        follows."""
         payload = memoryview(row.numpy()) if row is not None else memoryview(b"")
-        path = self._path(key)
+        path = self._file(key)
+        header = None
+        if row is not None and 0 < self.overlap_bytes <= self.block_bytes:
+            header = self._mac_thread().submit(encode_header, self._ns, key, payload, auth_key=self.auth_key)
         try:
-            if path.parent.name not in self._subdirs:
-                path.parent.mkdir(exist_ok=True)
-                self._subdirs.add(path.parent.name)
+            subdir = key.hex()[:2]
+            if subdir not in self._subdirs:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                self._subdirs.add(subdir)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                _write_all(fd, [encode_header(self._ns, key, payload, auth_key=self.auth_key), payload])
+                if header is None:
+                    _write_all(fd, [encode_header(self._ns, key, payload, auth_key=self.auth_key), payload])
+                else:
+                    _write_all(fd, [payload], HEADER_BYTES)
+                    _write_all(fd, [header.result()], 0)
             finally:
                 os.close(fd)
         except OSError:
+            if header is not None:
+                header.result()  # the MAC thread is done with the row before the caller reuses it
             _unlink(path)
             self._count_failure()
             return False
@@ -261,7 +347,7 @@ class FileTier(TierBackend):
                     self._stats.evictions += 1
             self._stats.evictions += len(left_out)
         for key in victims:
-            _unlink(self._path(key))
+            _unlink(self._file(key))
 
     def _pass_down(self, victims: list[bytes], left_out: list[tuple[bytes, torch.Tensor | None]]) -> None:
         keys, payloads = [], []
@@ -309,7 +395,7 @@ class FileTier(TierBackend):
                     dropped.append((key, unlink))
         for key, unlink in dropped:
             if unlink:
-                _unlink(self._path(key))
+                _unlink(self._file(key))
 
     def _count_failure(self, n: int = 1) -> None:
         with self._lock:
@@ -334,7 +420,7 @@ class FileTier(TierBackend):
         self._subdirs = {p.name for p in self._dir.iterdir() if p.is_dir()}
         while self.used_bytes > self._capacity:
             key, _ = self._index.popitem(last=False)
-            _unlink(self._path(key))
+            _unlink(self._file(key))
 
 
 def _claim(folder: Path) -> int:
@@ -356,11 +442,14 @@ def _claim(folder: Path) -> int:
     return fd
 
 
-def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:
-    """``writev`` until every part is written (a short write continues where it stopped)."""
+def _write_all(fd: int, parts: list[bytes | memoryview], offset: int | None = None) -> None:
+    """``writev`` until every part is written (a short write continues where it stopped); at ``offset``
+    (``pwritev``) when one is given."""
     views = [memoryview(p) for p in parts]
     while views:
-        done = os.writev(fd, views)
+        done = os.writev(fd, views) if offset is None else os.pwritev(fd, views, offset)
+        if offset is not None:
+            offset += done
         while views and done >= len(views[0]):
             done -= len(views[0])
             views.pop(0)
@@ -368,9 +457,9 @@ def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:
             views[0] = views[0][done:]
 
 
-def _unlink(path: Path) -> None:
+def _unlink(path: str | Path) -> None:
     with contextlib.suppress(OSError):
-        path.unlink()
+        os.unlink(path)
 
 
 def _require(ok: bool, what: str) -> None:

@@ -60,6 +60,7 @@ from kvpool.units import plural
 
 DEVICE = 0  # PrefixHit.where value of a device block; tier i of the manager is where == i + 1
 LOAD_BATCH = 64  # blocks per load from a byte tier (the load buffer's rows)
+PROBE_WINDOW = 64  # keys of a probe's first question to a tier (then 4x while the run goes on)
 
 
 def tier_code(t: int) -> int:
@@ -163,8 +164,10 @@ class OffloadManager:
         :func:`~kvpool.allocators.groups.group_key`), else ``tier_code(t)`` for the first tier ``t`` holding
         it, else None. A tier is asked for the run of keys it holds from a position on (one ``exists`` call
         per run and tier, reused while the run lasts), so a prefix found below costs one round trip per
-        tier and run, not one per block. Changes nothing, counts nothing."""
-        runs: dict[tuple[int, int], tuple[int, int]] = {}  # (group, tier) -> (start, length) known held
+        tier and run, not one per block. A tier is asked about a window of keys at a time (``PROBE_WINDOW``
+        first, four times the last window after a window held all of its keys), so the keys of a long
+        prompt past the end of its hit are never converted nor sent. Changes nothing, counts nothing."""
+        runs: dict[tuple[int, int], tuple[int, int, int]] = {}  # (group, tier) -> (start, held, window)
         cached = self.pool.get_cached_block
 
         def locate(g: int, hashes: Sequence[Hashable], i: int) -> int | None:
@@ -172,10 +175,12 @@ class OffloadManager:
             if block is not None:
                 return block
             for t in range(len(self.tiers)):
-                start, n = runs.get((g, t), (0, 0))
+                start, n, window = runs.get((g, t), (0, 0, 0))
                 if not start <= i < start + n:
-                    n = self._exists(t, [group_key(g, h) for h in hashes[i:]])
-                    runs[(g, t)] = (i, n)
+                    window = 4 * window if n and n == window and i == start + n else PROBE_WINDOW
+                    part = hashes[i:i + window]
+                    n = self._exists(t, part if g == 0 else [group_key(g, h) for h in part])
+                    runs[(g, t)] = (i, n, window)
                 if n:
                     return tier_code(t)
             return None

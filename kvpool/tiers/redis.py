@@ -53,6 +53,8 @@ PIPELINE_BYTES = 64 * 2**20
 #: redis-py calls run under it.
 _FAULTS = (Exception,)
 _FIELDS = (b"h", b"p")
+#: Payload bytes up to which a value is sent as ``bytes`` (redis-py's own buffer cutoff: 6,000).
+SMALL_VALUE = 6000
 
 
 def check_url(url: str) -> str:
@@ -124,11 +126,11 @@ class RedisTier(TierBackend):
     # ---- the interface ------------------------------------------------------------------------------
 
     def exists(self, keys: Sequence[Hashable]) -> int:
-        """Leading keys present, asked in growing pipelines (16, 64, 256, ... keys) that stop at a miss."""
-        names = [self._name(k) for k in block_keys(keys)]
-        n, step = 0, 16
-        while n < len(names):
-            part = names[n:n + step]
+        """Leading keys present, asked in growing pipelines (64, 256, 1024, ... keys: one round trip for
+        a probe's first window) that stop at a miss; each key is converted when its pipeline is built."""
+        n, step = 0, 64
+        while n < len(keys):
+            part = [self._name(k) for k in block_keys(keys[n:n + step])]
             found = self._pipelined("exists", part)
             if found is None:
                 return n
@@ -242,8 +244,14 @@ class RedisTier(TierBackend):
         return self._key_head + key.hex().encode()
 
     def _fields(self, key: bytes, row: torch.Tensor | None) -> dict[bytes, Any]:
-        payload = memoryview(row.numpy()) if row is not None else memoryview(b"")
-        return {b"h": encode_header(self._ns, key, payload, auth_key=self.auth_key), b"p": payload}
+        """The two fields of a value. A payload of up to ``SMALL_VALUE`` bytes goes as ``bytes``: redis-py
+        joins small ``bytes`` arguments into one buffer, but sends every ``memoryview`` with a
+        ``sendall`` of its own (a system call per value); a larger one goes as a view, never copied."""
+        payload: Any = memoryview(row.numpy()) if row is not None else b""
+        header = encode_header(self._ns, key, payload, auth_key=self.auth_key)
+        if len(payload) <= SMALL_VALUE and not isinstance(payload, bytes):
+            payload = bytes(payload)
+        return {b"h": header, b"p": payload}
 
     def _take(self, keys: list[bytes], values: list[Any], out: torch.Tensor | None, start: int) -> int:
         """Verify fetched ``[header, payload]`` pairs into ``out[start:]``; how many leading ones were good
