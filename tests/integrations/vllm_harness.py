@@ -138,6 +138,7 @@ class PoolModel:
             self.prio[b] = prio
         rest = hashes[hits:]
         new = [h for h in rest if self.block(h) is None]
+        self.pool.missed(new)  # vLLM's on_store_miss: before the eviction that makes room
         ready = [h for h in rest if self.block(h) is not None and h not in self.pending]
         for h in ready:
             self.prio[self.block(h)] = prio
