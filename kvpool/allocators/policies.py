@@ -492,10 +492,15 @@ class ARCPolicy(EvictionPolicy):
             ghost = True
             self._adapt(block_hash in b1)
         self._tie = False
-        b1.pop(block_hash, None)
-        b2.pop(block_hash, None)
+        if self.vllm:  # vLLM's insert leaves neither list holding the key
+            b1.pop(block_hash, None)
+            b2.pop(block_hash, None)
+        elif block_hash in b1:  # (a hash two holders left can be in both: it leaves the one it hit)
+            del b1[block_hash]
+        elif block_hash in b2:
+            del b2[block_hash]
         to_t2 = ghost and not self.vllm
-        self._in_t2[block] = to_t2
+        self._in_t2[block] = 1 if to_t2 else 0
         if to_t2:
             self.size_t2 += 1
         else:

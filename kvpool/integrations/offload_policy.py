@@ -9,7 +9,8 @@ vLLM's CPU offload tier (``CPUOffloadingManager``) owns a fixed pool of ``capaci
 ========================================  ==========================================================
 engine event                              what the pool does (the policy calls it makes)
 ========================================  ==========================================================
-``on_store_miss`` (keys about to be stored)  ``missed``: ``missed(key)`` tail first, before the eviction
+``on_store_miss`` (keys to be stored)     ``missed``: ``missed(key)`` of each, tail first, before
+                                          the eviction that makes room for them
 ``insert`` (a store allocated a chunk)    ``cache_blocks``: ``published(chunk, key)``
 ``mark_evictable`` (ref count -> 0)       ``free``: ``insert(chunk, priority)``
 ``mark_non_evictable`` (a load began)     ``pin``: ``remove(chunk)`` (no hit)

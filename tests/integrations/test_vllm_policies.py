@@ -4,7 +4,7 @@ tests/integrations/run.sh in the vLLM venv; skipped where vLLM is not installed)
 ``CPUOffloadingManager`` loads each kvpool adapter by ``cache_policy_module_path`` exactly as
 ``kv_connector_extra_config`` makes it, runs 2,000 Mooncake requests (vllm_harness.py), and must evict the
 same blocks in the same order, refuse the same stores and hit the same prefixes as a kvpool ``BlockPool``
-with that policy given the same events."""
+with that policy given the same events; and kvpool's ``arc-vllm`` must evict as vLLM's own ``arc``."""
 
 from __future__ import annotations
 
