@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvpool.allocators.policies import LRUPolicy
+from kvpool.allocators.policies import ARCPolicy, LRUPolicy
 from kvpool.errors import ConfigError, InvalidArgumentError
 from kvpool.integrations.keys import group_of, offload_tier_key, page_tier_key, tier_key
 from kvpool.integrations.offload_policy import OffloadPolicy
@@ -97,6 +97,24 @@ def test_offload_policy_remove_and_clear() -> None:
     core.insert("c", SimpleNamespace(chunk_id=0, ref_cnt=0))
     core.clear()
     assert len(core) == 0 and core.order() == []
+
+
+@pytest.mark.parametrize(("variant", "report", "victim"), [
+    ("paper", True, "c"),  # p = 1 before the eviction: |T1| = 1 is not > 1, T2 gives c
+    ("paper", False, "b"),  # unreported, p moves only when "a" is published: |T1| = 1 > 0, T1 gives b
+    ("vllm", True, "b"),  # vLLM's rule: |T1| = 1 >= int(1), T1 gives b
+])
+def test_offload_policy_reports_store_misses_before_the_eviction(variant: str, report: bool,
+                                                                 victim: str) -> None:
+    core = OffloadPolicy(3, lambda: ARCPolicy(variant))
+    for i, key in enumerate("abc"):
+        core.insert(key, SimpleNamespace(chunk_id=i, ref_cnt=0))
+    core.access(["c"])  # c reused: T2
+    assert [k for k, _ in core.evict(1, set())] == ["a"]  # |T1| = 2 > p = 0: a, to B1
+    if report:
+        core.missed(["a", "c"])  # a store offers a (a B1 ghost) and c (cached: skipped)
+    assert core.policy.p == (1.0 if report else 0.0)  # p += max(|B2| / |B1|, 1)
+    assert [k for k, _ in core.evict(1, set())] == [victim]
 
 
 def test_slot_runs() -> None:

@@ -58,6 +58,8 @@ EXPECTED = {
     "priority": [3, 2, 4, 1, 0],
     # T1 (never hit) = C, D; T2 = A, B, E; p = 0 < |T1| = 2: T1 first in free order, then T2
     "arc": [3, 2, 0, 1, 4],
+    # vLLM's rules: the same lists; |T1| = 2 >= int(p) = 0: T1 first, then T2 (A, B, E)
+    "arc-vllm": [3, 2, 0, 1, 4],
 }
 
 
@@ -150,6 +152,124 @@ def test_arc_ghost_hits_move_the_target_and_enter_t2() -> None:
     assert list(arc.b2) == ["c", "d"]
     pool.cache_blocks([3], ["d"])  # a B2 hit: p -= max(|B1| / |B2|, 1) = 1, to 0
     assert arc.p == 0.0 and list(arc.b2) == ["c"]
+
+
+def paper_arc(c: int, refs: list[str]) -> list[str]:
+    """Megiddo and Modha's ARC(c) (FAST 2003, Fig. 4) on a reference string, brute force: the hashes it
+    evicts from the cache, in order. Lists are LRU first. One guard the figure leaves implicit: REPLACE
+    takes T1 when T2 is empty."""
+    t1: list[str] = []
+    t2: list[str] = []
+    b1: list[str] = []
+    b2: list[str] = []
+    p, out = 0.0, []
+
+    def replace(x: str) -> None:
+        if t1 and ((x in b2 and len(t1) == p) or len(t1) > p or not t2):
+            out.append(t1.pop(0))
+            b1.append(out[-1])
+        else:
+            out.append(t2.pop(0))
+            b2.append(out[-1])
+
+    for x in refs:
+        if x in t1 or x in t2:  # case I: a hit
+            (t1 if x in t1 else t2).remove(x)
+            t2.append(x)
+        elif x in b1:  # case II
+            p = min(c, p + max(len(b2) / len(b1), 1))
+            replace(x)
+            b1.remove(x)
+            t2.append(x)
+        elif x in b2:  # case III
+            p = max(0.0, p - max(len(b1) / len(b2), 1))
+            replace(x)
+            b2.remove(x)
+            t2.append(x)
+        else:  # case IV
+            l1 = len(t1) + len(b1)
+            if l1 == c:
+                if len(t1) < c:
+                    b1.pop(0)
+                    replace(x)
+                else:
+                    out.append(t1.pop(0))
+            elif l1 + len(t2) + len(b2) >= c:
+                if l1 + len(t2) + len(b2) == 2 * c:
+                    b2.pop(0)
+                replace(x)
+            t1.append(x)
+    return out
+
+
+def pool_arc(c: int, refs: list[str], policy: str) -> list[str]:
+    """The same reference string on a BlockPool of ``c`` blocks: a hit is touch + free, a miss is
+    ``missed`` (before the allocation, as an engine that looked the prefix up), allocate, publish, free."""
+    pool, out = BlockPool(c, policy=policy), []
+    pool.set_eviction_listener(lambda ids, hashes: out.extend(hashes))
+    for x in refs:
+        block = pool.get_cached_block(x)
+        if block is None:
+            pool.missed([x])
+            block = pool.allocate(1)[0]
+            pool.cache_blocks([block], [x])
+        else:
+            pool.touch([block])
+        pool.free([block])
+    pool.check_integrity()
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_arc_evicts_as_the_papers_arc(seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    c = rng.choice([3, 5, 8])
+    # a skewed working set larger than the cache, with scans: every ARC case occurs
+    refs = [f"h{min(int(rng.paretovariate(1.0)), 4 * c)}" if rng.random() < 0.7
+            else f"s{rng.randrange(3 * c)}" for _ in range(3000)]
+    expected = paper_arc(c, refs)
+    assert len(expected) > 500
+    assert pool_arc(c, refs, "arc") == expected
+
+
+def test_arc_vllm_departs_from_the_paper_on_the_same_string() -> None:
+    import random
+
+    rng = random.Random(7)
+    refs = [f"k{rng.randrange(12)}" for _ in range(500)]
+    assert pool_arc(5, refs, "arc-vllm") != paper_arc(5, refs)
+
+
+def test_arc_vllm_rules_by_hand() -> None:
+    # vLLM 0.33's arc: a ghost that misses moves p and returns to T1; T1 gives victims while |T1| >= int(p)
+    pool = BlockPool(3, policy="arc-vllm")
+    arc = pool.policy
+    assert isinstance(arc, ARCPolicy) and arc.variant == "vllm" and arc.name == "arc-vllm"
+    blocks = pool.allocate(3)
+    pool.cache_blocks(blocks, ["a", "b", "c"])  # T1: a b c
+    pool.touch([2])  # c hit: T2
+    pool.free(blocks)
+    pool.free([2])  # evictable: T1 a, b; T2 c
+    assert pool.allocate(1) == [0]  # |T1| = 2 >= int(0): a, to B1
+    assert list(arc.b1) == ["a"]
+    pool.missed(["a"])  # a B1 ghost misses: p += max(|B2| / |B1|, 1) = 1
+    assert arc.p == 1.0
+    pool.cache_blocks([0], ["a"])  # ... and re-enters T1 (the paper: T2), leaving B1
+    assert (arc.size_t1, arc.size_t2) == (2, 1) and not arc.b1
+    pool.free([0])
+    # |T1| = 2 >= int(1): T1 first (b, a), then c; the paper's |T1| > p holds too, so they agree here
+    assert pool.evictable_blocks() == [1, 0, 2]
+    pool.missed(["zz"])  # no ghost: nothing moves
+    arc.p = 2.0  # (as after a second B1 hit) |T1| = 2 >= int(2): b from T1 (the paper: c from T2 first);
+    assert pool.evictable_blocks() == [1, 2, 0]  # then |T1| = 1 < 2: c from T2, then a
+    assert ARCPolicy().order() == [] and make_policy("arc-vllm").name == "arc-vllm"
+
+
+def test_arc_variant_is_checked() -> None:
+    with pytest.raises(InvalidArgumentError, match="variant"):
+        ARCPolicy("vLLM")
 
 
 # ---- pins -----------------------------------------------------------------------------------------------

@@ -544,6 +544,24 @@ class BlockPool:
         self._misses += len(hashes) - len(hit)
         return hit
 
+    def missed(self, block_hashes: Sequence[Hashable]) -> None:
+        """Tell the policy that ``block_hashes`` (a list or tuple, head first) missed and are about to be
+        stored, before the ``allocate`` that makes room for them: it observes them tail first. Only ARC
+        reads it (a miss on a ghost moves its target before the eviction, as the paper and vLLM's
+        ``on_store_miss`` do); no stats change. Cached hashes are skipped.
+
+        Raises:
+            InvalidArgumentError: an unhashable hash (nothing observed).
+        """
+        hashes = list(block_hashes)
+        try:
+            absent = [h for h in hashes if h not in self._index]
+        except TypeError:
+            raise InvalidArgumentError("block hashes must be hashable") from None
+        policy = self._policy
+        for h in reversed(absent):
+            policy.missed(h)
+
     def match_prefix(self, block_hashes: Sequence[Hashable]) -> list[int]:
         """:meth:`lookup` without counting stats: the block ids of the longest cached prefix of
         ``block_hashes`` (a list or tuple). Raises InvalidArgumentError for an unhashable hash."""

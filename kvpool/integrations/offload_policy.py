@@ -3,12 +3,14 @@
 vLLM's CPU offload tier (``CPUOffloadingManager``) owns a fixed pool of ``capacity`` chunks and asks a
 ``CachePolicy`` which ones to evict. :class:`OffloadPolicy` answers with a kvpool
 :class:`~kvpool.allocators.policies.EvictionPolicy` (``lru``, ``fifo``, ``lfu``, ``slru``, ``priority``,
-``arc``), whose block ids are the chunk ids, calling it exactly as a kvpool
+``arc``, ``arc-vllm``), whose block ids are the chunk ids, calling it exactly as a kvpool
 :class:`~kvpool.allocators.block_pool.BlockPool` does for the same events:
 
 ========================================  ==========================================================
 engine event                              what the pool does (the policy calls it makes)
 ========================================  ==========================================================
+``on_store_miss`` (keys to be stored)     ``missed``: ``missed(key)`` of each, tail first, before
+                                          the eviction that makes room for them
 ``insert`` (a store allocated a chunk)    ``cache_blocks``: ``published(chunk, key)``
 ``mark_evictable`` (ref count -> 0)       ``free``: ``insert(chunk, priority)``
 ``mark_non_evictable`` (a load began)     ``pin``: ``remove(chunk)`` (no hit)
@@ -129,6 +131,14 @@ class OffloadPolicy:
             if evictable[block]:
                 policy.remove(block)
                 self._release(block)
+
+    def missed(self, keys: Sequence[Hashable]) -> None:
+        """``keys`` (head first) missed and are about to be stored: the policy observes each absent one,
+        tail first, before the eviction that makes room (ARC adapts its target to a ghost)."""
+        chunks, policy = self.chunks, self.policy
+        for key in reversed(keys):
+            if key not in chunks:
+                policy.missed(key)
 
     def set_priority(self, keys: Collection[Hashable], priority: int) -> None:
         """Give the present ``keys`` retention priority ``priority`` (applied when next made evictable)."""

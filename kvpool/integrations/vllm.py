@@ -3,7 +3,8 @@ tier over kvpool's disk and Redis tiers. Imports vLLM: only vLLM's configuration
 
 **Policies** (``vllm/v1/kv_offload/cpu/policies/base.py``, ``CachePolicy``): :class:`KvpoolLRU`,
 :class:`KvpoolFIFO`, :class:`KvpoolLFU`, :class:`KvpoolSLRU`, :class:`KvpoolPriority`, :class:`KvpoolARC`,
-each kvpool's policy of that name (:mod:`kvpool.allocators.policies`) driven as
+:class:`KvpoolARCVllm` (``arc-vllm``: vLLM's own ARC rules), each kvpool's policy of that name
+(:mod:`kvpool.allocators.policies`) driven as
 :class:`~kvpool.integrations.offload_policy.OffloadPolicy` describes. vLLM loads one by class name::
 
     kv_connector_extra_config = {"cpu_bytes_to_use": 8 << 30, "eviction_policy": "KvpoolLFU",
@@ -104,7 +105,7 @@ class KvpoolCachePolicy(CachePolicy):
         self.core.access(list(keys), request_priority(req_context))
 
     def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
-        return  # a miss is no access; ARC learns from its ghosts when the key is inserted
+        self.core.missed(list(keys))  # no access: ARC adapts its target to a ghost before the eviction
 
     def on_request_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         self.core.set_priority(list(keys), request_priority(req_context))
@@ -179,17 +180,34 @@ class KvpoolPriority(KvpoolCachePolicy):
 
 
 class KvpoolARC(KvpoolCachePolicy):
-    """kvpool's ``arc`` (Megiddo and Modha's ARC as kvpool implements it; docs/integrations.md: how it differs
-    from vLLM's built-in ``arc``)."""
+    """kvpool's ``arc``: Megiddo and Modha's ARC (:class:`~kvpool.allocators.policies.ARCPolicy`;
+    docs/integrations.md: how it differs from vLLM's built-in ``arc``)."""
 
     @classmethod
     def make_policy(cls) -> EvictionPolicy:
         return ARCPolicy()
 
 
+class KvpoolARCVllm(KvpoolCachePolicy):
+    """kvpool's ``arc-vllm``: ARC with vLLM 0.33's rules (``ARCPolicy(variant="vllm")``), which evicts as
+    vLLM's built-in ``arc`` does; for a fleet that wants vLLM's ``arc`` with kvpool's other pieces."""
+
+    @classmethod
+    def make_policy(cls) -> EvictionPolicy:
+        return ARCPolicy("vllm")
+
+    def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        """A hit for each ready chunk (vLLM's ``arc`` leaves a chunk still being stored in T1), a miss
+        observed for each absent key (vLLM's ``arc`` adapts its target to a ghost here too)."""
+        keys, core = list(keys), self.core
+        ready = {k for k in keys if (c := core.chunks.get(k)) is not None and c.ref_cnt >= 0}
+        core.access(keys, request_priority(req_context), ready)
+        core.missed(keys)
+
+
 #: The policy adapters by kvpool policy name.
 POLICY_CLASSES = {"lru": KvpoolLRU, "fifo": KvpoolFIFO, "lfu": KvpoolLFU, "slru": KvpoolSLRU,
-                  "priority": KvpoolPriority, "arc": KvpoolARC}
+                  "priority": KvpoolPriority, "arc": KvpoolARC, "arc-vllm": KvpoolARCVllm}
 
 
 # ---- the secondary tier -----------------------------------------------------------------------------

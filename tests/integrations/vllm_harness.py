@@ -90,8 +90,9 @@ class PoolModel:
     """The same events on a kvpool ``BlockPool`` of ``capacity`` blocks with policy ``name``: a store
     allocates and publishes (``cache_blocks``), a completed store or load frees, a load holds its blocks
     (``pin``, or ``touch`` where the policy's hit is a no-op and a retention priority must reach ``free``),
-    a reuse is ``touch`` + ``free``; a store that must evict holds the offer's evictable blocks while it
-    allocates. Evictions are read from the pool's eviction listener."""
+    a reuse is ``touch`` + ``free``; the keys a store is offered that are not cached are reported with
+    ``missed`` before it allocates (vLLM's ``on_store_miss``); a store that must evict holds the offer's
+    evictable blocks while it allocates. Evictions are read from the pool's eviction listener."""
 
     TOUCH_HOLD = ("lru", "fifo", "priority")
 
@@ -138,6 +139,7 @@ class PoolModel:
             self.prio[b] = prio
         rest = hashes[hits:]
         new = [h for h in rest if self.block(h) is None]
+        self.pool.missed(new)  # vLLM's on_store_miss: before the eviction that makes room
         ready = [h for h in rest if self.block(h) is not None and h not in self.pending]
         for h in ready:
             self.prio[self.block(h)] = prio
