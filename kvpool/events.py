@@ -433,8 +433,8 @@ class KVEventSink:
         wire form (a placeholder beside a null block) goes out with parent None."""
         n = len(block_hashes)
         tokens = None if token_ids is None else _int_list(token_ids)
-        if tokens is token_ids:
-            tokens = tokens[:]  # type: ignore[index]
+        if tokens is not None and tokens is token_ids:
+            tokens = tokens[:]  # the sink's own copy
         self._store(block_hashes, None if len(new) == n else list(new), parent_hash, tokens, extra_keys,
                     lora_name)
 
@@ -523,14 +523,16 @@ class KVEventSink:
         if not buf.records:
             return events
         records = buf.take_records()
-        append = events.append
+        append, stored, last, fields = events.append, BlockStored, None, (0, None, None, None, None)
         for record in records:
             kind = type(record)
             if kind is tuple and len(record) == 5:  # one event, its lists as the recorder copied them
                 rec, hashes, parent, tokens, lora_name = record
-                append(BlockStored(hashes, parent, [] if tokens is None else tokens, rec.block_size, None,
-                                   rec.medium, lora_name, [None] * len(hashes), rec.group, rec.kind,
-                                   rec.window))
+                if rec is not last:  # (one recorder's records, mostly: its fields read once)
+                    last, fields = rec, (rec.block_size, rec.medium, rec.group, rec.kind, rec.window)
+                bs, medium, group, spec_kind, window = fields
+                append(stored(hashes, parent, [] if tokens is None else tokens, bs, None, medium, lora_name,
+                              [None] * len(hashes), group, spec_kind, window))
             elif kind is tuple:
                 record[0]._stored_events(record, append)
             elif kind is list:
