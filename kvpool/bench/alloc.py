@@ -238,7 +238,8 @@ def _naive_touch_ns(size: int, k: int, repeat: int) -> float:
 
 def _evict_ns(size: int, n: int, k: int, repeat: int, sink: Any = None, policy: str = "lru") -> float:
     """allocate(n) x k/n when the only free blocks are k cached ones (the rest of the pool is held)."""
-    return median_ns(*_evict_case(size, n, k, sink, policy), ops=k, repeat=repeat)
+    timed, setup = _evict_case(size, n, k, sink, policy)
+    return median_ns(timed, ops=k, repeat=repeat, setup=setup)
 
 
 def _evict_case(size: int, n: int, k: int, sink: Any = None, policy: str = "lru"
