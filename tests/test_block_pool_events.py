@@ -214,3 +214,13 @@ def test_a_hybrid_replay_names_each_group() -> None:
     keys = [pool.block_hash(b) for b in range(200)]
     assert +cached == Counter(split_group_key(k) for k in keys if k is not None)
     assert {g for g, _ in +cached} == {0, 1} and result.evictions > 0 and result.hit_blocks > 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_call_without_token_ids_reports_none_under_every_path(policy: str) -> None:
+    # LRU records through the one-call path, LFU checks first and reports after: the same event either way
+    pool, sink = recorded(policy=policy)
+    a = pool.allocate(2)
+    pool.cache_blocks(a, H[:2])
+    pool.cache_blocks(a, H[:2], token_ids=[1, 2, 3, 4])  # already published: nothing new
+    assert sink.take_events() == [stored(H[:2], None, [])]

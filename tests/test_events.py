@@ -154,6 +154,64 @@ def test_sink_flushes_itself_at_its_bound() -> None:
     assert [len(b.events) for b in pub.drain()] == [3, 3] and sink.pending_events == 2
 
 
+def test_a_call_past_the_bound_fills_the_batch_and_keeps_the_rest() -> None:
+    # max_batch_events=2: one storing call of three runs (positions 0, 2, 4 of five) is three events; the
+    # sink publishes exactly two when the second is recorded, as if each went out when recorded, and keeps
+    # the third; a removal then starts a new event (the last one kept is a BlockStored).
+    pub = QueueEventPublisher()
+    sink = KVEventSink(pub, block_size=1, max_batch_events=2)
+    sink.check_and_store(H[:5], [0, 2, 4], None, [10, 11, 12, 13, 14], None, None)
+    batches = pub.drain()
+    assert [b.events for b in batches] == [[BlockStored([H[0]], None, [10], 1, None, "GPU", None, [None], 0,
+                                                        "full_attention"),
+                                            BlockStored([H[2]], H[1], [12], 1, None, "GPU", None, [None], 0,
+                                                        "full_attention")]]
+    assert sink.pending_events == 1
+    sink.removed([H[4]])  # the second event: the batch goes out
+    sink.removed([H[3]])  # after a flush: a new event
+    assert [b.events for b in pub.drain()] == [
+        [BlockStored([H[4]], H[3], [14], 1, None, "GPU", None, [None], 0, "full_attention"),
+         BlockRemoved([H[4]], "GPU", 0)]]
+    assert sink.take_events() == [BlockRemoved([H[3]], "GPU", 0)]
+
+
+def test_removals_join_per_group_and_medium_until_something_comes_between() -> None:
+    # Keys (group, hash); int64 hashes (the last 8 bytes). A removal naming groups 0 then 1 is two events:
+    # with a reset before them the first fills the batch of two, the second is kept and the next removal of
+    # group 1 joins it; one of the CPU sink recording into the same buffer does not, nor one of group 0.
+    pub = QueueEventPublisher()
+    sink = KVEventSink(pub, block_size=1, max_batch_events=2, hash_format="int64")
+    sink.use_groups(lambda key: key, {0: ("full_attention", None), 1: ("sliding_attention", 4)})
+    host = sink.for_medium("CPU")
+    wire = [int.from_bytes(h[8:], "big") for h in H]
+    sink.cleared()
+    sink.removed([(0, H[1]), (1, H[2])])
+    assert [b.events for b in pub.drain()] == [[AllBlocksCleared(), BlockRemoved([wire[1]], "GPU", 0)]]
+    sink.removed([(1, H[3])])
+    assert sink.pending_events == 1
+    host.removed([(1, H[4])])
+    assert [b.events for b in pub.drain()] == [[BlockRemoved(wire[2:4], "GPU", 1),
+                                                BlockRemoved([wire[4]], "CPU", 1)]]
+    sink.removed([(1, H[5])])
+    sink.removed([(0, H[6])])
+    assert sink.take_events() == [] and [b.events for b in pub.drain()] == [
+        [BlockRemoved([wire[5]], "GPU", 1), BlockRemoved([wire[6]], "GPU", 0)]]
+
+
+def test_the_sink_keeps_its_own_copy_of_what_a_call_named() -> None:
+    # Events are built when taken: a caller that reuses its lists after the call changes nothing sent.
+    from kvpool.allocators.block_pool import BlockPool
+
+    sink = KVEventSink(QueueEventPublisher(), block_size=2)
+    pool = BlockPool(4, event_sink=sink)
+    blocks = pool.allocate(2)
+    hashes, tokens, keys = [H[0], H[1]], [1, 2, 3, 4], [None, (("salt", "s"),)]
+    pool.cache_blocks(blocks, hashes, token_ids=tokens, extra_keys=keys)
+    hashes[1], tokens[3], keys[1] = H[7], 99, None
+    assert sink.take_events() == [BlockStored([H[0], H[1]], None, [1, 2, 3, 4], 2, None, "GPU", None,
+                                              [None, ("s",)], 0, "full_attention")]
+
+
 def test_a_sink_flushing_itself_into_a_closed_publisher_never_breaks_the_pool() -> None:
     # An evicting allocate records BlockRemoved after taking the victim; the sink then fills up and flushes
     # itself. A closed publisher used to raise there, leaving the victim neither in use nor free.

@@ -14,6 +14,8 @@ RANKS = {
     # _native (compiled or interpreted modules) runs before everything and imports only the standard library
     "_native": -1,
     "errors": 0, "numeric": 0.5, "units": 0.7, "options": 0.8, "events": 1, "hf_config": 1, "spec": 2,
+    # the buffer a KV event sink records into, compiled with the pool's hot path: beneath events
+    "event_buffer": 0.9,
     "planner": 3,
     # the KV event subscriber over the wire format and sockets of events (which re-exports it lazily)
     "events_subscriber": 1.1,

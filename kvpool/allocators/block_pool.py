@@ -56,6 +56,7 @@ from kvpool.errors import (
     OutOfBlocksError,
     PinLimitError,
 )
+from kvpool.event_buffer import EventRecorder
 from kvpool.numeric import IntArg, RealArg, as_id_list, as_int, as_real
 from kvpool.units import plural
 
@@ -153,6 +154,7 @@ class BlockPool:
         self._num_dups = 0  # blocks in the lists of _dups
         self._hits = self._misses = self._evictions = 0
         self._sink = event_sink
+        self._rec = _recorder(event_sink)
         self._on_evict: EvictionListener | None = None
         self._on_publish: EvictionListener | None = None
 
@@ -240,8 +242,10 @@ class BlockPool:
     def _evict(self, m: int) -> list[int]:
         """Take ``m`` blocks from the LRU head, dropping their hashes from the index first."""
         lru = self._lru
-        if lru is None or self._on_evict is not None or self._sink is not None or self._dups:
+        if lru is None or self._on_evict is not None or self._dups:
             return self._evict_and_tell(m)
+        if self._sink is not None:
+            return self._evict_recorded(m, self._sink)
         popitem, index, hashes, out = lru.popitem, self._index, self._hash, []
         for _ in range(m):
             block = popitem(False)[0]
@@ -249,6 +253,24 @@ class BlockPool:
             hashes[block] = None
             out.append(block)
         self._evictions += m
+        return out
+
+    def _evict_recorded(self, m: int, sink: KVEventSink) -> list[int]:
+        """:meth:`_evict` (LRU, every hash held by one block) telling ``sink`` the hashes that left."""
+        lru = self._lru
+        assert lru is not None
+        popitem, index, hashes, out, gone = lru.popitem, self._index, self._hash, [], []
+        for _ in range(m):
+            block = popitem(False)[0]
+            h = hashes[block]
+            del index[h]
+            hashes[block] = None
+            out.append(block)
+            gone.append(h)
+        self._evictions += m
+        rec = self._rec
+        if rec is None or not rec.removed(gone):
+            sink.removed(gone)
         return out
 
     def _evict_and_tell(self, m: int) -> list[int]:
@@ -489,30 +511,55 @@ class BlockPool:
     def _cache_recorded(self, ids: list[int], block_hashes: Sequence[Hashable], sink: KVEventSink,
                         parent_hash: Hashable | None, token_ids: Sequence[int] | None,
                         extra_keys: Sequence[tuple | None] | None, lora_name: str | None) -> None:
-        """:meth:`cache_blocks` telling ``sink`` which positions of the call entered the index."""
+        """:meth:`cache_blocks` telling ``sink`` which positions of the call entered the index: in one call
+        made before anything changes (``check_and_store``), where the positions are known then (LRU, no
+        admission filter), else checked first and told after."""
         keep: Sequence[int] = range(len(ids))
         kept_ids, kept_hashes = ids, block_hashes
         if self._reserved and 0 in ids:
             keep = _non_null_positions(ids)
             kept_ids, kept_hashes = [ids[i] for i in keep], [block_hashes[i] for i in keep]
         self._check_publish(kept_ids, kept_hashes)
+        if self._lru is None or self._admission is not None:
+            self._cache_entered(ids, block_hashes, keep, kept_ids, kept_hashes, sink, parent_hash, token_ids,
+                                extra_keys, lora_name)
+            return
+        hashes = self._hash
+        new = [i for i, block in zip(keep, kept_ids, strict=True) if hashes[block] is None]
+        if not new:
+            sink.check_publish(kept_hashes, parent_hash, len(ids), token_ids, extra_keys)
+            return
+        rec = self._rec
+        if len(new) < len(ids) or extra_keys is not None or rec is None or not rec.store(
+                block_hashes, parent_hash, token_ids, lora_name):  # (the recorder took a plain call)
+            sink.check_and_store(block_hashes, None if len(new) == len(ids) else new, parent_hash, token_ids,
+                                 extra_keys, lora_name, kept_hashes)
+        index, entered = self._index, []
+        for i in new:
+            block, h = ids[i], block_hashes[i]
+            if index.setdefault(h, block) == block:
+                entered.append(i)
+            else:
+                self._add_holder(block, h)
+            hashes[block] = h
+        if self._on_publish is not None and entered:
+            self._on_publish([ids[i] for i in entered], [block_hashes[i] for i in entered])
+
+    def _cache_entered(self, ids: list[int], block_hashes: Sequence[Hashable], keep: Sequence[int],
+                       kept_ids: list[int], kept_hashes: Sequence[Hashable], sink: KVEventSink,
+                       parent_hash: Hashable | None, token_ids: Sequence[int] | None,
+                       extra_keys: Sequence[tuple | None] | None, lora_name: str | None) -> None:
+        """:meth:`_cache_recorded` through the policy interface and the admission filter (which decides
+        which positions enter): the sink checks the call first and is told the positions after."""
         sink.check_publish(kept_hashes, parent_hash, len(ids), token_ids, extra_keys)
-        index, hashes, new, entered = self._index, self._hash, [], []
-        inline = self._lru is not None and self._admission is None  # else through _enter
+        hashes, new, entered = self._hash, [], []
         for i, block, h in zip(keep, kept_ids, kept_hashes, strict=True):
             if hashes[block] is None:
-                if inline:
-                    if index.setdefault(h, block) == block:
-                        entered.append(i)
-                    else:
-                        self._add_holder(block, h)
-                    hashes[block] = h
-                else:
-                    how = self._enter(block, h)
-                    if not how:
-                        continue
-                    if how == 1:
-                        entered.append(i)
+                how = self._enter(block, h)
+                if not how:
+                    continue
+                if how == 1:
+                    entered.append(i)
                 new.append(i)
         if new:
             sink.stored(block_hashes, new, parent_hash, token_ids, extra_keys, lora_name)
@@ -809,6 +856,7 @@ class BlockPool:
         if self._sink is not None or self._index:
             raise InvalidArgumentError("attach an event sink to a pool with none and an empty prefix index")
         self._sink = sink
+        self._rec = _recorder(sink)
 
     @property
     def num_blocks(self) -> int:
@@ -933,6 +981,13 @@ class BlockPool:
                 f"cached={self.num_cached_blocks}{pins}{null})")
 
 
+
+
+def _recorder(sink: object) -> EventRecorder | None:
+    """The recorder of ``sink`` (a :class:`kvpool.events.KVEventSink`) that plain calls go through, or None
+    (no sink, or one of another kind: every call goes to the sink)."""
+    rec = getattr(sink, "recorder", None)
+    return rec if isinstance(rec, EventRecorder) else None
 
 
 def _new_listener(current: EvictionListener | None, listener: EvictionListener | None,

@@ -131,6 +131,8 @@ class KVCacheCoordinator:
         self._hit_order = sorted(groups, key=lambda g: g.kind is not LayerKind.FULL)
         self._one_full_group = len(groups) == 1 and groups[0].kind is LayerKind.FULL
         self._windowed = [g for g in groups if g.kind is not LayerKind.FULL]
+        # each windowed group as (index, sliding (else chunked), window): its skipped blocks in arithmetic
+        self._windows = [(g.index, g.kind is LayerKind.SLIDING, g.window or 0) for g in self._windowed]
         self._reqs: dict[Hashable, _Request] = {}
         self._hits = self._misses = 0
 
@@ -322,9 +324,9 @@ class KVCacheCoordinator:
 
     def _grow(self, request_id: Hashable, tables: list[list[int]], grow: int) -> None:
         """Add ``grow`` > 0 blocks to every table of a running request, in one pool call."""
-        need = grow * len(tables)
-        try:
-            blocks = self.pool.allocate(need)  # hands out nothing when it raises
+        need, pool = grow * len(tables), self.pool
+        try:  # hands out nothing when it raises; made natively where the pool is compiled
+            blocks = pool.allocate(need) if isinstance(pool, BlockPool) else pool.allocate(need)
         except OutOfBlocksError:
             free = self.pool.num_free_blocks
             raise OutOfBlocksError(f"request {request_id!r} needs {plural(need, 'block')} over "
@@ -390,26 +392,23 @@ class KVCacheCoordinator:
 
     def _remove_skipped(self, req: _Request, num_computed_tokens: int) -> int:
         tables, skipped, freed, next_skip = req.tables, req.skipped, 0, 2**62
-        for group in self._windowed:
-            g = group.index
+        pool, null, bs = self.pool, self.null_block, self.block_size
+        for g, sliding, window in self._windows:
             table = tables[g]
-            dead = group.skipped_blocks(num_computed_tokens)
-            end = min(dead, len(table))
-            if end > skipped[g]:
-                self.pool.free(table[skipped[g]:end])
-                table[skipped[g]:end] = [self.null_block] * (end - skipped[g])
-                freed += end - skipped[g]
+            dead = _skipped_blocks(sliding, window, bs, num_computed_tokens)
+            end, first = min(dead, len(table)), skipped[g]
+            if end > first:
+                ids = table[first:end]
+                if isinstance(pool, BlockPool):  # the same call, made natively where the pool is compiled
+                    pool.free(ids)
+                else:
+                    pool.free(ids)
+                table[first:end] = [null] * (end - first)
+                freed += end - first
                 skipped[g] = end
-            next_skip = min(next_skip, self._skip_moves_at(group, dead) if end == dead else 0)
+            next_skip = min(next_skip, _skip_moves_at(sliding, window, bs, dead) if end == dead else 0)
         req.next_skip = next_skip
         return freed
-
-    def _skip_moves_at(self, group: KVCacheGroup, dead: int) -> int:
-        """The fewest computed tokens at which ``group.skipped_blocks`` exceeds ``dead``."""
-        first_live = (dead + 1) * self.block_size  # the first token of block ``dead``, plus one block
-        if group.kind is LayerKind.SLIDING:  # (n - W + 1) // B > dead  <=>  n >= (dead + 1) B + W - 1
-            return first_live + group.window - 1  # type: ignore[operator]
-        return group.window * cdiv(first_live, group.window)  # type: ignore[operator,arg-type]
 
     def cache_blocks(self, request_id: Hashable, block_hashes: Sequence[Hashable], num_tokens: IntArg, *,
                      token_ids: Sequence[int] | None = None) -> None:
@@ -435,13 +434,17 @@ class KVCacheCoordinator:
         if len(block_hashes) < full or len(tables[0]) < full:  # every group's table has one length
             raise InvalidArgumentError(f"{num_tokens} tokens need {full} hashes and blocks in every group, "
                                        f"got {len(block_hashes)} hashes")
-        hashes, events = list(block_hashes[start:full]), self.pool.event_sink is not None
-        if not events:  # one pool call for every group (the pool skips null entries)
+        pool = self.pool
+        hashes = list(block_hashes[start:full])
+        if pool.event_sink is None:  # one pool call for every group (the pool skips null entries)
             ids, keys = tables[0][start:full], hashes
             for g in range(1, len(tables)):
-                ids = ids + tables[g][start:full]
+                ids += tables[g][start:full]
                 keys = keys + [(g, h) for h in hashes]
-            self.pool.cache_blocks(ids, keys)
+            if isinstance(pool, BlockPool):  # the same call, made natively where the pool is compiled
+                pool.cache_blocks(ids, keys)
+            else:
+                pool.cache_blocks(ids, keys)
             req.published = full  # type: ignore[union-attr]
             return
         if token_ids is not None and len(token_ids) < full * self.block_size:
@@ -609,6 +612,26 @@ class KVCacheCoordinator:
     def __repr__(self) -> str:
         return (f"KVCacheCoordinator(groups={len(self.groups)}, requests={len(self._reqs)}, "
                 f"pool={self.pool!r})")
+
+
+def _skipped_blocks(sliding: bool, window: int, block_size: int, num_tokens: int) -> int:
+    """:meth:`KVCacheGroup.skipped_blocks` of a windowed group (``window`` 0: none), in arithmetic."""
+    if not window:
+        return 0
+    if sliding:
+        return max(0, (num_tokens - window + 1) // block_size)
+    return window * (num_tokens // window) // block_size
+
+
+def _skip_moves_at(sliding: bool, window: int, block_size: int, dead: int) -> int:
+    """The fewest computed tokens at which :func:`_skipped_blocks` exceeds ``dead`` (never, 2**62, for no
+    window)."""
+    if not window:
+        return 2**62
+    first_live = (dead + 1) * block_size  # the first token of block ``dead``, plus one block
+    if sliding:  # (n - W + 1) // B > dead  <=>  n >= (dead + 1) B + W - 1
+        return first_live + window - 1
+    return window * cdiv(first_live, window)
 
 
 def _key_group(key: Hashable) -> int:

@@ -26,6 +26,21 @@ def median_ns(fn: Callable[[], object], *, ops: int, repeat: int = 5,
     return statistics.median(samples)
 
 
+def alternated_ns(cases: Mapping[str, tuple[Callable[[], object], Callable[[], object] | None]], *, ops: int,
+                  repeat: int = 5) -> dict[str, float]:
+    """:func:`median_ns` of each ``name: (fn, setup)`` of ``cases``, the cases run in turn within each
+    repetition (A, B, A, B, ...), so that a ratio of two of them sees the same machine load."""
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeat):
+        for name, (fn, setup) in cases.items():
+            if setup is not None:
+                setup()
+            start = time.perf_counter_ns()
+            fn()
+            samples[name].append((time.perf_counter_ns() - start) / ops)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
 def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
     """Print an aligned table; floats get 1 decimal (3 for ratios below 10), None prints ``-``."""
 
