@@ -119,6 +119,7 @@ def test_engine_bench_on_a_tiny_model_sizes_the_pool_from_its_prompts(capsys: py
     runs = result["results"]
     assert runs["kvpool generate"]["generated_tokens"] == 4 * 2
     assert runs["transformers generate_batch"]["same_tokens_as_kvpool"]  # greedy: the same tokens
+    assert runs["kvpool generate, attention=paged"]["same_tokens_as_kvpool"]  # both attention paths
 
 
 def test_groups_rows_and_ratios(capsys: pytest.CaptureFixture) -> None:

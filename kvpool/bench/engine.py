@@ -82,7 +82,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for result in results.values():
         result["speedup_vs_generate_batch"] = base / result["seconds"]
         result["same_tokens_as_kvpool"] = result.pop("tokens") == ours
-    out = {"model": args.model, "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
+    out = {"model": args.model, "rounds": args.rounds, "prompts": len(prompts),
+           "prompt_tokens": [len(p) for p in prompts],
            "max_new_tokens": args.max_new_tokens, "num_blocks": num_blocks, "block_size": BLOCK_SIZE,
            "threads": torch.get_num_threads(), "results": results}
     if tp is not None:
@@ -90,7 +91,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not args.json:
         rows = [(name, r["seconds"], r["tokens_per_s"], r["speedup_vs_generate_batch"],
                  r["same_tokens_as_kvpool"]) for name, r in results.items()]
-        title = f"engine: {args.model}, {len(prompts)} prompts x {args.max_new_tokens} greedy tokens, one run"
+        runs_note = "one run" if args.rounds == 1 else f"median of {args.rounds} alternated runs"
+        title = (f"engine: {args.model}, {len(prompts)} prompts x {args.max_new_tokens} greedy tokens, "
+                 f"{runs_note}")
         print_table(title, ["method", "seconds", "tokens/s", "x generate_batch", "same tokens"], rows)
         if tp is not None:
             _print_tp(tp)
