@@ -116,8 +116,8 @@ def _kernel() -> Any:
 
     try:
         return load_inline("kvpool_paged_attention", cpp_sources=_SOURCE.read_text(),
-                           functions=["paged_attention"], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"])
+                           functions=["paged_attention"], extra_ldflags=["-fopenmp"],
+                           extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"])
     except Exception as exc:  # a missing compiler, ninja or headers: say so once, typed
         raise ConfigError(f"attention='paged' needs its C++ kernel, which did not build ({exc}); use "
                           "attention='gather'") from exc

@@ -126,13 +126,16 @@ void attend_item(const Shape& s, const T* q, const T* kc, const T* vc, const int
       const float c = std::exp(mx[j] - m);
       float* a = acc + j * s.dv;
       for (int64_t i = 0; i < s.dv; ++i) a[i] *= c;
-      sum[j] *= c;
       mx[j] = m;
-      for (int64_t o = o0; o < o1; ++o) {
-        const float e = std::exp(score[j * s.block + o] - m);
-        score[j * s.block + o] = e;
-        sum[j] += e;
+      float* row = score + j * s.block;
+      float l = 0.f;
+#pragma omp simd reduction(+ : l)
+      for (int64_t o = o0; o < o1; ++o) {  // vectorized expf (glibc's libmvec; -fno-math-errno)
+        const float e = std::exp(row[o] - m);
+        row[o] = e;
+        l += e;
       }
+      sum[j] = sum[j] * c + l;
     }
     for (int64_t o = o0; o < o1; ++o) {
       float w[8];
