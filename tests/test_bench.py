@@ -53,6 +53,17 @@ def test_storage_rows_and_ratios(capsys: pytest.CaptureFixture) -> None:
         assert row["ratio"] == pytest.approx(row["copy_us"] / row["store_kv_us"])
 
 
+def test_attention_rows_ratios_and_agreement(capsys: pytest.CaptureFixture) -> None:
+    result = bench(capsys, "attention", "--contexts", "8,20", "--requests", "2", "--repeat", "1")
+    rows = result["rows"]
+    assert [(r["phase"], r["context"], r["query_tokens"]) for r in rows] == [
+        ("decode", 8, 2), ("decode", 20, 2), ("prefill", 8, 8), ("prefill", 20, 20)]
+    for row in rows:  # one repetition: each ratio is the quotient of the two times it reports
+        assert row["paged_vs_contiguous"] == pytest.approx(row["contiguous_us"] / row["paged_us"])
+        assert row["paged_vs_gather"] == pytest.approx(row["gather_us"] / row["paged_us"])
+        assert row["max_abs_diff"] < 1e-5 and row["max_abs_diff_contiguous"] < 1e-5  # the same attention
+
+
 def test_replay_ops_per_second(capsys: pytest.CaptureFixture) -> None:
     result = bench(capsys, "replay", "--max-requests", "20")
     for block_size in (512, 16):
@@ -108,6 +119,7 @@ def test_engine_bench_on_a_tiny_model_sizes_the_pool_from_its_prompts(capsys: py
     runs = result["results"]
     assert runs["kvpool generate"]["generated_tokens"] == 4 * 2
     assert runs["transformers generate_batch"]["same_tokens_as_kvpool"]  # greedy: the same tokens
+    assert runs["kvpool generate, attention=paged"]["same_tokens_as_kvpool"]  # both attention paths
 
 
 def test_groups_rows_and_ratios(capsys: pytest.CaptureFixture) -> None:

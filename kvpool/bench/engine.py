@@ -8,6 +8,11 @@ the same blocks of 16 tokens and 256 tokens per step. ``--num-blocks`` sets both
 what the longest prompt needs when that is more (``ceil((prompt + max_new_tokens - 1) / 16)``: the tiny
 models' byte tokenizer makes the built-in prompts ~1,200 tokens, 79 blocks with 32 new tokens).
 
+kvpool runs twice: ``attention="gather"`` (the default: each context gathered out of the pool, then SDPA)
+and ``attention="paged"`` (the in-place kernel of :mod:`kvpool.engine.paged_attention`; its one-time build
+happens before the timing). ``--rounds N`` runs every method N times, alternated (one of each, then the next
+round), and reports each method's median.
+
 Threads: torch runs on 1 CPU thread by default (``--threads``, as every command). On a 2-core machine
 shared with other work, two intra-op threads make every parallel op wait for the busy core; transformers'
 ``generate_batch`` steps in a background thread and suffers less from it than the main-thread loops of
@@ -39,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"KV blocks of {BLOCK_SIZE} tokens for kvpool and generate_batch (default: "
                              f"{NUM_BLOCKS}, or what the longest prompt needs)")
     parser.add_argument("--skip-padded", action="store_true", help="skip padded generate (the slowest)")
+    parser.add_argument("--rounds", type=int, default=1, metavar="N",
+                        help="runs of every method, alternated; each method's median is reported")
     parser.add_argument("--tp-size", type=int, default=1, metavar="N",
                         help="also run kvpool on N tensor-parallel ranks (processes) and compare with 1")
 
@@ -46,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvpool.engine.models import DEFAULT_PROMPTS, load_model
 
-    require_at_least(args, {"max_new_tokens": 1, "tp_size": 1})
+    require_at_least(args, {"max_new_tokens": 1, "tp_size": 1, "rounds": 1})
     if args.num_blocks is not None:
         require_at_least(args, {"num_blocks": 1})
     if args.tp_size > 1:  # before loading anything
@@ -57,18 +64,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     loaded = load_model(args.model)
     prompts = [loaded.encode(text) for text in DEFAULT_PROMPTS]
     num_blocks = pool_blocks(prompts, args.max_new_tokens, args.num_blocks)
+    from kvpool.engine.paged_attention import load_paged_kernel
+
+    load_paged_kernel()  # its one-time build is not timed
     runners: dict[str, Callable[[Any, list[list[int]], int, int], list[list[int]]]] = {
-        "kvpool generate": _kvpool, "transformers generate_batch": _generate_batch}
+        "kvpool generate": _kvpool, "kvpool generate, attention=paged": _kvpool_paged,
+        "transformers generate_batch": _generate_batch}
     if not args.skip_padded:
         runners["transformers padded generate"] = _padded
-    results = {name: _timed(fn, loaded.model, prompts, args.max_new_tokens, num_blocks)
-               for name, fn in runners.items()}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in runners}
+    for _ in range(args.rounds):
+        for name, fn in runners.items():
+            runs[name].append(_timed(fn, loaded.model, prompts, args.max_new_tokens, num_blocks))
+    results = {name: sorted(r, key=lambda x: x["seconds"])[(len(r) - 1) // 2] for name, r in runs.items()}
     tp = _tensor_parallel(args, prompts, num_blocks, results) if args.tp_size > 1 else None
     base, ours = results["transformers generate_batch"]["seconds"], results["kvpool generate"]["tokens"]
     for result in results.values():
         result["speedup_vs_generate_batch"] = base / result["seconds"]
         result["same_tokens_as_kvpool"] = result.pop("tokens") == ours
-    out = {"model": args.model, "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
+    out = {"model": args.model, "rounds": args.rounds, "prompts": len(prompts),
+           "prompt_tokens": [len(p) for p in prompts],
            "max_new_tokens": args.max_new_tokens, "num_blocks": num_blocks, "block_size": BLOCK_SIZE,
            "threads": torch.get_num_threads(), "results": results}
     if tp is not None:
@@ -76,7 +91,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not args.json:
         rows = [(name, r["seconds"], r["tokens_per_s"], r["speedup_vs_generate_batch"],
                  r["same_tokens_as_kvpool"]) for name, r in results.items()]
-        title = f"engine: {args.model}, {len(prompts)} prompts x {args.max_new_tokens} greedy tokens, one run"
+        runs_note = "one run" if args.rounds == 1 else f"median of {args.rounds} alternated runs"
+        title = (f"engine: {args.model}, {len(prompts)} prompts x {args.max_new_tokens} greedy tokens, "
+                 f"{runs_note}")
         print_table(title, ["method", "seconds", "tokens/s", "x generate_batch", "same tokens"], rows)
         if tp is not None:
             _print_tp(tp)
@@ -155,14 +172,20 @@ def _timed(fn: Callable[[Any, list[list[int]], int, int], list[list[int]]], mode
             "tokens": tokens}
 
 
-def _kvpool(model: Any, prompts: list[list[int]], max_new_tokens: int, num_blocks: int) -> list[list[int]]:
+def _kvpool(model: Any, prompts: list[list[int]], max_new_tokens: int, num_blocks: int,
+            attention: str = "gather") -> list[list[int]]:
     from kvpool.engine.engine import LLMEngine
     from kvpool.engine.sampling import SamplingParams
 
     engine = LLMEngine(model, num_blocks=num_blocks, block_size=BLOCK_SIZE,
-                       max_num_batched_tokens=BATCH_TOKENS)
+                       max_num_batched_tokens=BATCH_TOKENS, attention=attention)
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
     return [req.output_token_ids for req in engine.generate(prompts, params)]
+
+
+def _kvpool_paged(model: Any, prompts: list[list[int]], max_new_tokens: int, num_blocks: int
+                  ) -> list[list[int]]:
+    return _kvpool(model, prompts, max_new_tokens, num_blocks, attention="paged")
 
 
 def _greedy_config(model: Any, max_new_tokens: int) -> Any:

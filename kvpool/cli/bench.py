@@ -17,6 +17,7 @@ from kvpool.cli._args import add_json_argument, add_threads_argument, apply_thre
 SUITES = {
     "alloc": "BlockPool, hashing and the token allocator against a naive deque allocator",
     "storage": "store_kv bandwidth against a contiguous copy_ of the same bytes",
+    "attention": "attention over the paged pool in place and gather + SDPA against SDPA over contiguous KV",
     "engine": "kvpool generate tokens/s against transformers' generate_batch and padded generate",
     "replay": "trace replay block operations per second",
     "groups": "KV cache group coordinator per decode step against one plain pool; replay memory per group",

@@ -40,6 +40,7 @@ from kvpool.cli._tiers import (
     wants_tiers,
 )
 from kvpool.cli._tp import add_tp_argument, report_rank_failure, run_ranks, tp_size_of
+from kvpool.engine.paged_attention import ATTENTION_CHOICES
 from kvpool.errors import ConfigError, OutOfBlocksError, RankFailedError
 from kvpool.units import plural
 
@@ -71,6 +72,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="sampling temperature; 0 = greedy")
     parser.add_argument("--seed", type=seed, default=0, metavar="SEED",
                         help="sampling seed (request i uses SEED + i; SEED + i must stay below 2**64)")
+    parser.add_argument("--attention", choices=ATTENTION_CHOICES, default="gather", metavar="NAME",
+                        help="gather (each context gathered out of the pool, then SDPA) or paged (a CPU "
+                             "kernel that reads the pool in place by block table) (default: gather)")
     add_threads_argument(parser)
     parser.add_argument("--check", action="store_true", help="compare with transformers' greedy generate")
     eviction = parser.add_argument_group("eviction")
@@ -213,7 +217,8 @@ def generate_on_rank(tp: Any, args: argparse.Namespace, texts: list[str], params
         engine = LLMEngine(loaded.model, num_blocks=num_blocks if tp is None else tp.min_int(num_blocks),
                            block_size=args.block_size, max_num_batched_tokens=args.max_batched_tokens,
                            eos_token_ids=loaded.eos_token_ids, hasher=hasher, tp_size=tp_size,
-                           kv_events=observers.publisher, policy=args.policy, state_save=args.state_save)
+                           kv_events=observers.publisher, policy=args.policy, state_save=args.state_save,
+                           attention=args.attention)
         prompts = [loaded.encode(text) for text in texts]
         if args.pin_prefix and (tp is None or tp.rank == 0):  # rank 0 decides; its pins reach the followers
             engine.pin_prefix(loaded.encode(args.pin_prefix))

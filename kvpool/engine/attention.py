@@ -4,6 +4,10 @@ The engine runs one packed batch per step: ``input_ids`` ``[1, T]`` (every sched
 back to back) with explicit ``position_ids``, and passes a :class:`StepMetadata` as the ``kvpool_step``
 keyword argument of ``model(...)``; transformers hands it on to :func:`paged_attention` in every attention
 layer. The name is not in ``AttentionMaskInterface``, so the model builds no mask: the function masks itself.
+
+Two ways to attend (the engine's ``attention`` option): ``"gather"`` (this module: index_select each
+request's context slots, then SDPA; the reference and the fallback) and ``"paged"``
+(:mod:`kvpool.engine.paged_attention`: a kernel that reads the pool's views in place by block table).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvpool.engine.paged_attention import PagedBatch, new_token_slots, paged_batch
+from kvpool.engine.paged_attention import paged_attention as paged_kernel_attention
 from kvpool.errors import InvalidArgumentError
 from kvpool.spec import KVCacheGroup, LayerKind
 from kvpool.storage.paged import block_slots
@@ -50,12 +56,15 @@ class GroupStep:
         masks: per request, ``[q_len, ctx]`` bool (True = attend), or None when every query sees every key.
         decode: the contexts as one padded batch, when every request of the step decodes one token and
             there are several (see :class:`DecodeBatch`); else None.
+        paged: with ``attention="paged"``, the block tables the kernel reads (then ``context_slots`` and
+            ``masks`` are empty: nothing is gathered); else None.
     """
 
     slot_mapping: torch.Tensor
     context_slots: list[torch.Tensor]
     masks: list[torch.Tensor | None]
     decode: DecodeBatch | None = None
+    paged: PagedBatch | None = None
 
 
 @dataclass
@@ -105,15 +114,19 @@ def attention_mask(group: KVCacheGroup, lo: int, start: int, end: int, device: t
 
 def build_step_metadata(cache: Any, groups: Sequence[KVCacheGroup],
                         spans: list[tuple[Sequence[list[int]], int, int]], device: torch.device | str, *,
-                        kv_layers: dict[int, int] | None = None) -> StepMetadata:
+                        kv_layers: dict[int, int] | None = None, attention: str = "gather") -> StepMetadata:
     """Metadata for requests packed in order; ``spans[i] = (tables, start, end)``: request i computes tokens
     ``start .. end - 1`` this step and ``tables[g]`` (its block table in group g) covers its first ``end``
     tokens from the first one its window reaches (earlier entries may be the null block). The context and
     mask of a (kind, window) are built once and shared by the groups that have it. ``kv_layers``: see
-    :class:`StepMetadata`."""
+    :class:`StepMetadata`. ``attention="paged"``: block tables only (:class:`PagedBatch` per group)."""
     starts = [0]
     for _, start, end in spans:
         starts.append(starts[-1] + end - start)
+    if attention == "paged":
+        batches = [paged_batch(group, spans, cache.num_blocks, cache.block_size, device) for group in groups]
+        return StepMetadata(cache, starts, [GroupStep(new_token_slots(b, cache.block_size), [], [], paged=b)
+                                            for b in batches], kv_layers)
     shapes: dict[tuple[LayerKind, int | None], list[tuple[int, torch.Tensor | None]]] = {}
     steps = []
     for group in groups:
@@ -186,17 +199,31 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     # slots come from the engine's own block tables: skip the range check (a host sync on CUDA)
     meta.cache.store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), step.slot_mapping, layer,
                         check=False)
+    if step.paged is not None:
+        out = paged_kernel_attention(query[0].transpose(0, 1), meta.cache.k_cache(layer),
+                                     meta.cache.v_cache(layer), step.paged, scale=scaling, softcap=softcap,
+                                     sinks=sinks, check=False)
+        return out.unsqueeze(0), None
+    return gather_attention(query, meta.cache, layer, step, meta.query_starts, scaling, softcap, sinks), None
+
+
+def gather_attention(query: torch.Tensor, cache: Any, layer: int, step: GroupStep, query_starts: list[int],
+                     scaling: float | None = None, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The gather path alone (the step's K/V already stored): ``query`` ``[1, Hq, T, D]`` over each
+    request's context slots of ``step`` in ``layer``; returns ``[1, T, Hq, Dv]``. See
+    :func:`paged_attention` for the arguments."""
     if step.decode is not None:
-        return _decode_attention(query, meta.cache, layer, step.decode, scaling, softcap, sinks), None
-    starts, outputs = meta.query_starts, []
+        return _decode_attention(query, cache, layer, step.decode, scaling, softcap, sinks)
+    outputs = []
     for i, slots in enumerate(step.context_slots):
-        k, v = meta.cache.gather_slots(layer, slots)  # [ctx, Hkv, D], [ctx, Hkv, Dv]
+        k, v = cache.gather_slots(layer, slots)  # [ctx, Hkv, D], [ctx, Hkv, Dv]
         k = k.transpose(0, 1).unsqueeze(0).to(query.dtype)  # [1, Hkv, ctx, D]
         v = v.transpose(0, 1).unsqueeze(0).to(query.dtype)
-        q = query[:, :, starts[i]:starts[i + 1]]
+        q = query[:, :, query_starts[i]:query_starts[i + 1]]
         outputs.append(_attend(q, k, v, step.masks[i], scaling, softcap, sinks))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
-    return out.transpose(1, 2), None
+    return out.transpose(1, 2)
 
 
 def _decode_attention(query: torch.Tensor, cache: Any, layer: int, batch: DecodeBatch,

@@ -107,6 +107,9 @@ class LLMEngine:
             ``tail+junction``: :mod:`kvpool.requests.state_checkpoints`); ignored for other models.
         state_checkpoints: a recurrent hybrid's checkpoint slots (default ``max_num_seqs``; 0 without
             prefix caching), beside one state slot per running request.
+        attention: ``"gather"`` (default: gather each context, then SDPA) or ``"paged"`` (a CPU kernel that
+            reads the pool in place by block table: :mod:`kvpool.engine.paged_attention`; ConfigError where
+            it cannot run).
 
     Attributes: ``kv_manager`` (the :class:`~kvpool.requests.kv_manager.KVCacheManager`), ``scheduler``,
     ``kv`` (its :class:`KVCacheCoordinator`), ``pool`` (its :class:`BlockPool`), ``cache`` (the KV tensors),
@@ -119,10 +122,11 @@ class LLMEngine:
                  keep_logits: bool = False, hasher: BlockHasher | None = None, tp_size: int = 1,
                  kv_events: EventPublisher | None = None, policy: Any = "lru", pin_cap: float = 0.5,
                  admission: FrequencyAdmission | None = None, state_save: str | SavePolicy = "tail",
-                 state_checkpoints: int | None = None) -> None:
+                 state_checkpoints: int | None = None, attention: str = "gather") -> None:
         max_num_batched_tokens = as_int(max_num_batched_tokens, "max_num_batched_tokens", minimum=1)
         max_num_seqs = as_int(max_num_seqs, "max_num_seqs", minimum=1)
         self.model, self.block_size, self.device = model, block_size, model.device
+        self.attention = attention
         spec = self._build_runner(model, num_blocks, block_size, kv_dtype, tp_size, max_num_seqs,
                                   enable_prefix_caching, state_save, state_checkpoints)
         self.cache = self.runner.cache
@@ -149,7 +153,7 @@ class LLMEngine:
         self.hybrid, self.states = None, None
         spec = model_kv_spec(model, block_size=block_size, dtype=kv_dtype, tp_size=tp_size)
         if not is_recurrent_config(model.config.to_dict()):
-            self.runner = ModelRunner(model, spec, num_blocks)
+            self.runner = ModelRunner(model, spec, num_blocks, attention=self.attention)
             return spec
         policy = state_save if isinstance(state_save, SavePolicy) else SavePolicy.parse(state_save)
         default = max_num_seqs if caching else 0
@@ -157,7 +161,7 @@ class LLMEngine:
                           minimum=0, error=ConfigError)
         self.hybrid = hybrid_spec(model, block_size=block_size, dtype=kv_dtype)
         self.runner = ModelRunner(model, spec, num_blocks, hybrid=self.hybrid,
-                                  num_state_slots=max_num_seqs + capacity)
+                                  num_state_slots=max_num_seqs + capacity, attention=self.attention)
         pool = StatePool(max_num_seqs + capacity)
         checkpoints = StateCheckpoints(capacity, pool=pool) if capacity else StateCheckpoints(0)
         self.states = RequestStates(policy, block_size, pool, checkpoints=checkpoints,

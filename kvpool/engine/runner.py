@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from kvpool.engine.attention import build_step_metadata, register_paged_attention
+from kvpool.engine.paged_attention import ATTENTION_CHOICES, check_paged_cache, load_paged_kernel
 from kvpool.engine.recurrent import RecurrentStates
-from kvpool.errors import InvalidArgumentError
+from kvpool.errors import ConfigError, InvalidArgumentError
 from kvpool.spec import KVCacheSpec
 from kvpool.state_spec import HybridSpec
 from kvpool.storage.paged import PagedKVCache
@@ -62,12 +63,24 @@ class ModelRunner:
             then covers the attention layers only (``hybrid.attention_layers``, in order) and the runner
             keeps ``num_state_slots`` state slots (:class:`~kvpool.engine.recurrent.RecurrentStates`) that
             each batch names in ``state_slots``.
+        attention: ``"gather"`` (gather + SDPA, :mod:`kvpool.engine.attention`) or ``"paged"`` (the
+            in-place kernel of :mod:`kvpool.engine.paged_attention`, built or loaded here).
+
+    Raises:
+        ConfigError: an unknown ``attention``, or ``"paged"`` where its kernel cannot run (a CUDA or fp8
+            cache, a KV dtype other than the model's, no C++ compiler).
     """
 
     def __init__(self, model: Any, spec: KVCacheSpec, num_blocks: int, *, hybrid: HybridSpec | None = None,
-                 num_state_slots: int = 0) -> None:
-        self.model, self.spec, self.device = model, spec, model.device
+                 num_state_slots: int = 0, attention: str = "gather") -> None:
+        if attention not in ATTENTION_CHOICES:
+            raise ConfigError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got {attention!r}")
+        self.model, self.spec, self.device, self.attention = model, spec, model.device, attention
         self.cache = PagedKVCache(spec, num_blocks, device=self.device, dtype=spec.dtype)
+        if attention == "paged":
+            for layer in range(self.cache.num_layers):
+                check_paged_cache(self.cache.k_cache(layer), self.cache.v_cache(layer), model.dtype)
+            load_paged_kernel()
         self.attn_name = register_paged_attention()
         self.kv_layers = None if hybrid is None else {m: i for i, m in enumerate(hybrid.attention_layers)}
         self.recurrent = None if hybrid is None else RecurrentStates(model, hybrid.state, num_state_slots,
@@ -80,7 +93,7 @@ class ModelRunner:
         ids, positions, rows = (torch.tensor(v, dtype=torch.int64, device=self.device)
                                 for v in ([batch.token_ids], [batch.positions], batch.sample_rows))
         meta = build_step_metadata(self.cache, self.spec.groups, batch.spans, self.device,
-                                   kv_layers=self.kv_layers)
+                                   kv_layers=self.kv_layers, attention=self.attention)
         with self._recurrent_step(batch):
             return self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=rows,
                               kvpool_step=meta).logits[0]

@@ -1,0 +1,191 @@
+"""The in-place paged attention kernel (``attention="paged"``) against a brute-force float64 softmax over
+gathered contexts, against the gather path over random block tables, and the engine with it on against
+transformers' own greedy generate (every expected token and logit from ``model.generate``, no kvpool code).
+
+Tolerances: float32 outputs within 1e-5 of the float64 brute force and of the gather path's SDPA (both
+sum ~100 products of O(1) values in float32); bfloat16 within 2e-2 (8 bits of mantissa); engine logits
+within 1e-4, as tests/test_engine.py holds the gather path to.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpool.engine.attention import build_step_metadata, gather_attention
+from kvpool.engine.paged_attention import PagedBatch, paged_attention, paged_batch
+from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError
+from kvpool.spec import KVCacheGroup, KVCacheSpec, LayerKind
+from kvpool.storage.paged import PagedKVCache
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+B, HQ, HKV, D = 4, 6, 2, 8
+
+
+def _brute_force(q, k_cache, v_cache, tables, spans, kind=LayerKind.FULL, window=None, softcap=None,
+                 sinks=None, scale=None):
+    """Per query: its request's keys by slot, masked by hand (t <= p; sliding t > p - W; chunked t >= C *
+    (p // C)), scores in float64, softcap, softmax with the sink logit appended and dropped."""
+    out, row = [], 0
+    hq, hkv = q.shape[1], k_cache.shape[2]
+    kf = k_cache.reshape(-1, hkv, k_cache.shape[-1]).double()
+    vf = v_cache.reshape(-1, hkv, v_cache.shape[-1]).double()
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    for table, (start, end) in zip(tables, spans, strict=True):
+        for p in range(start, end):
+            keys = [t for t in range(p + 1) if (kind is not LayerKind.SLIDING or t > p - window)
+                    and (kind is not LayerKind.CHUNKED or t >= window * (p // window))]
+            slots = torch.tensor([table[t // B] * B + t % B for t in keys])
+            heads = []
+            for h in range(hq):
+                g = h // (hq // hkv)
+                s = (kf[slots, g] @ q[row, h].double()) * scale
+                if softcap is not None:
+                    s = torch.tanh(s / softcap) * softcap
+                if sinks is not None:
+                    s = torch.cat([s, sinks[h:h + 1].double()])
+                w = torch.softmax(s, 0)[:len(keys)]
+                heads.append(w @ vf[slots, g])
+            out.append(torch.stack(heads))
+            row += 1
+    return torch.stack(out)
+
+
+def _random_case(spans, num_blocks=64, dv=D, dtype=torch.float32, seed=0, hq=HQ, hkv=HKV, d=D):
+    gen = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(num_blocks, B, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, B, hkv, dv, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for _, end in spans:
+        n = -(-end // B)
+        tables.append(perm[used:used + n])
+        used += n
+    q = torch.randn(sum(e - s for s, e in spans), hq, d, generator=gen).to(dtype)
+    return q, k_cache, v_cache, tables
+
+
+def _group(kind=LayerKind.FULL, window=None):
+    return KVCacheGroup(index=0, kind=kind, window=window, layers=(0,), slots=1, block_size=B)
+
+
+MIXED = [(40, 41), (0, 23), (10, 17), (63, 64)]  # decode, a whole prefill, a chunk, decode at a block edge
+
+
+@pytest.mark.parametrize(("kind", "window"), [(LayerKind.FULL, None), (LayerKind.SLIDING, 5),
+                                              (LayerKind.CHUNKED, 8)])
+@pytest.mark.parametrize("extra", [{}, {"softcap": 2.0}, {"sinks": True}, {"scale": 0.3}])
+def test_kernel_is_the_brute_force_softmax(kind, window, extra) -> None:
+    q, kc, vc, tables = _random_case(MIXED)
+    if extra.get("sinks"):
+        extra = {"sinks": torch.randn(HQ, generator=torch.Generator().manual_seed(3))}
+    batch = paged_batch(_group(kind, window), [((t,), s, e) for t, (s, e) in zip(tables, MIXED, strict=True)],
+                        64, B)
+    got = paged_attention(q, kc, vc, batch, **extra)
+    expected = _brute_force(q, kc, vc, tables, MIXED, kind, window, **extra)
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=0)
+
+
+def test_values_narrower_than_keys_and_bfloat16() -> None:
+    q, kc, vc, tables = _random_case(MIXED, dv=4)
+    batch = paged_batch(_group(), [((t,), s, e) for t, (s, e) in zip(tables, MIXED, strict=True)], 64, B)
+    torch.testing.assert_close(paged_attention(q, kc, vc, batch).double(),
+                               _brute_force(q, kc, vc, tables, MIXED), atol=1e-5, rtol=0)
+    got = paged_attention(q.bfloat16(), kc.bfloat16(), vc.bfloat16(), batch)
+    assert got.dtype == torch.bfloat16
+    expected = _brute_force(q.bfloat16().float(), kc.bfloat16().float(), vc.bfloat16().float(), tables, MIXED)
+    torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize(("hq", "hkv", "head_dim"), [(10, 1, 8), (4, 4, 12), (9, 3, 5), (9, 3, 64)])
+def test_head_groups_past_8_plain_mha_and_odd_head_dims(hq, hkv, head_dim) -> None:
+    # G = 10 query heads per KV head (past the 8 the vector loop holds), MHA, and head dims that are not
+    # a multiple of 8 (the loop's scalar tail)
+    q, kc, vc, tables = _random_case(MIXED, hq=hq, hkv=hkv, d=head_dim, dv=head_dim)
+    batch = paged_batch(_group(), [((t,), s, e) for t, (s, e) in zip(tables, MIXED, strict=True)], 64, B)
+    torch.testing.assert_close(paged_attention(q, kc, vc, batch).double(),
+                               _brute_force(q, kc, vc, tables, MIXED), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("spans", [[(c - 1, c) for c in (5, 33, 64, 17)], [(0, 30)], [(12, 27), (3, 4)]])
+def test_kernel_equals_the_gather_path_over_random_tables(seed, spans) -> None:
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=HKV, head_dim=D, dtype=torch.float32, block_size=B)
+    cache = PagedKVCache(spec, 64)
+    gen = torch.Generator().manual_seed(seed)
+    cache.k_cache(0).copy_(torch.randn(cache.k_cache(0).shape, generator=gen))
+    cache.v_cache(0).copy_(torch.randn(cache.v_cache(0).shape, generator=gen))
+    _, _, _, tables = _random_case(spans, seed=seed)
+    full = [((t,), s, e) for t, (s, e) in zip(tables, spans, strict=True)]
+    meta = build_step_metadata(cache, spec.groups, full, "cpu")
+    q = torch.randn(sum(e - s for s, e in spans), HQ, D, generator=gen)
+    reference = gather_attention(q.transpose(0, 1).unsqueeze(0), cache, 0, meta.groups[0], meta.query_starts)
+    paged = build_step_metadata(cache, spec.groups, full, "cpu", attention="paged").groups[0]
+    torch.testing.assert_close(paged.slot_mapping, meta.groups[0].slot_mapping)  # the same new slots
+    got = paged_attention(q, cache.k_cache(0), cache.v_cache(0), paged.paged)
+    torch.testing.assert_close(got, reference[0], atol=1e-5, rtol=0)
+
+
+def test_bad_input_is_a_typed_error() -> None:
+    q, kc, vc, tables = _random_case([(0, 8)])
+    group = _group()
+    with pytest.raises(InvalidIdError):
+        paged_batch(group, [(([64, 1],), 0, 8)], 64, B)  # block 64 of a 64-block pool
+    with pytest.raises(InvalidArgumentError):
+        paged_batch(group, [(([1],), 0, 8)], 64, B)  # 8 tokens need 2 blocks
+    with pytest.raises(InvalidArgumentError):
+        paged_batch(group, [], 64, B)
+    batch = paged_batch(group, [((tables[0],), 0, 8)], 64, B)
+    with pytest.raises(InvalidArgumentError):
+        paged_attention(q[:5], kc, vc, batch)  # 5 queries for 8 tokens
+    with pytest.raises(InvalidArgumentError):
+        paged_attention(q[:, :5], kc, vc, batch)  # 5 heads over 2 KV heads
+    with pytest.raises(InvalidIdError):
+        paged_attention(q, kc[:1], vc[:1], batch)  # the tables name blocks past a 1-block cache
+    with pytest.raises(ConfigError):
+        paged_attention(q.double(), kc.double(), vc.double(), batch)  # float64
+    with pytest.raises(ConfigError):
+        paged_attention(q, kc.half(), vc.half(), batch)  # KV not in the query's dtype
+    assert isinstance(batch, PagedBatch)
+
+
+# ---- the engine with attention="paged" against transformers -------------------------------------------
+
+transformers = pytest.importorskip("transformers")
+
+from kvpool.engine.engine import LLMEngine  # noqa: E402
+from kvpool.engine.models import load_model, reference_greedy  # noqa: E402
+from kvpool.engine.sampling import SamplingParams  # noqa: E402
+
+NEW = 10
+DOC = [(7 * i + 3) % 251 for i in range(60)]
+PROMPTS = [DOC + [10, 11, 12], DOC[:45] + list(range(150, 170)), [(5 * i + 1) % 256 for i in range(23)]]
+MODELS = ("tiny-llama", "tiny-qwen2", "tiny-gpt2", "tiny-mistral", "tiny-gemma2", "tiny-gemma3",
+          "tiny-gpt-oss", "tiny-gemma4", "tiny-mimo")
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def tiny(request: pytest.FixtureRequest) -> tuple:
+    model = load_model(request.param, seed=1).model
+    return model, [reference_greedy(model, p, NEW) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("batched_tokens", [256, 8])  # whole prefills; chunks of 8 mixed with decodes
+def test_engine_with_paged_attention_matches_transformers(tiny, batched_tokens) -> None:
+    model, refs = tiny
+    engine = LLMEngine(model, num_blocks=200, block_size=B, keep_logits=True, attention="paged",
+                       max_num_batched_tokens=batched_tokens)
+    requests = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))
+    for req, (tokens, logits) in zip(requests, refs, strict=True):
+        assert req.output_token_ids == tokens
+        torch.testing.assert_close(torch.stack(req.logits), logits, atol=1e-4, rtol=0)
+    assert engine.pool.num_used_blocks == 0
+
+
+def test_engine_refuses_an_unknown_attention() -> None:
+    model = load_model("tiny-llama", seed=1).model
+    with pytest.raises(ConfigError, match="attention must be one of gather, paged"):
+        LLMEngine(model, num_blocks=8, block_size=B, attention="flash")
+    with pytest.raises(ConfigError, match="float32, float16 or bfloat16"):
+        LLMEngine(model, num_blocks=8, block_size=B, attention="paged", kv_dtype=torch.float16)
