@@ -266,8 +266,11 @@ def test_allocate_zero_and_empty_calls_are_no_ops(busy_pool: BlockPool) -> None:
 
 CORRUPTIONS = {  # how to break a busy pool -> the invariant check_integrity must name
     "negative ref": (lambda p: p._ref.__setitem__(7, -1), "negative"),
-    "id twice in free stack": (lambda p: p._free.append(p._free[-1]), "twice"),
-    "lost block": (lambda p: p._free.pop(), "!= total"),
+    # (the free stack's never-used bottom is implicit: _materialize_fresh lists it, as a reset does)
+    "id twice in free stack": (lambda p: (p._materialize_fresh(), p._free.append(p._free[-1])), "twice"),
+    "lost block": (lambda p: (p._materialize_fresh(), p._free.pop()), "!= total"),
+    "freed id also never used": (lambda p: p._free.append(p._fresh), "twice"),
+    "never-used id referenced": (lambda p: p._ref.__setitem__(p._fresh, 1), "free-stack"),
     "evictable but referenced": (lambda p: p._ref.__setitem__(4, 1), "evictable"),
     "hashed block in free stack": (lambda p: p._free.append(4), "free-stack"),
     "index names wrong block": (lambda p: p._index.__setitem__("c4", 5), "index entry"),
@@ -558,4 +561,28 @@ def test_allocate_tensor_hands_out_what_allocate_would_as_int32_or_int64():
     pool.free(np.array([4, 3], dtype=np.int32))        # numpy int32 too
     assert pool.num_free_blocks == 8
     assert pool.allocate(5) == [3, 4, 0, 1, 2]         # freed last, handed out first
+    pool.check_integrity()
+
+
+def test_block_hashes_of_reads_each_blocks_hash(busy_pool: BlockPool) -> None:
+    # busy_pool's docstring: 0, 1 published "h0", "h1"; 4, 5 cached free "c4", "c5"; the rest unhashed
+    assert busy_pool.block_hashes_of([5, 0, 2, 0, 9]) == ["c5", "h0", None, "h0", None]
+    assert busy_pool.block_hashes_of(()) == []
+    for bad in ([10], [-1], [True], ["1"]):
+        with pytest.raises(InvalidIdError):
+            busy_pool.block_hashes_of(bad)
+
+
+def test_never_used_ids_come_after_freed_ones_in_order() -> None:
+    # the stack's bottom (ids never handed out) is implicit: freed blocks first (last freed first), then the
+    # unused ids ascending, then evictions; the same order a materialised stack of every id gives
+    pool = BlockPool(8)
+    assert pool.allocate(3) == [0, 1, 2] and pool.allocate(1) == [3]
+    pool.free([1, 2])
+    assert pool.num_free_blocks == 6
+    assert pool.allocate(4) == [2, 1, 4, 5]
+    pool.cache_blocks([0], ["h0"])
+    pool.free([0])
+    assert pool.allocate(1) == [6] and pool.allocate(2) == [7, 0]  # 0 evicted last: it holds a hash
+    assert pool.num_free_blocks == 0 and pool.stats.evictions == 1
     pool.check_integrity()

@@ -5,7 +5,9 @@ Bookkeeping only (block ids, no KV tensors), in plain Python lists and dicts: ev
 block it names (O(log n) under the heap-ordered eviction policies), independent of the pool size. Every
 block is in exactly one of three sets:
 
-* **uncached free**: ref count 0, no hash; a list used as a stack, handed out first;
+* **uncached free**: ref count 0, no hash; a stack, handed out first. Its bottom, the ids never handed
+  out yet, is kept implicit (``[fresh, num_blocks)``, handed out in ascending order once the freed blocks
+  above them are gone), so building a pool of millions of blocks creates no per-block id;
 * **cached free** (evictable): ref count 0, holds a published hash, ordered by the eviction policy
   (:mod:`kvpool.allocators.policies`). The default, ``lru``, is an ``OrderedDict`` kept inline here
   (``free`` appends to the tail, eviction pops from the head, ``touch`` revives in place); every other
@@ -133,11 +135,14 @@ class BlockPool:
         try:
             self._ref = [0] * num_blocks
             self._hash: list[Hashable | None] = [None] * num_blocks
-            self._free = list(range(num_blocks - 1, self._reserved - 1, -1))  # stack: pop() hands out 0, 1..
-            self._mark = [0] * num_blocks  # the repeat check: a block seen by validation call k holds k
+            self._free: list[int] = []  # the stack's top: freed blocks (pop() hands out the last freed)
+            # the repeat check: a block seen by validation call k holds call k's int object (compared by
+            # identity, stored without boxing a new int per block when compiled)
+            self._mark: list[object] = [0] * num_blocks
         except (MemoryError, OverflowError):
             raise InvalidArgumentError(f"num_blocks={num_blocks:,} does not fit in memory: the pool's "
                                        "bookkeeping takes ~70 bytes per block") from None
+        self._fresh = self._reserved  # the stack's bottom: ids [_fresh, _n), never handed out, 0, 1.. first
         self._calls = 0  # validations of several ids so far (the marks' epoch)
         order.bind(num_blocks)
         if admission is not None:
@@ -197,10 +202,19 @@ class BlockPool:
             OutOfBlocksError: fewer than ``n`` free blocks (cached free included); nothing is handed out.
         """
         free = self._free
-        if type(n) is int and n == 1 and (free or self._lru):  # fast path: one block
-            block = free.pop() if free else self._evict(1)[0]
-            self._ref[block] = 1
-            return [block]
+        if type(n) is int and n == 1:  # fast path: one block
+            if free:
+                block = free.pop()
+            elif self._fresh < self._n:
+                block = self._fresh
+                self._fresh = block + 1
+            elif self._lru:
+                block = self._evict(1)[0]
+            else:
+                block = -1
+            if block >= 0:
+                self._ref[block] = 1
+                return [block]
         n = self._check_count(n)
         k = len(free)
         if n <= k:
@@ -210,7 +224,13 @@ class BlockPool:
         else:
             ids = free[::-1]
             free.clear()
-            ids += self._evict(n - k)
+            fresh = self._fresh
+            take = min(n - k, self._n - fresh)
+            if take:
+                ids += range(fresh, fresh + take)
+                self._fresh = fresh + take
+            if n - k - take:
+                ids += self._evict(n - k - take)
         ref = self._ref
         for block in ids:
             ref[block] = 1
@@ -234,7 +254,7 @@ class BlockPool:
     def _check_count(self, n: IntArg) -> int:
         if type(n) is not int or n < 0:
             n = as_int(n, "block count", minimum=0)
-        if n > len(self._free) + self.num_evictable_blocks:
+        if n > self._num_uncached_free + self.num_evictable_blocks:
             raise OutOfBlocksError(f"asked for {plural(n, 'block')}, {self.num_free_blocks} free of "
                                    f"{self._n}")
         return n
@@ -415,12 +435,12 @@ class BlockPool:
             return 0 if ref[ids[0]] == 0 else -1
         mark = self._mark
         self._calls += 1
-        call = self._calls
+        call: object = self._calls  # one object for the whole call: ``is`` tells this call's marks
         unreferenced = -1
         for pos, b in enumerate(ids):
             if not 0 <= b < n:
                 raise InvalidIdError(f"block ids must be integers in [0, {n}), got {_head(ids)}")
-            if mark[b] == call:
+            if mark[b] is call:
                 raise InvalidIdError(f"block ids repeated in one call: {_head(ids)}")
             mark[b] = call
             if unreferenced < 0 and ref[b] == 0:
@@ -680,6 +700,7 @@ class BlockPool:
             hashes[block] = None
             if self._lru is None:
                 self._policy.dropped(block)
+        self._materialize_fresh()
         self._free[:0] = reversed(order)  # the next victim is popped right after the current stack
         if self._lru is not None:
             self._lru.clear()
@@ -836,6 +857,16 @@ class BlockPool:
         self._check_ids(ids)
         return self._hash[ids[0]]
 
+    def block_hashes_of(self, block_ids: Sequence[int]) -> list[Hashable | None]:
+        """The published hash each of ``block_ids`` holds (None where it holds none), in one call; ids may
+        repeat. Raises InvalidIdError for an id that is not an integer in ``[0, num_blocks)``."""
+        ids = _ints(block_ids if type(block_ids) is list else list(block_ids))
+        n, hashes = self._n, self._hash
+        for b in ids:
+            if not 0 <= b < n:
+                raise InvalidIdError(f"block ids must be integers in [0, {n}), got {_head(ids)}")
+        return [hashes[b] for b in ids]
+
     @property
     def enable_caching(self) -> bool:
         """Whether prefix caching is on (fixed at construction)."""
@@ -881,7 +912,23 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks ``allocate`` can hand out: uncached free plus cached free (evictable)."""
-        return len(self._free) + self.num_evictable_blocks
+        lru = self._lru
+        return len(self._free) + self._n - self._fresh + (len(lru) if lru is not None else len(self._policy))
+
+    @property
+    def _num_uncached_free(self) -> int:
+        """Blocks of the free stack: the freed ones and those never handed out."""
+        return len(self._free) + self._n - self._fresh
+
+    def _materialize_fresh(self) -> None:
+        """Put the ids never handed out into the free stack's list (its bottom, in the same pop order)."""
+        if self._fresh < self._n:
+            self._free[:0] = range(self._n - 1, self._fresh - 1, -1)
+            self._fresh = self._n
+
+    def _free_stack(self) -> list[int]:
+        """The whole free stack, bottom first (the next block handed out last); O(its size)."""
+        return [*range(self._n - 1, self._fresh - 1, -1), *self._free]
 
     @property
     def num_cached_blocks(self) -> int:
@@ -898,7 +945,9 @@ class BlockPool:
     @property
     def num_used_blocks(self) -> int:
         """Blocks with ref count > 0 (never the null block; pinned blocks included)."""
-        return self._n - self._reserved - len(self._free) - self.num_evictable_blocks
+        lru = self._lru
+        return self._fresh - self._reserved - len(self._free) - (len(lru) if lru is not None else
+                                                                 len(self._policy))
 
     @property
     def usage(self) -> float:
@@ -938,19 +987,20 @@ class BlockPool:
         """
         n, ref, hashes = self._n, self._ref, self._hash
         evictable = self.evictable_blocks()
-        null_ok = ref[0] == 0 and hashes[0] is None and 0 not in evictable and 0 not in self._free
+        free = self._free_stack()
+        null_ok = ref[0] == 0 and hashes[0] is None and 0 not in evictable and 0 not in free
         _require(not self._reserved or null_ok, "the null block is referenced, hashed or free")
         _require(all(type(r) is int and r >= 0 for r in ref), "a ref count is negative")
-        _require(len(set(self._free)) == len(self._free), "an id is twice in the free stack")
+        _require(len(set(free)) == len(free), "an id is twice in the free stack")
         _require(len(set(evictable)) == len(evictable) == self.num_evictable_blocks,
                  "an id is twice in the eviction order, or its count is off")
-        _require(all(0 <= b < n and ref[b] == 0 and hashes[b] is None for b in self._free),
+        _require(all(0 <= b < n and ref[b] == 0 and hashes[b] is None for b in free),
                  "a free-stack id is out of range, referenced, or hashed")
         _require(all(0 <= b < n and ref[b] == 0 and hashes[b] is not None for b in evictable),
                  "an evictable id is out of range, referenced, or unhashed")
-        _require(not set(self._free) & set(evictable), "an id is both in the free stack and evictable")
+        _require(not set(free) & set(evictable), "an id is both in the free stack and evictable")
         used = sum(1 for r in ref if r > 0)
-        _require(used + len(self._free) + len(evictable) + self._reserved == n,
+        _require(used + len(free) + len(evictable) + self._reserved == n,
                  "free + evictable + in use (+ the null block) != total")
         _require(all(0 <= b < n and c >= 1 and ref[b] >= c and hashes[b] is not None
                      for b, c in self._pins.items()), "a pinned block is unhashed or has fewer refs than pins"
@@ -976,9 +1026,9 @@ class BlockPool:
     def __repr__(self) -> str:
         null = ", null_block=0" if self._reserved else ""
         pins = f", pinned={len(self._pins)}" if self._pins else ""
-        return (f"BlockPool(num_blocks={self._n}, policy={self._policy.name}, free={len(self._free)}, "
-                f"evictable={self.num_evictable_blocks}, used={self.num_used_blocks}, "
-                f"cached={self.num_cached_blocks}{pins}{null})")
+        return (f"BlockPool(num_blocks={self._n}, policy={self._policy.name}, "
+                f"free={self._num_uncached_free}, evictable={self.num_evictable_blocks}, "
+                f"used={self.num_used_blocks}, cached={self.num_cached_blocks}{pins}{null})")
 
 
 

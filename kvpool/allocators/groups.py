@@ -232,7 +232,7 @@ class KVCacheCoordinator:
         integer >= 0."""
         req = self._reqs.get(request_id)
         if req is not None:
-            target = cdiv(as_int(num_tokens, "num_tokens", minimum=0), self.block_size)
+            target = cdiv(_tokens(num_tokens), self.block_size)
             return sum(max(0, target - len(t)) for t in req.tables)
         new = self.num_new_blocks(num_tokens, 0 if hit is None else hit.num_blocks)
         if hit is None:
@@ -248,7 +248,7 @@ class KVCacheCoordinator:
         ``max(0, cdiv(num_tokens, B) - num_hit_blocks)`` in every group (a hit's table covers its k
         positions, null entries included). Raises InvalidArgumentError for a ``num_tokens`` that is not an
         integer >= 0."""
-        target = cdiv(as_int(num_tokens, "num_tokens", minimum=0), self.block_size)
+        target = cdiv(_tokens(num_tokens), self.block_size)
         return max(0, target - num_hit_blocks) * len(self.groups)
 
     def can_allocate(self, request_id: Hashable, num_tokens: IntArg, hit: CacheHit | None = None) -> bool:
@@ -345,17 +345,22 @@ class KVCacheCoordinator:
                 hashes and len(hashes) != hit.num_blocks):
             raise InvalidArgumentError("the cache hit does not match these groups")
         pool, null = self.pool, self.null_block
-        for g, blocks in enumerate(hit.blocks):
-            for i, b in enumerate(blocks):
-                if b == null:
-                    continue
-                if b < 0:
-                    raise InvalidArgumentError("the cache hit names blocks held outside the pool (a probed "
-                                               "plan): load them first, then look the prefix up again")
-                held = pool.block_hash(b)
-                if held is None if not hashes else held != group_key(g, hashes[i]):
-                    raise InvalidArgumentError(f"stale cache hit: block {b} no longer holds the hash it was "
-                                               "found under; look it up again")
+        for g, blocks in enumerate(hit.blocks):  # one pool read per group
+            pos = [i for i, b in enumerate(blocks) if b != null] if self._windowed else range(len(blocks))
+            ids = [blocks[i] for i in pos] if self._windowed else blocks
+            if ids and min(ids) < 0:
+                raise InvalidArgumentError("the cache hit names blocks held outside the pool (a probed "
+                                           "plan): load them first, then look the prefix up again")
+            held = pool.block_hashes_of(ids)
+            if not hashes:
+                stale = [j for j, h in enumerate(held) if h is None]
+            elif g == 0 and not self._windowed:
+                stale = [] if held == list(hashes) else [j for j, h in enumerate(held) if h != hashes[j]]
+            else:
+                stale = [j for j, i in enumerate(pos) if held[j] != group_key(g, hashes[i])]
+            if stale:
+                raise InvalidArgumentError(f"stale cache hit: block {ids[stale[0]]} no longer holds the hash "
+                                           "it was found under; look it up again")
 
     def _admit(self, request_id: Hashable, hit: CacheHit | None) -> list[list[int]]:
         if hit is None:
@@ -366,7 +371,7 @@ class KVCacheCoordinator:
             skipped = [b.count(self.null_block) for b in tables]
             null = self.null_block
             for table in tables:
-                self.pool.touch([b for b in table if b != null])
+                self.pool.touch([b for b in table if b != null] if self._windowed else table)
         self._reqs[request_id] = _Request(tables, skipped, hit.num_blocks if hit is not None else 0)
         return tables
 
@@ -632,6 +637,13 @@ def _skip_moves_at(sliding: bool, window: int, block_size: int, dead: int) -> in
     if sliding:  # (n - W + 1) // B > dead  <=>  n >= (dead + 1) B + W - 1
         return first_live + window - 1
     return window * cdiv(first_live, window)
+
+
+def _tokens(num_tokens: IntArg) -> int:
+    """``num_tokens`` as an int >= 0 (an int passes without a call into :mod:`kvpool.numeric`)."""
+    if type(num_tokens) is int and num_tokens >= 0:
+        return num_tokens
+    return as_int(num_tokens, "num_tokens", minimum=0)
 
 
 def _key_group(key: Hashable) -> int:

@@ -327,10 +327,12 @@ class KVCacheManager:
         waiting for it (:meth:`pin_when_cached`)."""
         if not self.caching:
             return
-        tokens = req.token_ids if self.pool.event_sink is not None and req.has_token_ids else None
         written = min(req.num_computed_tokens, len(req.block_hashes) * self.block_size)  # hashed blocks only
         coord = self.coordinator
         before = coord.num_published_blocks(req.request_id)
+        if written // self.block_size <= before and self.states is None and not self._wanted_pins:
+            return  # fast path: no block filled since the last publish (a decode step, mid-block)
+        tokens = req.token_ids if self.pool.event_sink is not None and req.has_token_ids else None
         coord.cache_blocks(req.request_id, req.block_hashes, written, token_ids=tokens)
         self.ops += (coord.num_published_blocks(req.request_id) - before) * len(self.groups)
         if self.states is not None:

@@ -55,6 +55,16 @@ class SchedulerOutput:
     def num_sampled(self) -> int:
         return sum(self.sampled)
 
+    def token_counts(self) -> tuple[int, int]:
+        """``(num_prefill_tokens, num_decode_tokens)`` in one pass over the batch."""
+        prefill = decode = 0
+        for req, n in self.scheduled:
+            if _decoding(req, n):
+                decode += 1
+            else:
+                prefill += n
+        return prefill, decode
+
 
 def _decoding(req: Request, n: int) -> bool:
     return n == 1 and req.num_output_tokens > 0 and req.num_computed_tokens == req.num_tokens - 1
@@ -216,12 +226,12 @@ class Scheduler:
         frees one, publishes one or finishes. A replay, whose model is a clock, runs them in one go
         (:meth:`run_decode_steps`) when nothing can arrive or be admitted meanwhile. 0 when not so."""
         running = self.running
-        if not running or len(running) > self.max_num_batched_tokens or \
-                any(req.prompt_token_ids is not None for req in running):
-            return 0  # (requests with token ids sample real tokens: one step at a time)
+        if not running or len(running) > self.max_num_batched_tokens:
+            return 0
         steps = None
-        for req in running:
-            if req.num_output_tokens == 0 or req.num_computed_tokens != req.num_tokens - 1:
+        for req in running:  # (requests with token ids sample real tokens: one step at a time)
+            if req.prompt_token_ids is not None or req.num_output_tokens == 0 or \
+                    req.num_computed_tokens != req.num_tokens - 1:
                 return 0
             room = min(self.kv.decode_room(req), req.max_tokens - req.num_output_tokens - 1)
             steps = room if steps is None else min(steps, room)

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from importlib import resources
+from itertools import chain
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -28,6 +29,7 @@ FORMATS = ("mooncake", "azure")
 SHIPPED = {"mooncake": "conversation_trace.jsonl", "azure": "AzureLLMInferenceTrace_code.csv"}
 _AZURE_HEADER = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
 _EPOCH = datetime(1970, 1, 1)
+_chain = chain.from_iterable
 _AZURE_TICKS = 10**7  # TIMESTAMP has 7 fractional digits
 #: A parsed row: (timestamp in the format's ticks, input tokens, output tokens, hash ids or None).
 _Row = tuple[float, int, int, tuple[int, ...] | None]
@@ -60,8 +62,10 @@ class TraceRequest:
         full = self.input_tokens // block_size
         if k == 1:
             return list(self.hash_ids[:full])
-        subs = range(k)
-        return [h * k + j for h in self.hash_ids[: -(-full // k)] for j in subs][:full]
+        # each hash id's run of sub-block ids is a range, chained in C (no Python loop per sub-block)
+        out = list(_chain([range(h * k, h * k + k) for h in self.hash_ids[: -(-full // k)]]))
+        del out[full:]
+        return out
 
 
 def sub_blocks_per_hash_block(block_size: int) -> int:

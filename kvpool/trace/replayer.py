@@ -299,6 +299,7 @@ class Replayer:
             raise ConfigError(f"a pool of {num_blocks:,} blocks cannot be built ({exc}): give a smaller "
                               "num_blocks (--num-blocks)") from None
         self.pool = self.kv.pool
+        self._sink = self.pool.event_sink  # flushed once per simulated step (KVCacheManager.flush_events)
         self.sched = Scheduler(self.kv, max_num_batched_tokens=config.step_tokens,
                                max_num_seqs=config.max_num_seqs)
         self.belady = self.pool.policy if isinstance(self.pool.policy, BeladyPolicy) else None
@@ -427,9 +428,10 @@ class Replayer:
         out = sched.schedule()
         if not out.scheduled:
             raise IntegrityError("a step scheduled nothing")
-        self._count_admitted(out)
-        self._tick(cfg.step_s + cfg.prefill_token_s * out.num_prefill_tokens
-                   + cfg.decode_token_s * out.num_decode_tokens)
+        if out.admitted:
+            self._count_admitted(out)
+        prefill, decode = out.token_counts()
+        self._tick(cfg.step_s + cfg.prefill_token_s * prefill + cfg.decode_token_s * decode)
         finished = sched.update(out, self._tokens(out))
         self.completed += len(finished)
         if finished:
@@ -481,7 +483,8 @@ class Replayer:
         self._sample()
         self.area += used * dt
         self.now += dt
-        self.kv.flush_events()
+        if self._sink is not None:
+            self._sink.flush()
 
     def _sample(self, force: bool = False) -> None:
         """Record the pool state from now on (thinned in ``trace`` timing unless ``force``)."""
