@@ -154,3 +154,42 @@ def test_tiers_rows_and_ratios(capsys: pytest.CaptureFixture, redis_single) -> N
     assert all(mac[k] > 0 for k in ("blake3_gb_s", "blake3_threads_gb_s", "blake2b_gb_s"))
     replay = result["replay"]
     assert replay["block_ops_per_s"] == pytest.approx(replay["block_ops"] / replay["wall_s"])
+
+
+def test_targets_collects_each_suites_ratio_with_its_bound(capsys: pytest.CaptureFixture,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpool.bench import targets
+
+    monkeypatch.setitem(targets.SUITE_ARGS, "groups", ["--requests", "4", "--steps", "32", "--repeat", "1",
+                                                       "--max-requests", "0"])
+    monkeypatch.setitem(targets.SUITE_ARGS, "replay", ["--block-sizes", "16", "--max-requests", "20"])
+    result = bench(capsys, "targets", "--skip", "tiers,alloc,attention,engine")
+    groups, replay = ({r["suite"]: r for r in result["rows"]}[s] for s in ("groups", "replay"))
+    assert replay["ratio"] * 10_000_000 == pytest.approx(  # the replay suite's ops/s over the 10M target
+        float(replay["measure"].split("(")[1].split("M")[0]) * 1e6, rel=0.01)
+    assert groups["bound"] == 1.1 and groups["higher_is_better"] is False
+    assert groups["met"] is (groups["ratio"] <= 1.1)
+    assert result["skipped"] == ["tiers", "alloc", "attention", "engine"]
+    assert result["met"] + result["missed"] == 2
+
+
+def test_targets_rows_follow_from_the_suites_figures() -> None:
+    from kvpool.bench.targets import ROWS
+
+    replay = ROWS["replay"]({"results": {"block_size_16": {"block_ops_per_s": 5_000_000.0}}})
+    assert (replay[0]["ratio"], replay[0]["met"]) == (0.5, False)  # 5M / 10M
+    tiers = ROWS["tiers"]({"rows": [
+        {"tier": "host", "op": "store", "block": "b", "baseline": "copy_", "ratio": 0.5},
+        {"tier": "disk", "op": "load", "block": "b", "baseline": "file", "ratio": 0.95}],
+        "replay": {"block_ops_per_s": 720_000.0}})
+    assert [(r["ratio"], r["met"]) for r in tiers] == [(0.95, True), (2.0, True)]  # no host row; 720k / 360k
+    alloc = ROWS["alloc"]({"rows": [
+        {"op": "evicting allocate(1), events on", "ratio": 1.4, "target_ratio": 1.3},
+        {"op": "allocate(1)+free", "ratio": 0.2, "target_ratio": None}],
+        "peers_measured_earlier": [{"peer": "vLLM", "op": "x", "peer_over_kvpool": 4.8}]})
+    assert [(r["ratio"], r["met"]) for r in alloc] == [(1.4, False), (4.8, None)]
+
+
+def test_targets_refuses_an_unknown_suite_in_one_line(capsys: pytest.CaptureFixture) -> None:
+    assert main(["bench", "targets", "--skip", "nope"]) == 2
+    assert "'nope' is not one of replay" in capsys.readouterr().err

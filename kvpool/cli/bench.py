@@ -22,6 +22,7 @@ SUITES = {
     "replay": "trace replay block operations per second",
     "groups": "KV cache group coordinator per decode step against one plain pool; replay memory per group",
     "tiers": "host / disk / Redis store and load GB/s against raw copy_, file, redis-py and raw + MAC",
+    "targets": "every speed target's ratio from the suites above, in one run",
 }
 
 
