@@ -87,6 +87,24 @@ def test_kernel_is_the_brute_force_softmax(kind, window, extra) -> None:
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=0)
 
 
+LONG = [(200, 1240), (1500, 1501)]  # a run of 1,040 queries after 200 tokens (the kernel's tile path), a decode
+
+
+@pytest.mark.parametrize(("kind", "window"), [(LayerKind.FULL, None), (LayerKind.SLIDING, 37),
+                                              (LayerKind.CHUNKED, 64)])
+@pytest.mark.parametrize("extra", [{}, {"softcap": 2.0}, {"sinks": True}])
+def test_long_runs_are_the_brute_force_softmax(kind, window, extra) -> None:
+    # runs of 1,024 queries or more take GEMM tiles instead of the per-token loop: the same function
+    q, kc, vc, tables = _random_case(LONG, num_blocks=700)
+    if extra.get("sinks"):
+        extra = {"sinks": torch.randn(HQ, generator=torch.Generator().manual_seed(3))}
+    batch = paged_batch(_group(kind, window), [((t,), s, e) for t, (s, e) in zip(tables, LONG, strict=True)],
+                        700, B)
+    got = paged_attention(q, kc, vc, batch, **extra)
+    expected = _brute_force(q, kc, vc, tables, LONG, kind, window, **extra)
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=0)
+
+
 def test_values_narrower_than_keys_and_bfloat16() -> None:
     q, kc, vc, tables = _random_case(MIXED, dv=4)
     batch = paged_batch(_group(), [((t,), s, e) for t, (s, e) in zip(tables, MIXED, strict=True)], 64, B)
