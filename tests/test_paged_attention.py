@@ -87,7 +87,7 @@ def test_kernel_is_the_brute_force_softmax(kind, window, extra) -> None:
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=0)
 
 
-LONG = [(200, 1240), (1500, 1501)]  # a run of 1,040 queries after 200 tokens (the kernel's tile path), a decode
+LONG = [(200, 1240), (1500, 1501)]  # 1,040 queries after 200 tokens (the kernel's tile path), a decode
 
 
 @pytest.mark.parametrize(("kind", "window"), [(LayerKind.FULL, None), (LayerKind.SLIDING, 37),
