@@ -150,12 +150,18 @@ inline void value_sums(const float* w, const float* v, int64_t vs, int64_t n, in
     for (int64_t i = i0; i < dv; ++i) acc[i] += w[o] * v[o * vs + i];
 }
 
+// dst[o * d + i] = src[o * stride + i] as float32, for n rows of d elements
+template <typename T>
+inline void copy_rows(const T* src, int64_t stride, int64_t n, int64_t d, float* dst) {
+  for (int64_t o = 0; o < n; ++o)
+    for (int64_t i = 0; i < d; ++i) dst[o * d + i] = static_cast<float>(src[o * stride + i]);
+}
+
 // n rows of d elements (row stride `stride`) as float32: read in place for a float cache, else converted into
 // tmp (and `stride` set to its row stride d)
 template <typename T>
 inline const float* rows_as_float(const T* src, int64_t& stride, int64_t n, int64_t d, float* tmp) {
-  for (int64_t o = 0; o < n; ++o)
-    for (int64_t i = 0; i < d; ++i) tmp[o * d + i] = static_cast<float>(src[o * stride + i]);
+  copy_rows(src, stride, n, d, tmp);
   stride = d;
   return tmp;
 }
@@ -170,42 +176,56 @@ struct Shape {
   float scale, softcap;   // softcap 0: none
 };
 
-// One query head over n keys of a block (q scaled; k_o = k + o * ks, v_o = v + o * vs): the n scores
-// (soft-capped), the online softmax's running max mx and sum (acc rescaled when the max grows), acc += P V.
-// score: [n rounded up to 8] scratch.
-inline void block_step(const Shape& s, const float* q, const float* k, int64_t ks, const float* v, int64_t vs,
-                       int64_t n, float* score, float& mx, float& sum, float* acc) {
-  key_dots(q, k, ks, n, s.d, score);
-  if (s.softcap > 0.f)
-    for (int64_t o = 0; o < n; ++o) score[o] = std::tanh(score[o] / s.softcap) * s.softcap;
-  float m = mx;
-#pragma omp simd reduction(max : m)
-  for (int64_t o = 0; o < n; ++o) m = std::max(m, score[o]);
-  if (m > mx) {  // rescale what came before (on the first block: 0 * the zero accumulator)
-    const float c = std::exp(mx - m);
-    for (int64_t i = 0; i < s.dv; ++i) acc[i] *= c;
-    sum *= c;
-    mx = m;
-  }
+// e^(x[o] - m) into x[o] for o < n; returns their sum
+inline float exp_sum(float* x, int64_t n, float m) {
   float l = 0.f;
+  int64_t o = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-  const int64_t n8 = (n + 7) / 8 * 8;  // whole vectors: the padding's e^-inf = 0
-  std::fill(score + n, score + n8, -std::numeric_limits<float>::infinity());
   const __m256 top = _mm256_set1_ps(m);
   __m256 total = _mm256_setzero_ps();
-  for (int64_t o = 0; o < n8; o += 8) {
-    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(score + o), top));
-    _mm256_storeu_ps(score + o, e);
+  for (; o + 8 <= n; o += 8) {
+    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(x + o), top));
+    _mm256_storeu_ps(x + o, e);
     total = _mm256_add_ps(total, e);
   }
   l = hsum(total);
-#else
-  for (int64_t o = 0; o < n; ++o) {
-    score[o] = std::exp(score[o] - m);
-    l += score[o];
-  }
 #endif
-  sum += l;
+  for (; o < n; ++o) {
+    x[o] = std::exp(x[o] - m);
+    l += x[o];
+  }
+  return l;
+}
+
+// One row of the online softmax: of the scores x[0, n), keys [a, b) count (a < b; the others become 0).
+// Soft-capping, the running max mx and sum (acc [dv] rescaled when the max grows; on the first keys:
+// 0 * the zero accumulator), then x[o] = e^(x[o] - mx), the weights of P V.
+inline void online_update(float* x, int64_t n, int64_t a, int64_t b, float softcap, float& mx, float& sum,
+                          float* acc, int64_t dv) {
+  const float inf = std::numeric_limits<float>::infinity();
+  std::fill(x, x + a, -inf);
+  std::fill(x + b, x + n, -inf);
+  if (softcap > 0.f)
+    for (int64_t o = a; o < b; ++o) x[o] = std::tanh(x[o] / softcap) * softcap;
+  float m = mx;
+#pragma omp simd reduction(max : m)
+  for (int64_t o = a; o < b; ++o) m = std::max(m, x[o]);
+  if (m > mx) {
+    const float c = std::exp(mx - m);
+    for (int64_t i = 0; i < dv; ++i) acc[i] *= c;
+    sum *= c;
+    mx = m;
+  }
+  sum += exp_sum(x, n, m);
+}
+
+// One query head over n keys of a block (q scaled; k_o = k + o * ks, v_o = v + o * vs): the n scores,
+// online_update, acc += P V. score: [n rounded up to 8] scratch (whole vectors of exp: the padding's
+// e^-inf = 0).
+inline void block_step(const Shape& s, const float* q, const float* k, int64_t ks, const float* v, int64_t vs,
+                       int64_t n, float* score, float& mx, float& sum, float* acc) {
+  key_dots(q, k, ks, n, s.d, score);
+  online_update(score, (n + 7) / 8 * 8, 0, n, s.softcap, mx, sum, acc, s.dv);
   value_sums(score, v, vs, n, s.dv, acc);
 }
 
@@ -281,9 +301,9 @@ constexpr int64_t kTileKeys = 128;  // keys per GEMM tile (whole blocks), as SDP
 
 // A run of L >= kMinRows queries of one request, for KV head g and its G query heads as L * G rows (row
 // i * G + j: query i, head g * G + j; query i at position p0 + i). Per tile of kTileKeys keys (whole blocks,
-// staged in order out of the pool: a tile per KV head, not a copy per query): S = Q K^T (one GEMM),
-// soft-capping, -inf outside each row's keys (only the rows at the tile's causal or window edge), then the online softmax update and acc += P V (a second GEMM), as ATen ops
-// (vectorized exp and GEMMs).
+// staged in order out of the pool as float32: a tile per KV head, not a copy per query): S = Q K^T (one ATen
+// GEMM), each row's online_update in place (its keys only: the window's start and the causal edge), then
+// acc += P V (a second GEMM).
 template <typename T>
 void attend_rows(const Shape& s, const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                  const int32_t* table, int64_t first, int64_t len, int64_t p0, int64_t g, const float* sinks,
@@ -301,6 +321,8 @@ void attend_rows(const Shape& s, const at::Tensor& q, const at::Tensor& kc, cons
     return 0;
   };
   const int64_t last = p0 + len - 1, tile = std::max<int64_t>(1, kTileKeys / s.block);
+  const T* kp = kc.data_ptr<T>();
+  const T* vp = vc.data_ptr<T>();
   at::Tensor kt = at::empty({tile * s.block, s.d}, opts), vt = at::empty({tile * s.block, s.dv}, opts);
   for (int64_t blk = lo_of(p0) / s.block; blk <= last / s.block; blk += tile) {
     const int64_t nb = std::min(tile, last / s.block + 1 - blk), k0 = blk * s.block;
@@ -311,40 +333,22 @@ void attend_rows(const Shape& s, const at::Tensor& q, const at::Tensor& kc, cons
     while (r1 > r0 && lo_of(p0 + r1 - 1) > k1) --r1;
     if (r1 <= r0) continue;
     const int64_t n = (r1 - r0) * groups;
-    at::Tensor kb, vb;  // [width, D]: one block's view of the pool, or a tile of blocks staged in order
-    if (nb == 1 && kc.scalar_type() == at::kFloat) {
-      kb = kc.select(0, table[blk]).select(1, g).narrow(0, 0, width);
-      vb = vc.select(0, table[blk]).select(1, g).narrow(0, 0, width);
-    } else {
-      kb = kt.narrow(0, 0, width);
-      vb = vt.narrow(0, 0, width);
-      for (int64_t j = 0; j < nb; ++j) {
-        const int64_t rows = std::min(s.block, width - j * s.block);
-        kb.narrow(0, j * s.block, rows).copy_(kc.select(0, table[blk + j]).select(1, g).narrow(0, 0, rows));
-        vb.narrow(0, j * s.block, rows).copy_(vc.select(0, table[blk + j]).select(1, g).narrow(0, 0, rows));
-      }
+    for (int64_t j = 0; j < nb; ++j) {  // the tile's blocks staged in order, as float32
+      const int64_t rows = std::min(s.block, width - j * s.block), phys = table[blk + j];
+      copy_rows(kp + phys * s.k_n + g * s.k_h, s.k_b, rows, s.d, kt.data_ptr<float>() + j * s.block * s.d);
+      copy_rows(vp + phys * s.v_n + g * s.v_h, s.v_b, rows, s.dv, vt.data_ptr<float>() + j * s.block * s.dv);
     }
-    at::Tensor sc = at::mm(qf.narrow(0, r0 * groups, n), kb.t());  // [n, width]
-    if (s.softcap > 0.f) sc.div_(s.softcap).tanh_().mul_(s.softcap);
+    at::Tensor sc = at::mm(qf.narrow(0, r0 * groups, n), kt.narrow(0, 0, width).t());  // [n, width]
     float* S = sc.data_ptr<float>();
-    for (int64_t i = r0; i < r1; ++i) {  // only rows whose keys end or start inside the block
-      const int64_t p = p0 + i, lo = lo_of(p);
-      if (p >= k1 && lo <= k0) continue;
-      for (int64_t j = 0; j < groups; ++j) {
-        float* row = S + ((i - r0) * groups + j) * width;
-        for (int64_t o = 0; o < width; ++o)
-          if (k0 + o < lo || k0 + o > p) row[o] = -inf;
-      }
+    float* M = mx.data_ptr<float>() + r0 * groups;
+    float* L = sum.data_ptr<float>() + r0 * groups;
+    float* A = acc.data_ptr<float>() + r0 * groups * s.dv;
+    for (int64_t i = 0; i < n; ++i) {  // row i: query r0 + i / G, its keys [lo, p] within the tile
+      const int64_t p = p0 + r0 + i / groups;
+      online_update(S + i * width, width, std::max<int64_t>(lo_of(p) - k0, 0), std::min(p - k0 + 1, width),
+                    s.softcap, M[i], L[i], A + i * s.dv, s.dv);
     }
-    at::Tensor m_old = mx.narrow(0, r0 * groups, n);
-    at::Tensor m_new = at::maximum(m_old, sc.amax({1}, true));  // finite: each row has a key here
-    at::Tensor c = (m_old - m_new).exp_();
-    sc.sub_(m_new).exp_();
-    at::Tensor l = sum.narrow(0, r0 * groups, n);
-    l.mul_(c).add_(sc.sum(1, true));
-    m_old.copy_(m_new);
-    at::Tensor a = acc.narrow(0, r0 * groups, n);
-    a.mul_(c).addmm_(sc, vb);
+    acc.narrow(0, r0 * groups, n).addmm_(sc, vt.narrow(0, 0, width));
   }
   if (sinks != nullptr) {  // gpt-oss: the sink joins each row's denominator
     at::Tensor sink = at::from_blob(const_cast<float*>(sinks) + g * groups, {groups}, opts).repeat({len})
@@ -358,11 +362,11 @@ void attend_rows(const Shape& s, const at::Tensor& q, const at::Tensor& kc, cons
   out.narrow(0, first, len).narrow(1, g * groups, groups).copy_(acc.view({len, groups, s.dv}));
 }
 
-// runs of fewer queries (decode, chunks, prefills up to 1023 tokens) take attend_run's loop: measured
-// faster than the tiles' ATen calls up to 512 queries here, even at 1024, slower at 2048
-constexpr int64_t kMinRows = 1024;
+// runs of fewer queries (decode, chunks, prefills up to 511 tokens) take attend_run's loop: measured faster
+// than the tiles here up to 256 queries (128: 1.5x), slower from 512 (0.9x; at 1024 and 2048 too)
+constexpr int64_t kMinRows = 512;
 constexpr int64_t kRunTokens = 8;  // queries of one attend_run item (each block read once for them: 4-64 measured alike)
-constexpr int64_t kRowTile = 512;  // queries per tile of a longer run (64 measured slower here: more ATen calls)
+constexpr int64_t kRowTile = 512;  // queries per tile of a longer run (128, 64, 32 measured slower: more GEMM calls)
 
 }  // namespace
 
