@@ -87,15 +87,48 @@ def test_kernel_is_the_brute_force_softmax(kind, window, extra) -> None:
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=0)
 
 
-def test_values_narrower_than_keys_and_bfloat16() -> None:
-    q, kc, vc, tables = _random_case(MIXED, dv=4)
-    batch = paged_batch(_group(), [((t,), s, e) for t, (s, e) in zip(tables, MIXED, strict=True)], 64, B)
+LONG = [(200, 1240), (1500, 1501)]  # 1,040 queries after 200 tokens (the kernel's tile path), a decode
+
+
+@pytest.mark.parametrize(("kind", "window"), [(LayerKind.FULL, None), (LayerKind.SLIDING, 37),
+                                              (LayerKind.CHUNKED, 64)])
+@pytest.mark.parametrize("extra", [{}, {"softcap": 2.0}, {"sinks": True}])
+def test_long_runs_are_the_brute_force_softmax(kind, window, extra) -> None:
+    # runs of 512 queries or more take GEMM tiles instead of the per-token loop: the same function
+    q, kc, vc, tables = _random_case(LONG, num_blocks=700)
+    if extra.get("sinks"):
+        extra = {"sinks": torch.randn(HQ, generator=torch.Generator().manual_seed(3))}
+    batch = paged_batch(_group(kind, window), [((t,), s, e) for t, (s, e) in zip(tables, LONG, strict=True)],
+                        700, B)
+    got = paged_attention(q, kc, vc, batch, **extra)
+    expected = _brute_force(q, kc, vc, tables, LONG, kind, window, **extra)
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("spans", "blocks"), [(MIXED, 64), (LONG, 700)])
+def test_values_narrower_than_keys_and_bfloat16(spans, blocks) -> None:
+    q, kc, vc, tables = _random_case(spans, num_blocks=blocks, dv=4)
+    batch = paged_batch(_group(), [((t,), s, e) for t, (s, e) in zip(tables, spans, strict=True)], blocks, B)
     torch.testing.assert_close(paged_attention(q, kc, vc, batch).double(),
-                               _brute_force(q, kc, vc, tables, MIXED), atol=1e-5, rtol=0)
+                               _brute_force(q, kc, vc, tables, spans), atol=1e-5, rtol=0)
     got = paged_attention(q.bfloat16(), kc.bfloat16(), vc.bfloat16(), batch)
     assert got.dtype == torch.bfloat16
-    expected = _brute_force(q.bfloat16().float(), kc.bfloat16().float(), vc.bfloat16().float(), tables, MIXED)
+    expected = _brute_force(q.bfloat16().float(), kc.bfloat16().float(), vc.bfloat16().float(), tables, spans)
     torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize(("spans", "blocks"), [(MIXED, 64), (LONG, 700)])
+def test_hnd_views_and_a_strided_query(spans, blocks) -> None:
+    # the HND layout's views ([N, H, B, D] storage seen as [N, B, H, D]) and a query whose heads are not
+    # packed: the kernel reads every stride it is given
+    q, kc, vc, tables = _random_case(spans, num_blocks=blocks)
+    k_hnd = kc.transpose(1, 2).contiguous().transpose(1, 2)
+    v_hnd = vc.transpose(1, 2).contiguous().transpose(1, 2)
+    q_wide = torch.zeros(q.shape[0], HQ, 2 * D)[:, :, :D]
+    q_wide.copy_(q)
+    batch = paged_batch(_group(), [((t,), s, e) for t, (s, e) in zip(tables, spans, strict=True)], blocks, B)
+    torch.testing.assert_close(paged_attention(q_wide, k_hnd, v_hnd, batch).double(),
+                               _brute_force(q, kc, vc, tables, spans), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize(("hq", "hkv", "head_dim"), [(10, 1, 8), (4, 4, 12), (9, 3, 5), (9, 3, 64)])
