@@ -7,6 +7,9 @@ brute-force model on random sequences.
 
 from __future__ import annotations
 
+import random
+from collections import OrderedDict
+
 import pytest
 
 from kvpool import BlockPool, InvalidArgumentError, InvalidIdError, OutOfBlocksError, PinLimitError
@@ -15,6 +18,7 @@ from kvpool.allocators.policies import (
     POLICIES,
     ARCPolicy,
     FrequencyAdmission,
+    LRUPolicy,
     PriorityPolicy,
     SLRUPolicy,
     make_policy,
@@ -83,6 +87,34 @@ def test_batched_eviction_takes_the_same_victims(name: str) -> None:
     assert pool.allocate(4) == [5, *EXPECTED[name][:3]]
     assert pool.evictable_blocks() == EXPECTED[name][3:]
     assert [pool.block_hash(b) is None for b in EXPECTED[name]] == [True, True, True, False, False]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lru_chunk_queue_keeps_an_ordered_dicts_order_through_sweeps(seed: int) -> None:
+    # The model: an OrderedDict of the evictable blocks (insert at the tail, revive in place, evict the
+    # head). The chunk queue gets the same calls, many revivals between evictions, so stale entries pile
+    # up past the sweep threshold (4,096) several times.
+    rng, n = random.Random(seed), 3000
+    policy, model = LRUPolicy(), OrderedDict[int, None]()
+    policy.bind(n)
+    held = set(range(n))  # blocks not evictable
+    for _ in range(1500):
+        chunk = rng.sample(sorted(held), min(len(held), rng.randrange(1, 60)))
+        held -= set(chunk)
+        policy.insert_chunk(list(chunk))
+        model.update(dict.fromkeys(chunk))
+        for b in rng.sample(list(model), min(len(model), rng.randrange(0, 40))):  # revived by a hit
+            policy.remove(b)
+            del model[b]
+            held.add(b)
+        for _ in range(rng.randrange(0, 4) if model else 0):
+            b = policy.pop()
+            assert b == model.popitem(last=False)[0]
+            held.add(b)
+        assert len(policy) == len(model)
+    assert policy.order() == list(model)
+    policy.clear()
+    assert policy.order() == [] and len(policy) == 0
 
 
 def test_priority_decays_to_zero_after_retention_s() -> None:

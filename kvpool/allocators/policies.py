@@ -23,8 +23,8 @@ raises; it calls:
 Every other call is O(1) or O(log n) in the number of blocks, as each class says. Ties in a policy's key
 are broken by recency: the block freed least recently goes first, as in LRU.
 
-``lru`` is the pool's default and stays on its fast path (the pool uses :attr:`LRUPolicy.queue`, an
-``OrderedDict``, directly); the other policies are called through this interface. ``belady`` (the offline
+``lru`` is the pool's default and stays on its fast path (the pool calls :class:`LRUPolicy`'s chunk queue
+directly); the other policies are called through this interface. ``belady`` (the offline
 farthest-next-use bound) needs the future of a trace and lives in :mod:`kvpool.trace.belady`.
 
 :class:`FrequencyAdmission` is the publish-side filter: a hash is admitted to the prefix index only once
@@ -114,35 +114,110 @@ class EvictionPolicy(ABC):
 
 
 class LRUPolicy(EvictionPolicy):
-    """Least recently used: evict the block freed longest ago; a hit revives it in place. O(1) per call.
+    """Least recently used: evict the block freed longest ago; a hit revives it in place. O(1) per call
+    (amortized).
 
-    The order of vLLM's ``FreeKVCacheBlockQueue`` and nano-vllm's free deque (which double as LRUs). The pool
-    reads and writes :attr:`queue` directly on its fast path (head = next victim).
+    The order of vLLM's ``FreeKVCacheBlockQueue`` and nano-vllm's free deque (which double as LRUs), kept
+    as a queue of **chunks**: each :meth:`insert_chunk` (one ``free`` call's blocks, in order) appends
+    its list whole, and ``where[b]`` names the chunk holding ``b``'s live entry (None: not evictable). A
+    revived block only loses its ``where``: its entry stays behind, stale, and :meth:`pop` skips it (an
+    entry is live exactly when its chunk is ``where`` of its block; a block is at most once in one
+    chunk, since a free call names no id twice). Stale entries are swept out when they outnumber the
+    live ones, so memory stays O(evictable blocks) and every call O(1) amortized. This costs a list store
+    per block where an ``OrderedDict`` costs a hash-table insert and a node (the pool frees whole
+    requests' tables, hundreds of blocks a call). The pool calls :meth:`insert_chunk` and :meth:`pop`
+    directly on its fast path (head = next victim), and revives a touched block itself: ``where[b] =
+    None`` for each, then :meth:`removed` with their count.
     """
 
     name = "lru"
 
     def __init__(self) -> None:
         super().__init__()
-        self.queue: OrderedDict[int, None] = OrderedDict()
+        self.where: list[object] = []  # block -> the chunk of its live entry, or None
+        self._chunks: list[tuple[int, ...]] = []  # oldest first; _chunks[:_head] are spent
+        self._head = 0  # the chunk the next victim is looked for in
+        self._pos = 0  # the position in it
+        self._live = 0  # evictable blocks (live entries)
+        self._stale = 0  # entries of revived blocks not yet skipped or swept
+
+    def _bound(self, num_blocks: int) -> None:
+        self.where = [None] * num_blocks
 
     def insert(self, block: int, priority: int) -> None:
-        self.queue[block] = None
+        self.insert_chunk([block])
+
+    def insert_chunk(self, blocks: list[int]) -> None:
+        """Append ``blocks`` (distinct ids, none evictable), oldest first. The chunk is kept as a tuple of
+        ints, which the garbage collector stops tracking (a list it would walk at every collection)."""
+        chunk, where = tuple(blocks), self.where
+        for b in chunk:
+            where[b] = chunk
+        self._chunks.append(chunk)
+        self._live += len(chunk)
 
     def remove(self, block: int) -> None:
-        del self.queue[block]
+        self.where[block] = None
+        self.removed(1)
+
+    def removed(self, count: int) -> None:
+        """``count`` evictable blocks left the queue: the caller set their ``where`` to None."""
+        self._live -= count
+        self._stale += count
+        if self._stale > 4096 and self._stale > self._live:
+            self._sweep()
 
     def pop(self) -> int:
-        return self.queue.popitem(False)[0]
+        chunks, where = self._chunks, self.where
+        while True:
+            chunk = chunks[self._head]
+            pos = self._pos
+            if pos == len(chunk):
+                self._head += 1
+                self._pos = 0
+                if self._head >= 64 and 2 * self._head >= len(chunks):
+                    del chunks[:self._head]
+                    self._head = 0
+                continue
+            b = chunk[pos]
+            self._pos = pos + 1
+            if where[b] is chunk:
+                where[b] = None
+                self._live -= 1
+                return b
+            self._stale -= 1
 
     def dropped(self, block: int) -> None:
-        self.queue.pop(block, None)
+        if self.where[block] is not None:
+            self.remove(block)
+
+    def clear(self) -> None:
+        """Make no block evictable (the pool's ``reset_prefix_cache``)."""
+        for b in self.order():
+            self.where[b] = None
+        self._chunks, self._head, self._pos, self._live, self._stale = [], 0, 0, 0, 0
+
+    def _sweep(self) -> None:
+        """Rebuild the queue as one chunk of the live entries, in order."""
+        live = self.order()
+        self._chunks, self._head, self._pos, self._stale = [], 0, 0, 0
+        self._live = 0
+        if live:
+            self.insert_chunk(live)
 
     def order(self) -> list[int]:
-        return list(self.queue)
+        where, out = self.where, []
+        chunks = self._chunks
+        for i in range(self._head, len(chunks)):
+            chunk = chunks[i]
+            for j in range(self._pos if i == self._head else 0, len(chunk)):
+                b = chunk[j]
+                if where[b] is chunk:
+                    out.append(b)
+        return out
 
     def __len__(self) -> int:
-        return len(self.queue)
+        return self._live
 
 
 #: Sequence numbers stay below this, so ``major * SEQ_SPAN + seq`` orders by (major, seq) in one int.
