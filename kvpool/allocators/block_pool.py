@@ -368,7 +368,13 @@ class BlockPool:
                 raise DoubleFreeError(f"block {ids[unreferenced]} is not allocated (ref count 0)")
         level = priority if type(priority) is int else as_int(priority, "priority")  # the priority policy's:
         # checked before anything changes (a falsy None or 0.0 too)
-        free, lru, hashes = self._free, self._lru, self._hash
+        self._release(ids, level)
+
+    def _release(self, ids: list[int], level: int) -> None:
+        """:meth:`free` of ids known valid: distinct ints in range, each referenced, none the null block
+        (what :meth:`free` checks first; a :class:`~kvpool.allocators.groups.KVCacheCoordinator` frees its
+        own tables, which hold such ids, through here)."""
+        free, lru, hashes, ref = self._free, self._lru, self._hash, self._ref
         if lru is None:  # any policy but LRU, through its interface
             for block in ids:
                 r = ref[block] - 1
@@ -518,8 +524,10 @@ class BlockPool:
                 if hashes[block] is None:
                     self._enter(block, h)
             return
-        for block, h in zip(ids, block_hashes, strict=True):
+        for i in range(len(ids)):  # (lengths checked equal; a zip would build a tuple per block)
+            block = ids[i]
             if hashes[block] is None:
+                h = block_hashes[i]
                 if index.setdefault(h, block) != block:
                     self._add_holder(block, h)
                 hashes[block] = h
@@ -605,10 +613,12 @@ class BlockPool:
         if unreferenced >= 0:
             raise InvalidIdError(f"block {block_ids[unreferenced]} is not allocated: only in-use blocks can "
                                  "be published")
-        for block, h in zip(block_ids, block_hashes, strict=True):
-            if h is None or not _hashable(h):
+        hashes = self._hash
+        for i in range(len(block_ids)):  # (lengths checked equal; a zip would build a tuple per block)
+            block, h = block_ids[i], block_hashes[i]
+            if type(h) is not int and type(h) is not bytes and (h is None or not _hashable(h)):
                 raise InvalidArgumentError(f"block hash must be hashable and not None, got {h!r}")
-            held = self._hash[block]
+            held = hashes[block]
             if held is not None and held is not h and held != h:
                 raise InvalidIdError(f"block {block} already holds hash {held!r}, cannot publish {h!r}")
 
