@@ -117,6 +117,20 @@ def test_lru_chunk_queue_keeps_an_ordered_dicts_order_through_sweeps(seed: int) 
     assert policy.order() == [] and len(policy) == 0
 
 
+def test_lru_queue_drops_spent_entries_and_keeps_popping_in_order() -> None:
+    # 10,000 blocks freed in one call, every third revived, then all popped: the spent head of the log is
+    # dropped past 4,096 entries and the order stays the free order (by hand: the blocks not divisible by
+    # 3, ascending), then a second call's blocks follow
+    policy = LRUPolicy()
+    policy.bind(12_000)
+    policy.insert_chunk(list(range(10_000)))
+    for b in range(0, 10_000, 3):
+        policy.remove(b)
+    policy.insert_chunk([10_001, 10_000])
+    expected = [b for b in range(10_000) if b % 3] + [10_001, 10_000]
+    assert [policy.pop() for _ in range(len(expected))] == expected and len(policy) == 0
+
+
 def test_priority_decays_to_zero_after_retention_s() -> None:
     clock = Clock()
     pool = scenario(PriorityPolicy(retention_s=10.0, clock=clock))

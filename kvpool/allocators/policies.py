@@ -118,26 +118,28 @@ class LRUPolicy(EvictionPolicy):
     (amortized).
 
     The order of vLLM's ``FreeKVCacheBlockQueue`` and nano-vllm's free deque (which double as LRUs), kept
-    as a queue of **chunks**: each :meth:`insert_chunk` (one ``free`` call's blocks, in order) appends
-    its list whole, and ``where[b]`` names the chunk holding ``b``'s live entry (None: not evictable). A
-    revived block only loses its ``where``: its entry stays behind, stale, and :meth:`pop` skips it (an
-    entry is live exactly when its chunk is ``where`` of its block; a block is at most once in one
-    chunk, since a free call names no id twice). Stale entries are swept out when they outnumber the
-    live ones, so memory stays O(evictable blocks) and every call O(1) amortized. This costs a list store
-    per block where an ``OrderedDict`` costs a hash-table insert and a node (the pool frees whole
-    requests' tables, hundreds of blocks a call). The pool calls :meth:`insert_chunk` and :meth:`pop`
-    directly on its fast path (head = next victim), and revives a touched block itself: ``where[b] =
-    None`` for each, then :meth:`removed` with their count.
+    as a **log**: each :meth:`insert_chunk` (one ``free`` call's blocks, in order) appends its blocks to
+    ``_log`` and, beside each, the call's **mark** (an int object of its own, compared by identity) to
+    ``_marks``; ``where[b]`` is the mark of ``b``'s live entry (None: not evictable). A revived block
+    only loses its ``where``: its entry stays behind, stale, and :meth:`pop` skips it (an entry is live
+    exactly when its mark is ``where`` of its block; a block is at most once in one call). Stale entries
+    are swept out when they outnumber the live ones, so memory stays O(evictable blocks) and every call
+    O(1) amortized. This costs three list stores per block where an ``OrderedDict`` costs a hash-table
+    insert and a node, and it allocates no object the garbage collector tracks (a tuple or list per call
+    would set off collections, each walking the pool's per-block lists while they are young). The pool
+    calls :meth:`insert_chunk` and :meth:`pop` directly on its fast path (head = next victim), and revives
+    a touched block itself: ``where[b] = None`` for each, then :meth:`removed` with their count.
     """
 
     name = "lru"
 
     def __init__(self) -> None:
         super().__init__()
-        self.where: list[object] = []  # block -> the chunk of its live entry, or None
-        self._chunks: list[tuple[int, ...]] = []  # oldest first; _chunks[:_head] are spent
-        self._head = 0  # the chunk the next victim is looked for in
-        self._pos = 0  # the position in it
+        self.where: list[object] = []  # block -> the mark of its live entry, or None
+        self._log: list[int] = []  # blocks, oldest entry first; _log[:_head] are spent
+        self._marks: list[object] = []  # the mark of each entry of _log
+        self._head = 0  # the entry the next victim is looked for at
+        self._calls = 0  # insert_chunk calls so far: each one's mark is its number, a fresh int object
         self._live = 0  # evictable blocks (live entries)
         self._stale = 0  # entries of revived blocks not yet skipped or swept
 
@@ -148,13 +150,15 @@ class LRUPolicy(EvictionPolicy):
         self.insert_chunk([block])
 
     def insert_chunk(self, blocks: list[int]) -> None:
-        """Append ``blocks`` (distinct ids, none evictable), oldest first. The chunk is kept as a tuple of
-        ints, which the garbage collector stops tracking (a list it would walk at every collection)."""
-        chunk, where = tuple(blocks), self.where
-        for b in chunk:
-            where[b] = chunk
-        self._chunks.append(chunk)
-        self._live += len(chunk)
+        """Append ``blocks`` (distinct ids, none evictable), oldest first."""
+        self._calls += 1
+        mark: object = self._calls  # one object for the whole call (boxed once when compiled)
+        where, log, marks = self.where, self._log, self._marks
+        for b in blocks:
+            where[b] = mark
+            log.append(b)
+            marks.append(mark)
+        self._live += len(blocks)
 
     def remove(self, block: int) -> None:
         self.where[block] = None
@@ -168,24 +172,23 @@ class LRUPolicy(EvictionPolicy):
             self._sweep()
 
     def pop(self) -> int:
-        chunks, where = self._chunks, self.where
+        log, marks, where = self._log, self._marks, self.where
+        head = self._head
         while True:
-            chunk = chunks[self._head]
-            pos = self._pos
-            if pos == len(chunk):
-                self._head += 1
-                self._pos = 0
-                if self._head >= 64 and 2 * self._head >= len(chunks):
-                    del chunks[:self._head]
-                    self._head = 0
-                continue
-            b = chunk[pos]
-            self._pos = pos + 1
-            if where[b] is chunk:
-                where[b] = None
-                self._live -= 1
-                return b
+            b = log[head]
+            mark = marks[head]
+            head += 1
+            if where[b] is mark:
+                break
             self._stale -= 1
+        where[b] = None
+        self._live -= 1
+        if head >= 4096 and 2 * head >= len(log):  # drop the spent entries (amortized O(1))
+            del log[:head]
+            del marks[:head]
+            head = 0
+        self._head = head
+        return b
 
     def dropped(self, block: int) -> None:
         if self.where[block] is not None:
@@ -195,26 +198,19 @@ class LRUPolicy(EvictionPolicy):
         """Make no block evictable (the pool's ``reset_prefix_cache``)."""
         for b in self.order():
             self.where[b] = None
-        self._chunks, self._head, self._pos, self._live, self._stale = [], 0, 0, 0, 0
+        self._log, self._marks, self._head, self._live, self._stale = [], [], 0, 0, 0
 
     def _sweep(self) -> None:
-        """Rebuild the queue as one chunk of the live entries, in order."""
-        live = self.order()
-        self._chunks, self._head, self._pos, self._stale = [], 0, 0, 0
-        self._live = 0
-        if live:
-            self.insert_chunk(live)
+        """Keep only the live entries, in order (each keeps its mark)."""
+        log, marks, where = self._log, self._marks, self.where
+        keep = [i for i in range(self._head, len(log)) if where[log[i]] is marks[i]]
+        self._log = [log[i] for i in keep]
+        self._marks = [marks[i] for i in keep]
+        self._head = self._stale = 0
 
     def order(self) -> list[int]:
-        where, out = self.where, []
-        chunks = self._chunks
-        for i in range(self._head, len(chunks)):
-            chunk = chunks[i]
-            for j in range(self._pos if i == self._head else 0, len(chunk)):
-                b = chunk[j]
-                if where[b] is chunk:
-                    out.append(b)
-        return out
+        log, marks, where = self._log, self._marks, self.where
+        return [log[i] for i in range(self._head, len(log)) if where[log[i]] is marks[i]]
 
     def __len__(self) -> int:
         return self._live

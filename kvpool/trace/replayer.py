@@ -24,7 +24,10 @@ Timing modes:
 Step-time model (seconds): ``step_s + prefill_token_s * prefill tokens + decode_token_s * decode tokens``
 (prefill tokens: the step's prefill chunks, cached tokens excluded). The defaults are illustrative only;
 set them for a model and device. Stretches of pure decode steps that change nothing in the pool (no block
-to allocate, free or publish, no one finishing, nobody who could be admitted) run in one go.
+to allocate, free or publish, no one finishing, nobody who could be admitted) run in one go, and so do all
+the decode steps but the last of a request running alone with nothing to arrive, block allocations
+included, where its blocks come without an eviction (:meth:`Scheduler.run_lone_decode`); the clock adds
+their times exactly as stepping would.
 
 Eviction: ``config.policy`` names the pool's eviction policy (:mod:`kvpool.allocators.policies`; the
 ``priority`` policy's retention clock is the simulated one), or ``belady``: the offline farthest-next-use
