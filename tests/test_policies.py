@@ -7,6 +7,9 @@ brute-force model on random sequences.
 
 from __future__ import annotations
 
+import random
+from collections import OrderedDict
+
 import pytest
 
 from kvpool import BlockPool, InvalidArgumentError, InvalidIdError, OutOfBlocksError, PinLimitError
@@ -15,6 +18,7 @@ from kvpool.allocators.policies import (
     POLICIES,
     ARCPolicy,
     FrequencyAdmission,
+    LRUPolicy,
     PriorityPolicy,
     SLRUPolicy,
     make_policy,
@@ -83,6 +87,48 @@ def test_batched_eviction_takes_the_same_victims(name: str) -> None:
     assert pool.allocate(4) == [5, *EXPECTED[name][:3]]
     assert pool.evictable_blocks() == EXPECTED[name][3:]
     assert [pool.block_hash(b) is None for b in EXPECTED[name]] == [True, True, True, False, False]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lru_chunk_queue_keeps_an_ordered_dicts_order_through_sweeps(seed: int) -> None:
+    # The model: an OrderedDict of the evictable blocks (insert at the tail, revive in place, evict the
+    # head). The chunk queue gets the same calls, many revivals between evictions, so stale entries pile
+    # up past the sweep threshold (4,096) several times.
+    rng, n = random.Random(seed), 3000
+    policy, model = LRUPolicy(), OrderedDict[int, None]()
+    policy.bind(n)
+    held = set(range(n))  # blocks not evictable
+    for _ in range(1500):
+        chunk = rng.sample(sorted(held), min(len(held), rng.randrange(1, 60)))
+        held -= set(chunk)
+        policy.insert_chunk(list(chunk))
+        model.update(dict.fromkeys(chunk))
+        for b in rng.sample(list(model), min(len(model), rng.randrange(0, 40))):  # revived by a hit
+            policy.remove(b)
+            del model[b]
+            held.add(b)
+        for _ in range(rng.randrange(0, 4) if model else 0):
+            b = policy.pop()
+            assert b == model.popitem(last=False)[0]
+            held.add(b)
+        assert len(policy) == len(model)
+    assert policy.order() == list(model)
+    policy.clear()
+    assert policy.order() == [] and len(policy) == 0
+
+
+def test_lru_queue_drops_spent_entries_and_keeps_popping_in_order() -> None:
+    # 10,000 blocks freed in one call, every third revived, then all popped: the spent head of the log is
+    # dropped past 4,096 entries and the order stays the free order (by hand: the blocks not divisible by
+    # 3, ascending), then a second call's blocks follow
+    policy = LRUPolicy()
+    policy.bind(12_000)
+    policy.insert_chunk(list(range(10_000)))
+    for b in range(0, 10_000, 3):
+        policy.remove(b)
+    policy.insert_chunk([10_001, 10_000])
+    expected = [b for b in range(10_000) if b % 3] + [10_001, 10_000]
+    assert [policy.pop() for _ in range(len(expected))] == expected and len(policy) == 0
 
 
 def test_priority_decays_to_zero_after_retention_s() -> None:

@@ -337,6 +337,37 @@ def test_fast_forward_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     assert fast == slow and fast["preemptions"] > 0 and fast["evictions"] > 0
 
 
+@pytest.mark.parametrize(("block_size", "num_blocks", "policy"), [
+    (16, None, "lru"), (1, None, "lru"), (64, 150, "lru"), (32, 120, "priority"), (16, 400, "fifo")])
+def test_lone_decode_changes_nothing(monkeypatch: pytest.MonkeyPatch, block_size: int, num_blocks: int | None,
+                                     policy: str) -> None:
+    # Instant timing runs a lone request's decode steps at once (Scheduler.run_lone_decode) where its
+    # blocks come without eviction, and steps otherwise (bounded pools: evictions and preemptions). With
+    # step costs that are not round numbers the clock's sums must come out to the last bit as the
+    # replay without it adds them (the pure decode steps of a block in one tick); with whole seconds,
+    # as stepping one step at a time (FAST_FORWARD off).
+    requests = synthetic_trace(11, n=60)
+    odd = ReplayConfig(block_size=block_size, num_blocks=num_blocks, policy=policy, step_s=0.0031,
+                       prefill_token_s=1.7e-5, decode_token_s=9.3e-5)
+    unit = ReplayConfig(block_size=block_size, num_blocks=num_blocks, policy=policy, **UNIT_COSTS)
+    runs: list[int] = []
+    real = replay_module.Scheduler.run_lone_decode
+
+    def replay(config: ReplayConfig, lone: bool = True, fast: bool = True) -> dict:
+        monkeypatch.setattr(replay_module.Scheduler, "run_lone_decode",
+                            (lambda sched: runs.append(real(sched)) or runs[-1]) if lone else lambda sched: 0)
+        monkeypatch.setattr(replay_module, "FAST_FORWARD", fast)
+        out = run_replay(requests, config).to_dict()
+        del out["wall_s"], out["block_ops_per_s"]
+        return out
+
+    assert replay(odd) == replay(odd, lone=False)
+    assert replay(unit) == replay(unit, lone=False, fast=False)
+    assert sum(1 for n in runs if n) > 10
+    if num_blocks is not None and policy == "lru":
+        assert replay(odd)["evictions"] > 0 and 0 in runs  # some requests stepped: their blocks evict
+
+
 @pytest.mark.parametrize("seed", [3, 4])
 def test_trace_timing_bounded_pool_ends_clean(seed: int) -> None:
     requests = synthetic_trace(seed)

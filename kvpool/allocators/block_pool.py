@@ -9,9 +9,9 @@ block is in exactly one of three sets:
   out yet, is kept implicit (``[fresh, num_blocks)``, handed out in ascending order once the freed blocks
   above them are gone), so building a pool of millions of blocks creates no per-block id;
 * **cached free** (evictable): ref count 0, holds a published hash, ordered by the eviction policy
-  (:mod:`kvpool.allocators.policies`). The default, ``lru``, is an ``OrderedDict`` kept inline here
-  (``free`` appends to the tail, eviction pops from the head, ``touch`` revives in place); every other
-  policy is called through its interface;
+  (:mod:`kvpool.allocators.policies`). The default, ``lru``, is called directly on the fast paths
+  (``free`` appends the call's blocks to its tail as one chunk, eviction pops from the head, ``touch``
+  revives in place); every other policy is called through its interface;
 * **in use**: ref count > 0, with or without a published hash.
 
 **Pins.** ``pin`` keeps cached blocks from eviction: a pin is a reference the pool holds for the caller,
@@ -42,7 +42,6 @@ pay nothing.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -148,8 +147,9 @@ class BlockPool:
         if admission is not None:
             admission.bind(num_blocks)
         self._policy = order
-        # LRU stays inline on the fast paths: its queue (head = evict first); None for any other policy
-        self._lru: OrderedDict[int, None] | None = order.queue if isinstance(order, LRUPolicy) else None
+        # LRU stays on the fast paths, called directly (its chunk queue: head = evict first); None for any
+        # other policy, called through the policy interface
+        self._lru: LRUPolicy | None = order if isinstance(order, LRUPolicy) else None
         self._admission = admission
         self._pins: dict[int, int] = {}  # pinned block -> pin count (each pin holds one reference)
         self._pin_cap = pin_cap
@@ -208,7 +208,7 @@ class BlockPool:
             elif self._fresh < self._n:
                 block = self._fresh
                 self._fresh = block + 1
-            elif self._lru:
+            elif self._lru is not None and len(self._lru):
                 block = self._evict(1)[0]
             else:
                 block = -1
@@ -266,9 +266,9 @@ class BlockPool:
             return self._evict_and_tell(m)
         if self._sink is not None:
             return self._evict_recorded(m, self._sink)
-        popitem, index, hashes, out = lru.popitem, self._index, self._hash, []
+        index, hashes, out = self._index, self._hash, []
         for _ in range(m):
-            block = popitem(False)[0]
+            block = lru.pop()
             del index[hashes[block]]
             hashes[block] = None
             out.append(block)
@@ -279,9 +279,9 @@ class BlockPool:
         """:meth:`_evict` (LRU, every hash held by one block) telling ``sink`` the hashes that left."""
         lru = self._lru
         assert lru is not None
-        popitem, index, hashes, out, gone = lru.popitem, self._index, self._hash, [], []
+        index, hashes, out, gone = self._index, self._hash, [], []
         for _ in range(m):
-            block = popitem(False)[0]
+            block = lru.pop()
             h = hashes[block]
             del index[h]
             hashes[block] = None
@@ -299,8 +299,7 @@ class BlockPool:
         (no other block holds it)."""
         hashes, lru, out, gone = self._hash, self._lru, [], []
         if lru is not None:
-            popitem = lru.popitem
-            out = [popitem(False)[0] for _ in range(m)]
+            out = [lru.pop() for _ in range(m)]
         else:
             pop = self._policy.pop
             out = [pop() for _ in range(m)]
@@ -369,17 +368,34 @@ class BlockPool:
                 raise DoubleFreeError(f"block {ids[unreferenced]} is not allocated (ref count 0)")
         level = priority if type(priority) is int else as_int(priority, "priority")  # the priority policy's:
         # checked before anything changes (a falsy None or 0.0 too)
-        free, lru, hashes = self._free, self._lru, self._hash
+        self._release(ids, level)
+
+    def _release(self, ids: list[int], level: int) -> None:
+        """:meth:`free` of ids known valid: distinct ints in range, each referenced, none the null block
+        (what :meth:`free` checks first; a :class:`~kvpool.allocators.groups.KVCacheCoordinator` frees its
+        own tables, which hold such ids, through here)."""
+        free, lru, hashes, ref = self._free, self._lru, self._hash, self._ref
+        if lru is None:  # any policy but LRU, through its interface
+            for block in ids:
+                r = ref[block] - 1
+                ref[block] = r
+                if r == 0:
+                    if hashes[block] is None:
+                        free.append(block)
+                    else:
+                        self._policy.insert(block, level)
+            return
+        chunk: list[int] = []  # the call's newly evictable blocks, in order: one chunk of the LRU queue
         for block in ids:
             r = ref[block] - 1
             ref[block] = r
             if r == 0:
                 if hashes[block] is None:
                     free.append(block)
-                elif lru is not None:  # LRU inline; any other policy through its interface
-                    lru[block] = None
                 else:
-                    self._policy.insert(block, level)
+                    chunk.append(block)
+        if chunk:
+            lru.insert_chunk(chunk)
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Add one reference to each block (a prefix hit). A cached free block leaves the LRU and is
@@ -398,10 +414,14 @@ class BlockPool:
         if lru is None:
             self._revive(ids)
             return
+        where, revived = lru.where, 0
         for block in ids:
             if ref[block] == 0:
-                del lru[block]
+                where[block] = None
+                revived += 1
             ref[block] += 1
+        if revived:
+            lru.removed(revived)
 
     def _revive(self, ids: list[int]) -> None:
         """``touch`` of valid ids through the policy interface: a hit on each hashed block, and each
@@ -504,8 +524,10 @@ class BlockPool:
                 if hashes[block] is None:
                     self._enter(block, h)
             return
-        for block, h in zip(ids, block_hashes, strict=True):
+        for i in range(len(ids)):  # (lengths checked equal; a zip would build a tuple per block)
+            block = ids[i]
             if hashes[block] is None:
+                h = block_hashes[i]
                 if index.setdefault(h, block) != block:
                     self._add_holder(block, h)
                 hashes[block] = h
@@ -591,10 +613,12 @@ class BlockPool:
         if unreferenced >= 0:
             raise InvalidIdError(f"block {block_ids[unreferenced]} is not allocated: only in-use blocks can "
                                  "be published")
-        for block, h in zip(block_ids, block_hashes, strict=True):
-            if h is None or not _hashable(h):
+        hashes = self._hash
+        for i in range(len(block_ids)):  # (lengths checked equal; a zip would build a tuple per block)
+            block, h = block_ids[i], block_hashes[i]
+            if type(h) is not int and type(h) is not bytes and (h is None or not _hashable(h)):
                 raise InvalidArgumentError(f"block hash must be hashable and not None, got {h!r}")
-            held = self._hash[block]
+            held = hashes[block]
             if held is not None and held is not h and held != h:
                 raise InvalidIdError(f"block {block} already holds hash {held!r}, cannot publish {h!r}")
 
@@ -676,7 +700,7 @@ class BlockPool:
                 if lru is None:
                     self._policy.dropped(block)
                 elif r == 0:
-                    del lru[block]
+                    lru.remove(block)
                 r -= self._pins.pop(block, 0)
                 ref[block] = r
                 if r == 0:
@@ -742,7 +766,7 @@ class BlockPool:
                 if lru is None:
                     self._policy.remove(block)
                 else:
-                    del lru[block]
+                    lru.remove(block)
             ref[block] += 1
             pins[block] = pins.get(block, 0) + 1
 
@@ -963,7 +987,7 @@ class BlockPool:
         """Cached free block ids in eviction order, next victim first. O(number of cached free blocks)
         for LRU, O(n log n) for the heap-ordered policies."""
         lru = self._lru
-        return list(lru) if lru is not None else self._policy.order()
+        return lru.order() if lru is not None else self._policy.order()
 
     def block_states(self) -> bytes:
         """One byte per block, its state now: an index into :data:`BLOCK_STATES` (``FREE`` = 0, ``IN_USE``,

@@ -479,10 +479,13 @@ class KVCacheCoordinator:
         else:
             order = [t[i] for i in range(longest - 1, -1, -1) for t in tables if i < len(t)]
         ids = [b for b in order if b != null] if self._windowed else order
-        if priority:
-            self.pool.free(ids, priority)
+        pool = self.pool
+        if isinstance(pool, BlockPool):  # its own table: distinct held ids, no null block (no checks needed)
+            pool._release(ids, priority)
+        elif priority:
+            pool.free(ids, priority)
         else:
-            self.pool.free(ids)
+            pool.free(ids)
 
     # ---- pins -------------------------------------------------------------------------------------------
 

@@ -23,8 +23,8 @@ raises; it calls:
 Every other call is O(1) or O(log n) in the number of blocks, as each class says. Ties in a policy's key
 are broken by recency: the block freed least recently goes first, as in LRU.
 
-``lru`` is the pool's default and stays on its fast path (the pool uses :attr:`LRUPolicy.queue`, an
-``OrderedDict``, directly); the other policies are called through this interface. ``belady`` (the offline
+``lru`` is the pool's default and stays on its fast path (the pool calls :class:`LRUPolicy`'s chunk queue
+directly); the other policies are called through this interface. ``belady`` (the offline
 farthest-next-use bound) needs the future of a trace and lives in :mod:`kvpool.trace.belady`.
 
 :class:`FrequencyAdmission` is the publish-side filter: a hash is admitted to the prefix index only once
@@ -114,35 +114,106 @@ class EvictionPolicy(ABC):
 
 
 class LRUPolicy(EvictionPolicy):
-    """Least recently used: evict the block freed longest ago; a hit revives it in place. O(1) per call.
+    """Least recently used: evict the block freed longest ago; a hit revives it in place. O(1) per call
+    (amortized).
 
-    The order of vLLM's ``FreeKVCacheBlockQueue`` and nano-vllm's free deque (which double as LRUs). The pool
-    reads and writes :attr:`queue` directly on its fast path (head = next victim).
+    The order of vLLM's ``FreeKVCacheBlockQueue`` and nano-vllm's free deque (which double as LRUs), kept
+    as a **log**: each :meth:`insert_chunk` (one ``free`` call's blocks, in order) appends its blocks to
+    ``_log`` and, beside each, the call's **mark** (an int object of its own, compared by identity) to
+    ``_marks``; ``where[b]`` is the mark of ``b``'s live entry (None: not evictable). A revived block
+    only loses its ``where``: its entry stays behind, stale, and :meth:`pop` skips it (an entry is live
+    exactly when its mark is ``where`` of its block; a block is at most once in one call). Stale entries
+    are swept out when they outnumber the live ones, so memory stays O(evictable blocks) and every call
+    O(1) amortized. This costs three list stores per block where an ``OrderedDict`` costs a hash-table
+    insert and a node, and it allocates no object the garbage collector tracks (a tuple or list per call
+    would set off collections, each walking the pool's per-block lists while they are young). The pool
+    calls :meth:`insert_chunk` and :meth:`pop` directly on its fast path (head = next victim), and revives
+    a touched block itself: ``where[b] = None`` for each, then :meth:`removed` with their count.
     """
 
     name = "lru"
 
     def __init__(self) -> None:
         super().__init__()
-        self.queue: OrderedDict[int, None] = OrderedDict()
+        self.where: list[object] = []  # block -> the mark of its live entry, or None
+        self._log: list[int] = []  # blocks, oldest entry first; _log[:_head] are spent
+        self._marks: list[object] = []  # the mark of each entry of _log
+        self._head = 0  # the entry the next victim is looked for at
+        self._calls = 0  # insert_chunk calls so far: each one's mark is its number, a fresh int object
+        self._live = 0  # evictable blocks (live entries)
+        self._stale = 0  # entries of revived blocks not yet skipped or swept
+
+    def _bound(self, num_blocks: int) -> None:
+        self.where = [None] * num_blocks
 
     def insert(self, block: int, priority: int) -> None:
-        self.queue[block] = None
+        self.insert_chunk([block])
+
+    def insert_chunk(self, blocks: list[int]) -> None:
+        """Append ``blocks`` (distinct ids, none evictable), oldest first."""
+        self._calls += 1
+        mark: object = self._calls  # one object for the whole call (boxed once when compiled)
+        where, log, marks = self.where, self._log, self._marks
+        for b in blocks:
+            where[b] = mark
+            log.append(b)
+            marks.append(mark)
+        self._live += len(blocks)
 
     def remove(self, block: int) -> None:
-        del self.queue[block]
+        self.where[block] = None
+        self.removed(1)
+
+    def removed(self, count: int) -> None:
+        """``count`` evictable blocks left the queue: the caller set their ``where`` to None."""
+        self._live -= count
+        self._stale += count
+        if self._stale > 4096 and self._stale > self._live:
+            self._sweep()
 
     def pop(self) -> int:
-        return self.queue.popitem(False)[0]
+        log, marks, where = self._log, self._marks, self.where
+        head = self._head
+        while True:
+            b = log[head]
+            mark = marks[head]
+            head += 1
+            if where[b] is mark:
+                break
+            self._stale -= 1
+        where[b] = None
+        self._live -= 1
+        if head >= 4096 and 2 * head >= len(log):  # drop the spent entries (amortized O(1))
+            del log[:head]
+            del marks[:head]
+            head = 0
+        self._head = head
+        return b
 
     def dropped(self, block: int) -> None:
-        self.queue.pop(block, None)
+        if self.where[block] is not None:
+            self.remove(block)
+
+    def clear(self) -> None:
+        """Make no block evictable (the pool's ``reset_prefix_cache``)."""
+        for b in self.order():
+            self.where[b] = None
+        self._log, self._marks, self._head, self._live, self._stale = [], [], 0, 0, 0
+
+    def _sweep(self) -> None:
+        """Keep only the live entries, in order (each keeps its mark)."""
+        log, marks, where = self._log, self._marks, self.where
+        keep = [i for i in range(self._head, len(log)) if where[log[i]] is marks[i]]
+        self._log = [log[i] for i in keep]
+        self._marks = [marks[i] for i in keep]
+        self._head = self._stale = 0
 
     def order(self) -> list[int]:
-        return list(self.queue)
+        log, marks, where = self._log, self._marks, self.where
+        return [log[i] for i in range(self._head, len(log)) if where[log[i]] is marks[i]]
 
     def __len__(self) -> int:
-        return len(self.queue)
+        return self._live
 
 
 #: Sequence numbers stay below this, so ``major * SEQ_SPAN + seq`` orders by (major, seq) in one int.

@@ -353,6 +353,25 @@ class KVCacheManager:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
 
+    def reserve_decode(self, req: Request, steps: int) -> bool:
+        """The KV side of ``steps`` decode steps of running ``req`` at once (one token a step, from
+        ``req.num_computed_tokens`` on): allocate the blocks that ``steps`` calls of ``reserve(req, 1)``,
+        one after the other with a :meth:`publish` after each, would allocate, in one pool call, where that
+        is the same: one full-attention group (its table grows block by block either way), nothing to
+        publish (every hashed block of ``req`` computed already), no recurrent state, no pin waiting, and
+        free blocks enough without evicting one (so no KV event and no tier store falls between the
+        steps). False, nothing changed, where that is not so. The caller counts the steps' tokens."""
+        coord, computed = self.coordinator, req.num_computed_tokens
+        if steps <= 0 or self.states is not None or self._wanted_pins or len(self.groups) != 1 or \
+                self.groups[0].kind is not LayerKind.FULL or \
+                (self.caching and len(req.block_hashes) * self.block_size > computed):
+            return False
+        pool = self.pool
+        if coord.num_blocks_to_allocate(req.request_id, computed + steps) > \
+                pool.num_free_blocks - pool.num_evictable_blocks:
+            return False
+        return self.reserve(req, steps)
+
     def decode_room(self, req: Request) -> int:
         """Tokens running ``req`` can compute from now on without a pool call changing anything: up to the
         end of its blocks, before a window moves past a block, and (when its hashes cover the block being

@@ -245,3 +245,20 @@ class Scheduler:
         for req in self.running:
             req.num_computed_tokens += k
             req.num_output_tokens += k
+
+    def run_lone_decode(self) -> int:
+        """When exactly one request runs, decoding (counts only, no token ids), and none waits: run at once
+        every decode step it takes before its last (the one that finishes it, left to :meth:`schedule`),
+        where :meth:`KVCacheManager.reserve_decode` can reserve their blocks in one call; returns how many
+        steps ran (0: none, nothing changed). The pool ends as those steps one at a time would leave it;
+        a replay's clock accounts for them (its own step pattern: a block per ``block_size`` tokens)."""
+        if len(self.running) != 1 or self.waiting:
+            return 0
+        req = self.running[0]
+        steps = req.max_tokens - req.num_output_tokens - 1
+        if steps <= 0 or req.prompt_token_ids is not None or req.num_output_tokens == 0 or \
+                req.num_computed_tokens != req.num_tokens - 1 or not self.kv.reserve_decode(req, steps):
+            return 0
+        req.num_computed_tokens += steps
+        req.num_output_tokens += steps
+        return steps

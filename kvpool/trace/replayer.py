@@ -24,7 +24,10 @@ Timing modes:
 Step-time model (seconds): ``step_s + prefill_token_s * prefill tokens + decode_token_s * decode tokens``
 (prefill tokens: the step's prefill chunks, cached tokens excluded). The defaults are illustrative only;
 set them for a model and device. Stretches of pure decode steps that change nothing in the pool (no block
-to allocate, free or publish, no one finishing, nobody who could be admitted) run in one go.
+to allocate, free or publish, no one finishing, nobody who could be admitted) run in one go, and so do all
+the decode steps but the last of a request running alone with nothing to arrive, block allocations
+included, where its blocks come without an eviction (:meth:`Scheduler.run_lone_decode`); the clock adds
+their times exactly as stepping would.
 
 Eviction: ``config.policy`` names the pool's eviction policy (:mod:`kvpool.allocators.policies`; the
 ``priority`` policy's retention clock is the simulated one), or ``belady``: the offline farthest-next-use
@@ -463,7 +466,10 @@ class Replayer:
     def _fast_forward(self, pending: deque[int] | None) -> None:
         """Run, in one go, the pure decode steps before the next event: a request needing a block,
         freeing or publishing one, or finishing, or (``pending``, trace timing) an arrival that could be
-        admitted. Same result as stepping one at a time."""
+        admitted. A lone request decoding with nothing to arrive runs every step but its last so, block
+        allocations included (:meth:`_decode_alone`). Same result as stepping one at a time."""
+        if (self.cfg.timing == "instant" or not pending) and self._decode_alone():
+            return
         k = self.sched.num_idle_decode_steps()
         if k <= 0:
             return
@@ -473,6 +479,44 @@ class Replayer:
         if k > 0:
             self.sched.run_decode_steps(k)
             self._tick(k * dt)
+
+    def _decode_alone(self) -> bool:
+        """:meth:`Scheduler.run_lone_decode` (every decode step of the lone running request but its last,
+        their blocks reserved in one call), and the clock of those steps as stepping would run it: pure
+        decode steps up to the end of its blocks, then, per block, the step that allocates it and the
+        ``block_size - 1`` pure decode steps that fill it, each with the blocks in use then. Only where no
+        sample is taken meanwhile (no timeline, no observer). False (nothing changed) otherwise."""
+        sched = self.sched
+        if self.timeline is not None or self.observer is not None or len(sched.running) != 1:
+            return False
+        req = sched.running[0]
+        room = self.kv.decode_room(req)
+        used = self.pool.num_used_blocks
+        steps = sched.run_lone_decode()
+        if not steps:
+            return False
+        cfg, bs, groups = self.cfg, self.bs, len(self.kv.groups)
+        idle_dt = cfg.step_s + cfg.decode_token_s * 1  # as _fast_forward's and _step's for one request
+        step_dt = cfg.step_s + cfg.prefill_token_s * 0 + cfg.decode_token_s * 1
+        now, area, peak = self.now, self.area, self.peak
+        k = min(room, steps)
+        while True:
+            if k > 0:  # pure decode steps in one tick
+                dt = k * idle_dt
+                peak = max(peak, used)
+                area += used * dt
+                now += dt
+                steps -= k
+            if steps <= 0:
+                break
+            used += groups  # the step that allocates the next block
+            peak = max(peak, used)
+            area += used * step_dt
+            now += step_dt
+            steps -= 1
+            k = min(bs - 1, steps)
+        self.now, self.area, self.peak = now, area, peak
+        return True
 
     # ---- clock and usage ----------------------------------------------------------------------------
 
