@@ -132,6 +132,7 @@ class FileTier(TierBackend):
                 self._index.move_to_end(key)
             why = self._read(key, out[i] if out is not None and self.block_bytes else None, fds=fds)
             if why is not None:
+                why = self._unless_gone(key, stamp, why)
                 self._miss(key, why, stamp)
                 break
             n += 1
@@ -153,6 +154,7 @@ class FileTier(TierBackend):
             if checking is not None:
                 bad = checking[2].result()
                 if bad is not None:
+                    bad = self._unless_gone(checking[0], checking[1], bad)
                     self._miss(checking[0], bad, checking[1])
                     return n
                 with self._lock:
@@ -166,10 +168,17 @@ class FileTier(TierBackend):
                     self._stats.missing += 1
                 return n
             if why is not None:
-                self._miss(key, why, stamp)
+                self._miss(key, self._unless_gone(key, stamp, why), stamp)
                 return n
             checking = (key, stamp, self._mac_thread().submit(self._verify, key, header, out[i]))
         return n
+
+    def _unless_gone(self, key: bytes, stamp: int, why: str) -> str:
+        """``why`` a read of ``key`` (indexed under ``stamp``) failed, or ``"missing"`` when the key left
+        the index (or was written again) meanwhile: what the read met was its removal (a deleted file, a
+        zeroed slot of a segment), not a bad value."""
+        with self._lock:
+            return why if self._index.get(key) == stamp else "missing"
 
     def _mac_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:
@@ -502,6 +511,7 @@ class FileTier(TierBackend):
         while self.used_bytes > self._capacity:
             key, _ = self._index.popitem(last=False)
             self._drop_files([(key, True)])
+        self._segments.compact(self._capacity)  # type: ignore[union-attr]  (dead slots a smaller capacity left)
 
 
 def _claim(folder: Path) -> int:
