@@ -542,3 +542,23 @@ def test_hostile_replies_are_misses_on_both_threads(reply: str) -> None:
         t.close()
     finally:
         server.close()
+
+
+HOSTILE_INTEGER = {  # an EXISTS reply the tier reads itself (an integer per command, or an error line)
+    "not a number": b":notanumber\r\n",
+    "a status": b"+OK\r\n",
+    "a bulk string": b"$1\r\n1\r\n",
+}
+
+
+@pytest.mark.parametrize("reply", list(HOSTILE_INTEGER))
+def test_hostile_integer_replies_are_errors_on_both_threads(reply: str) -> None:
+    server = FakeRedis({b"EXISTS": HOSTILE_INTEGER[reply], b"DEL": b"-ERR no\r\n"})
+    try:
+        t = RedisTier(server.url, NS, block_bytes=BPB, auth_key=KEY, cluster=False, timeout_s=1.0, retry_s=0)
+        assert both(lambda: t.exists(keys(1)), lambda: t.exists(keys(1))) == [0, 0]
+        assert t.stats().errors == 2  # each call a fault of the medium: its connection dropped
+        assert t.delete(keys(2)) == 0 and t.stats().errors == 2  # error lines are replies: the stream in step
+        t.close()
+    finally:
+        server.close()

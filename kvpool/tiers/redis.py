@@ -37,6 +37,7 @@ from typing import Any
 
 import redis
 import torch
+from redis._parsers.socket import SocketBuffer
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
@@ -292,7 +293,7 @@ class RedisTier(TierBackend):
                 else:
                     per_name = 2 if command == "hset" and self._ttl is not None else 1
                     packed = _pack(command, names, values, self._ttl)
-                    done = _send_packed(client, packed, per_name * len(names))
+                    done = _send_packed(client, packed, per_name * len(names), integers=command != "hmget")
             except _FAULTS as exc:
                 self._lose(exc)
                 self._count_unreachable(command)
@@ -461,16 +462,18 @@ def _pack(command: str, names: list[bytes], values: list[tuple[bytes, Any]] | No
     return out
 
 
-def _send_packed(client: redis.Redis, buffers: list[Any], replies: int) -> list[Any]:
+def _send_packed(client: redis.Redis, buffers: list[Any], replies: int, *, integers: bool = False
+                 ) -> list[Any]:
     """Send ``buffers`` on one of ``client``'s connections and read ``replies`` replies (an error reply
-    as its ``ResponseError``). Any other exception drops that connection (its stream is out of step) and
-    propagates."""
+    as its ``ResponseError``); ``integers``: every command answers an integer (:func:`_integer_replies`).
+    Any other exception drops that connection (its stream is out of step) and propagates."""
     pool = client.connection_pool
     conn = pool.get_connection()
     try:
         conn.send_packed_command(buffers)
-        done: list[Any] = []
-        for _ in range(replies):
+        fast = _integer_replies(conn, replies) if integers else None
+        done: list[Any] = fast if fast is not None else []
+        while len(done) < replies:
             try:
                 done.append(conn.read_response())
             except redis.ResponseError as exc:
@@ -481,6 +484,36 @@ def _send_packed(client: redis.Redis, buffers: list[Any], replies: int) -> list[
     finally:
         pool.release(conn)
     return done
+
+
+def _integer_replies(conn: Any, n: int) -> list[Any] | None:
+    """The ``n`` replies of commands that answer an integer (``HSET``, ``EXPIRE``, ``EXISTS``, ``DEL``),
+    read straight from the socket: one ``:<int>`` line each, or an error line (its ``ResponseError``);
+    redis-py's parser costs ~5 us of Python per reply. None, with nothing read, where the connection is not
+    redis-py's plain one with nothing buffered (its parser then reads them). Any other reply, or bytes
+    past the last one, raises (a fault of the medium: the caller drops the connection)."""
+    buffer = getattr(getattr(conn, "_parser", None), "_buffer", None)
+    sock = getattr(conn, "_sock", None)
+    if sock is None or not isinstance(buffer, SocketBuffer) or buffer.unread_bytes():
+        return None
+    data = bytearray()
+    while data.count(b"\r\n") < n:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise redis.ConnectionError("the server closed the connection")
+        data += chunk
+    lines = bytes(data).split(b"\r\n")
+    if len(lines) != n + 1 or lines[-1]:
+        raise redis.InvalidResponse("more bytes than replies")
+    out: list[Any] = []
+    for line in lines[:n]:
+        if line[:1] == b":":
+            out.append(int(line[1:]))
+        elif line[:1] == b"-":
+            out.append(redis.ResponseError(line[1:].decode(errors="replace")))
+        else:
+            raise redis.InvalidResponse(f"not an integer reply: {line[:32]!r}")
+    return out
 
 
 def _bad_url(url: object, why: str) -> ConfigError:
