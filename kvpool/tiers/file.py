@@ -429,7 +429,7 @@ class FileTier(TierBackend):
             for key in victims:  # corrupt ones are not passed on
                 if self._read(key, buf[:self.block_bytes] if self.block_bytes else None, fds=fds) is None:
                     keys.append(key)
-                    payloads.append(bytes(buf.numpy()[:self.block_bytes]))
+                    payloads.append(bytes(buf.numpy()[:self.block_bytes]) if self.block_bytes else b"")
         finally:
             close_all(fds)
         for key, row in left_out:
