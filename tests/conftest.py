@@ -48,3 +48,12 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+@pytest.fixture
+def per_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Disk tiers keep a file per value (``FileTier.segment_bytes`` 0, not segments): for the tests that
+    damage, move or delete one value's whole file."""
+    from kvpool.tiers.file import FileTier
+
+    monkeypatch.setattr(FileTier, "segment_bytes", 0)

@@ -318,7 +318,8 @@ def load_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip payload", "flip header", "append", "empty"])
-def test_a_damaged_file_is_a_counted_miss_and_is_deleted(tmp_path: Path, damage: str, load_path: str) -> None:
+def test_a_damaged_file_is_a_counted_miss_and_is_deleted(tmp_path: Path, damage: str, load_path: str,
+                                                          per_file: None) -> None:
     t, data = stored_file(tmp_path)
     path = t._path(block_key(1))
     raw = bytearray(path.read_bytes())
@@ -343,7 +344,8 @@ def test_a_damaged_file_is_a_counted_miss_and_is_deleted(tmp_path: Path, damage:
     t.check_integrity()
 
 
-def test_a_value_of_another_namespace_is_a_foreign_miss(tmp_path: Path, load_path: str) -> None:
+def test_a_value_of_another_namespace_is_a_foreign_miss(tmp_path: Path, load_path: str,
+                                                        per_file: None) -> None:
     t, _ = stored_file(tmp_path)
     other = FileTier(tmp_path / "o", OTHER, capacity_bytes=10 * (HEADER_BYTES + BPB), block_bytes=BPB,
                      auth_key=KEY)
@@ -353,14 +355,15 @@ def test_a_value_of_another_namespace_is_a_foreign_miss(tmp_path: Path, load_pat
     assert t.get(keys(3), out) == 1 and t.stats().foreign == 1
 
 
-def test_a_file_deleted_behind_the_tiers_back_is_missing(tmp_path: Path) -> None:
+def test_a_file_deleted_behind_the_tiers_back_is_missing(tmp_path: Path, per_file: None) -> None:
     t, _ = stored_file(tmp_path)
     t._path(block_key(0)).unlink()
     assert t.get(keys(3), torch.zeros(3, BPB, dtype=torch.uint8)) == 0 and t.stats().missing == 1
     t.check_integrity()
 
 
-def test_a_load_refreshes_exactly_the_blocks_it_returns(tmp_path: Path, load_path: str) -> None:
+def test_a_load_refreshes_exactly_the_blocks_it_returns(tmp_path: Path, load_path: str,
+                                                        per_file: None) -> None:
     t, data = stored_file(tmp_path, n=5)  # LRU order 0 1 2 3 4
     path = t._path(block_key(3))
     raw = bytearray(path.read_bytes())
@@ -384,6 +387,96 @@ def test_a_full_disk_is_a_counted_store_failure(tiny_tmpfs: Path, load_path: str
     out = torch.zeros(stored, BPB, dtype=torch.uint8)
     assert t.get(keys(stored), out) == stored and torch.equal(out, data[:stored])
     t.check_integrity()
+
+
+# ---- faults and order: values in segment files (the default for small values) ---------------------------
+
+SEGMENT_DAMAGE = {  # the byte of block 1's value flipped in its segment, and the reason of the miss
+    "flip payload": (HEADER_BYTES + 100, "unauthenticated"),
+    "flip header": (40, "corrupt"),  # inside the payload length field
+    "flip key": (30, "foreign"),  # inside the key field: another block's value, as the header says
+}
+
+
+@pytest.mark.parametrize("damage", list(SEGMENT_DAMAGE))
+def test_a_damaged_value_in_a_segment_is_a_counted_miss_and_is_erased(tmp_path: Path, damage: str,
+                                                                      load_path: str) -> None:
+    t, data = stored_file(tmp_path)  # one store: one segment, its values in order
+    path, at = t._value_at(block_key(1))
+    assert t._value_at(block_key(0)) == (path, 0) and at == t.value_bytes == HEADER_BYTES + BPB
+    where, why = SEGMENT_DAMAGE[damage]
+    raw = bytearray(path.read_bytes())
+    raw[at + where] ^= 1
+    path.write_bytes(bytes(raw))
+    out = torch.zeros(3, BPB, dtype=torch.uint8)
+    assert t.get(keys(3), out) == 1 and torch.equal(out[0], data[0])
+    assert t.stats().to_dict()[why] == t.stats().misses == 1 and t.exists(keys(3)) == 1
+    assert path.read_bytes()[at:at + HEADER_BYTES] == bytes(HEADER_BYTES)  # erased: a restart skips it
+    assert t.get(keys(1, base=2), out) == 1 and torch.equal(out[0], data[2])  # its neighbours still serve
+    t.check_integrity()
+
+
+def test_a_segment_cut_or_deleted_behind_the_tiers_back(tmp_path: Path, load_path: str) -> None:
+    t, data = stored_file(tmp_path)
+    path, _ = t._value_at(block_key(0))
+    path.write_bytes(path.read_bytes()[:-7])  # the last value torn
+    with pytest.raises(IntegrityError, match="1 segment file"):
+        t.check_integrity()
+    out = torch.zeros(3, BPB, dtype=torch.uint8)
+    assert t.get(keys(3), out) == 2 and torch.equal(out[:2], data[:2]) and t.stats().corrupt == 1
+    path.unlink()
+    assert t.get(keys(2), out) == 0 and t.stats().missing == 1 and t.stats().misses == 2
+
+
+def test_segments_across_a_restart_in_write_order_without_what_left(tmp_path: Path) -> None:
+    value = HEADER_BYTES + BPB
+    t = FileTier(tmp_path, NS, capacity_bytes=10 * value, block_bytes=BPB, auth_key=KEY)
+    data = rows(5, seed=9)
+    assert t.set(keys(3), data[:3]) == 3 and t.set(keys(2, base=3), data[3:]) == 2  # two segments
+    assert t.delete(keys(1, base=1)) == 1  # a dead slot in the first
+    t.close()
+    again = FileTier(tmp_path, NS, capacity_bytes=10 * value, block_bytes=BPB, auth_key=KEY)
+    assert list(again._index) == [block_key(k) for k in (0, 2, 3, 4)]  # written in that order; 1 deleted
+    out = torch.zeros(1, BPB, dtype=torch.uint8)
+    for k in (0, 2, 3, 4):
+        assert again.get(keys(1, base=k), out) == 1 and torch.equal(out[0], data[k])
+    again.check_integrity()
+    again.close()
+    small = FileTier(tmp_path, NS, capacity_bytes=2 * value, block_bytes=BPB, auth_key=KEY)
+    assert list(small._index) == [block_key(3), block_key(4)]  # the oldest evicted down to the capacity
+    small.check_integrity()
+
+
+def test_segments_are_compacted_and_keep_the_lru_order(tmp_path: Path) -> None:
+    # Per-value eviction in LRU order over segments of several values, against a brute-force LRU; dead
+    # slots force compactions (which move values, never their order) and stay within the capacity.
+    cap = 4
+    t = FileTier(tmp_path, NS, capacity_bytes=cap * (HEADER_BYTES + BPB), block_bytes=BPB, auth_key=KEY)
+    data = {k: rows(1, seed=100 + k)[0] for k in range(40)}
+    model: OrderedDict[int, None] = OrderedDict()
+    rng, stores = random.Random(11), 0
+    for _ in range(80):
+        batch = rng.sample(range(40), rng.randint(2, 4))
+        if model and rng.random() < 0.6:  # one value of an older segment kept alive: the others die around it
+            k = rng.choice(list(model))
+            t.refresh(keys_of([k]))
+            model.move_to_end(k)
+        new = [k for k in batch if k not in model]
+        for k in batch:
+            if k in model:
+                model.move_to_end(k)
+        while len(model) + len(new) > cap:
+            model.popitem(last=False)
+        model.update(dict.fromkeys(new))
+        stores += bool(new)
+        assert t.set(keys_of(batch), torch.stack([data[k] for k in batch])) == len(batch)
+        assert list(t._index) == [block_key(k) for k in model]
+        t.check_integrity()  # dead slots hold at most the capacity
+    held = list(model)
+    out = torch.zeros(len(held), BPB, dtype=torch.uint8)
+    assert t.get(keys_of(held), out) == len(held)
+    assert torch.equal(out, torch.stack([data[k] for k in held]))
+    assert t._segments._next > stores  # more segments written than stores of new values: compactions
 
 
 @pytest.mark.parametrize("where", ["a file", "under a file"])
@@ -449,13 +542,17 @@ class Medium:
         self.client = redis.Redis.from_url(tier.url) if tier.medium == "remote" else None
 
     def read(self, key: bytes) -> bytes:
-        if self.client is None:
-            return self.tier._path(key).read_bytes()
+        if self.client is None:  # a file of its own, or a slot of a segment file
+            path, at = self.tier._value_at(key)
+            return path.read_bytes()[at:at + self.tier.value_bytes]
         return b"".join(self.client.hmget(self.tier._name(key), ["h", "p"]))
 
     def write(self, key: bytes, value: bytes) -> None:
         if self.client is None:
-            self.tier._path(key).write_bytes(value)
+            path, at = self.tier._value_at(key)
+            raw = path.read_bytes()
+            segmented = self.tier._segments is not None
+            path.write_bytes(raw[:at] + value + raw[at + self.tier.value_bytes:] if segmented else value)
         else:
             fields = {"h": value[:HEADER_BYTES], "p": value[HEADER_BYTES:]}
             self.client.hset(self.tier._name(key), mapping=fields)
@@ -476,6 +573,13 @@ def shared_tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator:
     t.close()
 
 
+def value_gone(t: FileTier, key: bytes) -> bool:
+    """``key``'s value is off the disk: its file deleted, or its segment slot zeroed (or the segment gone)."""
+    if t._segments is None:
+        return not t._path(key).exists()
+    return key not in t._segments.where and key not in t._index
+
+
 @pytest.mark.parametrize("how", FORGERIES)
 def test_a_forged_value_is_an_unauthenticated_miss_never_served(shared_tier, how: str) -> None:
     medium = Medium(shared_tier)
@@ -484,8 +588,8 @@ def test_a_forged_value_is_an_unauthenticated_miss_never_served(shared_tier, how
     assert shared_tier.get(keys(3), out) == 1 and torch.equal(out[0], rows(3, seed=6)[0])
     s = shared_tier.stats()
     assert (s.unauthenticated, s.misses, s.loaded) == (1, 1, 1)
-    if shared_tier.medium == "disk":  # the forged file is deleted: the block is plainly missing now
-        assert shared_tier.exists(keys(3)) == 1 and not shared_tier._path(block_key(1)).exists()
+    if shared_tier.medium == "disk":  # the forged file (or slot) is deleted: the block is plainly missing now
+        assert shared_tier.exists(keys(3)) == 1 and value_gone(shared_tier, block_key(1))
 
 
 def test_an_old_authentic_value_of_the_same_key_is_served(shared_tier) -> None:
@@ -527,7 +631,7 @@ def test_tiers_that_leave_the_process_need_a_key(tmp_path: Path, redis_single) -
     HostTier(2, NS, like=DEVICE).close()  # memory of this process: no key
 
 
-def test_the_public_key_is_an_explicit_opt_out(tmp_path: Path) -> None:
+def test_the_public_key_is_an_explicit_opt_out(tmp_path: Path, per_file: None) -> None:
     # A tier keyed by TierKey.public() still finds faults, but serves what anyone forges with that key.
     public = FileTier(tmp_path / "p", NS, capacity_bytes=10**5, block_bytes=BPB, auth_key=TierKey.public())
     assert public.set(keys(2), rows(2)) == 2 and not public.auth_key.authenticates and KEY.authenticates

@@ -457,9 +457,9 @@ def test_damaged_disk_blocks_end_the_prefix_and_are_counted(tmp_path: Path) -> N
     m.pool.allocate(10)  # push everything off the device
     m.pool.free(list(range(10)))
     disk = m.tiers[0]
-    path = disk._path(block_key(4))
+    path, at = disk._value_at(block_key(4))  # its own file, or its slot in a segment file
     raw = bytearray(path.read_bytes())
-    raw[-1] ^= 0xFF
+    raw[at + disk.value_bytes - 1] ^= 0xFF  # the payload's last byte
     path.write_bytes(bytes(raw))
     hit = m.lookup([1, 2, 3, 4, 5, 6])
     assert hit.where == [1] * 6  # the index still lists it: the damage shows when it is read

@@ -380,7 +380,7 @@ FILE_DAMAGE = {  # raw file bytes -> damaged bytes, and the reason the first rea
 
 
 @pytest.mark.parametrize("damage", list(FILE_DAMAGE))
-def test_a_damaged_file_read_by_both_threads(tmp_path: Path, damage: str) -> None:
+def test_a_damaged_file_read_by_both_threads(tmp_path: Path, damage: str, per_file: None) -> None:
     t = stored_file(tmp_path)
     path = t._path(block_key(1))
     make, why = FILE_DAMAGE[damage]
@@ -395,7 +395,7 @@ def test_a_damaged_file_read_by_both_threads(tmp_path: Path, damage: str) -> Non
     t.check_integrity()
 
 
-def test_a_reader_meeting_a_bad_file_never_waits_for_a_store(tmp_path: Path) -> None:
+def test_a_reader_meeting_a_bad_file_never_waits_for_a_store(tmp_path: Path, per_file: None) -> None:
     # A store holds the folder while its evictions cascade into the tier below (a Redis that may stall):
     # a read that meets a bad file meanwhile counts its miss and returns; the file goes when the store ends.
     t = FileTier(tmp_path, NS, capacity_bytes=3 * (HEADER_BYTES + BPB), block_bytes=BPB, auth_key=KEY)
@@ -423,7 +423,7 @@ def test_a_reader_meeting_a_bad_file_never_waits_for_a_store(tmp_path: Path) -> 
     t.check_integrity()
 
 
-def test_a_file_deleted_behind_both_threads_is_missing(tmp_path: Path) -> None:
+def test_a_file_deleted_behind_both_threads_is_missing(tmp_path: Path, per_file: None) -> None:
     t = stored_file(tmp_path)
     t._path(block_key(0)).unlink()
     assert both(lambda: get_n(t, keys(3)), lambda: get_n(t, keys(3))) == [0, 0]
@@ -431,7 +431,7 @@ def test_a_file_deleted_behind_both_threads_is_missing(tmp_path: Path) -> None:
     t.check_integrity()
 
 
-def test_a_foreign_file_read_by_both_threads(tmp_path: Path) -> None:
+def test_a_foreign_file_read_by_both_threads(tmp_path: Path, per_file: None) -> None:
     t = stored_file(tmp_path)
     other = FileTier(tmp_path / "o", Namespace("other", "uint8", f"flat/{BPB}"),
                      capacity_bytes=10 * (HEADER_BYTES + BPB), block_bytes=BPB, auth_key=KEY)
@@ -539,6 +539,26 @@ def test_hostile_replies_are_misses_on_both_threads(reply: str) -> None:
         assert both(lambda: t.set(keys(1), rows_of([0])), lambda: t.set(keys(1), rows_of([0]))) == [0, 0]
         s = t.stats()
         assert getattr(s, why) == s.misses == 2 and s.store_failures == 2 and s.loaded == 0
+        t.close()
+    finally:
+        server.close()
+
+
+HOSTILE_INTEGER = {  # an EXISTS reply the tier reads itself (an integer per command, or an error line)
+    "not a number": b":notanumber\r\n",
+    "a status": b"+OK\r\n",
+    "a bulk string": b"$1\r\n1\r\n",
+}
+
+
+@pytest.mark.parametrize("reply", list(HOSTILE_INTEGER))
+def test_hostile_integer_replies_are_errors_on_both_threads(reply: str) -> None:
+    server = FakeRedis({b"EXISTS": HOSTILE_INTEGER[reply], b"DEL": b"-ERR no\r\n"})
+    try:
+        t = RedisTier(server.url, NS, block_bytes=BPB, auth_key=KEY, cluster=False, timeout_s=1.0, retry_s=0)
+        assert both(lambda: t.exists(keys(1)), lambda: t.exists(keys(1))) == [0, 0]
+        assert t.stats().errors == 2  # each call a fault of the medium: its connection dropped
+        assert t.delete(keys(2)) == 0 and t.stats().errors == 2  # error lines are replies: the stream in step
         t.close()
     finally:
         server.close()

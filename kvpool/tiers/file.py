@@ -39,10 +39,11 @@ from pathlib import Path
 
 import torch
 
-from kvpool.errors import ConfigError, IntegrityError
+from kvpool.errors import ConfigError
 from kvpool.numeric import as_int
 from kvpool.tiers.auth import TierKey, require_auth_key
 from kvpool.tiers.backend import HEADER_BYTES, Namespace, TierBackend, block_key, encode_header, verify_parts
+from kvpool.tiers.segments import Segments, close_all, require, unlink_quietly, write_all
 from kvpool.units import plural
 
 #: ``listener(keys, payloads)``: blocks a store is about to evict, with their verified payloads.
@@ -69,6 +70,9 @@ class FileTier(TierBackend):
     #: Payload bytes from which ``get`` checks each block's MAC on a thread of its own while it reads the
     #: next block (0: never): below it the hand-off costs about what it hides.
     overlap_bytes = 1 << 20
+    #: Values (header and payload) smaller than this go into segment files, several to a file
+    #: (:mod:`kvpool.tiers.segments`): below it a file per value costs more in system calls than in bytes.
+    segment_bytes = 1 << 16
 
     def __init__(self, directory: str | os.PathLike, namespace: Namespace, *, capacity_bytes: int,
                  block_bytes: int, auth_key: TierKey | str | bytes | None = None) -> None:
@@ -86,6 +90,8 @@ class FileTier(TierBackend):
         self._subdirs: set[str] = set()
         self._cascade: Cascade | None = None
         self._macs: concurrent.futures.ThreadPoolExecutor | None = None  # the MAC thread of big loads
+        self._segments = Segments(str(self._dir), self.value_bytes, self._lock, self._index, self._stamps) \
+            if self.value_bytes < self.segment_bytes else None
         self._scan()
 
     # ---- the interface ------------------------------------------------------------------------------
@@ -101,16 +107,20 @@ class FileTier(TierBackend):
 
     def get(self, keys: Sequence[Hashable], out: torch.Tensor | None) -> int:
         names = self._check_rows(keys, out, "out")
-        if out is not None and len(names) > 1 and 0 < self.overlap_bytes <= self.block_bytes:
-            n = self._get_overlapped(names, out)
-        else:
-            n = self._get_in_turn(names, out)
+        fds: dict[int, int] = {}
+        try:
+            if out is not None and len(names) > 1 and 0 < self.overlap_bytes <= self.block_bytes:
+                n = self._get_overlapped(names, out, fds)
+            else:
+                n = self._get_in_turn(names, out, fds)
+        finally:
+            close_all(fds)
         with self._lock:
             self._stats.loaded += n
             self._stats.loaded_bytes += n * self.block_bytes
         return n
 
-    def _get_in_turn(self, names: list[bytes], out: torch.Tensor | None) -> int:
+    def _get_in_turn(self, names: list[bytes], out: torch.Tensor | None, fds: dict[int, int]) -> int:
         """Read and verify one block after the other; how many leading ones are good."""
         n = 0
         for i, key in enumerate(names):
@@ -120,14 +130,15 @@ class FileTier(TierBackend):
                     self._stats.missing += 1
                     break
                 self._index.move_to_end(key)
-            why = self._read(key, out[i] if out is not None and self.block_bytes else None)
+            why = self._read(key, out[i] if out is not None and self.block_bytes else None, fds=fds)
             if why is not None:
+                why = self._unless_gone(key, stamp, why)
                 self._miss(key, why, stamp)
                 break
             n += 1
         return n
 
-    def _get_overlapped(self, names: list[bytes], out: torch.Tensor) -> int:
+    def _get_overlapped(self, names: list[bytes], out: torch.Tensor, fds: dict[int, int]) -> int:
         """As :meth:`_get_in_turn`, the MAC of block ``i`` checked on the tier's MAC thread while block ``i +
         1`` is read (BLAKE3 and ``readv`` release the GIL), so a load costs about max(read, MAC) instead of
         their sum. A block is marked recently used once it verified, in order, so the index ends as the
@@ -139,10 +150,11 @@ class FileTier(TierBackend):
                 with self._lock:
                     stamp = self._index.get(key)
                 if stamp is not None:
-                    why = self._read(key, out[i], header=header)
+                    why = self._read(key, out[i], header=header, fds=fds)
             if checking is not None:
                 bad = checking[2].result()
                 if bad is not None:
+                    bad = self._unless_gone(checking[0], checking[1], bad)
                     self._miss(checking[0], bad, checking[1])
                     return n
                 with self._lock:
@@ -156,10 +168,17 @@ class FileTier(TierBackend):
                     self._stats.missing += 1
                 return n
             if why is not None:
-                self._miss(key, why, stamp)
+                self._miss(key, self._unless_gone(key, stamp, why), stamp)
                 return n
             checking = (key, stamp, self._mac_thread().submit(self._verify, key, header, out[i]))
         return n
+
+    def _unless_gone(self, key: bytes, stamp: int, why: str) -> str:
+        """``why`` a read of ``key`` (indexed under ``stamp``) failed, or ``"missing"`` when the key left
+        the index (or was written again) meanwhile: what the read met was its removal (a deleted file, a
+        zeroed slot of a segment), not a bad value."""
+        with self._lock:
+            return why if self._index.get(key) == stamp else "missing"
 
     def _mac_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:
@@ -187,19 +206,19 @@ class FileTier(TierBackend):
             left_out, new = new[:max(0, len(new) - fits)], new[max(0, len(new) - fits):]
             rows = blocks if blocks is not None and self.block_bytes else None
             self._make_room(len(new), [(names[i], rows[i] if rows is not None else None) for i in left_out])
-            written = sum(self._write(names[i], rows[i] if rows is not None else None) for i in new)
+            batch = [(names[i], rows[i] if rows is not None else None) for i in new]
+            if self._segments is not None:
+                written = self._write_segment(batch) if batch else 0
+            else:
+                written = sum(self._write(key, row) for key, row in batch)
         return sum(held) + written
 
     def delete(self, keys: Sequence[Hashable]) -> int:
-        gone = 0
         with self._folder():
-            for key in map(block_key, keys):
-                with self._lock:
-                    if self._index.pop(key, None) is None:
-                        continue
-                _unlink(self._file(key))
-                gone += 1
-        return gone
+            with self._lock:
+                gone = [key for key in map(block_key, keys) if self._index.pop(key, None) is not None]
+            self._drop_files([(key, True) for key in gone])
+        return len(gone)
 
     def clear(self) -> int:
         with self._folder():
@@ -231,14 +250,21 @@ class FileTier(TierBackend):
         return len(self._index)
 
     def check_integrity(self) -> None:
-        """The index and the directory agree: every indexed block has a file of one value's size, there
+        """The index and the directory agree: every indexed block has a file of one value's size (or, for
+        values in segments, a slot of a segment file of its size: :meth:`Segments.check_locked`), there
         is no other file, and ``used_bytes`` (their sum) is within the capacity."""
         with self._folder(), self._lock:
-            files = {p.name: p.stat().st_size for p in self._dir.glob("*/*")}
-            indexed = {key.hex(): self.value_bytes for key in self._index}
-            differ = set(files.items()) ^ set(indexed.items())  # a name in one only, or another size
-            _require(not differ, f"{plural(len({name for name, _ in differ}), 'file')} and the index "
-                                 f"disagree (name or size) in {self._dir}")
+            if self._segments is not None:
+                stray = [p for p in self._dir.glob("*/*") if p.parent.name != "segments"]
+                _require(not stray, f"{plural(len(stray), 'file')} outside the segments in {self._dir}")
+                _require(set(self._segments.where) == set(self._index), "the index and the segments disagree")
+                self._segments.check_locked(self._capacity)
+            else:
+                files = {p.name: p.stat().st_size for p in self._dir.glob("*/*")}
+                indexed = {key.hex(): self.value_bytes for key in self._index}
+                differ = set(files.items()) ^ set(indexed.items())  # a name in one only, or another size
+                _require(not differ, f"{plural(len({name for name, _ in differ}), 'file')} and the index "
+                                     f"disagree (name or size) in {self._dir}")
             _require(self.used_bytes <= self._capacity,
                      f"used {self.used_bytes} B exceeds {self._capacity} B")
 
@@ -253,21 +279,36 @@ class FileTier(TierBackend):
     # ---- files ---------------------------------------------------------------------------------------
 
     def _path(self, key: bytes) -> Path:
-        """Where ``key``'s file lives."""
-        return Path(self._file(key))
+        """Where ``key``'s file lives (its segment's file, for values in segments)."""
+        return self._value_at(key)[0]
+
+    def _value_at(self, key: bytes) -> tuple[Path, int]:
+        """The file holding ``key``'s value and the value's offset in it."""
+        if self._segments is None:
+            return Path(self._file(key)), 0
+        with self._lock:
+            segment, slot = self._segments.where[key]
+        return Path(self._segments.path(segment)), slot * self.value_bytes
 
     def _file(self, key: bytes) -> str:
         """:meth:`_path` as a str (what the I/O calls take: a ``Path`` costs more than the call)."""
         name = key.hex()
         return f"{self._prefix}{name[:2]}{os.sep}{name}"
 
-    def _read(self, key: bytes, row: torch.Tensor | None, *, header: bytearray | None = None) -> str | None:
+    def _read(self, key: bytes, row: torch.Tensor | None, *, header: bytearray | None = None,
+              fds: dict[int, int]) -> str | None:
         """Read ``key``'s file into ``row`` (one ``readv``: header, payload, and one byte that must stay
-        empty); why it is a miss, or None. Given a ``header`` buffer, the header is read into it and left
-        unchecked, with the MAC, for :meth:`_verify`."""
+        empty; a value in a segment: one ``preadv`` of the segment the call opened, kept in ``fds``); why
+        it is a miss, or None. Given a ``header`` buffer, the header is read into it and left unchecked,
+        with the MAC, for :meth:`_verify`."""
         verify = header is None
         header = bytearray(HEADER_BYTES) if header is None else header
         payload = memoryview(row.numpy()) if row is not None else memoryview(bytearray(0))
+        if self._segments is not None:
+            why = self._segments.read(key, [header, payload], fds)
+            if why is not None or not verify:
+                return why
+            return verify_parts(header, payload, self._ns, key, self.block_bytes, auth_key=self.auth_key)
         extra = bytearray(1)
         try:
             fd = os.open(self._file(key), os.O_RDONLY)
@@ -329,6 +370,40 @@ class FileTier(TierBackend):
             self._stats.stored_bytes += self.block_bytes
         return True
 
+    def _write_segment(self, batch: list[tuple[bytes, torch.Tensor | None]]) -> int:
+        """Write the values of ``batch`` into one new segment and index those the disk took; how many
+        (the others are counted store failures)."""
+        values = []
+        for key, row in batch:
+            payload = memoryview(row.numpy()) if row is not None else memoryview(b"")
+            values.append([encode_header(self._ns, key, payload, auth_key=self.auth_key), payload])
+        segment, done = self._segments.write(values)  # type: ignore[union-attr]
+        with self._lock:
+            self._segments.place(segment, [key for key, _ in batch[:done]])  # type: ignore[union-attr]
+            for key, _ in batch[:done]:
+                self._index[key] = next(self._stamps)
+            self._stats.stored += done
+            self._stats.stored_bytes += done * self.block_bytes
+            self._stats.store_failures += len(batch) - done
+        return done
+
+    def _drop_files(self, dropped: list[tuple[bytes, bool]]) -> None:
+        """Remove the values of keys just dropped from the index (under ``_write_lock``): ``(key, erase)``,
+        erase False leaves a file that could not be read in place (a value in a segment is only
+        forgotten then)."""
+        if self._segments is None:
+            for key, erase in dropped:
+                if erase:
+                    _unlink(self._file(key))
+            return
+        erased: list[tuple[int, int]] = []
+        empty: list[int] = []
+        with self._lock:
+            for key, erase in dropped:
+                self._segments.forget_locked(key, erase, erased, empty)
+        self._segments.erase(erased, empty)
+        self._segments.compact(self._capacity)
+
     def _make_room(self, n: int, left_out: list[tuple[bytes, torch.Tensor | None]]) -> None:
         """Evict least recently used files until ``n`` more values fit, and pass them down (the cascade)
         with the ``left_out`` blocks of the batch, oldest first. A victim stays readable until then, so a
@@ -342,20 +417,21 @@ class FileTier(TierBackend):
         if (victims or left_out) and self._cascade is not None:
             self._pass_down(victims, left_out)
         with self._lock:
-            for key in victims:
-                if self._index.pop(key, None) is not None:
-                    self._stats.evictions += 1
-            self._stats.evictions += len(left_out)
-        for key in victims:
-            _unlink(self._file(key))
+            victims = [key for key in victims if self._index.pop(key, None) is not None]
+            self._stats.evictions += len(victims) + len(left_out)
+        self._drop_files([(key, True) for key in victims])
 
     def _pass_down(self, victims: list[bytes], left_out: list[tuple[bytes, torch.Tensor | None]]) -> None:
         keys, payloads = [], []
         buf = torch.empty(max(self.block_bytes, 1), dtype=torch.uint8)
-        for key in victims:  # corrupt ones are not passed on
-            if self._read(key, buf[:self.block_bytes] if self.block_bytes else None) is None:
-                keys.append(key)
-                payloads.append(bytes(buf.numpy()[:self.block_bytes]))
+        fds: dict[int, int] = {}
+        try:
+            for key in victims:  # corrupt ones are not passed on
+                if self._read(key, buf[:self.block_bytes] if self.block_bytes else None, fds=fds) is None:
+                    keys.append(key)
+                    payloads.append(bytes(buf.numpy()[:self.block_bytes]) if self.block_bytes else b"")
+        finally:
+            close_all(fds)
         for key, row in left_out:
             keys.append(key)
             payloads.append(row.numpy().tobytes() if row is not None else b"")
@@ -393,9 +469,8 @@ class FileTier(TierBackend):
                 if self._index.get(key) == stamp:  # (a key noted twice is dropped once)
                     del self._index[key]
                     dropped.append((key, unlink))
-        for key, unlink in dropped:
-            if unlink:
-                _unlink(self._file(key))
+        if dropped:
+            self._drop_files(dropped)
 
     def _count_failure(self, n: int = 1) -> None:
         with self._lock:
@@ -404,6 +479,9 @@ class FileTier(TierBackend):
     def _scan(self) -> None:
         """Index the files a previous run left (oldest first), delete stray temporary files, then evict
         down to the capacity."""
+        if self._segments is not None:
+            self._scan_segments()
+            return
         found = []
         for path in self._dir.glob("*/*"):
             try:
@@ -421,6 +499,19 @@ class FileTier(TierBackend):
         while self.used_bytes > self._capacity:
             key, _ = self._index.popitem(last=False)
             _unlink(self._file(key))
+
+
+    def _scan_segments(self) -> None:
+        """:meth:`_scan` for values in segments: files of a file per value are deleted (another layout)."""
+        for path in self._dir.glob("*/*"):
+            if path.parent.name != "segments":
+                _unlink(path)
+        for _, key in self._segments.scan(self._ns):  # type: ignore[union-attr]
+            self._index[key] = next(self._stamps)
+        while self.used_bytes > self._capacity:
+            key, _ = self._index.popitem(last=False)
+            self._drop_files([(key, True)])
+        self._segments.compact(self._capacity)  # type: ignore[union-attr]  (dead slots a smaller capacity left)
 
 
 def _claim(folder: Path) -> int:
@@ -442,26 +533,6 @@ def _claim(folder: Path) -> int:
     return fd
 
 
-def _write_all(fd: int, parts: list[bytes | memoryview], offset: int | None = None) -> None:
-    """``writev`` until every part is written (a short write continues where it stopped); at ``offset``
-    (``pwritev``) when one is given."""
-    views = [memoryview(p) for p in parts]
-    while views:
-        done = os.writev(fd, views) if offset is None else os.pwritev(fd, views, offset)
-        if offset is not None:
-            offset += done
-        while views and done >= len(views[0]):
-            done -= len(views[0])
-            views.pop(0)
-        if views:
-            views[0] = views[0][done:]
-
-
-def _unlink(path: str | Path) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
-
-
-def _require(ok: bool, what: str) -> None:
-    if not ok:
-        raise IntegrityError(f"file tier invariant broken: {what}")
+_write_all = write_all
+_unlink = unlink_quietly
+_require = require
