@@ -181,7 +181,7 @@ def test_targets_rows_follow_from_the_suites_figures() -> None:
     tiers = ROWS["tiers"]({"rows": [
         {"tier": "host", "op": "store", "block": "b", "baseline": "copy_", "ratio": 0.5},
         {"tier": "disk", "op": "load", "block": "b", "baseline": "file", "ratio": 0.95}],
-        "replay": {"block_ops_per_s": 720_000.0}})
+        "chain_replay": {"block_ops_per_s": 720_000.0}})
     assert [(r["ratio"], r["met"]) for r in tiers] == [(0.95, True), (2.0, True)]  # no host row; 720k / 360k
     alloc = ROWS["alloc"]({"rows": [
         {"op": "evicting allocate(1), events on", "ratio": 1.4, "target_ratio": 1.3},

@@ -224,3 +224,46 @@ def test_a_call_without_token_ids_reports_none_under_every_path(policy: str) -> 
     pool.cache_blocks(a, H[:2])
     pool.cache_blocks(a, H[:2], token_ids=[1, 2, 3, 4])  # already published: nothing new
     assert sink.take_events() == [stored(H[:2], None, [])]
+
+
+def test_a_sink_attached_to_a_filled_pool_first_announces_each_hash_it_holds() -> None:
+    pool = BlockPool(8)
+    a = pool.allocate(3)
+    pool.cache_blocks(a, H[:3])
+    pool.free(a[1:])  # cached and evictable: still in the index
+    dup = pool.allocate(1)
+    pool.cache_blocks(dup, [H[0]])  # a second holder of H[0]: one hash, one event
+    sink = KVEventSink(QueueEventPublisher(), block_size=2, medium="CPU", group_idx=0)
+    pool.attach_event_sink(sink)
+    assert sink.take_events() == [stored([H[0]], None, []), stored([H[1]], None, []), stored([H[2]], None, [])]
+    pool.free(pool.allocate(5))  # 5 of the 6 free blocks: one evicted hash leaves (LRU: H[1], freed first)
+    assert sink.take_events() == [BlockRemoved([H[1]], "CPU", 0)]
+
+
+def test_attaching_a_sink_that_cannot_send_a_held_hash_records_nothing() -> None:
+    pool = BlockPool(4)
+    pool.cache_blocks(pool.allocate(1), [(1, 2)])  # a tuple hash: no int64 wire form
+    sink = KVEventSink(QueueEventPublisher(), block_size=2, hash_format="int64")
+    with pytest.raises(InvalidArgumentError):
+        pool.attach_event_sink(sink)
+    assert pool.event_sink is None and sink.pending_events == 0
+    other, _ = recorded()
+    with pytest.raises(InvalidArgumentError, match="has an event sink already"):
+        other.attach_event_sink(KVEventSink(QueueEventPublisher(), block_size=2))
+
+
+def test_a_manager_with_events_takes_a_host_tier_that_holds_blocks_and_announces_them() -> None:
+    from kvpool.requests.kv_manager import KVCacheManager
+    from kvpool.spec import KVCacheGroup, LayerKind
+    from kvpool.tiers.backend import Namespace
+    from kvpool.tiers.host import HostTier
+
+    host = HostTier(8, Namespace("model-test", "none", "hash-only", hash_scheme="trace"))
+    assert host.set(H[:2], None) == 2  # filled before the events were on
+    sink = KVEventSink(QueueEventPublisher(), block_size=2)
+    kv = KVCacheManager((KVCacheGroup(0, LayerKind.FULL, None, (0,), 1, 2),), 16, event_sink=sink)
+    kv.attach_tiers([host], asynchronous=False)
+    cpu = [e for e in sink.take_events() if e.medium == "CPU"]
+    assert [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in cpu] == [([H[0]], None, []),
+                                                                                 ([H[1]], None, [])]
+    assert host.exists(H[:2]) == 2

@@ -902,14 +902,21 @@ class BlockPool:
         return self._sink
 
     def attach_event_sink(self, sink: KVEventSink) -> None:
-        """Give a pool built without one a KV event sink, while its prefix index is empty (so the stream
-        starts from nothing and every hash in it was checked by the sink): a tier's own pool, say.
+        """Give a pool built without one a KV event sink: a tier's own pool, say. A pool whose prefix index
+        holds hashes already announces them first, so the stream describes the index from the start: one
+        ``BlockStored`` per hash, in the order the hashes entered the index, with parent None and no token
+        ids (the pool keeps neither; a duplicate block under a hash is not a second event).
 
         Raises:
-            InvalidArgumentError: the pool has a sink already, or hashes in its index.
+            InvalidArgumentError: the pool has a sink already, or a hash of its index has no wire form in
+                ``sink`` (nothing is recorded and the pool keeps no sink).
         """
-        if self._sink is not None or self._index:
-            raise InvalidArgumentError("attach an event sink to a pool with none and an empty prefix index")
+        if self._sink is not None:
+            raise InvalidArgumentError("this pool has an event sink already")
+        held = list(self._index)
+        sink.check_publish(held, None, len(held), None, None)
+        for block_hash in held:
+            sink.stored([block_hash], [0], None, None, None, None)
         self._sink = sink
         self._rec = _recorder(sink)
 

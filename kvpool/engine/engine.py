@@ -214,7 +214,8 @@ class LLMEngine:
             ConfigError: prefix caching is off, an offload is attached already, or a tier keeps blocks
                 outside this process (disk, remote) while the block hasher is process-local
                 (``hasher=BlockHasher(shared=True)`` and ``$KVPOOL_HASH_SEED``), or (with KV events) a host
-                tier that holds blocks already; a malformed tier URL.
+                tier whose pool has an event sink already; a malformed tier URL. (A host tier that holds
+                blocks already announces them on the event stream first.)
             InvalidArgumentError: as :class:`~kvpool.tiers.manager.OffloadManager`.
         """
         if any(isinstance(t, str) for t in tiers):

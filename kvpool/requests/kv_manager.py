@@ -165,7 +165,8 @@ class KVCacheManager:
 
         Raises:
             ConfigError: prefix caching is off, or tiers are attached already; with KV events, a host tier
-                that holds blocks already.
+                whose pool has an event sink already. (A host tier that holds blocks already announces them
+                first: :meth:`~kvpool.allocators.block_pool.BlockPool.attach_event_sink`.)
             InvalidArgumentError: as :class:`~kvpool.tiers.manager.OffloadManager`.
         """
         from kvpool.tiers.host import HostTier
@@ -175,8 +176,8 @@ class KVCacheManager:
             raise ConfigError("tiers need prefix caching and no tiers attached already")
         sink = self.pool.event_sink
         hosts = [t for t in tiers if isinstance(t, HostTier)] if sink is not None else []
-        if any(t.pool.num_cached_blocks or t.pool.event_sink is not None for t in hosts):
-            raise ConfigError("with KV events, the tiers need a host tier that holds no block yet")
+        if any(t.pool.event_sink is not None for t in hosts):
+            raise ConfigError("with KV events, the host tier must not publish events elsewhere already")
         raw = getattr(self.pool, "pool", self.pool)  # the BlockPool itself, under a recording wrapper
         self.tiers = OffloadManager(raw, tiers, cache=cache, write_through=write_through,
                                     asynchronous=asynchronous, admission=admission,
