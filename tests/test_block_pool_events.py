@@ -235,7 +235,7 @@ def test_a_sink_attached_to_a_filled_pool_first_announces_each_hash_it_holds() -
     pool.cache_blocks(dup, [H[0]])  # a second holder of H[0]: one hash, one event
     sink = KVEventSink(QueueEventPublisher(), block_size=2, medium="CPU", group_idx=0)
     pool.attach_event_sink(sink)
-    assert sink.take_events() == [stored([H[0]], None, []), stored([H[1]], None, []), stored([H[2]], None, [])]
+    assert sink.take_events() == [stored([h], None, []) for h in H[:3]]
     pool.free(pool.allocate(5))  # 5 of the 6 free blocks: one evicted hash leaves (LRU: H[1], freed first)
     assert sink.take_events() == [BlockRemoved([H[1]], "CPU", 0)]
 
