@@ -351,7 +351,8 @@ class KVEventSink:
         """This sink's :class:`~kvpool.event_buffer.EventRecorder`: what a pool records its plain calls
         through (keys plain: bytes hashes, no split)."""
         rec = EventRecorder(self._owner, self._buffer, self.block_size, self.max_batch_events, self.medium,
-                            self.group_idx, self.kind, self.sliding_window, self.hash_format == "bytes")
+                            self.group_idx, self.kind, self.sliding_window, self.hash_format == "bytes",
+                            BlockStored)
         rec.sink = self
         rec.unsplit = self._split is None
         rec.plain = rec.plain and rec.unsplit
@@ -517,36 +518,15 @@ class KVEventSink:
     # ---- the conversion
     def _convert(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
         """Turn the buffered records into events (appended to the buffer's events, in order); returns
-        the events."""
-        buf = self._buffer
-        events = buf.events
-        if not buf.records:
-            return events
-        records = buf.take_records()
-        append, stored, last, fields = events.append, BlockStored, None, (0, None, None, None, None)
-        for record in records:
-            kind = type(record)
-            if kind is tuple and len(record) == 5:  # one event, its lists as the recorder copied them
-                rec, hashes, parent, tokens, lora_name = record
-                if rec is not last:  # (one recorder's records, mostly: its fields read once)
-                    last, fields = rec, (rec.block_size, rec.medium, rec.group, rec.kind, rec.window)
-                bs, medium, group, spec_kind, window = fields
-                append(stored(hashes, parent, [] if tokens is None else tokens, bs, None, medium, lora_name,
-                              [None] * len(hashes), group, spec_kind, window))
-            elif kind is tuple:
-                record[0]._stored_events(record, append)
-            elif kind is list:
-                sink, group, hashes = record
-                event = BlockRemoved(sink._wire_list(hashes), sink.medium, group)
-                append(event)
-                if buf.tail is record:
-                    buf.tail = event
-            else:
-                append(record)
-        return events
+        the events (:meth:`kvpool.event_buffer.EventBuffer.convert`)."""
+        return self._buffer.convert()
+
+    def _removal_event(self, group: int | None, hashes: Sequence[Hashable]) -> BlockRemoved:
+        """The ``BlockRemoved`` of one removal record (see :class:`~kvpool.event_buffer.EventBuffer`)."""
+        return BlockRemoved(self._wire_list(hashes), self.medium, group)
 
     def _stored_events(self, record: tuple, append: Callable[[Any], None]) -> None:
-        """The ``BlockStored`` events of one storing record (see :class:`_Buffer`)."""
+        """The ``BlockStored`` events of one storing record (see :class:`kvpool.event_buffer.EventBuffer`)."""
         _, keys, runs, parent_hash, tokens, extra_keys, lora_name = record
         n = len(keys)
         for first, last in [(0, n)] if runs is None else runs:

@@ -556,18 +556,21 @@ class BlockPool:
         """:meth:`cache_blocks` telling ``sink`` which positions of the call entered the index: in one call
         made before anything changes (``check_and_store``), where the positions are known then (LRU, no
         admission filter), else checked first and told after."""
-        keep: Sequence[int] = range(len(ids))
+        keep: list[int] | None = None  # positions of the blocks that are not the null block (None: all)
         kept_ids, kept_hashes = ids, block_hashes
         if self._reserved and 0 in ids:
             keep = _non_null_positions(ids)
             kept_ids, kept_hashes = [ids[i] for i in keep], [block_hashes[i] for i in keep]
         self._check_publish(kept_ids, kept_hashes)
         if self._lru is None or self._admission is not None:
-            self._cache_entered(ids, block_hashes, keep, kept_ids, kept_hashes, sink, parent_hash, token_ids,
-                                extra_keys, lora_name)
+            self._cache_entered(ids, block_hashes, range(len(ids)) if keep is None else keep, kept_ids,
+                                kept_hashes, sink, parent_hash, token_ids, extra_keys, lora_name)
             return
         hashes = self._hash
-        new = [i for i, block in zip(keep, kept_ids, strict=True) if hashes[block] is None]
+        new: list[int] = []
+        for j in range(len(kept_ids)):  # an index loop: compiled, no zip or range object
+            if hashes[kept_ids[j]] is None:
+                new.append(j if keep is None else keep[j])
         if not new:
             sink.check_publish(kept_hashes, parent_hash, len(ids), token_ids, extra_keys)
             return

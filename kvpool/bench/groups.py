@@ -9,6 +9,15 @@ groups): reserve ``cdiv(n, B) - len(table)`` blocks when free, publish the block
 coordinator ns / baseline ns, the three timed in turn in one run (target for two groups, compiled: <= 1.1x,
 issue 24). Replay: the shipped trace with a hybrid config, per group and all full on the same memory
 (:func:`kvpool.trace.group_replay.compare_all_full`).
+
+Wall clock and instruction counts differ for the two-group row (2026-12-02, compiled, 64 x 512): callgrind
+gives 0.90x the plain pool's instructions per step, the wall clock 0.99-1.04x. The workloads are the same
+requests, steps and hashes (the coordinator's pool is G times larger, as G groups need), the timed runs are
+~13 ms (far above the timer's resolution), and neither the cycle collector nor page faults differ
+(measured: the ratio is the same with ``gc`` off, 0 minor faults per run). What differs is cachegrind's
+count of cache misses per step: I1 55 against 30 and D1 16 against 9 (the coordinator's calls spread over
+more compiled code and a larger pool than the plain loop's interpreted steps), so the same work runs at a
+lower IPC; the wall ratio is the one that counts, and it meets the target here.
 """
 
 from __future__ import annotations
