@@ -183,6 +183,41 @@ def test_bad_input_is_a_typed_error() -> None:
     assert isinstance(batch, PagedBatch)
 
 
+def _hand_batches(batch: PagedBatch) -> list[tuple[str, PagedBatch, type]]:
+    """A user-built PagedBatch the kernel would read out of bounds (or misread) without the checks."""
+    t, st, pos = batch.tables, batch.starts, batch.positions
+    return [
+        ("negative block id", PagedBatch(t - 100, st, pos), InvalidIdError),
+        ("int64 tables", PagedBatch(t.long(), st, pos), InvalidArgumentError),
+        ("transposed tables", PagedBatch(t.repeat(2, 1).t(), torch.tensor([0, 4, 8], dtype=torch.int32),
+                                         torch.tensor([0, 0], dtype=torch.int32)), InvalidArgumentError),
+        ("positions past the table", PagedBatch(t, st, pos + 1), InvalidArgumentError),
+        ("negative position", PagedBatch(t, st, pos - 1), InvalidArgumentError),
+        ("starts not from 0", PagedBatch(t, st + 1, pos), InvalidArgumentError),
+        ("starts of the wrong length", PagedBatch(t, st[1:], pos), InvalidArgumentError),
+        ("negative window", PagedBatch(t, st, pos, window=-3), InvalidArgumentError),
+    ]
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_a_hand_built_batch_that_reads_out_of_bounds_is_refused(case) -> None:
+    q, kc, vc, tables = _random_case([(0, 8)])
+    name, bad, error = _hand_batches(paged_batch(_group(), [((tables[0],), 0, 8)], 64, B))[case]
+    if name == "transposed tables":
+        q = torch.cat([q, q])
+    with pytest.raises(error):
+        paged_attention(q, kc, vc, bad)
+
+
+def test_mismatched_kv_dtypes_and_zero_kv_heads_are_typed_errors() -> None:
+    q, kc, vc, tables = _random_case([(0, 8)])
+    batch = paged_batch(_group(), [((tables[0],), 0, 8)], 64, B)
+    with pytest.raises(InvalidArgumentError):
+        paged_attention(q, kc, vc.half(), batch)  # K float32, V float16
+    with pytest.raises(InvalidArgumentError):
+        paged_attention(q, kc[:, :, :0], vc[:, :, :0], batch)  # Hq % 0
+
+
 # ---- the engine with attention="paged" against transformers -------------------------------------------
 
 transformers = pytest.importorskip("transformers")
