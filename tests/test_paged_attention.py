@@ -183,6 +183,25 @@ def test_bad_input_is_a_typed_error() -> None:
     assert isinstance(batch, PagedBatch)
 
 
+@pytest.mark.parametrize("spans, extra", [
+    ([(0, 9), (5, 6)], {"mul": 3e3}),  # scores ~ +-1e4: the exp polynomial's range, decode and a short run
+    ([(0, 9)], {"mul": 1e4, "softcap": 30.0}),  # tanh saturates at +-softcap
+    ([(0, 5), (9, 10)], {"sinks": torch.tensor([1e4, -1e4, 50.0, -50.0, 0.0, 88.0])}),
+    ([(0, 512)], {"sinks": torch.full((HQ,), 1e4)}),  # a GEMM tile whose sink outweighs every key
+])
+def test_extreme_scores_and_sinks_stay_finite_and_match_float64(spans, extra) -> None:
+    blocks = sum(-(-end // B) for _, end in spans) + 1
+    q, kc, vc, tables = _random_case(spans, num_blocks=max(64, blocks))
+    q = q * extra.get("mul", 1.0)
+    batch = paged_batch(_group(), [((t,), s, e) for t, (s, e) in zip(tables, spans, strict=True)],
+                        kc.shape[0], B)
+    got = paged_attention(q, kc, vc, batch, softcap=extra.get("softcap"), sinks=extra.get("sinks"))
+    reference = _brute_force(q, kc, vc, tables, spans, softcap=extra.get("softcap"), sinks=extra.get("sinks"))
+    assert torch.isfinite(got).all()
+    # float32 scores of ~1e4 carry ~1e-3 absolute error (SDPA in float32 has the same order)
+    torch.testing.assert_close(got.double(), reference, atol=2e-3 if "mul" in extra else 1e-5, rtol=0)
+
+
 def _hand_batches(batch: PagedBatch) -> list[tuple[str, PagedBatch, type]]:
     """A user-built PagedBatch the kernel would read out of bounds (or misread) without the checks."""
     t, st, pos = batch.tables, batch.starts, batch.positions
