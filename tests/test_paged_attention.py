@@ -183,6 +183,60 @@ def test_bad_input_is_a_typed_error() -> None:
     assert isinstance(batch, PagedBatch)
 
 
+@pytest.mark.parametrize("spans, extra", [
+    ([(0, 9), (5, 6)], {"mul": 3e3}),  # scores ~ +-1e4: the exp polynomial's range, decode and a short run
+    ([(0, 9)], {"mul": 1e4, "softcap": 30.0}),  # tanh saturates at +-softcap
+    ([(0, 5), (9, 10)], {"sinks": torch.tensor([1e4, -1e4, 50.0, -50.0, 0.0, 88.0])}),
+    ([(0, 512)], {"sinks": torch.full((HQ,), 1e4)}),  # a GEMM tile whose sink outweighs every key
+])
+def test_extreme_scores_and_sinks_stay_finite_and_match_float64(spans, extra) -> None:
+    blocks = sum(-(-end // B) for _, end in spans) + 1
+    q, kc, vc, tables = _random_case(spans, num_blocks=max(64, blocks))
+    q = q * extra.get("mul", 1.0)
+    batch = paged_batch(_group(), [((t,), s, e) for t, (s, e) in zip(tables, spans, strict=True)],
+                        kc.shape[0], B)
+    got = paged_attention(q, kc, vc, batch, softcap=extra.get("softcap"), sinks=extra.get("sinks"))
+    reference = _brute_force(q, kc, vc, tables, spans, softcap=extra.get("softcap"), sinks=extra.get("sinks"))
+    assert torch.isfinite(got).all()
+    # float32 scores of ~1e4 carry ~1e-3 absolute error (SDPA in float32 has the same order)
+    torch.testing.assert_close(got.double(), reference, atol=2e-3 if "mul" in extra else 1e-5, rtol=0)
+
+
+def _hand_batches(batch: PagedBatch) -> list[tuple[str, PagedBatch, type]]:
+    """A user-built PagedBatch the kernel would read out of bounds (or misread) without the checks."""
+    t, st, pos = batch.tables, batch.starts, batch.positions
+    return [
+        ("negative block id", PagedBatch(t - 100, st, pos), InvalidIdError),
+        ("int64 tables", PagedBatch(t.long(), st, pos), InvalidArgumentError),
+        ("transposed tables", PagedBatch(t.repeat(2, 1).t(), torch.tensor([0, 4, 8], dtype=torch.int32),
+                                         torch.tensor([0, 0], dtype=torch.int32)), InvalidArgumentError),
+        ("positions past the table", PagedBatch(t, st, pos + 1), InvalidArgumentError),
+        ("negative position", PagedBatch(t, st, pos - 1), InvalidArgumentError),
+        ("starts not from 0", PagedBatch(t, st + 1, pos), InvalidArgumentError),
+        ("starts of the wrong length", PagedBatch(t, st[1:], pos), InvalidArgumentError),
+        ("negative window", PagedBatch(t, st, pos, window=-3), InvalidArgumentError),
+    ]
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_a_hand_built_batch_that_reads_out_of_bounds_is_refused(case) -> None:
+    q, kc, vc, tables = _random_case([(0, 8)])
+    name, bad, error = _hand_batches(paged_batch(_group(), [((tables[0],), 0, 8)], 64, B))[case]
+    if name == "transposed tables":
+        q = torch.cat([q, q])
+    with pytest.raises(error):
+        paged_attention(q, kc, vc, bad)
+
+
+def test_mismatched_kv_dtypes_and_zero_kv_heads_are_typed_errors() -> None:
+    q, kc, vc, tables = _random_case([(0, 8)])
+    batch = paged_batch(_group(), [((tables[0],), 0, 8)], 64, B)
+    with pytest.raises(InvalidArgumentError):
+        paged_attention(q, kc, vc.half(), batch)  # K float32, V float16
+    with pytest.raises(InvalidArgumentError):
+        paged_attention(q, kc[:, :, :0], vc[:, :, :0], batch)  # Hq % 0
+
+
 # ---- the engine with attention="paged" against transformers -------------------------------------------
 
 transformers = pytest.importorskip("transformers")

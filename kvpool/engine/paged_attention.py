@@ -177,12 +177,44 @@ def _check_shapes(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: 
         raise InvalidArgumentError(f"query must be [T, Hq, D] and the caches [N, B, Hkv, D]; got "
                                    f"{tuple(query.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     tokens, hq, d = query.shape
-    if k.shape[:3] != v.shape[:3] or k.shape[3] != d or hq % k.shape[2]:
+    if k.shape[:3] != v.shape[:3] or k.shape[3] != d or not k.shape[2] or hq % k.shape[2]:
         raise InvalidArgumentError(f"query {tuple(query.shape)} does not fit K {tuple(k.shape)} and V "
                                    f"{tuple(v.shape)} (same D, Hq a multiple of Hkv)")
     if tokens != int(batch.starts[-1]):
         raise InvalidArgumentError(f"the batch packs {int(batch.starts[-1])} tokens, the query {tokens}")
-    if batch.tables.numel() and int(batch.tables.max()) >= k.shape[0]:
-        raise InvalidIdError(f"the tables name block {int(batch.tables.max())} of a cache of {k.shape[0]}")
+    if v.dtype != k.dtype:
+        raise InvalidArgumentError(f"K is {k.dtype}, V {v.dtype}: they must share one dtype")
+    _check_index_tensors(batch)
+    if batch.tables.numel() and not 0 <= int(batch.tables.min()) <= int(batch.tables.max()) < k.shape[0]:
+        raise InvalidIdError(f"the tables name blocks {int(batch.tables.min())} .. {int(batch.tables.max())} "
+                             f"of a cache of {k.shape[0]}")
+    _check_extents(batch, k.shape[1])
     if sinks is not None and sinks.shape != (hq,):
         raise InvalidArgumentError(f"sinks must be [{hq}], got {tuple(sinks.shape)}")
+
+
+def _check_index_tensors(batch: PagedBatch) -> None:
+    """The kernel reads tables / starts / positions as contiguous int32 arrays of R x M, R + 1 and R."""
+    requests = batch.tables.shape[0] if batch.tables.dim() == 2 else -1
+    expected = (("tables", batch.tables, (requests, batch.tables.shape[-1])),
+                ("starts", batch.starts, (requests + 1,)), ("positions", batch.positions, (requests,)))
+    for name, t, shape in expected:
+        bad_layout = t.dtype != torch.int32 or not t.is_contiguous() or t.device.type != "cpu"
+        if bad_layout or tuple(t.shape) != shape:
+            raise InvalidArgumentError(f"batch.{name} must be a contiguous int32 CPU tensor of shape {shape} "
+                                       f"(tables [R, M]); got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if batch.window < 0 or batch.chunk < 0:
+        raise InvalidArgumentError(f"window and chunk must be >= 0, got {batch.window}, {batch.chunk}")
+
+
+def _check_extents(batch: PagedBatch, block_size: int) -> None:
+    """Every request's keys ``0 .. positions[r] + n_r - 1`` must lie in its table's row (no read past it)."""
+    starts = batch.starts.long()
+    lengths = starts[1:] - starts[:-1]
+    if int(starts[0]) != 0 or (lengths.numel() and int(lengths.min()) < 0):
+        raise InvalidArgumentError(f"batch.starts must rise from 0, got {batch.starts.tolist()}")
+    ends = batch.positions.long() + lengths
+    if batch.positions.numel() and (int(batch.positions.min()) < 0
+                                    or int(ends.max()) > batch.tables.shape[1] * block_size):
+        raise InvalidArgumentError(f"positions {batch.positions.tolist()} + new tokens {lengths.tolist()} "
+                                   f"pass the tables' {batch.tables.shape[1]} blocks of {block_size}")
