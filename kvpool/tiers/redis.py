@@ -37,10 +37,14 @@ from typing import Any
 
 import redis
 import torch
-from redis._parsers.socket import SocketBuffer
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
+
+try:  # redis-py's buffered reader: the integer replies are read by the tier only where it is the plain one
+    from redis._parsers.socket import SocketBuffer
+except ImportError:  # another redis-py layout: its own parser reads every reply
+    SocketBuffer = None
 
 from kvpool.errors import ConfigError, IntegrityError
 from kvpool.numeric import as_optional_int, as_real
@@ -494,7 +498,7 @@ def _integer_replies(conn: Any, n: int) -> list[Any] | None:
     past the last one, raises (a fault of the medium: the caller drops the connection)."""
     buffer = getattr(getattr(conn, "_parser", None), "_buffer", None)
     sock = getattr(conn, "_sock", None)
-    if sock is None or not isinstance(buffer, SocketBuffer) or buffer.unread_bytes():
+    if sock is None or SocketBuffer is None or not isinstance(buffer, SocketBuffer) or buffer.unread_bytes():
         return None
     data = bytearray()
     while data.count(b"\r\n") < n:
