@@ -757,3 +757,18 @@ def test_redis_cluster_spreads_blocks_over_its_nodes(redis_cluster_nodes) -> Non
     via_other_node = RedisTier(redis_cluster_nodes[2].url, ns, block_bytes=BPB, auth_key=KEY)
     out = torch.zeros(60, BPB, dtype=torch.uint8)
     assert via_other_node.get(keys(60), out) == 60 and torch.equal(out, rows(60))
+
+
+def test_redis_replies_read_by_redis_py_alone_give_the_same_results(redis_single, monkeypatch) -> None:
+    """Where redis-py has no SocketBuffer (another layout), its own parser reads the integer replies too."""
+    import kvpool.tiers.redis as tier_module
+
+    monkeypatch.setattr(tier_module, "SocketBuffer", None)
+    t = RedisTier(redis_single.url, Namespace.for_cache(DEVICE, model="parser-only"), block_bytes=BPB,
+                  auth_key=KEY)
+    t.clear()
+    out = torch.zeros(3, BPB, dtype=torch.uint8)
+    assert t.set(keys(3), rows(3, seed=4)) == 3 and t.exists(keys(5)) == 3
+    assert t.get(keys(3), out) == 3 and torch.equal(out, rows(3, seed=4))
+    assert t.delete(keys(2)) == 2 and t.exists(keys(3)) == 0  # a prefix: the first key is gone
+    assert t.stats().errors == 0
