@@ -374,18 +374,8 @@ class BlockPool:
         """:meth:`free` of ids known valid: distinct ints in range, each referenced, none the null block
         (what :meth:`free` checks first; a :class:`~kvpool.allocators.groups.KVCacheCoordinator` frees its
         own tables, which hold such ids, through here)."""
-        free, lru, hashes, ref = self._free, self._lru, self._hash, self._ref
-        if lru is None:  # any policy but LRU, through its interface
-            for block in ids:
-                r = ref[block] - 1
-                ref[block] = r
-                if r == 0:
-                    if hashes[block] is None:
-                        free.append(block)
-                    else:
-                        self._policy.insert(block, level)
-            return
-        chunk: list[int] = []  # the call's newly evictable blocks, in order: one chunk of the LRU queue
+        free, hashes, ref = self._free, self._hash, self._ref
+        chunk: list[int] = []  # the call's newly evictable blocks, in order (LRU: one chunk of its queue)
         for block in ids:
             r = ref[block] - 1
             ref[block] = r
@@ -394,8 +384,13 @@ class BlockPool:
                     free.append(block)
                 else:
                     chunk.append(block)
-        if chunk:
-            lru.insert_chunk(chunk)
+        if not chunk:
+            return
+        if self._lru is not None:
+            self._lru.insert_chunk(chunk)
+            return
+        for block in chunk:  # any policy but LRU, through its interface
+            self._policy.insert(block, level)
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Add one reference to each block (a prefix hit). A cached free block leaves the LRU and is

@@ -202,10 +202,9 @@ class LRUPolicy(EvictionPolicy):
 
     def _sweep(self) -> None:
         """Keep only the live entries, in order (each keeps its mark)."""
-        log, marks, where = self._log, self._marks, self.where
-        keep = [i for i in range(self._head, len(log)) if where[log[i]] is marks[i]]
-        self._log = [log[i] for i in keep]
-        self._marks = [marks[i] for i in keep]
+        where = self.where
+        self._log = self.order()
+        self._marks = [where[b] for b in self._log]  # a live entry's mark is its block's where
         self._head = self._stale = 0
 
     def order(self) -> list[int]:
