@@ -77,13 +77,20 @@ MIXED = [(40, 41), (0, 23), (10, 17), (63, 64)]  # decode, a whole prefill, a ch
                                               (LayerKind.CHUNKED, 8)])
 @pytest.mark.parametrize("extra", [{}, {"softcap": 2.0}, {"sinks": True}, {"scale": 0.3}])
 def test_kernel_is_the_brute_force_softmax(kind, window, extra) -> None:
-    q, kc, vc, tables = _random_case(MIXED)
+    _assert_brute_force(MIXED, 64, kind, window, extra)
+
+
+def _assert_brute_force(spans: list, num_blocks: int, kind: LayerKind, window: int | None,
+                        extra: dict) -> None:
+    """The kernel over a random case of ``spans`` equals :func:`_brute_force` (``extra["sinks"]``: random
+    sinks)."""
+    q, kc, vc, tables = _random_case(spans, num_blocks=num_blocks)
     if extra.get("sinks"):
         extra = {"sinks": torch.randn(HQ, generator=torch.Generator().manual_seed(3))}
-    batch = paged_batch(_group(kind, window), [((t,), s, e) for t, (s, e) in zip(tables, MIXED, strict=True)],
-                        64, B)
+    batch = paged_batch(_group(kind, window), [((t,), s, e) for t, (s, e) in zip(tables, spans, strict=True)],
+                        num_blocks, B)
     got = paged_attention(q, kc, vc, batch, **extra)
-    expected = _brute_force(q, kc, vc, tables, MIXED, kind, window, **extra)
+    expected = _brute_force(q, kc, vc, tables, spans, kind, window, **extra)
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=0)
 
 
@@ -95,14 +102,7 @@ LONG = [(200, 1240), (1500, 1501)]  # 1,040 queries after 200 tokens (the kernel
 @pytest.mark.parametrize("extra", [{}, {"softcap": 2.0}, {"sinks": True}])
 def test_long_runs_are_the_brute_force_softmax(kind, window, extra) -> None:
     # runs of 512 queries or more take GEMM tiles instead of the per-token loop: the same function
-    q, kc, vc, tables = _random_case(LONG, num_blocks=700)
-    if extra.get("sinks"):
-        extra = {"sinks": torch.randn(HQ, generator=torch.Generator().manual_seed(3))}
-    batch = paged_batch(_group(kind, window), [((t,), s, e) for t, (s, e) in zip(tables, LONG, strict=True)],
-                        700, B)
-    got = paged_attention(q, kc, vc, batch, **extra)
-    expected = _brute_force(q, kc, vc, tables, LONG, kind, window, **extra)
-    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=0)
+    _assert_brute_force(LONG, 700, kind, window, extra)
 
 
 @pytest.mark.parametrize(("spans", "blocks"), [(MIXED, 64), (LONG, 700)])
