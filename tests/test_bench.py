@@ -25,7 +25,7 @@ def bench(capsys: pytest.CaptureFixture, *argv: str) -> dict:
 
 
 def test_alloc_rows_and_ratios(capsys: pytest.CaptureFixture) -> None:
-    result = bench(capsys, "alloc", "--sizes", "256", "--ops", "256", "--repeat", "1")
+    result = bench(capsys, "alloc", "--sizes", "256", "--ops", "256", "--repeat", "1", "--peer-rounds", "0")
     ops = {row["op"] for row in result["rows"]}
     assert {"allocate(1)+free", "allocate(256)+free", "evicting allocate(1)", "token alloc(1)+free(1)"} <= ops
     for row in result["rows"]:
@@ -34,13 +34,58 @@ def test_alloc_rows_and_ratios(capsys: pytest.CaptureFixture) -> None:
             assert row["ratio"] == pytest.approx(row["kvpool_ns"] / row["baseline_ns"], abs=5e-4)
 
 
-def test_alloc_table_says_why_a_peer_has_no_kvpool_figure(capsys: pytest.CaptureFixture) -> None:
-    # the peers' rows compare with kvpool's at 32,768 blocks: at --sizes 256 there is none to show
-    assert main(["bench", "alloc", "--sizes", "256", "--ops", "256", "--repeat", "1"]) == 0
+def test_targets_without_the_peer_venvs_prints_no_peer_ratio(capsys: pytest.CaptureFixture,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path) -> None:
+    # PEER_VENVS names an empty folder: every peer row says so, with no ratio (the stored figure is shown
+    # beside it in the alloc table, labelled, never divided)
+    from kvpool.bench import targets
+
+    monkeypatch.setenv("PEER_VENVS", str(tmp_path))
+    monkeypatch.setitem(targets.SUITE_ARGS, "alloc", ["--sizes", "256", "--ops", "256", "--repeat", "1"])
+    skip = "replay,tiers,groups,attention,engine"
+    assert main(["bench", "targets", "--skip", skip]) == 0
     out = capsys.readouterr().out
-    peers = out[out.index("Peers"):]
-    assert "None" not in out
-    assert peers.count("n/a (not run: pool size 32,768 not in --sizes)") == 4  # the hash row has no pool
+    peer_lines = [line for line in out.splitlines() if "ns / kvpool ns" in line]
+    assert len(peer_lines) == 6 and all("peer not installed" in line for line in peer_lines)
+    assert all(line.split()[-3:-1] == ["-", "-"] for line in peer_lines)  # ratio and bound: none
+    result = bench(capsys, "targets", "--skip", skip)
+    peers = [r for r in result["rows"] if "kvpool ns" in r["measure"]]
+    assert len(peers) == 6 and all(r["ratio"] is None and r["met"] is None for r in peers)
+    assert main(["bench", "alloc", "--sizes", "256", "--ops", "256", "--repeat", "1"]) == 0
+    table = capsys.readouterr().out
+    table = table[table.index("Peers timed in this run"):]
+    assert table.count("peer not installed") == 6 and "stored: ~1,550 ns (DESIGN.md's peer table" in table
+
+
+def test_a_peer_whose_script_fails_gets_no_ratio(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    # a "vLLM venv" whose python has no vllm: its side fails at import, its rows say so; SGLang: not installed
+    import sys
+
+    from kvpool.bench.peers import live_rows
+
+    (tmp_path / "vllm-venv" / "bin").mkdir(parents=True)
+    (tmp_path / "vllm-venv" / "bin" / "python").symlink_to(sys.executable)
+    monkeypatch.setenv("PEER_VENVS", str(tmp_path))
+    rows = live_rows(1, 1)
+    vllm = [r for r in rows if r["peer"].startswith("vLLM")]
+    assert len(vllm) == 4 and all(r["peer_over_kvpool"] is None for r in rows)
+    assert all(r["status"].startswith("peer failed: ") and "vllm" in r["status"] for r in vllm)
+    assert all(r["status"].startswith("peer not installed") for r in rows if r["peer"].startswith("SGLang"))
+
+
+def test_a_peer_ratio_is_the_median_of_the_rounds_ratios() -> None:
+    # by hand: peer 1000, 1200, 900 ns and kvpool 100, 200, 100 ns in three rounds: ratios 10, 6, 9 -> 9
+    # (not 1000 / 100 = 10, the ratio of the medians); the ns columns are each side's median
+    from kvpool.bench.peers import ROWS, Side, _row
+
+    op = ROWS[0].op
+    peer, ours = Side.__new__(Side), Side.__new__(Side)
+    for side, ns, version in ((peer, [1000, 1200, 900], "0.33.0"), (ours, [100, 200, 100], "0.1.0")):
+        side.error, side.version, side.rounds = "", version, [{op: v} for v in ns]
+    row = _row(ROWS[0], ours, peer, 3)
+    assert (row["peer_ns"], row["kvpool_ns"], row["peer_over_kvpool"], row["rounds"]) == (1000, 100, 9.0, 3)
+    assert row["peer"] == "vLLM 0.33.0 BlockPool" and row["status"] == "timed in this run"
 
 
 def test_storage_rows_and_ratios(capsys: pytest.CaptureFixture) -> None:
@@ -186,8 +231,10 @@ def test_targets_rows_follow_from_the_suites_figures() -> None:
     alloc = ROWS["alloc"]({"rows": [
         {"op": "evicting allocate(1), events on", "ratio": 1.4, "target_ratio": 1.3},
         {"op": "allocate(1)+free", "ratio": 0.2, "target_ratio": None}],
-        "peers_measured_earlier": [{"peer": "vLLM", "op": "x", "peer_over_kvpool": 4.8}]})
-    assert [(r["ratio"], r["met"]) for r in alloc] == [(1.4, False), (4.8, None)]
+        "peers": [{"peer": "vLLM", "op": "x", "peer_over_kvpool": 4.8, "status": "timed in this run"},
+                  {"peer": "SGLang", "op": "y", "peer_over_kvpool": None, "status": "peer not installed"}]})
+    assert [(r["ratio"], r["met"]) for r in alloc] == [(1.4, False), (4.8, None), (None, None)]
+    assert alloc[2]["measure"].endswith("(peer not installed)")
 
 
 def test_targets_refuses_an_unknown_suite_in_one_line(capsys: pytest.CaptureFixture) -> None:

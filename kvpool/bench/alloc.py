@@ -8,9 +8,10 @@ allocation and freeing are timed separately. Pool sizes 1K, 32K and 1M blocks sh
 flat. Hashing is timed per 16-token block over a 4,096-token sequence, for each algorithm with a seeded root
 (the root is derived once per hasher, so a seed costs nothing per block: the public-root row shows it), with
 a LoRA extra key, and for the prompt-embeddings digest of one block, against SHA-256 of a pickled ``(parent,
-tokens)`` tuple (vLLM's default block hash style). Peer figures from DESIGN.md are printed as references
-measured earlier on a similar machine, not in this run; ``benchmarks/peers/compare.py`` times the peers and
-kvpool on the same patterns in one run. Targets: allocate+free <= 500 ns single, <= 200 ns per block batched;
+tokens)`` tuple (vLLM's default block hash style). The peer rows (vLLM's ``BlockPool`` and block hash,
+SGLang's token allocators) are timed in this run, in the peers' own venvs, alternated round by round with
+kvpool's side on the same loops (:mod:`kvpool.bench.peers`; ``--peer-rounds``); a peer that is not installed
+gets no ratio. Targets: allocate+free <= 500 ns single, <= 200 ns per block batched;
 hashing <= 500 ns per block; token alloc(1)+free(1) <= 4,000 ns; with a KV event sink, ``cache_blocks`` with
 token ids and an evicting allocate <= 1.3x the same op without one (issue 24; the two alternated in one run).
 """
@@ -36,17 +37,11 @@ from kvpool.allocators.hashing import (
     embedding_digest,
 )
 from kvpool.allocators.policies import POLICIES
+from kvpool.bench.peers import live_rows
 from kvpool.bench.timing import alternated_ns, median_ns, print_table, require_at_least
 from kvpool.errors import ConfigError, OutOfBlocksError
-from kvpool.options import CommaList, positive_int
+from kvpool.options import CommaList, non_negative_int, positive_int
 
-PEERS = [  # (peer, op, ns) measured earlier (DESIGN.md), compared with kvpool's row (op, pool size)
-    ("vLLM 0.33 BlockPool", "allocate(1)+free", 1550.0, ("allocate(1)+free", 32768)),
-    ("vLLM 0.33 BlockPool", "allocate(256)+free", 580.0, ("allocate(256)+free", 32768)),
-    ("vLLM 0.33 BlockPool", "evicting allocate", 1000.0, ("evicting allocate(1)", 32768)),
-    ("vLLM 0.33 sha256 block hash", "hash 16 tokens", 3300.0, ("hash sha256", 0)),
-    ("SGLang 0.5.23 TokenToKVPoolAllocator", "alloc(1)+free(1)", 21600.0, ("token alloc(1)+free(1)", 32768)),
-]
 #: Issue 24's targets as ratios of the row's figure to its baseline's (events on / off).
 TARGET_RATIOS = {"evicting allocate(1), events on": 1.3, "cache_blocks(1) + 16 token ids, events on": 1.3}
 TARGETS_NS = {"allocate(1)+free": 500, "allocate(256)+free": 200, "hash sha256": 500, "hash blake2b": 500,
@@ -90,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="blocks per timed repetition (default: 32768)")
     parser.add_argument("--repeat", type=positive_int, default=7, metavar="N",
                         help="timed repetitions (median)")
+    parser.add_argument("--peer-rounds", type=non_negative_int, default=5, metavar="N",
+                        help="rounds of the peer rows, each side in turn (median of the per-round ratios; "
+                             "0: no peer rows; default: 5)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -108,8 +106,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         gc.enable()
     result = {"suite": "alloc", "unit": "ns per block (token rows: ns per alloc(1)+free(1) pair)",
-              "rows": rows, "peers_measured_earlier": _peer_rows(rows), "targets_ns": TARGETS_NS,
-              "target_ratios": TARGET_RATIOS}
+              "rows": rows, "peers": live_rows(args.peer_rounds, min(args.repeat, 5)),
+              "targets_ns": TARGETS_NS, "target_ratios": TARGET_RATIOS}
     if not args.json:
         _print(result)
     return result
@@ -451,21 +449,6 @@ def _pairs_ns(factory: Callable[[], Any], k: int, repeat: int, alloc_one: Callab
 # ---- report ---------------------------------------------------------------------------------------------
 
 
-def _peer_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    ours = {(r["op"], r["pool_blocks"]): r["kvpool_ns"] for r in rows if "kvpool_ns" in r}
-    out = []
-    sizes = {size for _, size in ours}
-    for peer, op, ns, key in PEERS:
-        mine = ours.get(key)
-        row = {"peer": peer, "op": op, "peer_ns": ns, "kvpool_op": key[0], "kvpool_ns": mine,
-               "peer_over_kvpool": None if not mine else round(ns / mine, 2)}
-        if mine is None:  # say why there is no figure to compare with, rather than print None
-            row["kvpool_missing"] = (f"not run: pool size {key[1]:,} not in --sizes" if key[1] and
-                                     key[1] not in sizes else "skipped in this run")
-        out.append(row)
-    return out
-
-
 def _target(row: dict[str, Any]) -> str:
     """The row's target as printed: a ratio (``<= 1.3x``) or ns (``<= 500 ns``), ``-`` for none."""
     if row.get("target_ratio") is not None:
@@ -482,8 +465,15 @@ def _print(result: dict[str, Any]) -> None:
     for r in result["rows"]:
         if "skipped" in r:
             print(f"  {r['op']}: skipped ({r['skipped']})")
-    peers = [[p["peer"], p["op"], p["peer_ns"],
-              p["kvpool_ns"] if p["kvpool_ns"] is not None else f"n/a ({p['kvpool_missing']})",
-              p["peer_over_kvpool"]] for p in result["peers_measured_earlier"]]
-    print_table("\nPeers (DESIGN.md figures measured EARLIER on a similar machine, not in this run; "
-                "x = peer / kvpool)", ["peer", "op", "peer ns", "kvpool ns", "x"], peers)
+    peers = [[p["peer"], p["op"], p["peer_ns"], p["kvpool_ns"], p["peer_over_kvpool"], p["rounds"],
+              _peer_note(p)] for p in result["peers"]]
+    print_table("\nPeers timed in this run (their own venvs, rounds alternated with kvpool's side on the "
+                "same loops; ns medians; x = median of the rounds' peer / kvpool)",
+                ["peer", "op", "peer ns", "kvpool ns", "x", "rounds", "note"], peers)
+
+
+def _peer_note(row: dict[str, Any]) -> str:
+    """A peer row's status, and for a peer not timed the stored figure, labelled (never divided)."""
+    if row["peer_over_kvpool"] is not None:
+        return row["status"]
+    return f"{row['status']}; stored: ~{row['stored_ns']:,.0f} ns ({row['stored_from']})"

@@ -8,15 +8,16 @@ One row per target, from issue 24 ("Speed, second round") and the allocator's pe
 * ``tiers``: disk and Redis store / load GB/s / raw file I/O and redis-py pipelines (>= 0.9) for each block
   shape; the 300-request replay over host + disk + Redis, block ops/s / 360k (10x the first one's 36k);
 * ``alloc``: with a KV event sink, evicting allocate and ``cache_blocks`` with token ids, cost / sink-less
-  cost (<= 1.3); the peers' published ns / kvpool ns (no bound: context);
+  cost (<= 1.3); vLLM's and SGLang's ns / kvpool's on the same loops, timed in this run in the peers' own
+  venvs (no bound: context; no ratio for a peer that is not installed: :mod:`kvpool.bench.peers`);
 * ``groups``: the two-group coordinator (sliding 128 + full) per decode step / one plain pool (<= 1.1);
 * ``attention``: paged attention in place, speed / SDPA over contiguous KV (>= 0.8) per phase and context;
 * ``engine``: ``kvpool generate`` tokens/s / transformers' ``generate_batch`` (>= 1.5), gather and paged.
 
 ``met`` is None for a row without a bound. ``--skip`` leaves suites out (the engine loads SmolLM2; tiers
 start a ``redis-server`` if installed). Each suite runs with its own defaults except: alloc at one pool size
-(32,768 blocks, the size the peers were measured at), groups without its replay rows and tiers without its
-host-only replay row.
+(32,768 blocks, the size of the peers' loops), groups without its replay rows and tiers without its host-only
+replay row.
 """
 
 from __future__ import annotations
@@ -112,8 +113,9 @@ def _tiers_rows(out: dict[str, Any]) -> list[dict[str, Any]]:
 def _alloc_rows(out: dict[str, Any]) -> list[dict[str, Any]]:
     rows = [_row("alloc", f"{r['op']} / events off", r["ratio"], r["target_ratio"], higher=False)
             for r in out["rows"] if r.get("target_ratio") is not None]
-    rows += [_row("alloc", f"{p['peer']} {p['op']} ns / kvpool ns", p["peer_over_kvpool"], None)
-             for p in out["peers_measured_earlier"]]
+    rows += [_row("alloc", f"{p['peer']} {p['op']} ns / kvpool ns" + (
+        "" if p["peer_over_kvpool"] is not None else f" ({p['status']})"), p["peer_over_kvpool"], None)
+        for p in out["peers"]]
     return rows
 
 
