@@ -49,6 +49,8 @@ from types import ModuleType
 #: The modules setup.py compiles (read there with ``ast``, without importing kvpool).
 COMPILED_MODULES = (
     "kvpool.event_buffer",
+    "kvpool.allocators.arrays",
+    "kvpool.allocators.prefix_index",
     "kvpool.allocators.policies",
     "kvpool.allocators.block_pool",
     "kvpool.allocators.groups",

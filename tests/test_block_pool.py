@@ -12,6 +12,7 @@ import torch
 from kvpool import (
     BlockPool,
     DoubleFreeError,
+    InsufficientMemoryError,
     IntegrityError,
     InvalidArgumentError,
     InvalidIdError,
@@ -266,15 +267,16 @@ def test_allocate_zero_and_empty_calls_are_no_ops(busy_pool: BlockPool) -> None:
 
 CORRUPTIONS = {  # how to break a busy pool -> the invariant check_integrity must name
     "negative ref": (lambda p: p._ref.__setitem__(7, -1), "negative"),
-    # (the free stack's never-used bottom is implicit: _materialize_fresh lists it, as a reset does)
-    "id twice in free stack": (lambda p: (p._materialize_fresh(), p._free.append(p._free[-1])), "twice"),
-    "lost block": (lambda p: (p._materialize_fresh(), p._free.pop()), "!= total"),
-    "freed id also never used": (lambda p: p._free.append(p._fresh), "twice"),
-    "never-used id referenced": (lambda p: p._ref.__setitem__(p._fresh, 1), "free-stack"),
+    "id twice in free stack": (lambda p: (p.free([3]), p._free.append(3)), "twice"),
+    "lost block": (lambda p: (p.free([3]), p._free.pop()), "!= total"),
+    # (the free stack's never-used bottom, ids 6..9, is implicit: listing one of them is a corruption)
+    "freed id also never used": (lambda p: p._free.append(p.high_water_mark), "free-stack"),
+    "never-used id referenced": (lambda p: p._ref.__setitem__(p.high_water_mark, 1), "never handed out"),
     "evictable but referenced": (lambda p: p._ref.__setitem__(4, 1), "evictable"),
     "hashed block in free stack": (lambda p: p._free.append(4), "free-stack"),
-    "index names wrong block": (lambda p: p._index.__setitem__("c4", 5), "index entry"),
-    "hash not indexed": (lambda p: p._hash.__setitem__(2, "ghost"), "not indexed"),
+    # the index's slot of "c4" names block 5 (which holds "c5")
+    "index names wrong block": (lambda p: p._idx._slots.__setitem__(p._idx._slot_of(4), 5 + 1), "index entr"),
+    "hash not indexed": (lambda p: p._idx._hold(2, 12345, 12345, False), "not indexed"),
 }
 
 
@@ -370,10 +372,20 @@ def test_allocate_takes_a_0d_tensor_count() -> None:
     assert BlockPool(4).allocate(torch.tensor(2)) == [0, 1]
 
 
-@pytest.mark.parametrize("n", [2**63, 2**62, 10**19])
-def test_a_pool_too_large_for_memory_is_a_typed_error(n: int) -> None:
-    with pytest.raises(InvalidArgumentError, match="does not fit in memory"):
+@pytest.mark.parametrize("n", [2**63, 2**62, 10**19, 2**31 - 1])
+def test_a_pool_past_32_bit_block_ids_is_a_typed_error(n: int) -> None:
+    with pytest.raises(InvalidArgumentError, match="past the largest pool, 2,147,483,646 blocks"):
         BlockPool(n)
+
+
+def test_a_pool_too_large_for_memory_is_refused_naming_the_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 1 GiB available; 100M blocks x 32 B = 3.2e9 B = 2.98 GiB needed once every block is in use
+    psutil = pytest.importorskip("psutil")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("VM", (), {"available": 1 << 30})())
+    with pytest.raises(InsufficientMemoryError,
+                       match=r"100,000,000 blocks needs 2\.98 GiB .* 1\.00 GiB available"):
+        BlockPool(100_000_000)
+    assert BlockPool(30_000_000).num_blocks == 30_000_000  # 0.89 GiB: fits
 
 
 def test_free_of_a_tensor_still_works() -> None:

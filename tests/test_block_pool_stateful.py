@@ -8,6 +8,10 @@ what the policy's model (below) records. It never predicts which uncached block 
 rules: uncached blocks first, then the cached free blocks in eviction order. With a null block (block 0) the
 model never frees, hands out or hashes it, and the machine slips it (repeated) into the ids of free, touch,
 cache_blocks and evict_blocks. One machine runs per eviction policy, one with frequency admission.
+
+Every machine builds its pool with a growth chunk of 1-4 blocks, so its per-block arrays (and its policy's)
+grow again and again as the high-water mark rises, and every step crosses chunk boundaries: the model also
+restates the growth rule (``capacity`` follows the ids handed out so far, by a chunk or an eighth).
 """
 
 from __future__ import annotations
@@ -223,6 +227,17 @@ class Model:
         self.hits = self.misses = self.evictions = 0
         self.offers: dict[int, int] | None = {} if admission else None
         self.policy = MODELS[policy](self)
+        self.high_water = self.first  # ids handed out at least once: 0 (or 1 past the null block) up to it
+        self.capacity = 0  # what the pool's per-block arrays cover (set by the machine)
+
+    def handed_out(self, ids: list[int], chunk: int) -> None:
+        """The growth rule restated: past the capacity, grow to the new high-water mark, at least a chunk
+        or an eighth more, at most the pool."""
+        if ids:
+            self.high_water = max(self.high_water, max(ids) + 1)
+        if self.high_water > self.capacity:
+            grown = self.capacity + max(chunk, self.capacity // 8)
+            self.capacity = min(self.n, max(self.high_water, grown))
 
     def tick(self) -> int:
         self.clock += 1
@@ -277,16 +292,18 @@ class BlockPoolMachine(RuleBasedStateMachine):
     policy = "lru"
     frequency_admission = False
 
-    @initialize(n=st.integers(2, 9))
-    def setup(self, n: int) -> None:
+    @initialize(n=st.integers(2, 9), chunk=st.integers(1, 4))
+    def setup(self, n: int, chunk: int) -> None:
         self.model = Model(n, self.caching, self.null, self.policy, self.frequency_admission)
+        self.chunk = chunk
+        self.model.capacity = min(n, chunk)
         if self.policy == "priority":
             policy = PriorityPolicy(RETENTION_S, clock=lambda: self.model.now)
         else:
             policy = SLRUPolicy(PROTECTED) if self.policy == "slru" else make_policy(self.policy)
         admission = FrequencyAdmission(2, max_tracked=4) if self.frequency_admission else None
         self.pool = BlockPool(n, enable_caching=self.caching, reserve_null_block=self.null, policy=policy,
-                              admission=admission)
+                              admission=admission, growth_chunk=chunk)
 
     def used(self) -> list[int]:
         """Blocks holding a reference the caller may free (a pin's reference is the pool's: see pin)."""
@@ -321,6 +338,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         uncached, lru = m.uncached_free(), m.lru()
         got = self.pool.allocate(n)
         assert len(got) == len(set(got)) == n
+        m.handed_out(got, self.chunk)
         k = min(n, len(uncached))
         evicted = lru[: n - k]
         assert (set(got) <= uncached) if n <= len(uncached) else (set(got) == uncached | set(evicted))
@@ -383,8 +401,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
         m, used = self.model, self.used()
         kind = data.draw(st.sampled_from(["not-allocated", "out-of-range", "duplicate", "negative"]))
         good = data.draw(st.lists(st.sampled_from(used), unique=True, max_size=3)) if used else []
-        if kind == "not-allocated" and len(used) < m.n - m.first:
-            free_ids = [b for b in range(m.first, m.n) if m.ref[b] == 0]
+        free_ids = [b for b in range(m.first, m.n) if m.ref[b] == 0]  # (a pinned-only block is neither)
+        if kind == "not-allocated" and free_ids:
             bad, error = [data.draw(st.sampled_from(free_ids))], DoubleFreeError
         elif kind == "duplicate" and good:
             bad, error = [good[0]], InvalidIdError
@@ -563,6 +581,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert pool.num_used_blocks == sum(r > 0 for r in m.ref)
         assert (pool.stats.hits, pool.stats.misses, pool.stats.evictions) == (m.hits, m.misses, m.evictions)
         assert pool.pinned_blocks() == m.pins
+        assert (pool.high_water_mark, pool.capacity) == (m.high_water, m.capacity)
         states = [3 if b in m.pins else 4 if b < m.first else 1 if m.ref[b] else 2 if m.hash[b] is not None
                   else 0 for b in range(m.n)]
         assert list(pool.block_states()) == states

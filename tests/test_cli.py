@@ -133,7 +133,7 @@ HOSTILE: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "num-blocks 1e19": (lambda tmp: ["replay", "--num-blocks", "1e19"], "is not an integer"),
     "num-blocks 10**19": (lambda tmp: ["replay", "--num-blocks", str(10**19)], "at most 2**63 - 1"),
     "num-blocks 2**62": (lambda tmp: ["replay", "--num-blocks", str(2**62), "--max-requests", "1"],
-                         "does not fit in memory"),
+                         "past the largest pool"),
     "output_length 1e21": (_replay("t.jsonl", '{"timestamp": 0, "input_length": 10, "output_length": '
                                               f'{10**21}, "hash_ids": [1]}}\n'),
                            "output_length must be an integer in [0, 9223372036854775807]"),
@@ -163,6 +163,22 @@ def test_hostile_input_is_one_line(capsys: pytest.CaptureFixture, tmp_path: Path
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and "Traceback" not in err
     assert why in err, err
+
+
+def test_a_pool_too_large_for_the_machine_is_one_line(capsys: pytest.CaptureFixture,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # 1 GiB available: 100M blocks x 32 B = 2.98 GiB of bookkeeping once every block is in use, refused
+    # before the replay starts; 300M blocks fit a machine with 12 GiB and run (the arrays follow the
+    # blocks handed out)
+    psutil = pytest.importorskip("psutil")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("VM", (), {"available": 1 << 30})())
+    assert main(["replay", "--num-blocks", "100000000", "--max-requests", "1", "--no-progress"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert "100,000,000 blocks needs 2.98 GiB of bookkeeping" in err and "1.00 GiB available" in err
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("VM", (), {"available": 12 << 30})())
+    assert main(["replay", "--num-blocks", "300000000", "--max-requests", "10", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_blocks"] == 300_000_000
 
 
 def test_units_plural_and_bytes() -> None:

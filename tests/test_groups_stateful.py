@@ -26,6 +26,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kvpool.allocators.block_pool import BlockPool
 from kvpool.allocators.groups import KVCacheCoordinator, group_key
 from kvpool.allocators.hashing import block_hashes
 from kvpool.errors import InvalidArgumentError, OutOfBlocksError
@@ -55,13 +56,17 @@ class Req:
 
 class CoordinatorMachine(RuleBasedStateMachine):
     @initialize(layout=st.sampled_from(sorted(LAYOUTS)), n=st.integers(6, 40),
-                batch=st.sampled_from([1, 3, 4096]))
-    def setup(self, layout: str, n: int, batch: int) -> None:
+                batch=st.sampled_from([1, 3, 4096]), chunk=st.sampled_from([1, 3, 16_384]))
+    def setup(self, layout: str, n: int, batch: int, chunk: int) -> None:
         kinds, windows = LAYOUTS[layout]
         self.groups = kv_cache_groups(kinds, windows, B)
         self.publisher = QueueEventPublisher(maxsize=100_000)
         sink = KVEventSink(self.publisher, block_size=B, max_batch_events=batch)
-        self.coord = KVCacheCoordinator(self.groups, n, event_sink=sink)
+        # the pool's per-block arrays grow by 1 or 3 ids at a time (or cover the pool at once): every
+        # layout runs across their chunk boundaries
+        windowed = any(g.kind is not LayerKind.FULL for g in self.groups)
+        pool = BlockPool(n, reserve_null_block=windowed, event_sink=sink, growth_chunk=chunk)
+        self.coord = KVCacheCoordinator(self.groups, n, pool=pool)
         self.seen: Counter = Counter()  # holders per key as the events tell it
         self.null = self.coord.null_block  # 0, or -1 (none) for a model without windows
         self.reqs: dict[int, Req] = {}

@@ -475,5 +475,5 @@ def test_cli_bad_plot_path_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture
 
 def test_pool_too_large_for_memory_is_a_config_error() -> None:
     requests = [TraceRequest(0.0, 16, 10**14)]  # the unbounded pool would be 6e12 blocks
-    with pytest.raises(ConfigError, match="does not fit in memory"):
+    with pytest.raises(ConfigError, match="past the largest pool"):
         run_replay(requests, ReplayConfig(block_size=16))

@@ -1,13 +1,20 @@
 """Block pool with prefix caching: free stack, ref counts, a hash index and an eviction order of the cached
 free blocks.
 
-Bookkeeping only (block ids, no KV tensors), in plain Python lists and dicts: every call costs O(1) per
-block it names (O(log n) under the heap-ordered eviction policies), independent of the pool size. Every
-block is in exactly one of three sets:
+Bookkeeping only (block ids, no KV tensors): every call costs O(1) per block it names (O(log n) under the
+heap-ordered eviction policies), independent of the pool size. The per-block state (ref counts, the hash each
+block holds, its place in the eviction order) lives in flat vectors of 32- and 64-bit integers that cover
+the ids handed out so far and grow in chunks as that high-water mark rises (:mod:`kvpool.allocators.arrays`):
+about 32 bytes per block handed out with LRU, nothing for the ids never handed out, so a pool of hundreds of
+millions of blocks that holds ten requests costs what those hold; the prefix index is a table of 4-byte slots
+over the blocks' hash keys (:mod:`kvpool.allocators.prefix_index`), with no Python object per block for
+integer hashes. A pool whose bookkeeping could not fit the machine's available memory once every block is
+handed out is refused when it is built. Every block is in exactly one of three sets:
 
 * **uncached free**: ref count 0, no hash; a stack, handed out first. Its bottom, the ids never handed
   out yet, is kept implicit (``[fresh, num_blocks)``, handed out in ascending order once the freed blocks
-  above them are gone), so building a pool of millions of blocks creates no per-block id;
+  above them are gone; below them only the blocks ``reset_prefix_cache`` uncached), so building a pool of
+  millions of blocks creates no per-block id;
 * **cached free** (evictable): ref count 0, holds a published hash, ordered by the eviction policy
   (:mod:`kvpool.allocators.policies`). The default, ``lru``, is called directly on the fast paths
   (``free`` appends the call's blocks to its tail as one chunk, eviction pops from the head, ``touch``
@@ -47,8 +54,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from librt.vecs import vec
+from mypy_extensions import i32
 
+from kvpool.allocators.arrays import (
+    GROWTH_CHUNK,
+    MAX_BLOCKS,
+    check_fits_memory,
+    grown_i32,
+    next_capacity,
+    release_freed_memory,
+)
 from kvpool.allocators.policies import EvictionPolicy, FrequencyAdmission, LRUPolicy, make_policy
+from kvpool.allocators.prefix_index import NO_HASH, PrefixIndex
 from kvpool.errors import (
     DoubleFreeError,
     IntegrityError,
@@ -67,6 +85,11 @@ EvictionListener = Callable[[list[int], list[Hashable]], None]
 #: What :meth:`BlockPool.block_states` reports per block, by code: ``BLOCK_STATES[code]``.
 BLOCK_STATES = ("free", "in use", "cached", "pinned", "null")
 FREE, IN_USE, CACHED, PINNED, NULL = range(5)
+#: Bookkeeping bytes of one block once handed out, with LRU and prefix caching, what the memory check of
+#: :class:`BlockPool` counts for every block of the pool: its ref count (4), the hash key it holds (8), its
+#: place in the eviction order (4, and a 4-byte entry of its log) and its share of the prefix index's table
+#: (4-byte slots at most 3/4 full, half full on average: 8), plus the arrays' growth margin.
+BYTES_PER_BLOCK = 32
 
 if TYPE_CHECKING:
     from kvpool.events import KVEventSink
@@ -111,39 +134,50 @@ class BlockPool:
     Ids and counts follow :mod:`kvpool.numeric`: Python ints, numpy ints and 0-d int tensors (converted to
     the int they hold), or a 1-D int tensor / array of ids; never bools.
 
+    Memory: the bookkeeping grows with the blocks handed out (:attr:`capacity` ids are covered: the
+    :attr:`high_water_mark` rounded up by chunks of at least ``growth_chunk`` blocks and an eighth,
+    :func:`~kvpool.allocators.arrays.next_capacity`), so it is taken as the pool fills, not when it is
+    built. A smaller ``growth_chunk`` than the default (16,384) trades more copies for less slack.
+
     Raises:
-        InvalidArgumentError: ``num_blocks`` not an integer, < 1, < 2 with a null block, or too large for
-            this machine's memory (the bookkeeping takes ~70 bytes per block); an unknown policy (``belady``
-            included: it needs a trace's future, see :mod:`kvpool.trace.belady`) or one that already serves
-            a pool; ``pin_cap`` not in (0, 1]; ``admission`` not a FrequencyAdmission.
+        InvalidArgumentError: ``num_blocks`` not an integer, < 1, < 2 with a null block, or past
+            :data:`~kvpool.allocators.arrays.MAX_BLOCKS` (block ids are 32-bit); an unknown policy
+            (``belady`` included: it needs a trace's future, see :mod:`kvpool.trace.belady`) or one that
+            already serves a pool; ``pin_cap`` not in (0, 1]; ``admission`` not a FrequencyAdmission;
+            ``growth_chunk`` not an integer >= 1.
+        InsufficientMemoryError: the bookkeeping of ``num_blocks`` blocks all in use
+            (:data:`BYTES_PER_BLOCK` each) is more than the machine's available memory (one line naming
+            both).
     """
 
     def __init__(self, num_blocks: IntArg, *, enable_caching: bool = True, reserve_null_block: bool = False,
                  event_sink: KVEventSink | None = None, policy: str | EvictionPolicy | object = "lru",
-                 pin_cap: RealArg = 0.5, admission: FrequencyAdmission | object = None) -> None:
+                 pin_cap: RealArg = 0.5, admission: FrequencyAdmission | object = None,
+                 growth_chunk: IntArg = GROWTH_CHUNK) -> None:
         num_blocks = as_int(num_blocks, "num_blocks", minimum=2 if reserve_null_block else 1)
+        chunk = as_int(growth_chunk, "growth_chunk", minimum=1)
+        if num_blocks > MAX_BLOCKS:
+            raise InvalidArgumentError(f"num_blocks={num_blocks:,} is past the largest pool, {MAX_BLOCKS:,} "
+                                       "blocks (block ids are 32-bit, as kernels' block tables are)")
         pin_cap = as_real(pin_cap, "pin_cap", minimum=0.0, maximum=1.0, open_min=True)
         if admission is not None and not isinstance(admission, FrequencyAdmission):
             raise InvalidArgumentError(f"admission must be a FrequencyAdmission or None, got {admission!r}")
         order = make_policy(policy) if isinstance(policy, str) else policy
         if not isinstance(order, EvictionPolicy):
             raise InvalidArgumentError(f"policy must be a policy name or an EvictionPolicy, got {policy!r}")
+        check_fits_memory("a BlockPool", num_blocks, BYTES_PER_BLOCK)
         self._n = num_blocks
         self._caching = enable_caching
         self._reserved = 1 if reserve_null_block else 0  # 1: block 0 is the null block
-        try:
-            self._ref = [0] * num_blocks
-            self._hash: list[Hashable | None] = [None] * num_blocks
-            self._free: list[int] = []  # the stack's top: freed blocks (pop() hands out the last freed)
-            # the repeat check: a block seen by validation call k holds call k's int object (compared by
-            # identity, stored without boxing a new int per block when compiled)
-            self._mark: list[object] = [0] * num_blocks
-        except (MemoryError, OverflowError):
-            raise InvalidArgumentError(f"num_blocks={num_blocks:,} does not fit in memory: the pool's "
-                                       "bookkeeping takes ~70 bytes per block") from None
-        self._fresh = self._reserved  # the stack's bottom: ids [_fresh, _n), never handed out, 0, 1.. first
-        self._calls = 0  # validations of several ids so far (the marks' epoch)
-        order.bind(num_blocks)
+        self._chunk = chunk
+        capacity = min(num_blocks, chunk)  # ids the per-block arrays cover (see _grow)
+        self._ref: vec[i32] = grown_i32(vec[i32](), capacity, 0)  # per block: its ref count
+        self._idx = PrefixIndex()  # per block: the hash it holds; the prefix index
+        self._idx.grow(capacity)
+        self._free: list[int] = []  # the stack's top: freed blocks (pop() hands out the last freed)
+        self._fresh = self._reserved  # then ids [_fresh, _n), never handed out, 0, 1.. first
+        self._tail: list[int] = []  # then these: blocks reset_prefix_cache uncached (pop() first)
+        order.bind(num_blocks, capacity)
         if admission is not None:
             admission.bind(num_blocks)
         self._policy = order
@@ -154,9 +188,6 @@ class BlockPool:
         self._pins: dict[int, int] = {}  # pinned block -> pin count (each pin holds one reference)
         self._pin_cap = pin_cap
         self._max_pinned = int(pin_cap * (num_blocks - self._reserved))
-        self._index: dict[Hashable, int] = {}  # hash -> the block lookups find (published first)
-        self._dups: dict[Hashable, list[int]] = {}  # hash -> its other blocks, in publish order
-        self._num_dups = 0  # blocks in the lists of _dups
         self._hits = self._misses = self._evictions = 0
         self._sink = event_sink
         self._rec = _recorder(event_sink)
@@ -207,7 +238,11 @@ class BlockPool:
                 block = free.pop()
             elif self._fresh < self._n:
                 block = self._fresh
+                if block >= len(self._ref):
+                    self._grow(block + 1)
                 self._fresh = block + 1
+            elif self._tail:
+                block = self._tail.pop()
             elif self._lru is not None and len(self._lru):
                 block = self._evict(1)[0]
             else:
@@ -224,17 +259,42 @@ class BlockPool:
         else:
             ids = free[::-1]
             free.clear()
-            fresh = self._fresh
-            take = min(n - k, self._n - fresh)
-            if take:
-                ids += range(fresh, fresh + take)
-                self._fresh = fresh + take
-            if n - k - take:
-                ids += self._evict(n - k - take)
+            ids += self._take_fresh(n - k)
+            if n > len(ids):
+                ids += self._take_tail(n - len(ids))
+            if n > len(ids):
+                ids += self._evict(n - len(ids))
         ref = self._ref
         for block in ids:
             ref[block] = 1
         return ids
+
+    def _take_fresh(self, m: int) -> range:
+        """Up to ``m`` ids never handed out, ascending (the per-block arrays grown to cover them)."""
+        fresh = self._fresh
+        end = min(fresh + m, self._n)
+        if end > len(self._ref):
+            self._grow(end)
+        self._fresh = end
+        return range(fresh, end)
+
+    def _take_tail(self, m: int) -> list[int]:
+        """Up to ``m`` blocks of the bottom of the free stack, below the ids never handed out."""
+        tail = self._tail
+        k = max(0, len(tail) - m)
+        ids = tail[k:]
+        del tail[k:]
+        ids.reverse()
+        return ids
+
+    def _grow(self, needed: int) -> None:
+        """Extend the per-block arrays (the pool's, its index's and its policy's) to cover ids below
+        ``needed``: by a chunk, at least an eighth (:func:`~kvpool.allocators.arrays.next_capacity`)."""
+        capacity = next_capacity(len(self._ref), needed, self._n, self._chunk)
+        self._ref = grown_i32(self._ref, capacity, 0)
+        self._idx.grow(capacity)
+        self._policy.grow(capacity)
+        release_freed_memory(8 * capacity)  # the old arrays' pages
 
     def allocate_tensor(self, n: IntArg, dtype: Any = None) -> Any:
         """:meth:`allocate` as a 1-D CPU tensor: ``[n]`` block ids of ``dtype`` (``torch.int32``, the
@@ -261,16 +321,15 @@ class BlockPool:
 
     def _evict(self, m: int) -> list[int]:
         """Take ``m`` blocks from the LRU head, dropping their hashes from the index first."""
-        lru = self._lru
-        if lru is None or self._on_evict is not None or self._dups:
+        lru, idx = self._lru, self._idx
+        if lru is None or self._on_evict is not None or idx.dups:
             return self._evict_and_tell(m)
         if self._sink is not None:
             return self._evict_recorded(m, self._sink)
-        index, hashes, out = self._index, self._hash, []
+        out = []
         for _ in range(m):
             block = lru.pop()
-            del index[hashes[block]]
-            hashes[block] = None
+            idx.remove(block)
             out.append(block)
         self._evictions += m
         return out
@@ -279,14 +338,12 @@ class BlockPool:
         """:meth:`_evict` (LRU, every hash held by one block) telling ``sink`` the hashes that left."""
         lru = self._lru
         assert lru is not None
-        index, hashes, out, gone = self._index, self._hash, [], []
+        idx, out, gone = self._idx, [], []
         for _ in range(m):
             block = lru.pop()
-            h = hashes[block]
-            del index[h]
-            hashes[block] = None
+            gone.append(idx.hash_of(block))
+            idx.remove(block)
             out.append(block)
-            gone.append(h)
         self._evictions += m
         rec = self._rec
         if rec is None or not rec.removed(gone):
@@ -297,18 +354,16 @@ class BlockPool:
         """:meth:`_evict` for any policy and with duplicate holders, then tell the event sink the hash of
         every evicted block, and the eviction listener the ids and hashes of those whose hash left the index
         (no other block holds it)."""
-        hashes, lru, out, gone = self._hash, self._lru, [], []
+        idx, lru, out, gone = self._idx, self._lru, [], []
         if lru is not None:
             out = [lru.pop() for _ in range(m)]
         else:
-            pop = self._policy.pop
+            pop = self._policy.pop  # bound once: a policy may be an interpreted subclass
             out = [pop() for _ in range(m)]
         last = []  # positions of the blocks that held the last copy of their hash
         for i, block in enumerate(out):
-            h = hashes[block]
-            gone.append(h)
-            hashes[block] = None
-            if self._unindex(block, h):
+            gone.append(idx.hash_of(block))
+            if idx.remove(block):
                 last.append(i)
         self._evictions += m
         if self._sink is not None:
@@ -319,28 +374,6 @@ class BlockPool:
             else:
                 self._on_evict(out, gone)
         return out
-
-    def _unindex(self, block: int, block_hash: Hashable) -> bool:
-        """Drop ``block``'s entry of ``block_hash`` from the index (the next holder, if any, becomes the one
-        lookups find); returns whether no block holds the hash now."""
-        index = self._index
-        rest = self._dups.get(block_hash) if self._dups else None
-        if rest is None:
-            del index[block_hash]
-            return True
-        if index[block_hash] == block:
-            index[block_hash] = rest.pop(0)
-        else:
-            rest.remove(block)
-        self._num_dups -= 1
-        if not rest:
-            del self._dups[block_hash]
-        return False
-
-    def _add_holder(self, block: int, block_hash: Hashable) -> None:
-        """Index ``block`` as a further holder of ``block_hash``, which another block holds already."""
-        self._dups.setdefault(block_hash, []).append(block)
-        self._num_dups += 1
 
     def free(self, block_ids: Iterable[int], priority: IntArg = 0) -> None:
         """Drop one reference from each block; a block that reaches 0 becomes free.
@@ -359,7 +392,7 @@ class BlockPool:
         """
         ids = block_ids if type(block_ids) is list else as_id_list(block_ids, "block ids")
         ref = self._ref
-        if len(ids) != 1 or type(ids[0]) is not int or not 0 <= ids[0] < self._n or ref[ids[0]] <= 0:
+        if len(ids) != 1 or type(ids[0]) is not int or not 0 <= ids[0] < len(ref) or ref[ids[0]] <= 0:
             ids = _ints(ids)  # general path; a single valid id skips it (the null block never does)
             if self._reserved:
                 ids = _without_null(ids)
@@ -374,13 +407,13 @@ class BlockPool:
         """:meth:`free` of ids known valid: distinct ints in range, each referenced, none the null block
         (what :meth:`free` checks first; a :class:`~kvpool.allocators.groups.KVCacheCoordinator` frees its
         own tables, which hold such ids, through here)."""
-        free, hashes, ref = self._free, self._hash, self._ref
+        free, key, ref = self._free, self._idx.key, self._ref
         chunk: list[int] = []  # the call's newly evictable blocks, in order (LRU: one chunk of its queue)
         for block in ids:
             r = ref[block] - 1
             ref[block] = r
             if r == 0:
-                if hashes[block] is None:
+                if key[block] == NO_HASH:
                     free.append(block)
                 else:
                     chunk.append(block)
@@ -401,9 +434,9 @@ class BlockPool:
                 without a cached hash.
         """
         ids = block_ids if type(block_ids) is list else as_id_list(block_ids, "block ids")
-        ref, lru, hashes = self._ref, self._lru, self._hash
-        single_ok = len(ids) == 1 and type(ids[0]) is int and 0 <= ids[0] < self._n and (
-            ref[ids[0]] > 0 or hashes[ids[0]] is not None)
+        ref, lru, key = self._ref, self._lru, self._idx.key
+        single_ok = len(ids) == 1 and type(ids[0]) is int and 0 <= ids[0] < len(ref) and (
+            ref[ids[0]] > 0 or key[ids[0]] != NO_HASH)
         if not single_ok:  # general path; a single valid id skips it (the null block never does)
             ids = self._checked_touch(ids)
         if lru is None:
@@ -412,7 +445,7 @@ class BlockPool:
         where, revived = lru.where, 0
         for block in ids:
             if ref[block] == 0:
-                where[block] = None
+                where[block] = 0
                 revived += 1
             ref[block] += 1
         if revived:
@@ -421,9 +454,9 @@ class BlockPool:
     def _revive(self, ids: list[int]) -> None:
         """``touch`` of valid ids through the policy interface: a hit on each hashed block, and each
         cached free one leaves the eviction order."""
-        ref, hashes, policy = self._ref, self._hash, self._policy
+        ref, idx, policy = self._ref, self._idx, self._policy
         for block in ids:
-            if hashes[block] is not None:
+            if idx.holds(block):
                 policy.hit(block)
                 if ref[block] == 0:
                     policy.remove(block)
@@ -434,33 +467,66 @@ class BlockPool:
         ids = _ints(ids)
         if self._reserved:
             ids = _without_null(ids)
-        ref, hashes = self._ref, self._hash
         if self._check_ids(ids) >= 0:
             for block in ids:
-                if hashes[block] is None and ref[block] == 0:
+                if self._ref_of(block) == 0 and not self._holds(block):
                     raise InvalidIdError(f"block {block} is free and holds no cached hash: allocate it")
         return ids
 
     def _check_ids(self, ids: list[int]) -> int:
         """Validate a whole call's ids (Python ints, as :func:`_ints` makes them; in range; none repeated):
-        InvalidIdError otherwise. Returns the position of the first id whose ref count is 0, or -1. One
-        pass: each id is marked with this call's number, so a repeat is one list read (no set of the ids)."""
+        InvalidIdError otherwise. Returns the position of the first id whose ref count is 0, or -1. A repeat
+        is found without a set of the ids: each id's ref count is complemented as it is seen (negative:
+        seen in this call), then every one is restored, before anything is raised or returned. Ids past the
+        arrays (never handed out: ref count 0) are few and checked in a set."""
         ref, n = self._ref, self._n
+        capacity = len(ref)
         if len(ids) == 1 and 0 <= ids[0] < n:
-            return 0 if ref[ids[0]] == 0 else -1
-        mark = self._mark
-        self._calls += 1
-        call: object = self._calls  # one object for the whole call: ``is`` tells this call's marks
+            return 0 if ids[0] >= capacity or ref[ids[0]] == 0 else -1
         unreferenced = -1
-        for pos, b in enumerate(ids):
+        far: set[int] | None = None
+        for pos in range(len(ids)):
+            b = ids[pos]
+            problem = ""
             if not 0 <= b < n:
-                raise InvalidIdError(f"block ids must be integers in [0, {n}), got {_head(ids)}")
-            if mark[b] is call:
-                raise InvalidIdError(f"block ids repeated in one call: {_head(ids)}")
-            mark[b] = call
-            if unreferenced < 0 and ref[b] == 0:
-                unreferenced = pos
+                problem = f"block ids must be integers in [0, {n}), got {_head(ids)}"
+            elif b < capacity:
+                r = ref[b]
+                if r < 0:
+                    problem = f"block ids repeated in one call: {_head(ids)}"
+                else:
+                    ref[b] = ~r
+                    if r == 0 and unreferenced < 0:
+                        unreferenced = pos
+            else:
+                far = set() if far is None else far
+                if b in far:
+                    problem = f"block ids repeated in one call: {_head(ids)}"
+                far.add(b)
+                if unreferenced < 0:
+                    unreferenced = pos
+            if problem:
+                self._restore(ids, pos)
+                raise InvalidIdError(problem)
+        self._restore(ids, len(ids))
         return unreferenced
+
+    def _restore(self, ids: list[int], end: int) -> None:
+        """Undo :meth:`_check_ids`'s complements of ``ids[:end]`` (valid, distinct ids)."""
+        ref = self._ref
+        capacity = len(ref)
+        for i in range(end):
+            b = ids[i]
+            if b < capacity:
+                ref[b] = ~ref[b]
+
+    def _ref_of(self, block: int) -> int:
+        """``block``'s ref count (0 for an id past the arrays: never handed out)."""
+        return int(self._ref[block]) if block < len(self._ref) else 0
+
+    def _holds(self, block: int) -> bool:
+        """Whether ``block`` holds a published hash (never for an id past the arrays)."""
+        return block < len(self._ref) and self._idx.holds(block)
 
     # ---- prefix cache -----------------------------------------------------------------------------------
 
@@ -507,40 +573,32 @@ class BlockPool:
         self._check_publish(ids, block_hashes)
         if not self._caching:
             return
-        index, hashes = self._index, self._hash
+        idx = self._idx
         if self._on_publish is not None:
             entered = [i for i, (block, h) in enumerate(zip(ids, block_hashes, strict=True))
-                       if hashes[block] is None and self._enter(block, h) == 1]
+                       if not idx.holds(block) and self._enter(block, h) == 1]
             if entered:
                 self._on_publish([ids[i] for i in entered], [block_hashes[i] for i in entered])
             return
         if self._lru is None or self._admission is not None:
             for block, h in zip(ids, block_hashes, strict=True):
-                if hashes[block] is None:
+                if not idx.holds(block):
                     self._enter(block, h)
             return
+        key = idx.key
         for i in range(len(ids)):  # (lengths checked equal; a zip would build a tuple per block)
             block = ids[i]
-            if hashes[block] is None:
-                h = block_hashes[i]
-                if index.setdefault(h, block) != block:
-                    self._add_holder(block, h)
-                hashes[block] = h
+            if key[block] == NO_HASH:
+                idx.publish(block, block_hashes[i])
 
     def _enter(self, block: int, block_hash: Hashable) -> int:
         """Publish ``block_hash`` on ``block`` (which holds none), telling the policy: 1 when the hash
         entered the index, 2 when ``block`` joined another holder of it, 0 when the admission filter (if
         any) refused a new hash."""
-        index = self._index
-        if block_hash in index:
-            self._add_holder(block, block_hash)
-            entered = 2
-        elif self._admission is not None and not self._admission.admit(block_hash):
+        idx = self._idx
+        if self._admission is not None and idx.find(block_hash) < 0 and not self._admission.admit(block_hash):
             return 0
-        else:
-            index[block_hash] = block
-            entered = 1
-        self._hash[block] = block_hash
+        entered = 1 if idx.publish(block, block_hash) else 2
         if self._lru is None:
             self._policy.published(block, block_hash)
         return entered
@@ -561,10 +619,11 @@ class BlockPool:
             self._cache_entered(ids, block_hashes, range(len(ids)) if keep is None else keep, kept_ids,
                                 kept_hashes, sink, parent_hash, token_ids, extra_keys, lora_name)
             return
-        hashes = self._hash
+        idx = self._idx
+        key = idx.key
         new: list[int] = []
         for j in range(len(kept_ids)):  # an index loop: compiled, no zip or range object
-            if hashes[kept_ids[j]] is None:
+            if key[kept_ids[j]] == NO_HASH:
                 new.append(j if keep is None else keep[j])
         if not new:
             sink.check_publish(kept_hashes, parent_hash, len(ids), token_ids, extra_keys)
@@ -574,14 +633,10 @@ class BlockPool:
                 block_hashes, parent_hash, token_ids, lora_name):  # (the recorder took a plain call)
             sink.check_and_store(block_hashes, None if len(new) == len(ids) else new, parent_hash, token_ids,
                                  extra_keys, lora_name, kept_hashes)
-        index, entered = self._index, []
+        entered = []
         for i in new:
-            block, h = ids[i], block_hashes[i]
-            if index.setdefault(h, block) == block:
+            if idx.publish(ids[i], block_hashes[i]):
                 entered.append(i)
-            else:
-                self._add_holder(block, h)
-            hashes[block] = h
         if self._on_publish is not None and entered:
             self._on_publish([ids[i] for i in entered], [block_hashes[i] for i in entered])
 
@@ -592,9 +647,9 @@ class BlockPool:
         """:meth:`_cache_recorded` through the policy interface and the admission filter (which decides
         which positions enter): the sink checks the call first and is told the positions after."""
         sink.check_publish(kept_hashes, parent_hash, len(ids), token_ids, extra_keys)
-        hashes, new, entered = self._hash, [], []
+        idx, new, entered = self._idx, [], []
         for i, block, h in zip(keep, kept_ids, kept_hashes, strict=True):
-            if hashes[block] is None:
+            if not idx.holds(block):
                 how = self._enter(block, h)
                 if not how:
                     continue
@@ -611,14 +666,15 @@ class BlockPool:
         if unreferenced >= 0:
             raise InvalidIdError(f"block {block_ids[unreferenced]} is not allocated: only in-use blocks can "
                                  "be published")
-        hashes = self._hash
+        idx = self._idx
+        key = idx.key
         for i in range(len(block_ids)):  # (lengths checked equal; a zip would build a tuple per block)
             block, h = block_ids[i], block_hashes[i]
             if type(h) is not int and type(h) is not bytes and (h is None or not _hashable(h)):
                 raise InvalidArgumentError(f"block hash must be hashable and not None, got {h!r}")
-            held = hashes[block]
-            if held is not None and held is not h and held != h:
-                raise InvalidIdError(f"block {block} already holds hash {held!r}, cannot publish {h!r}")
+            if key[block] != NO_HASH and not idx.holds_hash(block, h):
+                raise InvalidIdError(f"block {block} already holds hash {idx.hash_of(block)!r}, cannot "
+                                     f"publish {h!r}")
 
     def lookup(self, block_hashes: Iterable[Hashable]) -> list[int]:
         """Block ids of the longest prefix of ``block_hashes`` that is cached (in use or cached free).
@@ -644,7 +700,7 @@ class BlockPool:
         """
         hashes = list(block_hashes)
         try:
-            absent = [h for h in hashes if h not in self._index]
+            absent = [h for h in hashes if self._idx.find(h) < 0]
         except TypeError:
             raise InvalidArgumentError("block hashes must be hashable") from None
         policy = self._policy
@@ -659,11 +715,11 @@ class BlockPool:
     def _match(self, hashes: Sequence[Hashable]) -> list[int]:
         if not self._caching:
             return []
-        get, hit = self._index.get, []
+        idx, hit = self._idx, []
         try:
             for h in hashes:
-                block = get(h)
-                if block is None:
+                block = idx.find(h)
+                if block < 0:
                     break
                 hit.append(block)
         except TypeError:
@@ -688,13 +744,12 @@ class BlockPool:
         if self._reserved:
             ids = _without_null(ids)
         self._check_ids(ids)
-        hashes, lru, free, ref, gone = self._hash, self._lru, self._free, self._ref, []
+        idx, lru, free, ref, gone = self._idx, self._lru, self._free, self._ref, []
         for block in ids:
-            r, h = ref[block], hashes[block]
-            if h is not None:
-                self._unindex(block, h)
-                hashes[block] = None
-                gone.append(h)
+            if self._holds(block):
+                r = ref[block]
+                gone.append(idx.hash_of(block))
+                idx.remove(block)
                 if lru is None:
                     self._policy.dropped(block)
                 elif r == 0:
@@ -717,18 +772,15 @@ class BlockPool:
         """
         if self.num_used_blocks:
             return False
-        order, hashes = self.evictable_blocks(), self._hash
-        for block in order:  # nothing is in use, so every hashed block is evictable
-            hashes[block] = None
-            if self._lru is None:
+        order = self.evictable_blocks()  # nothing is in use, so every hashed block is evictable
+        if self._lru is None:
+            for block in order:
                 self._policy.dropped(block)
-        self._materialize_fresh()
-        self._free[:0] = reversed(order)  # the next victim is popped right after the current stack
+        self._idx.clear()
+        # the next victim is handed out right after the free stack and the ids never handed out
+        self._tail[:0] = reversed(order)
         if self._lru is not None:
             self._lru.clear()
-        self._index.clear()
-        self._dups.clear()
-        self._num_dups = 0
         if self._sink is not None:
             self._sink.cleared()
         return True
@@ -751,7 +803,7 @@ class BlockPool:
         ids = _ints(block_ids if type(block_ids) is list else as_id_list(block_ids, "block ids"))
         self._check_ids(ids)
         for block in ids:
-            if self._hash[block] is None:
+            if not self._holds(block):
                 raise InvalidIdError(f"block {block} holds no cached hash: only cached blocks can be pinned")
         new = sum(1 for block in ids if block not in self._pins)
         if len(self._pins) + new > self._max_pinned:
@@ -828,10 +880,13 @@ class BlockPool:
     def get_cached_block(self, block_hash: Hashable) -> int | None:
         """The block holding ``block_hash`` (in use or cached free), or None; counts no stats (vLLM's
         ``get_cached_block``). Raises InvalidArgumentError for an unhashable hash."""
+        if not self._caching:
+            return None
         try:
-            return self._index.get(block_hash) if self._caching else None
+            block = self._idx.find(block_hash)
         except TypeError:
             raise InvalidArgumentError("block hashes must be hashable") from None
+        return block if block >= 0 else None
 
     # ---- admission --------------------------------------------------------------------------------------
 
@@ -853,11 +908,11 @@ class BlockPool:
         off the free list (a repeated id counts each time). Raises InvalidIdError for an id that is not an
         integer in ``[0, num_blocks)``."""
         ids = _ints(list(block_ids))  # a bool or another type: InvalidIdError
-        ref, n, count = self._ref, self._n, 0
+        n, count = self._n, 0
         for b in ids:
             if not 0 <= b < n:
                 raise InvalidIdError(f"block ids must be integers in [0, {n}), got {_head(ids)}")
-            if ref[b] == 0:
+            if self._ref_of(b) == 0:
                 count += 1
         return count
 
@@ -871,23 +926,23 @@ class BlockPool:
         """References held on ``block_id`` (0 = free). Raises InvalidIdError for a bad id."""
         ids = _ints([block_id])
         self._check_ids(ids)
-        return self._ref[ids[0]]
+        return self._ref_of(ids[0])
 
     def block_hash(self, block_id: IntArg) -> Hashable | None:
         """The published hash ``block_id`` holds, or None. Raises InvalidIdError for a bad id."""
         ids = _ints([block_id])
         self._check_ids(ids)
-        return self._hash[ids[0]]
+        return self._idx.hash_of(ids[0]) if self._holds(ids[0]) else None
 
     def block_hashes_of(self, block_ids: Sequence[int]) -> list[Hashable | None]:
         """The published hash each of ``block_ids`` holds (None where it holds none), in one call; ids may
         repeat. Raises InvalidIdError for an id that is not an integer in ``[0, num_blocks)``."""
         ids = _ints(block_ids if type(block_ids) is list else list(block_ids))
-        n, hashes = self._n, self._hash
+        n, idx = self._n, self._idx
         for b in ids:
             if not 0 <= b < n:
                 raise InvalidIdError(f"block ids must be integers in [0, {n}), got {_head(ids)}")
-        return [hashes[b] for b in ids]
+        return [idx.hash_of(b) if self._holds(b) else None for b in ids]
 
     @property
     def enable_caching(self) -> bool:
@@ -902,8 +957,8 @@ class BlockPool:
     def attach_event_sink(self, sink: KVEventSink) -> None:
         """Give a pool built without one a KV event sink: a tier's own pool, say. A pool whose prefix index
         holds hashes already announces them first, so the stream describes the index from the start: one
-        ``BlockStored`` per hash, in the order the hashes entered the index, with parent None and no token
-        ids (the pool keeps neither; a duplicate block under a hash is not a second event).
+        ``BlockStored`` per hash, in the order of the blocks lookups find for them, with parent None and no
+        token ids (the pool keeps neither; a duplicate block under a hash is not a second event).
 
         Raises:
             InvalidArgumentError: the pool has a sink already, or a hash of its index has no wire form in
@@ -911,7 +966,7 @@ class BlockPool:
         """
         if self._sink is not None:
             raise InvalidArgumentError("this pool has an event sink already")
-        held = list(self._index)
+        held = [self._idx.hash_of(b) for b in self._idx.first_holders()]
         sink.check_publish(held, None, len(held), None, None)
         for block_hash in held:
             sink.stored([block_hash], [0], None, None, None, None)
@@ -942,28 +997,30 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         """Blocks ``allocate`` can hand out: uncached free plus cached free (evictable)."""
         lru = self._lru
-        return len(self._free) + self._n - self._fresh + (len(lru) if lru is not None else len(self._policy))
+        return self._num_uncached_free + (len(lru) if lru is not None else len(self._policy))
 
     @property
     def _num_uncached_free(self) -> int:
-        """Blocks of the free stack: the freed ones and those never handed out."""
-        return len(self._free) + self._n - self._fresh
+        """Blocks of the free stack: the freed ones, those never handed out and those below them."""
+        return len(self._free) + self._n - self._fresh + len(self._tail)
 
-    def _materialize_fresh(self) -> None:
-        """Put the ids never handed out into the free stack's list (its bottom, in the same pop order)."""
-        if self._fresh < self._n:
-            self._free[:0] = range(self._n - 1, self._fresh - 1, -1)
-            self._fresh = self._n
+    @property
+    def high_water_mark(self) -> int:
+        """Block ids handed out at least once so far (ids below it; the null block counts): what the
+        per-block bookkeeping covers, up to a growth chunk."""
+        return self._fresh
 
-    def _free_stack(self) -> list[int]:
-        """The whole free stack, bottom first (the next block handed out last); O(its size)."""
-        return [*range(self._n - 1, self._fresh - 1, -1), *self._free]
+    @property
+    def capacity(self) -> int:
+        """Block ids the per-block arrays cover now: at least :attr:`high_water_mark`, grown in chunks
+        (:func:`~kvpool.allocators.arrays.next_capacity`), at most :attr:`num_blocks`."""
+        return len(self._ref)
 
     @property
     def num_cached_blocks(self) -> int:
         """Blocks holding a published hash (in the prefix index), in use or free; several blocks of one
         hash count each."""
-        return len(self._index) + self._num_dups
+        return self._idx.num_holders
 
     @property
     def num_evictable_blocks(self) -> int:
@@ -975,8 +1032,8 @@ class BlockPool:
     def num_used_blocks(self) -> int:
         """Blocks with ref count > 0 (never the null block; pinned blocks included)."""
         lru = self._lru
-        return self._fresh - self._reserved - len(self._free) - (len(lru) if lru is not None else
-                                                                 len(self._policy))
+        return self._fresh - self._reserved - len(self._free) - len(self._tail) - (
+            len(lru) if lru is not None else len(self._policy))
 
     @property
     def usage(self) -> float:
@@ -998,6 +1055,7 @@ class BlockPool:
         """One byte per block, its state now: an index into :data:`BLOCK_STATES` (``FREE`` = 0, ``IN_USE``,
         ``CACHED`` (cached free), ``PINNED``, ``NULL``). O(num_blocks); for pictures of the pool."""
         states = bytearray(map(bool, self._ref))  # IN_USE = 1 where referenced, else FREE = 0
+        states += bytes(self._n - len(states))  # the ids past the arrays: never handed out
         for block in self.evictable_blocks():
             states[block] = CACHED
         for block in self._pins:
@@ -1007,50 +1065,54 @@ class BlockPool:
         return bytes(states)
 
     def check_integrity(self) -> None:
-        """Verify the DESIGN.md invariants in O(num_blocks); raises IntegrityError naming the broken one.
+        """Verify the DESIGN.md invariants in O(high-water mark); raises IntegrityError naming the broken one.
 
         Free stack, evictable set, in-use set and the null block partition the ids with no id twice; ref
         counts >= 0; free-stack blocks hold no hash; evictable blocks have ref 0 and a hash; the index and the
         per-block hashes agree; the null block has ref 0 and no hash; pinned blocks hold a hash and at
-        least one reference per pin, and no more than the cap are pinned.
+        least one reference per pin, and no more than the cap are pinned; the ids never handed out (past the
+        high-water mark: free by construction, never listed) hold nothing. Takes about one byte per block
+        besides (the eviction order is walked as a vector of 4-byte ids under LRU).
         """
-        n, ref, hashes = self._n, self._ref, self._hash
-        evictable = self.evictable_blocks()
-        free = self._free_stack()
-        null_ok = ref[0] == 0 and hashes[0] is None and 0 not in evictable and 0 not in free
-        _require(not self._reserved or null_ok, "the null block is referenced, hashed or free")
-        _require(all(type(r) is int and r >= 0 for r in ref), "a ref count is negative")
-        _require(len(set(free)) == len(free), "an id is twice in the free stack")
-        _require(len(set(evictable)) == len(evictable) == self.num_evictable_blocks,
+        ref, idx, fresh, reserved = self._ref, self._idx, self._fresh, self._reserved
+        key, capacity = idx.key, len(ref)
+        _require(reserved <= fresh <= capacity <= self._n and len(idx.key) == capacity,
+                 "the high-water mark or the per-block arrays' length is off")
+        _require(all(r >= 0 for r in ref), "a ref count is negative")
+        null_ok = ref[0] == 0 and not idx.holds(0) and 0 not in self._free and 0 not in self._tail
+        _require(not reserved or null_ok, "the null block is referenced, hashed or free")
+        _require(not any(ref[b] or key[b] != NO_HASH for b in range(fresh, capacity)),
+                 "an id never handed out is referenced or hashed")
+        seen = bytearray(capacity)  # 1: in the free stack, 2: evictable
+        free = 0
+        for stack in (self._tail, self._free):  # the free stack but for the ids never handed out
+            for b in stack:
+                _require(reserved <= b < fresh, "a free-stack id is out of range, referenced, or hashed")
+                _require(not seen[b], "an id is twice in the free stack")
+                seen[b] = 1
+                free += 1
+                _require(ref[b] == 0 and key[b] == NO_HASH,
+                         "a free-stack id is out of range, referenced, or hashed")
+        evictable = 0
+        for b in (self._lru.live() if self._lru is not None else self._policy.order()):
+            _require(reserved <= b < fresh and ref[b] == 0 and key[b] != NO_HASH,
+                     "an evictable id is out of range, referenced, or unhashed")
+            _require(seen[b] != 1, "an id is both in the free stack and evictable")
+            _require(not seen[b], "an id is twice in the eviction order, or its count is off")
+            seen[b] = 2
+            evictable += 1
+        _require(evictable == self.num_evictable_blocks,
                  "an id is twice in the eviction order, or its count is off")
-        _require(all(0 <= b < n and ref[b] == 0 and hashes[b] is None for b in free),
-                 "a free-stack id is out of range, referenced, or hashed")
-        _require(all(0 <= b < n and ref[b] == 0 and hashes[b] is not None for b in evictable),
-                 "an evictable id is out of range, referenced, or unhashed")
-        _require(not set(free) & set(evictable), "an id is both in the free stack and evictable")
         used = sum(1 for r in ref if r > 0)
-        _require(used + len(free) + len(evictable) + self._reserved == n,
+        _require(used + free + evictable + reserved == fresh,
                  "free + evictable + in use (+ the null block) != total")
-        _require(all(0 <= b < n and c >= 1 and ref[b] >= c and hashes[b] is not None
+        _require(all(0 <= b < fresh and c >= 1 and ref[b] >= c and idx.holds(b)
                      for b, c in self._pins.items()), "a pinned block is unhashed or has fewer refs than pins"
                  )
         _require(len(self._pins) <= self._max_pinned, "more blocks are pinned than the cap")
-        self._check_index()
-
-    def _check_index(self) -> None:
-        """The index and the per-block hashes agree: every entry (the block lookups find, and each further
-        holder) names a distinct block that holds the entry's hash, and every hashed block has one."""
-        n, hashes, dups = self._n, self._hash, self._dups
-        entries = [(h, b) for h, b in self._index.items()]
-        entries += [(h, b) for h, rest in dups.items() for b in rest]
-        _require(all(0 <= b < n and (hashes[b] is h or hashes[b] == h) for h, b in entries),
-                 "an index entry names a block that does not hold its hash")
-        _require(len({b for _, b in entries}) == len(entries), "a block has two index entries")
-        _require(all(rest and h in self._index for h, rest in dups.items()),
-                 "a hash has further holders but none that lookups find, or an empty list of them")
-        _require(self._num_dups == sum(map(len, dups.values())), "the count of further holders is off")
-        _require(sum(1 for h in hashes if h is not None) == len(entries), "a block hash is not indexed")
-        _require(self._caching or not self._index, "caching is off but the index is not empty")
+        problem = idx.problems()
+        _require(not problem, problem)
+        _require(self._caching or not len(idx), "caching is off but the index is not empty")
 
     def __repr__(self) -> str:
         null = ", null_block=0" if self._reserved else ""

@@ -6,7 +6,11 @@ pinned) and decides which one ``allocate`` evicts next. Block ids are ints in ``
 pool validates every argument before it calls the policy, so a policy never sees a bad id and never
 raises; it calls:
 
-* ``bind(num_blocks)`` once, when the pool is built (a policy serves one pool);
+* ``bind(num_blocks, capacity)`` once, when the pool is built (a policy serves one pool);
+* ``grow(capacity)``: block ids below ``capacity`` may be named from now on. The pool's per-block state
+  covers the ids it has handed out, not the whole pool, and grows in chunks as that high-water mark rises
+  (:mod:`kvpool.allocators.arrays`); a policy with per-block state extends it here, so that it too costs
+  what the pool holds;
 * ``published(block, block_hash)``: an in-use block now holds ``block_hash`` in the prefix index;
 * ``hit(block)``: a prefix hit touched a cached block (in use or evictable; before ``remove``);
 * ``missed(block_hash)``: a hash looked up and not cached is about to be stored, before the allocation
@@ -39,8 +43,10 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
-from mypy_extensions import mypyc_attr
+from librt.vecs import append, vec
+from mypy_extensions import i32, mypyc_attr
 
+from kvpool.allocators.arrays import grown_i32, next_capacity, release_freed_memory
 from kvpool.errors import InvalidArgumentError
 from kvpool.numeric import IntArg, RealArg, as_int, as_optional_int, as_real
 
@@ -57,8 +63,9 @@ class EvictionPolicy(ABC):
     def __init__(self) -> None:
         self._n = 0
 
-    def bind(self, num_blocks: int) -> None:
-        """Size the per-block state for a pool of ``num_blocks``; called once by the pool.
+    def bind(self, num_blocks: int, capacity: int | None = None) -> None:
+        """Serve a pool of ``num_blocks``, with per-block state for the ids below ``capacity`` (default: all
+        of them; a pool passes what it covers so far and calls :meth:`grow` as that rises); called once.
 
         Raises:
             InvalidArgumentError: the policy already serves a pool.
@@ -67,10 +74,16 @@ class EvictionPolicy(ABC):
             raise InvalidArgumentError(f"this {self.name} policy already serves a pool: give each pool one")
         self._n = num_blocks
         self._bound(num_blocks)
+        self.grow(num_blocks if capacity is None else capacity)
 
     def _bound(self, num_blocks: int) -> None:
-        """Allocate per-block state (subclasses)."""
+        """Set up state sized by the pool (subclasses; per-block state belongs in :meth:`grow`)."""
         return None  # default: nothing to record
+
+    def grow(self, capacity: int) -> None:
+        """Extend per-block state to cover block ids below ``capacity`` (called by the pool, in chunks,
+        before it names a block id at or past the previous capacity)."""
+        return None  # default: no per-block state
 
     def published(self, block: int, block_hash: Hashable) -> None:
         """An in-use ``block`` now holds ``block_hash`` in the prefix index."""
@@ -119,97 +132,125 @@ class LRUPolicy(EvictionPolicy):
 
     The order of vLLM's ``FreeKVCacheBlockQueue`` and nano-vllm's free deque (which double as LRUs), kept
     as a **log**: each :meth:`insert_chunk` (one ``free`` call's blocks, in order) appends its blocks to
-    ``_log`` and, beside each, the call's **mark** (an int object of its own, compared by identity) to
-    ``_marks``; ``where[b]`` is the mark of ``b``'s live entry (None: not evictable). A revived block
-    only loses its ``where``: its entry stays behind, stale, and :meth:`pop` skips it (an entry is live
-    exactly when its mark is ``where`` of its block; a block is at most once in one call). Stale entries
-    are swept out when they outnumber the live ones, so memory stays O(evictable blocks) and every call
-    O(1) amortized. This costs three list stores per block where an ``OrderedDict`` costs a hash-table
-    insert and a node, and it allocates no object the garbage collector tracks (a tuple or list per call
-    would set off collections, each walking the pool's per-block lists while they are young). The pool
-    calls :meth:`insert_chunk` and :meth:`pop` directly on its fast path (head = next victim), and revives
-    a touched block itself: ``where[b] = None`` for each, then :meth:`removed` with their count.
+    ``_log[_head:_end]``, and ``where[b]`` is the position + 1 of ``b``'s live entry (0: not evictable). A
+    revived block only loses its ``where``: its entry stays behind, stale, and :meth:`pop` skips it (an
+    entry is live exactly when ``where`` of its block points at it). The log is compacted in place (the
+    entries moved to its front, each live one's ``where`` renumbered) once the spent head is half of it,
+    once stale entries pass half the live ones, and before it would grow, so memory stays O(evictable
+    blocks) and every call O(1) amortized; it grows by a chunk or an eighth
+    (:func:`~kvpool.allocators.arrays.next_capacity`). Both are flat vectors of 32-bit ints (4 bytes a
+    block, 4 an entry; :mod:`kvpool.allocators.arrays`), with no Python object per entry. The pool calls
+    :meth:`insert_chunk` and :meth:`pop` directly on its fast path (head = next victim), and revives a
+    touched block itself: ``where[b] = 0`` for each, then :meth:`removed` with their count.
     """
 
     name = "lru"
 
     def __init__(self) -> None:
         super().__init__()
-        self.where: list[object] = []  # block -> the mark of its live entry, or None
-        self._log: list[int] = []  # blocks, oldest entry first; _log[:_head] are spent
-        self._marks: list[object] = []  # the mark of each entry of _log
+        self.where: vec[i32] = vec[i32]()  # block -> position + 1 of its live entry in _log, or 0
+        self._log: vec[i32] = vec[i32]()  # entries _log[_head:_end], oldest first; the rest is room
         self._head = 0  # the entry the next victim is looked for at
-        self._calls = 0  # insert_chunk calls so far: each one's mark is its number, a fresh int object
+        self._end = 0  # one past the newest entry
         self._live = 0  # evictable blocks (live entries)
-        self._stale = 0  # entries of revived blocks not yet skipped or swept
+        self._stale = 0  # entries of revived blocks not yet skipped or compacted away
 
-    def _bound(self, num_blocks: int) -> None:
-        self.where = [None] * num_blocks
+    def grow(self, capacity: int) -> None:
+        if capacity > len(self.where):
+            self.where = grown_i32(self.where, capacity, 0)
 
     def insert(self, block: int, priority: int) -> None:
         self.insert_chunk([block])
 
     def insert_chunk(self, blocks: list[int]) -> None:
         """Append ``blocks`` (distinct ids, none evictable), oldest first."""
-        self._calls += 1
-        mark: object = self._calls  # one object for the whole call (boxed once when compiled)
-        where, log, marks = self.where, self._log, self._marks
+        if self._end + len(blocks) > len(self._log):
+            self._make_room(len(blocks))
+        where, log, end = self.where, self._log, self._end
         for b in blocks:
-            where[b] = mark
-            log.append(b)
-            marks.append(mark)
+            log[end] = b
+            end += 1
+            where[b] = end
+        self._end = end
         self._live += len(blocks)
 
+    def _make_room(self, room: int) -> None:
+        """Compact the log when its spent and stale entries are an eighth of it or more; grow it unless that
+        left ``room`` free entries and an eighth of it besides (so the next call is that many entries
+        away: O(1) amortized per entry)."""
+        size = len(self._log)
+        if 8 * (self._head + self._stale) >= size:
+            self._compact(self._stale > 0)
+        if self._end + room + (size >> 3) > size:
+            self._log = grown_i32(self._log, next_capacity(size, self._end + room, 1 << 62), 0)
+            release_freed_memory(4 * len(self._log))  # the old log's pages
+
     def remove(self, block: int) -> None:
-        self.where[block] = None
+        self.where[block] = 0
         self.removed(1)
 
     def removed(self, count: int) -> None:
-        """``count`` evictable blocks left the queue: the caller set their ``where`` to None."""
+        """``count`` evictable blocks left the queue: the caller set their ``where`` to 0."""
         self._live -= count
         self._stale += count
-        if self._stale > 4096 and self._stale > self._live:
-            self._sweep()
+        if self._stale > 4096 and 2 * self._stale > self._live:
+            self._compact(True)
 
     def pop(self) -> int:
-        log, marks, where = self._log, self._marks, self.where
+        log, where = self._log, self.where
         head = self._head
         while True:
-            b = log[head]
-            mark = marks[head]
+            b = int(log[head])
             head += 1
-            if where[b] is mark:
+            if where[b] == head:
                 break
             self._stale -= 1
-        where[b] = None
+        where[b] = 0
         self._live -= 1
-        if head >= 4096 and 2 * head >= len(log):  # drop the spent entries (amortized O(1))
-            del log[:head]
-            del marks[:head]
-            head = 0
         self._head = head
+        if head >= 4096 and 2 * head >= self._end:  # move the entries past the spent head (amortized O(1))
+            self._compact(False)
         return b
 
     def dropped(self, block: int) -> None:
-        if self.where[block] is not None:
+        if self.where[block]:
             self.remove(block)
 
     def clear(self) -> None:
         """Make no block evictable (the pool's ``reset_prefix_cache``)."""
-        for b in self.order():
-            self.where[b] = None
-        self._log, self._marks, self._head, self._live, self._stale = [], [], 0, 0, 0
-
-    def _sweep(self) -> None:
-        """Keep only the live entries, in order (each keeps its mark)."""
         where = self.where
-        self._log = self.order()
-        self._marks = [where[b] for b in self._log]  # a live entry's mark is its block's where
-        self._head = self._stale = 0
+        for b in self.order():
+            where[b] = 0
+        self._head = self._end = self._live = self._stale = 0
+
+    def _compact(self, live_only: bool) -> None:
+        """Move the entries from the head on (only the live ones when ``live_only``) to the front of the log,
+        in place, each live entry's ``where`` renumbered to its new position (ascending: a renumbered entry
+        is never taken for a later one, whose stale entries all come before it)."""
+        log, where, out = self._log, self.where, 0
+        for i in range(self._head, self._end):
+            b = int(log[i])
+            live = where[b] == i + 1
+            if live or not live_only:
+                log[out] = b
+                out += 1
+                if live:
+                    where[b] = out
+        self._head, self._end = 0, out
+        if live_only:
+            self._stale = 0
 
     def order(self) -> list[int]:
-        log, marks, where = self._log, self._marks, self.where
-        return [log[i] for i in range(self._head, len(log)) if where[log[i]] is marks[i]]
+        return [int(b) for b in self.live()]
+
+    def live(self) -> vec[i32]:
+        """:meth:`order` as a vector (4 bytes a block, no Python int per block: for integrity checks)."""
+        log, where = self._log, self.where
+        out = vec[i32](capacity=self._live)
+        for i in range(self._head, self._end):
+            if where[int(log[i])] == i + 1:
+                out = append(out, log[i])
+        return out
 
     def __len__(self) -> int:
         return self._live
@@ -225,11 +266,16 @@ class KeyedHeap:
     out when they outnumber the live ones (amortized O(1) per call). A two-part key ``(major, seq)`` is
     packed as ``major * SEQ_SPAN + seq`` (ints compare fastest)."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self) -> None:
         self._heap: list[tuple[int, int, int]] = []
-        self._live = [0] * num_blocks
+        self._live: list[int] = []  # per block, extended by grow()
         self._stamp = 0
         self._size = 0
+
+    def grow(self, capacity: int) -> None:
+        """Cover block ids below ``capacity``."""
+        if capacity > len(self._live):
+            self._live.extend([0] * (capacity - len(self._live)))
 
     def push(self, block: int, key: int) -> None:
         if self._live[block]:
@@ -281,11 +327,11 @@ class _HeapPolicy(EvictionPolicy):
 
     def __init__(self) -> None:
         super().__init__()
-        self._heap = KeyedHeap(0)
+        self._heap = KeyedHeap()
         self._freed = 0
 
-    def _bound(self, num_blocks: int) -> None:
-        self._heap = KeyedHeap(num_blocks)
+    def grow(self, capacity: int) -> None:
+        self._heap.grow(capacity)
 
     def remove(self, block: int) -> None:
         self._heap.discard(block)
@@ -311,10 +357,14 @@ class FIFOPolicy(_HeapPolicy):
 
     name = "fifo"
 
-    def _bound(self, num_blocks: int) -> None:
-        super()._bound(num_blocks)
-        self._born = [0] * num_blocks
+    def __init__(self) -> None:
+        super().__init__()
+        self._born: list[int] = []
         self._published = 0
+
+    def grow(self, capacity: int) -> None:
+        super().grow(capacity)
+        self._born.extend([0] * (capacity - len(self._born)))
 
     def published(self, block: int, block_hash: Hashable) -> None:
         self._published += 1
@@ -331,9 +381,13 @@ class LFUPolicy(_HeapPolicy):
 
     name = "lfu"
 
-    def _bound(self, num_blocks: int) -> None:
-        super()._bound(num_blocks)
-        self.hits = [0] * num_blocks
+    def __init__(self) -> None:
+        super().__init__()
+        self.hits: list[int] = []
+
+    def grow(self, capacity: int) -> None:
+        super().grow(capacity)
+        self.hits.extend([0] * (capacity - len(self.hits)))
 
     def published(self, block: int, block_hash: Hashable) -> None:
         self.hits[block] = 0
@@ -435,7 +489,9 @@ class SLRUPolicy(EvictionPolicy):
 
     def _bound(self, num_blocks: int) -> None:
         self._cap = max(1, int(self.protected_fraction * num_blocks))
-        self._promoted = bytearray(num_blocks)
+
+    def grow(self, capacity: int) -> None:
+        self._promoted.extend(bytes(max(0, capacity - len(self._promoted))))
 
     def published(self, block: int, block_hash: Hashable) -> None:
         self._promoted[block] = 0
@@ -527,9 +583,9 @@ class ARCPolicy(EvictionPolicy):
         self._returning: OrderedDict[Hashable, None] = OrderedDict()  # ghosts missed, not yet published
         self._tie = False  # the last miss was found in B2 (the paper's tie rule for the next eviction)
 
-    def _bound(self, num_blocks: int) -> None:
-        self._in_t2 = bytearray(num_blocks)
-        self._hash = [None] * num_blocks
+    def grow(self, capacity: int) -> None:
+        self._in_t2.extend(bytes(max(0, capacity - len(self._in_t2))))
+        self._hash.extend([None] * (capacity - len(self._hash)))
 
     def missed(self, block_hash: Hashable) -> None:
         in_b1, in_b2 = block_hash in self.b1, block_hash in self.b2

@@ -78,13 +78,13 @@ class BeladyPolicy(EvictionPolicy):
         self._rank: dict[Hashable, int] = {}  # hashes with a next use: their rank from now on
         self._spare = self._never + 1  # above every rank: a hash held by another block too
         self._holders: dict[Hashable, list[int]] = {}  # cached key -> its blocks (as the pool's index)
-        self._heap = KeyedHeap(0)
-        self._hash: list[Hashable | None] = []
+        self._heap = KeyedHeap()
+        self._hash: list[Hashable | None] = []  # per block, extended by grow()
         self.position = 0  # requests admitted so far
 
-    def _bound(self, num_blocks: int) -> None:
-        self._heap = KeyedHeap(num_blocks)
-        self._hash = [None] * num_blocks
+    def grow(self, capacity: int) -> None:
+        self._heap.grow(capacity)
+        self._hash.extend([None] * (capacity - len(self._hash)))
 
     def admitted(self, req: TraceRequest, hashes: Sequence[Hashable]) -> None:
         """``req`` (block hashes ``hashes``) is admitted for the first time: each of its hashes is now next

@@ -1,0 +1,100 @@
+"""Flat per-block arrays that grow with the blocks a pool hands out, and what a pool may take of the machine.
+
+A pool's per-block state (ref counts, the hash each block holds, its place in the eviction order) lives in
+``librt.vecs`` vectors of 32- or 64-bit integers: 4 or 8 bytes an entry, no Python object per block, read and
+written natively by the compiled pool. They cover the ids handed out so far (the pool's high-water mark),
+not the whole pool: when a fresh id passes their length they grow to :func:`next_capacity`, by at least
+:data:`GROWTH_CHUNK` entries and an eighth of their length, so growing costs O(1) per block amortized and a
+pool of hundreds of millions of blocks that holds ten requests costs what those hold. A grown vector's old
+buffer is freed once the new one replaces it; glibc keeps such freed pages resident (its heap grows for the
+larger buffer past the hole), so after each large growth :func:`release_freed_memory` gives them back.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Final
+
+from librt.vecs import extend, vec
+from mypy_extensions import i32, i64
+
+from kvpool.errors import InsufficientMemoryError
+from kvpool.units import human_bytes
+
+#: Entries a per-block array grows by at least (and starts with, pools smaller than that aside).
+GROWTH_CHUNK: Final = 1 << 14
+#: The largest pool in blocks: block ids are 32-bit, as the int32 block tables of attention kernels are.
+MAX_BLOCKS: Final = (1 << 31) - 2
+#: Bytes of a grown buffer from which its growth calls :func:`release_freed_memory`.
+LARGE_BUFFER: Final = 1 << 18
+_TRIM: dict[str, Any] = {}  # "fn": glibc's malloc_trim, or None where the C library has none
+
+
+def next_capacity(current: int, needed: int, limit: int, chunk: int = GROWTH_CHUNK) -> int:
+    """The length a per-block array of ``current`` entries grows to so that it holds ``needed``: at least
+    ``chunk`` (:data:`GROWTH_CHUNK`) and an eighth more, never past ``limit`` (the pool's size)."""
+    return min(limit, max(needed, current + max(chunk, current >> 3)))
+
+
+def grown_i32(values: vec[i32], length: int, fill: int) -> vec[i32]:
+    """``values`` extended to ``length`` entries of ``fill`` (one new buffer, filled by a memory copy)."""
+    out = vec[i32](capacity=length)
+    out = extend(out, values)
+    return extend(out, memoryview(fill.to_bytes(4, "little", signed=True) * (length - len(values))).cast("i"))
+
+
+def grown_i64(values: vec[i64], length: int, fill: int) -> vec[i64]:
+    """``values`` extended to ``length`` entries of ``fill`` (one new buffer, filled by a memory copy)."""
+    out = vec[i64](capacity=length)
+    out = extend(out, values)
+    return extend(out, memoryview(fill.to_bytes(8, "little", signed=True) * (length - len(values))).cast("q"))
+
+
+def release_freed_memory(grown_bytes: int) -> None:
+    """After a buffer of ``grown_bytes`` replaced a smaller one: give the C heap's free pages back to the OS
+    (glibc's ``malloc_trim(0)``, which also releases free pages inside the heap) when the buffer is at least
+    :data:`LARGE_BUFFER`; nothing where the C library has no ``malloc_trim``. O(the heap's free chunks),
+    called O(log n) times as a pool grows to n blocks."""
+    if grown_bytes < LARGE_BUFFER:
+        return
+    if "fn" not in _TRIM:
+        try:
+            import ctypes
+
+            _TRIM["fn"] = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError, ImportError):
+            _TRIM["fn"] = None
+    trim = _TRIM["fn"]
+    if trim is not None:
+        trim(0)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the machine can give now without swapping (psutil's ``available``, else the free
+    pages the OS reports), or None where neither is known."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits_memory(what: str, num_blocks: int, bytes_per_block: int) -> None:
+    """Refuse, before anything is built, bookkeeping of ``num_blocks`` blocks at ``bytes_per_block`` each
+    (what it takes once every block has been handed out) that the machine's available memory cannot hold.
+
+    Raises:
+        InsufficientMemoryError: one line naming the bytes needed and the bytes available.
+    """
+    needed = num_blocks * bytes_per_block
+    available = available_memory()
+    if available is not None and needed > available:
+        raise InsufficientMemoryError(
+            f"{what} of {num_blocks:,} blocks needs {human_bytes(needed)} of bookkeeping once every block is "
+            f"in use ({bytes_per_block} B per block), but this machine has {human_bytes(available)} "
+            "available")
