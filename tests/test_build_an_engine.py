@@ -31,6 +31,7 @@ def engine_blocks() -> list[str]:
 
 def run(code: str) -> dict[str, object]:
     """Exec the page's code in a fresh namespace; returns the namespace."""
+    pytest.importorskip("transformers")
     namespace: dict[str, object] = {"__name__": "doc_build_an_engine"}
     exec(compile(code, str(PAGE), "exec"), namespace)  # noqa: S102 - our own docs
     return namespace
