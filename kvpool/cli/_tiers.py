@@ -24,8 +24,8 @@ from kvpool.tiers.from_url import check_chain, check_folder, disk_url, host_url,
 _ORDER = {"host": 0, "disk": 1, "remote": 2}
 
 
-def add_tier_arguments(parser: argparse.ArgumentParser, *, disk_in_blocks: bool = False) -> None:
-    """The tier options (``disk_in_blocks`` is kept for callers: both disk sizes are always offered)."""
+def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
+    """The tier options, the same for every command that takes them."""
     group = parser.add_argument_group("tiers below the device pool (pip install kvpool[tiers])")
     group.add_argument("--tier", action="append", default=[], metavar="URL",
                        help="a tier, repeatable, fastest first: host://?blocks=N, file:///DIR?bytes=SIZE "

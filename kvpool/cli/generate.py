@@ -88,7 +88,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                "with) once they are cached, in every KV cache group")
     add_tp_argument(parser)
     add_hash_arguments(parser)
-    add_tier_arguments(parser, disk_in_blocks=False)
+    add_tier_arguments(parser)
     add_json_argument(parser)
     add_event_arguments(parser)
     add_metrics_arguments(parser)

@@ -72,7 +72,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _policy_arguments(parser.add_argument_group("eviction"))
     _state_arguments(parser.add_argument_group("recurrent state (hybrids of attention and Mamba / linear "
                                                "attention)"))
-    add_tier_arguments(parser, disk_in_blocks=True)
+    add_tier_arguments(parser)
     _engine_arguments(parser.add_argument_group("engine model (step times; budgets apply to trace timing)"))
     add_event_arguments(parser)
     parser.set_defaults(func=run)
