@@ -1,8 +1,9 @@
 """kvpool: the memory layer under an LLM inference engine's KV cache.
 
-Layers, bottom up (a module never imports one above it): ``errors``, ``numeric``, ``units`` / ``options``
-/ ``events`` -> ``hf_config`` -> ``spec`` -> ``planner`` -> ``allocators`` -> ``storage`` -> ``engine`` /
-``trace`` / ``metrics`` -> ``bench`` -> ``cli``.
+Layers, bottom up (a module never imports one above it): the ground (errors, numbers, units, options),
+events and model configs, the spec, the planner, the allocators, storage, the tiers, the request path, the
+consumers (engine, trace, metrics, integrations), bench, and the command line. Each module's rank is in the
+design page's table (docs/DESIGN.md, "Layers") and in tests/test_layers.py, which checks every import.
 Public names are imported lazily, so ``import kvpool`` stays cheap and pulls in no optional dependency.
 """
 

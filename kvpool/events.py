@@ -32,7 +32,8 @@ share of reply frames per live batch), and :meth:`ZmqEventPublisher.close` drain
 :class:`KVEventSubscriber` (:mod:`kvpool.events_subscriber`, re-exported here) receives them in order, fills
 gaps from the replay socket and follows a publisher restarted on the same endpoint.
 
-This module sits on the ground floor beside :mod:`kvpool.errors`: it imports nothing else of kvpool.
+This module sits one floor above the ground: it imports only :mod:`kvpool.errors`, :mod:`kvpool.numeric`
+and the buffer its sink records into, :mod:`kvpool.event_buffer`.
 ``msgspec`` is needed to import it (``pip install kvpool[events]``), ``pyzmq`` for the ZMQ classes.
 """
 

@@ -3,8 +3,10 @@
 ``BlockPool`` (block tables with prefix caching, vLLM / nano-vllm style), ``BlockHasher`` /
 ``block_hashes`` / ``hash_block`` (chained prefix hashes from a secret root), ``TokenToKVPoolAllocator``
 (token slots or pages, SGLang style), ``ReqToTokenPool`` (request -> slot table), ``KVCacheCoordinator`` (a
-block table per KV cache group of a hybrid model over one ``BlockPool``) and ``SWATokenToKVPoolAllocator``
-(full and sliding-window token slots). Imported lazily, like the package root.
+block table per KV cache group of a hybrid model over one ``BlockPool``), ``SWATokenToKVPoolAllocator``
+(full and sliding-window token slots), ``StatePool`` (the recurrent state slots of a hybrid model's requests)
+and ``HybridReqToTokenPool`` (SGLang's request table with a state slot per request). Imported lazily, like
+the package root.
 """
 
 from __future__ import annotations
