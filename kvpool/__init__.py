@@ -9,10 +9,8 @@ Public names are imported lazily, so ``import kvpool`` stays cheap and pulls in 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from kvpool import _native
+from kvpool._lazy import lazy_exports
 
 _native.activate()  # compiled or interpreted hot modules: decided before any of them is imported
 
@@ -59,8 +57,4 @@ __all__ = [
     "OutOfBlocksError", "PinLimitError", "TraceFormatError", "parse_kv_dtype", *_LAZY,
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'kvpool' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -14,6 +14,8 @@ RANKS = {
     # numeric (the one rule for ids, counts and numbers) and units (counts and bytes for people): the ground
     # _native (compiled or interpreted modules) runs before everything and imports only the standard library
     "_native": -1,
+    # _lazy (names a package exports, imported on first use) imports only the standard library too
+    "_lazy": -1,
     "errors": 0, "numeric": 0.5, "units": 0.7, "options": 0.8, "events": 1, "hf_config": 1, "spec": 2,
     # the buffer a KV event sink records into, compiled with the pool's hot path: beneath events
     "event_buffer": 0.9,

@@ -11,8 +11,7 @@ the package root.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from kvpool._lazy import lazy_exports
 
 _LAZY = {
     "BlockPool": "kvpool.allocators.block_pool",
@@ -33,9 +32,4 @@ _LAZY = {
 }
 
 __all__ = list(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'kvpool.allocators' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
