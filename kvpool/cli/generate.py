@@ -32,7 +32,7 @@ from kvpool.cli._observe import Observers, add_event_arguments, add_metrics_argu
 from kvpool.cli._tiers import (
     add_tier_arguments,
     check_tier_targets,
-    leaves_process,
+    hashes_leave,
     public_root_hint,
     tier_admission,
     tier_auth_key,
@@ -88,7 +88,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                "with) once they are cached, in every KV cache group")
     add_tp_argument(parser)
     add_hash_arguments(parser)
-    add_tier_arguments(parser, disk_in_blocks=False)
+    add_tier_arguments(parser)
     add_json_argument(parser)
     add_event_arguments(parser)
     add_metrics_arguments(parser)
@@ -169,8 +169,7 @@ def run(args: argparse.Namespace) -> int:
     texts = read_prompts(args)
     if wants_tiers(args):
         check_tier_targets(args)
-    # event hashes, and those in a file or a shared Redis, leave the process: the same in every process
-    args.hash_shared = args.hash_shared or args.kv_events is not None or leaves_process(args)
+    args.hash_shared = args.hash_shared or hashes_leave(args)  # the same hashes in every process
     hasher = hasher_from_args(args)
     from kvpool.requests.state_checkpoints import SavePolicy
 
