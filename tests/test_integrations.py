@@ -1,10 +1,12 @@
 """kvpool.integrations without vLLM or SGLang: key mapping, the offload policy adapter against a brute-force
-LRU, tier jobs on a real FileTier, and HiCache's v2 hit rule (the engines' own runs: tests/integrations)."""
+LRU, tier jobs on a real FileTier (a load given up at its deadline holds its rows until its I/O ends), and
+HiCache's v2 hit rule (the engines' own runs: tests/integrations)."""
 
 from __future__ import annotations
 
 import hashlib
 import random
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -142,6 +144,89 @@ def test_tier_jobs_copy_rows_and_a_corrupt_block_ends_a_load(tmp_path) -> None:
     (done,) = jobs.finished()
     assert (done.is_load, done.moved, done.total) == (True, 2, 4)
     assert torch.equal(rows[4:6], rows[0:2])
+    jobs.close()
+
+
+class GatedTier:
+    """A real FileTier whose ``get`` waits for ``gate`` before its I/O (a stalled medium): ``started`` is
+    set when a load reached the medium."""
+
+    def __init__(self, tier: FileTier) -> None:
+        self.tier, self.block_bytes, self._get = tier, tier.block_bytes, tier.get
+        self.gate, self.started = threading.Event(), threading.Event()
+        self.calls = 0
+
+    def get(self, keys, out) -> int:
+        self.calls += 1
+        self.started.set()
+        self.gate.wait()
+        return self._get(keys, out)
+
+    def set(self, keys, rows) -> int:
+        return self.tier.set(keys, rows)
+
+    def close(self) -> None:
+        self.tier.close()
+
+
+def test_tier_jobs_give_up_a_late_load_and_hold_its_rows_until_its_io_ends(tmp_path) -> None:
+    """With ``load_timeout_s``, a load still running at its deadline is reported failed at once (moved 0)
+    with a release event that stays clear while the worker may still write its rows, and is set once the
+    write has landed; the job is not reported a second time. A load given up before it began never
+    reaches the medium (its event is set when the worker skips it)."""
+    ns = Namespace("m", "uint8", "rows/64")
+    gated = GatedTier(FileTier(tmp_path, ns, capacity_bytes=1 << 20, block_bytes=64,
+                               auth_key=TierKey.public()))
+    rows = torch.zeros((8, 64), dtype=torch.uint8)
+    rows[:2] = 7
+    now = [100.0]
+    jobs = TierJobs(gated, rows, load_timeout_s=5.0, clock=lambda: now[0])
+    keys = [b"a" * 16, b"b" * 16]
+    jobs.submit_store(1, keys, [0, 1])
+    jobs.drain()
+    assert [d.ok for d in jobs.finished()] == [True]
+    jobs.submit_load(2, keys, [4, 5])  # deadline 105
+    jobs.submit_load(3, keys, [6, 7])  # queued behind it, deadline 105
+    assert gated.started.wait(30)
+    now[0] = 104.9
+    assert jobs.finished() == []  # before the deadline: nothing to report
+    now[0] = 105.0
+    late = {d.job_id: d for d in jobs.finished()}
+    assert sorted(late) == [2, 3]
+    for d in late.values():
+        assert (d.is_load, d.ok, d.moved, d.total, d.nbytes) == (True, False, 0, 2, 0)
+        assert d.released is not None and not d.released.is_set()
+    assert rows[4:8].sum() == 0  # the stalled read has not written yet
+    gated.gate.set()
+    assert late[2].released.wait(30) and late[3].released.wait(30)
+    assert torch.equal(rows[4:6], rows[0:2])  # the late write landed in the held rows
+    jobs.drain()
+    assert gated.calls == 1 and rows[6:8].sum() == 0  # job 3 was skipped: never read, rows untouched
+    assert jobs.finished() == []  # each job reported once
+    jobs.submit_load(4, keys, [6, 7])  # in time: reported when its I/O ends, no event
+    jobs.drain()
+    (done,) = jobs.finished()
+    assert (done.job_id, done.ok, done.released) == (4, True, None)
+    jobs.close()
+
+
+def test_tier_jobs_without_a_deadline_report_a_load_when_its_io_ends(tmp_path) -> None:
+    ns = Namespace("m", "uint8", "rows/64")
+    gated = GatedTier(FileTier(tmp_path, ns, capacity_bytes=1 << 20, block_bytes=64,
+                               auth_key=TierKey.public()))
+    now = [0.0]
+    jobs = TierJobs(gated, torch.zeros((4, 64), dtype=torch.uint8), clock=lambda: now[0])
+    jobs.submit_load(1, [b"a" * 16], [0])
+    assert gated.started.wait(30)
+    now[0] = 1e9
+    assert jobs.finished() == []
+    gated.gate.set()
+    jobs.drain()
+    (done,) = jobs.finished()
+    assert (done.ok, done.moved, done.released) == (False, 0, None)  # a miss, reported after its I/O
+    for bad in (-1.0, float("nan"), "5"):
+        with pytest.raises(ConfigError, match="load_timeout_s"):
+            TierJobs(gated, torch.zeros((4, 64), dtype=torch.uint8), load_timeout_s=bad)
     jobs.close()
 
 
