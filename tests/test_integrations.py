@@ -1,16 +1,21 @@
 """kvpool.integrations without vLLM or SGLang: key mapping, the offload policy adapter against a brute-force
-LRU, tier jobs on a real FileTier (a load given up at its deadline holds its rows until its I/O ends), and
-HiCache's v2 hit rule (the engines' own runs: tests/integrations)."""
+LRU, tier jobs on a real FileTier (a load given up at its deadline holds its rows until its I/O ends), the
+vLLM adapters against stand-ins of vLLM 0.33's and 0.34's base classes (tests/vllm_fakes.py), and HiCache's
+v2 hit rule (the engines' own runs: tests/integrations)."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import inspect
 import random
 import threading
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
+import vllm_fakes
 
 from kvpool.allocators.policies import ARCPolicy, LRUPolicy
 from kvpool.errors import ConfigError, InvalidArgumentError
@@ -228,6 +233,81 @@ def test_tier_jobs_without_a_deadline_report_a_load_when_its_io_ends(tmp_path) -
         with pytest.raises(ConfigError, match="load_timeout_s"):
             TierJobs(gated, torch.zeros((4, 64), dtype=torch.uint8), load_timeout_s=bad)
     jobs.close()
+
+
+#: The fakes stand in only where vLLM cannot be imported; tests/integrations runs the real releases.
+FAKE_VLLM = pytest.mark.skipif(importlib.util.find_spec("vllm") is not None,
+                               reason="vLLM is installed: tests/integrations runs the adapters on it")
+
+
+def _offload_key(i: int) -> bytes:
+    return bytes([i]) * 32 + (0).to_bytes(4, "big")  # a 32-byte block hash, KV cache group 0
+
+
+@FAKE_VLLM
+@pytest.mark.parametrize("release", vllm_fakes.RELEASES)
+def test_vllm_adapters_follow_the_release_interface(release: str, monkeypatch) -> None:
+    """The adapters read the interface from vLLM's base classes: ``touch`` exactly where the release declares
+    it, nothing left abstract (vLLM 0.34 makes ``on_request_finished`` abstract), and on both releases a
+    request's end is the recency: an LRU of four chunks a, b, c, d (stored in that order) whose request
+    reused a and b evicts c, d, then b, a (a request frees its blocks tail first, so its head is the most
+    recent)."""
+    kv = vllm_fakes.installed(release, monkeypatch)
+    old = release == "0.33.0"
+    assert kv.POLICY_TOUCH is kv.TIER_TOUCH is old
+    assert kv.DEFERRED_RELEASE is kv.LOOKUP_MARK_PRESENT is (not old)
+    for cls in [*kv.POLICY_CLASSES.values(), kv.KvpoolTier]:
+        assert not inspect.isabstract(cls), cls
+        assert hasattr(cls, "touch") == old, cls
+    policy = kv.KvpoolLRU(4)
+    a, b, c, d = (_offload_key(i) for i in range(4))
+    ctx = vllm_fakes.ReqContext("r", positions={a: 1, b: 2})
+    for i, key in enumerate((a, b, c, d)):
+        chunk = vllm_fakes.ChunkStatus(i)
+        policy.insert(key, chunk, ctx)
+        chunk.ref_cnt = 0
+        policy.mark_evictable(key)
+    policy.on_request_finished([[b, a]], set(), {a, b}, ctx)  # positions put a before b
+    assert [k for k, _ in policy.evict(2, set())] == [c, d]
+    assert [k for k, _ in policy.evict(2, set())] == [b, a]
+
+
+@FAKE_VLLM
+def test_kvpool_tier_holds_a_late_loads_chunks_until_its_io_ends(monkeypatch, tmp_path) -> None:
+    """vLLM 0.34: a load past ``load_timeout_s`` is reported failed at once with ``deferred_release``, an
+    event clear while the stalled read may still write the primary chunks and set once it has written
+    them; meanwhile its keys look up as misses (they are on disk: a hit after). 0.33 has no such field, so
+    the option is refused there."""
+    kv = vllm_fakes.installed("0.34.0", monkeypatch)
+    region = torch.zeros((8, 64), dtype=torch.uint8)
+    region[0:2] = torch.arange(128, dtype=torch.uint8).view(2, 64)
+    tier = kv.KvpoolTier(None, memoryview(region.numpy()), "kvpool", tier="disk", directory=str(tmp_path),
+                         capacity_bytes=1 << 20, auth_key="public", load_timeout_s=0.0)
+    keys, ctx = [_offload_key(1), _offload_key(2)], vllm_fakes.ReqContext("r")
+    tier.submit_store(vllm_fakes.TransferJob(1, keys, np.array([0, 1]), False, ctx))
+    tier.drain_jobs()
+    assert [(r.job_id, r.success, r.deferred_release) for r in tier.get_finished_jobs()] == [(1, True, None)]
+    gated = GatedTier(tier.tier)
+    monkeypatch.setattr(tier.tier, "get", gated.get)
+    tier.submit_load(vllm_fakes.TransferJob(2, keys, np.array([4, 5]), True, ctx))
+    assert gated.started.wait(30)
+    (late,) = tier.get_finished_jobs()
+    assert (late.job_id, late.success, late.successful_keys) == (2, False, None)
+    assert not late.deferred_release.is_set() and region[4:6].sum() == 0
+    hit, miss = vllm_fakes.LookupResult.HIT, vllm_fakes.LookupResult.MISS
+    assert [tier.lookup(k, ctx) for k in [*keys, _offload_key(3)]] == [miss, miss, miss]
+    gated.gate.set()
+    assert late.deferred_release.wait(30)
+    assert torch.equal(region[4:6], region[0:2])  # the late write landed in the chunks vLLM held
+    tier.drain_jobs()
+    assert tier.get_finished_jobs() == []
+    assert [tier.lookup(k, ctx) for k in [*keys, _offload_key(3)]] == [hit, hit, miss]
+    tier.shutdown()
+    kv = vllm_fakes.installed("0.33.0", monkeypatch)
+    with pytest.raises(ConfigError, match="load_timeout_s needs vLLM 0.34"):
+        kv.KvpoolTier(None, memoryview(region.numpy()), "kvpool", tier="disk", directory=str(tmp_path / "b"),
+                      capacity_bytes=1 << 20, auth_key="public", load_timeout_s=1.0)
+    assert not (tmp_path / "b").exists()  # refused before the tier is opened
 
 
 def test_open_tier_takes_the_fleet_secret_from_the_environment(tmp_path, monkeypatch) -> None:

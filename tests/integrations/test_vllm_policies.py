@@ -1,5 +1,5 @@
-"""Conformance of kvpool's eviction policies inside vLLM 0.33's CPU offload tier (run by
-tests/integrations/run.sh in the vLLM venv; skipped where vLLM is not installed).
+"""Conformance of kvpool's eviction policies inside vLLM's CPU offload tier, 0.33.0 and 0.34.0 (run by
+tests/integrations/run.sh in each vLLM venv; skipped where vLLM is not installed).
 
 ``CPUOffloadingManager`` loads each kvpool adapter by ``cache_policy_module_path`` exactly as
 ``kv_connector_extra_config`` makes it, runs 2,000 Mooncake requests (vllm_harness.py), and must evict the
@@ -40,8 +40,8 @@ def vllm_run(policy: str, module: str | None, requests: list[list[bytes]]) -> h.
     return h.drive_vllm(manager, requests)
 
 
-CLASSES = {"lru": "KvpoolLRU", "fifo": "KvpoolFIFO", "lfu": "KvpoolLFU", "slru": "KvpoolSLRU",
-           "arc": "KvpoolARC", "arc-vllm": "KvpoolARCVllm"}
+#: vLLM loads each adapter by class name; ``priority`` runs on the harness's clock (ConformancePriority).
+CLASSES = {name: cls.__name__ for name, cls in kv.POLICY_CLASSES.items() if name != "priority"}
 
 
 @pytest.mark.parametrize("name", [*CLASSES, "priority"])
