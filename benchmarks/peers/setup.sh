@@ -3,8 +3,9 @@
 # torch 2.13.0, from the package registry only:
 #   vllm         vLLM 0.33.0 (its v1 BlockPool; the benchmarks use this one)
 #   vllm-0.34    vLLM 0.34.0
-#   vllm-latest  the newest vLLM the `vllm` extra of pyproject.toml admits, resolved by pip when built (and
-#                upgraded in place on each later call, so a new release in the range is picked up)
+#   vllm-latest  the newest vLLM release on the package index, resolved by pip when built (and upgraded in
+#                place on each later call, so a new release is picked up), and whether the `vllm` extra of
+#                pyproject.toml (the releases kvpool's plug-ins are tested with) admits it
 #   sglang       SGLang 0.5.23 (its token allocators)
 # Minutes and ~3 GB each. Only the modules the benchmarks and tests/integrations import are installed
 # (--no-deps, then their imports): no CUDA, no kernels, no server. Never needed by kvpool, its tests or CI;
@@ -51,6 +52,17 @@ print(next(r for r in extra if re.match(re.escape(sys.argv[3]) + r"\s*[<>=!~;\[]
 EOF
 }
 
+in_extra() {  # in_extra VENV SPEC: say whether the venv's vLLM is one the extra's SPEC admits
+  "$VENVS/$1-venv/bin/python" - "$2" <<'EOF'
+import importlib.metadata as m, sys
+from packaging.requirements import Requirement
+spec, version = Requirement(sys.argv[1]), m.version("vllm")
+inside = spec.specifier.contains(version, prereleases=True)
+print(f"vllm-latest: vLLM {version} is {'inside' if inside else 'OUTSIDE'} the vllm extra ({spec})"
+      + ("" if inside else ": kvpool's plug-ins are untested there, the conformance run shows whether they work"))
+EOF
+}
+
 build() {  # build VENV DIST SPEC DEPS NO_DEPS_FOR_DEPS [UPGRADE]: a venv with SPEC (of DIST) and DEPS
   local venv=$VENVS/$1-venv
   local installed="import importlib.metadata as m; print('$1:', '$2', m.version('$2'), 'torch', m.version('torch'))"
@@ -81,8 +93,9 @@ for peer in "${@:-vllm sglang}"; do
     case $p in
       vllm) build vllm vllm "vllm==0.33.0" "$VLLM_DEPS" ""; extras vllm "$KVPOOL_DEPS" ;;
       vllm-0.34) build vllm-0.34 vllm "vllm==0.34.0" "$VLLM_DEPS" ""; extras vllm-0.34 "$KVPOOL_DEPS" ;;
-      vllm-latest) build vllm-latest vllm "$(extra_spec vllm vllm)" "$VLLM_DEPS" "" upgrade
-                   extras vllm-latest "$KVPOOL_DEPS" ;;
+      vllm-latest) build vllm-latest vllm vllm "$VLLM_DEPS" "" upgrade
+                   extras vllm-latest "$KVPOOL_DEPS"
+                   in_extra vllm-latest "$(extra_spec vllm vllm)" ;;
       sglang) build sglang sglang "sglang==0.5.23" "$SGLANG_DEPS" "--no-deps"
               extras sglang "$KVPOOL_DEPS $SGLANG_POOL_DEPS" "triton, transformers, dill" ;;
       *) echo "unknown peer $p (vllm, vllm-0.34, vllm-latest or sglang)" >&2; exit 2 ;;

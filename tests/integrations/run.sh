@@ -3,7 +3,7 @@
 # (benchmarks/peers/setup.sh builds them, with what these tests import), kvpool from this tree:
 #   vllm         the vLLM tests in vLLM 0.33.0's venv
 #   vllm-0.34    the same tests in vLLM 0.34.0's
-#   vllm-latest  the same tests with the newest vLLM the `vllm` extra admits (scripts/check-latest.sh)
+#   vllm-latest  the same tests with the newest vLLM on the package index (scripts/check-latest.sh)
 #   sglang       the SGLang tests and the HiCache throughput table in SGLang 0.5.23's venv
 #   tests/integrations/run.sh [vllm|vllm-0.34|vllm-latest|sglang ...]   (vllm, vllm-0.34 and sglang by
 #   default; ~8 minutes a vLLM release and ~7 for SGLang on 2 cores, plus ~5 a venv to build)
