@@ -19,8 +19,6 @@ SOURCES = ("kvpool", "tests", "benchmarks", "scripts")
 PROTOCOL_CLASSES = {
     "kvpool/engine/recurrent.py:SlotStateCache",  # transformers' cache, as the recurrent mixers call it
 }
-#: Names decided elsewhere: the vLLM plug-in's branch of issue 30 (drop this when it is merged).
-PENDING = {"kvpool/integrations/vllm.py:_check_policy_name"}
 WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 EXAMPLE = re.compile(r"```(?:python|bash)\n(.*?)```", re.S)
 
@@ -84,7 +82,7 @@ def _defined(node: ast.AST, rel: str, owner: str | None, kvpool_names: set[str])
         if not isinstance(sub, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             continue
         if not (sub.name.startswith("__") and sub.name.endswith("__")) \
-                and f"{rel}:{owner}" not in PROTOCOL_CLASSES and f"{rel}:{sub.name}" not in PENDING:
+                and f"{rel}:{owner}" not in PROTOCOL_CLASSES:
             out.append((f"{rel}:{sub.lineno}", sub.name))
         if isinstance(sub, ast.ClassDef) and not _is_hook_class(sub, kvpool_names):
             out += _defined(sub, rel, sub.name, kvpool_names)
