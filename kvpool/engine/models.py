@@ -36,6 +36,8 @@ TINY_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-gpt2", "tiny-mistral", "tiny-ge
 TINY_HYBRID_MODELS = ("tiny-qwen3-next", "tiny-qwen3.5", "tiny-nemotron-h", "tiny-granite-4.0-h",
                       "tiny-bamba", "tiny-lfm2", "tiny-kimi-linear", "tiny-olmo-hybrid", "tiny-jamba",
                       "tiny-falcon-h1")
+#: Every model :func:`load_model` knows by name (besides a local folder).
+BUILTIN_MODELS = (DEFAULT_MODEL, GEMMA3, *TINY_MODELS, *TINY_HYBRID_MODELS)
 #: The tiny models' sliding window: prompts of 40-120 tokens cross it at block size 4.
 TINY_WINDOW = 16
 TINY_INIT_STD = 0.3  # the default 0.02 makes random models repeat one greedy token (DESIGN.md)
@@ -187,8 +189,7 @@ def load_config(name: str = DEFAULT_MODEL) -> dict[str, Any]:
 def _not_a_model(name: str) -> ConfigError:
     if Path(name).is_dir():
         return ConfigError(f"{name} is not a Hugging Face model folder: it has no config.json")
-    choices = ", ".join([DEFAULT_MODEL, GEMMA3, *TINY_MODELS, *TINY_HYBRID_MODELS])
-    return ConfigError(f"unknown model {name!r}: use {choices} or a local model folder")
+    return ConfigError(f"unknown model {name!r}: use {', '.join(BUILTIN_MODELS)} or a local model folder")
 
 
 def smollm2_folder() -> Path:
