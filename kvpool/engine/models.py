@@ -16,11 +16,12 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import torch
 
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, KVPoolError, ModelError
 from kvpool.spec import KVCacheSpec
 from kvpool.state_spec import is_recurrent_config
 
@@ -103,6 +104,39 @@ class LoadedModel:
         """The generation config's end-of-sequence ids (none for the tiny models)."""
         eos = self.model.generation_config.eos_token_id
         return () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+
+
+@contextlib.contextmanager
+def model_errors(name: str) -> Iterator[None]:
+    """Inside the block, an exception raised by transformers' code (loading or running model ``name``)
+    becomes a :class:`~kvpool.errors.ModelError` of one line: ``"tiny-lfm2 failed inside transformers 5.25.0:
+    AttributeError: ..."``. It is transformers' when, of the traceback's frames in kvpool or in transformers,
+    the innermost is transformers' (a torch error in a transformers layer is; one in kvpool's attention
+    function, which transformers calls, is not). kvpool's own errors, a missing optional dependency
+    (ImportError: the CLI's bad-install line) and every other exception pass as they are."""
+    try:
+        yield
+    except (KVPoolError, ImportError):
+        raise
+    except Exception as exc:
+        transformers = sys.modules.get("transformers")
+        if transformers is None or not _raised_in(transformers, exc.__traceback__):
+            raise
+        why = " ".join(str(exc).split()) or "(no message)"
+        raise ModelError(f"{name} failed inside transformers {transformers.__version__}: "
+                         f"{type(exc).__name__}: {why}") from exc
+
+
+def _raised_in(transformers: Any, tb: TracebackType | None) -> bool:
+    """Whether the innermost frame of ``tb`` in kvpool's or transformers' files is transformers'."""
+    owners = ((os.path.dirname(transformers.__file__) + os.sep, "transformers"),
+              (str(Path(__file__).parents[1]) + os.sep, "kvpool"))
+    innermost = None
+    while tb is not None:
+        path = tb.tb_frame.f_code.co_filename
+        innermost = next((who for root, who in owners if path.startswith(root)), innermost)
+        tb = tb.tb_next
+    return innermost == "transformers"
 
 
 def kv_spec(model: Any, *, block_size: int, dtype: torch.dtype | None = None, tp_size: int = 1
