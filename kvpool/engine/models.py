@@ -68,18 +68,6 @@ DEFAULT_PROMPTS = (
 )
 
 
-class ByteTokenizer:
-    """UTF-8 bytes as token ids 0..255: the tokenizer of the tiny random models."""
-
-    chat_template = None
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, token_ids: list[int], **_: Any) -> str:
-        return bytes(t % 256 for t in token_ids).decode("utf-8", errors="replace")
-
-
 @dataclass
 class LoadedModel:
     """A causal LM in eval mode with its tokenizer; ``encode`` applies the chat template when there is one."""
@@ -189,6 +177,8 @@ def load_model(name: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",
             and tokenizer from, or SmolLM2 / Gemma 3 when its package is not installed.
     """
     if name in TINY_MODELS or name in TINY_HYBRID_MODELS:
+        from kvpool.engine.tokenizer import ByteTokenizer
+
         model, tokenizer = build_tiny_model(name, seed=seed), ByteTokenizer()
     elif name == DEFAULT_MODEL:
         model, tokenizer = _load_pretrained(smollm2_folder(), dtype, gguf_file=SMOLLM2_GGUF)
@@ -461,3 +451,13 @@ def reference_greedy(model: Any, prompt_token_ids: list[int], max_new_tokens: in
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          do_sample=False, pad_token_id=pad, output_logits=True, return_dict_in_generate=True)
     return out.sequences[0, len(prompt_token_ids):].tolist(), torch.cat(out.logits).float().cpu()
+
+
+def __getattr__(name: str) -> Any:
+    """``ByteTokenizer`` lives in :mod:`kvpool.engine.tokenizer` (it imports transformers, which this module
+    imports only when a model loads); the old import path keeps working."""
+    if name == "ByteTokenizer":
+        from kvpool.engine.tokenizer import ByteTokenizer
+
+        return ByteTokenizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
