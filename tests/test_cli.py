@@ -419,3 +419,22 @@ def test_gemma3_first_conversion_says_so_before_it_starts(tmp_path: Path, monkey
     (tmp_path / "gemma3-270m" / "config.json").write_text("{}")
     assert models.gemma3_folder(tmp_path) == tmp_path / "gemma3-270m"  # converted: nothing to say
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("columns", ["60", "100", "200"])
+def test_generate_help_names_every_built_in_model_whole(monkeypatch: pytest.MonkeyPatch, columns: str
+                                                         ) -> None:
+    """Issue 29: the ten tiny hybrids were missing from ``--model``'s help, and argparse's wrapping broke a
+    name at a hyphen ("tiny-" / "gpt2"). Every name load_model knows is listed whole, at any width, and
+    every tiny name listed is one whose config loads."""
+    pytest.importorskip("transformers")
+    from kvpool.engine.models import BUILTIN_MODELS, load_config
+
+    monkeypatch.setenv("COLUMNS", columns)
+    text = dict(parsers())[("generate",)].format_help()
+    words = set(re.findall(r"[\w.-]+", text.split("\n  --model NAME", 1)[1].split("\n  --prompt TEXT", 1)[0]))
+    assert set(BUILTIN_MODELS) <= words
+    listed = sorted(w for w in words if w.startswith("tiny-"))
+    assert listed == sorted(n for n in BUILTIN_MODELS if n.startswith("tiny-")) and len(listed) == 19
+    for name in listed:
+        assert load_config(name)["model_type"]

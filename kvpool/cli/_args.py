@@ -8,6 +8,7 @@ import itertools
 import os
 import re
 import sys
+import textwrap
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -206,6 +207,12 @@ class HelpFormatter(argparse.HelpFormatter):
             return text  # an empty list (no ids given) says no more than None
         shown = " ".join(map(str, default)) if isinstance(default, list) else "%(default)s"
         return f"{text} (default: {shown})"
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        """argparse's wrapping, without breaking a word at a hyphen: a name (``tiny-granite-4.0-h``,
+        ``--max-new-tokens``) stays whole on one line, as a reader searching the help types it."""
+        text = self._whitespace_matcher.sub(" ", text).strip()
+        return textwrap.wrap(text, width, break_on_hyphens=False)
 
     def _format_args(self, action: argparse.Action, default_metavar: str) -> str:
         if isinstance(action, CommaList):  # one comma list (a space list only parses, for old scripts)
