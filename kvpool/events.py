@@ -33,7 +33,7 @@ share of reply frames per live batch), and :meth:`ZmqEventPublisher.close` drain
 gaps from the replay socket and follows a publisher restarted on the same endpoint.
 
 This module sits on the ground floor beside :mod:`kvpool.errors`: it imports nothing else of kvpool.
-``msgspec`` is needed to import it (``pip install kvpool[events]``), ``pyzmq`` for the ZMQ classes.
+``msgspec`` is needed to import it, ``pyzmq`` for the ZMQ classes (both in kvpool's ``events`` extra).
 """
 
 from __future__ import annotations
@@ -629,7 +629,7 @@ def _zmq() -> Any:
     try:
         import zmq
     except ImportError:
-        raise ImportError("ZMQ KV events need pyzmq: pip install kvpool[events]") from None
+        raise ImportError("ZMQ KV events need pyzmq: pip install pyzmq") from None
     return zmq
 
 

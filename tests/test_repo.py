@@ -1,8 +1,10 @@
-"""The repository: git tracks no binary file (a wheel, a build, weights: they come from a registry or a
-build, never from the repository)."""
+"""The repository as CI sees it: ``.ci/run`` runs exactly the README's commands (the quick start's three,
+then its "Tests and CI" block), and git tracks no binary file (a wheel, a build, weights: they come from a
+registry or a build, never from the repository)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -10,9 +12,28 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+FENCE = re.compile(r"```bash\n(?P<code>.*?)```", re.S)
+#: ``step NAME 'COMMAND'`` in .ci/run: each runs one README command.
+STEP = re.compile(r"^step (?:\"[^\"]+\"|\S+) '(?P<command>[^']+)'", re.M)
 BINARY_SUFFIXES = (".whl", ".so", ".pyd", ".dll", ".dylib", ".o", ".a", ".pyc", ".zip", ".gz", ".tgz", ".xz",
                    ".bz2", ".zst", ".tar", ".bin", ".pt", ".pth", ".safetensors", ".gguf", ".npy", ".npz",
                    ".pkl", ".exe")
+
+
+def readme_block(heading: str) -> list[str]:
+    """The commands of the first bash block under README's ``## heading``, without their comments."""
+    section = ROOT.joinpath("README.md").read_text().split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    code = FENCE.search(section)
+    assert code, f"README's {heading!r} has no bash block"
+    return [re.sub(r"\s+# .*$", "", line).strip() for line in code["code"].splitlines() if line.strip()]
+
+
+def test_ci_runs_the_readmes_commands_in_order() -> None:
+    readme = readme_block("Quick start") + readme_block("Tests and CI")
+    ci = STEP.findall(ROOT.joinpath(".ci", "run").read_text())
+    assert ci == readme
+    # what a newcomer runs first: a new venv, then the set-up in it
+    assert readme[0].startswith("python3 -m venv .venv && . .venv/bin/activate && ")
 
 
 def tracked_files() -> list[Path]:

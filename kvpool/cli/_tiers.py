@@ -26,7 +26,7 @@ _ORDER = {"host": 0, "disk": 1, "remote": 2}
 
 def add_tier_arguments(parser: argparse.ArgumentParser, *, disk_in_blocks: bool = False) -> None:
     """The tier options (``disk_in_blocks`` is kept for callers: both disk sizes are always offered)."""
-    group = parser.add_argument_group("tiers below the device pool (pip install kvpool[tiers])")
+    group = parser.add_argument_group("tiers below the device pool (kvpool's tiers extra)")
     group.add_argument("--tier", action="append", default=[], metavar="URL",
                        help="a tier, repeatable, fastest first: host://?blocks=N, file:///DIR?bytes=SIZE "
                             "(or ?blocks=N), redis://HOST:PORT")
