@@ -38,7 +38,7 @@ echo "torch==2.13.0" > "$WORK/constraints.txt"
 export KVPOOL_PURE_PYTHON=1
 KVPOOL_CONSTRAINTS=$WORK/constraints.txt KVPOOL_COMPILE=0 PYTHON=python3 bash scripts/setup.sh
 
-say "the versions it got (* newer than requirements/lock.txt, < older, + not in the lock):"
+say "the venv took $SECONDS s; the versions it got (* newer than requirements/lock.txt, < older, + not in the lock):"
 python3 - requirements/lock.txt <<'EOF'
 import importlib.metadata as md
 import re
@@ -64,8 +64,9 @@ EOF
 # The test files on other projects' interfaces, found by what they import (a new such file is included).
 mapfile -t TESTS < <(grep -l -E "^\s*(import|from) (transformers|gguf|redis|msgspec|zmq|prometheus_client)\b|importorskip\(\"(transformers|gguf|redis|msgspec|zmq|prometheus_client)\"|kvpool\.(engine|hf_config)\b" tests/test_*.py)
 say "the interface tests: ${TESTS[*]}"
-status=0
+status=0 start=$SECONDS
 python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" "${TESTS[@]}" || status=1
+say "the interface tests took $((SECONDS - start)) s"
 
 if ((PEERS)); then
     if grep -q "vllm-latest" tests/integrations/run.sh; then
@@ -79,5 +80,5 @@ if ((PEERS)); then
 else
     say "not run: the vLLM / SGLang plug-ins' conformance (scripts/check-latest.sh --peers runs it)"
 fi
-((status == 0)) && say "passed on today's releases" || say "FAILED on today's releases (above)"
+if ((status == 0)); then say "passed on today's releases ($SECONDS s)"; else say "FAILED on today's releases (above; $SECONDS s)"; fi
 exit "$status"
