@@ -34,7 +34,7 @@ gaps from the replay socket and follows a publisher restarted on the same endpoi
 
 This module sits one floor above the ground: of kvpool above the ground it imports only the buffer its sink
 records into, :mod:`kvpool.event_buffer`.
-``msgspec`` is needed to import it (``pip install kvpool[events]``), ``pyzmq`` for the ZMQ classes.
+``msgspec`` is needed to import it, ``pyzmq`` for the ZMQ classes (both in kvpool's ``events`` extra).
 """
 
 from __future__ import annotations
@@ -630,7 +630,7 @@ def _zmq() -> Any:
     try:
         import zmq
     except ImportError:
-        raise ImportError("ZMQ KV events need pyzmq: pip install kvpool[events]") from None
+        raise ImportError("ZMQ KV events need pyzmq: pip install pyzmq") from None
     return zmq
 
 

