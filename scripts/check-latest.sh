@@ -3,7 +3,7 @@
 # admit (scripts/setup.sh without the lock; torch alone pinned, to the CPU wheel 2.13.0: any other torch
 # request takes a multi-GB CUDA build), the versions it got beside the lock's, then the tests that build on
 # other projects' interfaces: every test file that imports transformers, gguf, redis-py, msgspec, pyzmq or
-# prometheus-client, or kvpool's layers over transformers (kvpool.engine, kvpool.hf_config), with their slow
+# prometheus-client, or kvpool's layer over transformers (kvpool.engine), with their slow
 # tests (the engine on real weights, token for token against transformers' own generation).
 #
 #   bash scripts/check-latest.sh            the above (~15 minutes on 2 idle cores)
@@ -62,7 +62,8 @@ print("check-latest: differs from the lock: " + (", ".join(changed) or "nothing 
 EOF
 
 # The test files on other projects' interfaces, found by what they import (a new such file is included).
-mapfile -t TESTS < <(grep -l -E "^\s*(import|from) (transformers|gguf|redis|msgspec|zmq|prometheus_client)\b|importorskip\(\"(transformers|gguf|redis|msgspec|zmq|prometheus_client)\"|kvpool\.(engine|hf_config)\b" tests/test_*.py)
+# The benchmarks' tests (test_bench.py) time kvpool, not an interface: left out (they were half of the time).
+mapfile -t TESTS < <(grep -l -E "^\s*(import|from) (transformers|gguf|redis|msgspec|zmq|prometheus_client)\b|importorskip\(\"(transformers|gguf|redis|msgspec|zmq|prometheus_client)\"|kvpool\.engine\b" tests/test_*.py | grep -v -x tests/test_bench.py)
 say "the interface tests: ${TESTS[*]}"
 status=0 start=$SECONDS
 python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" "${TESTS[@]}" || status=1
