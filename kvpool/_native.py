@@ -60,6 +60,9 @@ from types import ModuleType
 COMPILED_MODULES = (
     "kvpool.event_buffer",
     "kvpool.allocators.policies",
+    "kvpool.allocators.arc",
+    "kvpool.allocators.queue_policies",
+    "kvpool.allocators.prefix_policies",
     "kvpool.allocators.block_pool",
     "kvpool.allocators.groups",
     "kvpool.allocators.token",

@@ -11,8 +11,13 @@ raises; it calls:
 * ``hit(block)``: a prefix hit touched a cached block (in use or evictable; before ``remove``);
 * ``missed(block_hash)``: a hash looked up and not cached is about to be stored, before the allocation
   that makes room for it (only when the pool's caller reports it: :meth:`BlockPool.missed`; ARC adapts);
-* ``insert(block, priority)``: the block's last reference was freed; ``priority`` is the freeing request's
-  retention priority (only ``priority`` reads it);
+* ``released(blocks, evictable, priority)``: one ``free`` call's blocks, in the call's order (a request
+  frees its block table tail first), and those of them now evictable, in the same order; the default
+  calls ``insert(block, priority)`` for each evictable one: the block's last reference was freed;
+  ``priority`` is the freeing request's retention priority (only ``priority`` reads it). A policy that
+  reads a request's sequence (``tlru``, ``lineage``) takes the whole call here;
+* ``waiting(block_hash, count)``: ``count`` more (negative: fewer) waiting requests will look
+  ``block_hash`` up (only when the policy's ``reads_waiting`` is True: the queue-informed variants);
 * ``remove(block)``: an evictable block was revived by ``touch`` (a hit) or pinned: no longer evictable;
 * ``pop()``: evict: remove and return the next victim (only called while ``len(policy) > 0``); the pool
   then drops its hash;
@@ -24,7 +29,12 @@ Every other call is O(1) or O(log n) in the number of blocks, as each class says
 are broken by recency: the block freed least recently goes first, as in LRU.
 
 ``lru`` is the pool's default and stays on its fast path (the pool calls :class:`LRUPolicy`'s chunk queue
-directly); the other policies are called through this interface. ``belady`` (the offline
+directly); the other policies are called through this interface. The families, a module each:
+this one (``lru``, ``fifo``, ``lfu``, ``priority``, ``slru``), :mod:`kvpool.allocators.arc` (``arc``,
+``arc-vllm``), :mod:`kvpool.allocators.queue_policies` (``s3fifo``, ``sieve``: scan-resistant queues,
+exactly as libCacheSim), :mod:`kvpool.allocators.prefix_policies` (``tlru``, ``lineage``, and the
+queue-informed ``queue-lru``, ``queue-lineage``: policies that read the prefix tree or the waiting
+queue). :func:`make_policy` builds any of them by name. ``belady`` (the offline
 farthest-next-use bound) needs the future of a trace and lives in :mod:`kvpool.trace.belady`.
 
 :class:`FrequencyAdmission` is the publish-side filter: a hash is admitted to the prefix index only once
@@ -45,7 +55,8 @@ from kvpool.errors import InvalidArgumentError
 from kvpool.numeric import IntArg, RealArg, as_int, as_optional_int, as_real
 
 #: Policy names a pool accepts (``belady`` needs a trace: :mod:`kvpool.trace.belady`).
-POLICIES = ("lru", "fifo", "lfu", "slru", "priority", "arc", "arc-vllm")
+POLICIES = ("lru", "fifo", "lfu", "slru", "priority", "arc", "arc-vllm", "s3fifo", "sieve", "tlru", "lineage",
+            "queue-lru", "queue-lineage")
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # compiled, yet subclassed outside (trace.belady)
@@ -84,6 +95,25 @@ class EvictionPolicy(ABC):
         """``block_hash`` was looked up, is not cached, and is about to be stored (called before the
         allocation that makes room for it; :meth:`BlockPool.missed`)."""
         return None  # default: nothing to record
+
+    #: Whether the pool tells this policy the hashes waiting requests will look up (:meth:`waiting`).
+    reads_waiting = False
+
+    def waiting(self, block_hash: Hashable, count: int) -> None:
+        """``count`` more waiting requests (negative: fewer) will look ``block_hash`` up (only called when
+        :attr:`reads_waiting`)."""
+        return None  # default: nothing to record
+
+    def released(self, blocks: list[int], evictable: list[int], priority: int) -> None:
+        """One ``free`` call's ``blocks`` (in its order: tail first for a request's table) and the sub-list
+        of them that became ``evictable`` (same order); the default inserts each evictable one."""
+        for block in evictable:
+            self.insert(block, priority)
+
+    def valued(self, block: int) -> bool:
+        """Whether the policy holds ``block`` (cached, or just evicted and not yet reused) worth keeping in a
+        tier below: not a one-hit wonder by its own signal (default: every block is)."""
+        return True
 
     @abstractmethod
     def insert(self, block: int, priority: int) -> None:
@@ -474,189 +504,10 @@ class SLRUPolicy(EvictionPolicy):
         return len(self.probation) + len(self.protected)
 
 
-#: ARC's variants: Megiddo and Modha's algorithm, and vLLM 0.33's ``arc`` (``ARCPolicy.__doc__``).
-ARC_VARIANTS = ("paper", "vllm")
-
-
-class ARCPolicy(EvictionPolicy):
-    """Adaptive Replacement Cache (Megiddo and Modha, "ARC: A Self-Tuning, Low Overhead Replacement Cache",
-    FAST 2003). Cached blocks are in T1 (published, not hit since) or T2 (hit at least once); evicted hashes
-    are remembered in the ghost lists B1 (from T1) and B2 (from T2). A miss on a hash found in B1 grows the
-    target size ``p`` of T1 by ``max(|B2| / |B1|, 1)`` (at most ``c = num_blocks``), one found in B2 shrinks
-    it by ``max(|B1| / |B2|, 1)`` (at least 0).
-
-    ``variant="paper"`` (policy ``arc``, the default) is the paper's: a ghost hit enters T2; eviction takes
-    the LRU evictable block of T1 while ``|T1| > p`` (or ``|T1| == p`` when the miss was found in B2, the
-    paper's tie rule), else of T2 (T1 when T2 has none); ``|T1| + |B1| <= c`` and
-    ``|T1| + |T2| + |B1| + |B2| <= 2c``. ``variant="vllm"`` (policy ``arc-vllm``) is vLLM 0.33's ``arc``
-    (``vllm/v1/kv_offload/cpu/policies/arc.py``), which departs from the paper in four rules: a ghost hit
-    enters T1 (it is promoted only by a later hit); eviction takes T1 while ``|T1| >= int(p)``; a hit on a
-    T2 block moves it to T2's MRU end; B1 and B2 are bounded by ``c`` each (trimmed after an eviction only),
-    and a ghost that misses again moves to its list's MRU end.
-
-    The target adapts when the pool's caller reports the miss (:meth:`missed`, before the allocation that
-    makes room for it, as the paper and vLLM's ``on_store_miss`` do); a hash published from a ghost list
-    without that report adapts it at :meth:`published`, after the eviction (kvpool's pool evicts before it
-    knows the hash). Adapted to a pool where in-use blocks cannot be evicted: |T1| and |T2| count every
-    cached block, but only evictable ones are victims, each list's evictable part in free order (kvpool's
-    recency: a free is a use). O(1) per call.
-
-    Raises:
-        InvalidArgumentError: ``variant`` not one of :data:`ARC_VARIANTS`.
-    """
-
-    name = "arc"
-
-    def __init__(self, variant: str = "paper") -> None:
-        super().__init__()
-        if variant not in ARC_VARIANTS:
-            raise InvalidArgumentError(f"ARC variant must be one of {', '.join(ARC_VARIANTS)}, "
-                                       f"got {variant!r}")
-        self.variant = variant
-        self.vllm = variant == "vllm"
-        if self.vllm:
-            self.name = "arc-vllm"
-        self.p = 0.0
-        self.t1: OrderedDict[int, None] = OrderedDict()  # evictable part of T1, LRU head first
-        self.t2: OrderedDict[int, None] = OrderedDict()
-        self.b1: OrderedDict[Hashable, None] = OrderedDict()  # ghost hashes, oldest first
-        self.b2: OrderedDict[Hashable, None] = OrderedDict()
-        self.size_t1 = self.size_t2 = 0
-        self._in_t2 = bytearray()
-        self._hash: list[Hashable | None] = []
-        self._returning: OrderedDict[Hashable, None] = OrderedDict()  # ghosts missed, not yet published
-        self._tie = False  # the last miss was found in B2 (the paper's tie rule for the next eviction)
-
-    def _bound(self, num_blocks: int) -> None:
-        self._in_t2 = bytearray(num_blocks)
-        self._hash = [None] * num_blocks
-
-    def missed(self, block_hash: Hashable) -> None:
-        in_b1, in_b2 = block_hash in self.b1, block_hash in self.b2
-        self._tie = in_b2
-        if not (in_b1 or in_b2):
-            self._returning.pop(block_hash, None)
-            return
-        self._adapt(in_b1)
-        if self.vllm:
-            (self.b1 if in_b1 else self.b2).move_to_end(block_hash)
-        returning = self._returning
-        returning[block_hash] = None
-        returning.move_to_end(block_hash)
-        if len(returning) > self._n:
-            returning.popitem(False)
-
-    def _adapt(self, from_b1: bool) -> None:
-        n1, n2 = len(self.b1), len(self.b2)
-        if from_b1:
-            self.p = min(float(self._n), self.p + max(n2 / n1, 1.0))
-        else:
-            self.p = max(0.0, self.p - max(n1 / n2, 1.0))
-
-    def published(self, block: int, block_hash: Hashable) -> None:
-        b1, b2 = self.b1, self.b2
-        ghost = block_hash in self._returning
-        if ghost:
-            del self._returning[block_hash]
-        elif block_hash in b1 or block_hash in b2:
-            ghost = True
-            self._adapt(block_hash in b1)
-        self._tie = False
-        if self.vllm:  # vLLM's insert leaves neither list holding the key
-            b1.pop(block_hash, None)
-            b2.pop(block_hash, None)
-        elif block_hash in b1:  # (a hash two holders left can be in both: it leaves the one it hit)
-            del b1[block_hash]
-        elif block_hash in b2:
-            del b2[block_hash]
-        to_t2 = ghost and not self.vllm
-        self._in_t2[block] = 1 if to_t2 else 0
-        if to_t2:
-            self.size_t2 += 1
-        else:
-            self.size_t1 += 1
-        self._hash[block] = block_hash
-        if not self.vllm:
-            self._trim_ghosts()
-
-    def _trim_ghosts(self) -> None:
-        c = self._n
-        if self.vllm:
-            while len(self.b1) > c:
-                self.b1.popitem(False)
-            while len(self.b2) > c:
-                self.b2.popitem(False)
-            return
-        while self.b1 and self.size_t1 + len(self.b1) > c:
-            self.b1.popitem(False)
-        while self.b2 and self.size_t1 + self.size_t2 + len(self.b1) + len(self.b2) > 2 * c:
-            self.b2.popitem(False)
-
-    def hit(self, block: int) -> None:
-        if self._in_t2[block]:
-            if self.vllm and block in self.t2:
-                self.t2.move_to_end(block)
-            return
-        self._in_t2[block] = 1
-        self.size_t1 -= 1
-        self.size_t2 += 1
-        if block in self.t1:  # evictable: the pool's ``remove`` follows and looks for it in T2
-            del self.t1[block]
-            self.t2[block] = None
-
-    def insert(self, block: int, priority: int) -> None:
-        (self.t2 if self._in_t2[block] else self.t1)[block] = None
-
-    def remove(self, block: int) -> None:
-        (self.t2 if self._in_t2[block] else self.t1).pop(block)
-
-    def _from_t1(self, size_t1: int) -> bool:
-        """Whether the next victim comes from T1 when T1 has ``size_t1`` cached blocks."""
-        if self.vllm:
-            return size_t1 >= int(self.p)
-        return size_t1 > self.p or (self._tie and size_t1 == self.p)
-
-    def pop(self) -> int:
-        from_t1 = bool(self.t1) and (self._from_t1(self.size_t1) or not self.t2)
-        block = (self.t1 if from_t1 else self.t2).popitem(False)[0]
-        (self.b1 if from_t1 else self.b2)[self._hash[block]] = None
-        self._forget(block)
-        self._trim_ghosts()
-        return block
-
-    def dropped(self, block: int) -> None:
-        if self._hash[block] is None:
-            return
-        (self.t2 if self._in_t2[block] else self.t1).pop(block, None)
-        self._forget(block)
-
-    def _forget(self, block: int) -> None:
-        if self._in_t2[block]:
-            self.size_t2 -= 1
-        else:
-            self.size_t1 -= 1
-        self._in_t2[block] = 0
-        self._hash[block] = None
-
-    def order(self) -> list[int]:
-        """The next victim is exact; later ones assume no publish, hit or miss in between (``p`` stays)."""
-        t1, t2 = list(self.t1), list(self.t2)
-        out, size_t1 = [], self.size_t1
-        while t1 or t2:
-            if t1 and (self._from_t1(size_t1) or not t2):
-                out.append(t1.pop(0))
-                size_t1 -= 1
-            else:
-                out.append(t2.pop(0))
-        return out
-
-    def __len__(self) -> int:
-        return len(self.t1) + len(self.t2)
-
-
 def make_policy(name: object, *, retention_s: RealArg = 60.0, clock: Callable[[], float] = time.monotonic,
                 protected_fraction: RealArg = 0.8) -> EvictionPolicy:
-    """A fresh policy by name (:data:`POLICIES`); the options apply to ``priority`` and ``slru`` only.
+    """A fresh policy by name (:data:`POLICIES`); the options apply to ``priority`` and ``slru`` only (each
+    class takes its own options: build it directly to change them).
 
     Raises:
         InvalidArgumentError: an unknown name, ``belady`` (it needs a trace's future: replay a trace with
@@ -672,15 +523,32 @@ def make_policy(name: object, *, retention_s: RealArg = 60.0, clock: Callable[[]
         return SLRUPolicy(protected_fraction)
     if name == "priority":
         return PriorityPolicy(retention_s, clock)
-    if name == "arc":
-        return ARCPolicy()
-    if name == "arc-vllm":
-        return ARCPolicy("vllm")
+    if name in ("arc", "arc-vllm"):
+        from kvpool.allocators.arc import ARCPolicy  # (a module of its own, which imports this one)
+
+        return ARCPolicy("vllm" if name == "arc-vllm" else "paper")
+    if name in ("s3fifo", "sieve"):
+        from kvpool.allocators.queue_policies import S3FIFOPolicy, SievePolicy
+
+        return S3FIFOPolicy() if name == "s3fifo" else SievePolicy()
+    if name in ("tlru", "lineage", "queue-lru", "queue-lineage"):
+        from kvpool.allocators.prefix_policies import prefix_policy
+
+        return prefix_policy(str(name))
     if name == "belady":
         raise InvalidArgumentError("policy 'belady' evicts by the future of a trace, which only the replay "
                                    "knows: use it through kvpool.trace (run_replay, kvpool replay --policy "
                                    "belady)")
     raise InvalidArgumentError(f"unknown eviction policy {name!r}: choose one of {', '.join(POLICIES)}")
+
+
+def __getattr__(name: str) -> object:
+    """``ARCPolicy`` and ``ARC_VARIANTS`` live in :mod:`kvpool.allocators.arc`; still importable from here."""
+    if name in ("ARCPolicy", "ARC_VARIANTS"):
+        from kvpool.allocators import arc
+
+        return getattr(arc, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---- admission ------------------------------------------------------------------------------------------
