@@ -244,11 +244,33 @@ class S3FIFOPolicy(EvictionPolicy):
         return self._member[block] == _MAIN + 1 or self._freq[block] > 0
 
     def order(self) -> list[int]:
-        """The evictable blocks, small queue first, each queue oldest first (the next victim is the first
-        unless a promotion or the main queue's share decides otherwise)."""
-        ev = self._evictable
-        return [b for lst in (_SMALL, _MAIN) for b in self._q.items(lst) if ev[b]] + [
-            b for b in range(len(ev)) if ev[b] and self._q.linked[b] == _OUT]
+        """The evictable blocks, next victim first: :meth:`pop`'s walk replayed on copies (O(n) per
+        victim at worst; for tests and inspection)."""
+        ev, freq = self._evictable, list(self._freq)
+        queues = [[b for b in self._q.items(lst) if ev[b]] for lst in (_SMALL, _MAIN)]
+        queues[_SMALL] += [b for b in range(len(ev)) if ev[b] and not self._q.linked[b] and
+                           self._member[b] == _SMALL + 1]
+        queues[_MAIN] += [b for b in range(len(ev)) if ev[b] and not self._q.linked[b] and
+                          self._member[b] == _MAIN + 1]
+        cached, out = list(self._cached), []
+        while queues[_SMALL] or queues[_MAIN]:
+            if (cached[_MAIN] > self._main_cap or not queues[_SMALL]) and queues[_MAIN]:
+                block = queues[_MAIN].pop(0)
+                if freq[block] >= 1:
+                    freq[block] = min(freq[block], 3) - 1
+                    queues[_MAIN].append(block)
+                    continue
+                cached[_MAIN] -= 1
+            else:
+                block = queues[_SMALL].pop(0)
+                cached[_SMALL] -= 1
+                if freq[block] >= self.threshold:
+                    freq[block] = 0
+                    cached[_MAIN] += 1
+                    queues[_MAIN].append(block)
+                    continue
+            out.append(block)
+        return out
 
     def __len__(self) -> int:
         return self._live[_SMALL] + self._live[_MAIN]
@@ -346,12 +368,27 @@ class SievePolicy(EvictionPolicy):
         return bool(self._visited[block])
 
     def order(self) -> list[int]:
-        """The evictable blocks from the hand on (oldest first past the newest), ignoring visited bits."""
-        items = self._q.items(0)
-        at = items.index(self._hand) if self._hand in items else 0
-        ev = self._evictable
-        return [b for b in items[at:] + items[:at] if ev[b]] + [
-            b for b in range(len(ev)) if ev[b] and self._q.linked[b] == _OUT]
+        """The evictable blocks, next victim first: the hand's walk replayed on copies (for tests and
+        inspection)."""
+        ev, visited = self._evictable, bytearray(self._visited)
+        items = [b for b in self._q.items(0) if ev[b]]
+        items += [b for b in range(len(ev)) if ev[b] and not self._q.linked[b]]  # they rejoin at the head
+        hand = self._hand
+        at = next((i for i, b in enumerate(items) if b == hand), None)
+        if at is None:  # the hand rests on an in-use block or the sentinel: the next evictable one, or 0
+            walk, linked = self._q.items(0), set(items)
+            start = walk.index(hand) if hand in walk else len(walk)
+            at = next((items.index(b) for b in walk[start:] if b in linked), 0)
+        out, i = [], at
+        while items:
+            i %= len(items)
+            block = items[i]
+            if visited[block]:
+                visited[block] = 0
+                i += 1
+                continue
+            out.append(items.pop(i))
+        return out
 
     def __len__(self) -> int:
         return self._live
