@@ -591,3 +591,15 @@ class FrequencyAdmission:
 
     def _halve(self) -> None:
         self.counts = {h: c // 2 for h, c in self.counts.items() if c > 1}
+
+
+class ValuedAdmission(FrequencyAdmission):
+    """Tier admission by the device policy's own signal: an evicted block goes down to the tiers only when
+    the pool's eviction policy values it (:meth:`EvictionPolicy.valued`: for ``s3fifo`` a block that reached
+    the main queue, for ``sieve`` a visited one, for ``lineage`` a reused one; every block for a policy
+    without the signal), so one-hit wonders are not written below. For an
+    :class:`~kvpool.tiers.manager.OffloadManager` only (the device pool's own filter must count offers:
+    :class:`FrequencyAdmission`); it admits every hash offered by hash alone."""
+
+    def __init__(self) -> None:
+        super().__init__(1)

@@ -80,9 +80,9 @@ class S3FIFOPolicy(EvictionPolicy):
     2023), as libCacheSim's ``S3FIFO.c`` implements it: a small FIFO of ``small_ratio`` x the pool's blocks,
     a main FIFO of the rest, and a ghost FIFO of the hashes evicted from the small queue (at most
     ``int(ghost_ratio x num_blocks) + 1``: libCacheSim's ghost FIFO of that size evicts only past it, as the
-    comparison with it shows). A published hash enters the main queue when it is in the ghost (a second use soon
-    after a first), else the small queue (the main queue until the first eviction, once the small queue is
-    full). A hit adds 1 to the block's count; the block does not move. Eviction takes the small queue's
+    comparison with it shows). A published hash enters the main queue when it is in the ghost (a second use
+    soon after a first), else the small queue (the main queue until the first eviction, once the small queue
+    is full). A hit adds 1 to the block's count; the block does not move. Eviction takes the small queue's
     head when the main queue holds at most its share and the small queue has an evictable block, else the
     main queue's head. The small queue's head moves to the main queue when it was hit
     ``move_to_main_threshold`` times or more (count reset to 0), else it is evicted and its hash joins the
@@ -182,11 +182,10 @@ class S3FIFOPolicy(EvictionPolicy):
                 continue
             ghost, key = self._ghost, self._hash[block]
             self._forget(block, _SMALL)
-            if self._ghost_cap:
-                if key not in ghost:
-                    if len(ghost) > self._ghost_cap:  # libCacheSim's ghost FIFO holds one hash past its size
-                        ghost.popitem(False)
-                    ghost[key] = None
+            if self._ghost_cap and key not in ghost:
+                if len(ghost) > self._ghost_cap:  # libCacheSim's ghost FIFO holds one hash past its size
+                    ghost.popitem(False)
+                ghost[key] = None
             return block
         return -1
 

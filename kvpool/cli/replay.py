@@ -180,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def with_bound(policies: list[str], sizes: list[int | None], args: argparse.Namespace, trace: Any) -> list[str]:
+def with_bound(policies: list[str], sizes: list[int | None], args: argparse.Namespace, trace: Any
+               ) -> list[str]:
     """``policies`` with the offline bound (``belady``) added last when several runs are compared (a sweep
     of sizes or of policies) on a trace with prefix information, so that the table, ``--json`` and
     ``--report`` give every policy as a share of the bound; ``--no-bound`` leaves it out."""
