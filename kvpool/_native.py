@@ -59,6 +59,7 @@ from types import ModuleType
 #: The modules setup.py compiles (read there with ``ast``, without importing kvpool).
 COMPILED_MODULES = (
     "kvpool.event_buffer",
+    "kvpool.allocators.policy_base",
     "kvpool.allocators.policies",
     "kvpool.allocators.arc",
     "kvpool.allocators.queue_policies",

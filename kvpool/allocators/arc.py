@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 
-from kvpool.allocators.policies import EvictionPolicy
+from kvpool.allocators.policy_base import EvictionPolicy
 from kvpool.errors import InvalidArgumentError
 
 #: ARC's variants: Megiddo and Modha's algorithm, and vLLM 0.33's ``arc`` (``ARCPolicy.__doc__``).

@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 
-from kvpool.allocators.policies import EvictionPolicy, KeyedHeap, LRUPolicy
+from kvpool.allocators.policies import LRUPolicy
+from kvpool.allocators.policy_base import EvictionPolicy, KeyedHeap
 from kvpool.allocators.queue_policies import BlockLists
 from kvpool.errors import InvalidArgumentError
 from kvpool.numeric import IntArg, RealArg, as_int, as_real

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 
-from kvpool.allocators.policies import EvictionPolicy
+from kvpool.allocators.policy_base import EvictionPolicy
 from kvpool.numeric import IntArg, RealArg, as_int, as_real
 
 #: Where a block is: in no queue (not cached, or in use and passed over), or linked in one.
