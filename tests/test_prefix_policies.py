@@ -122,3 +122,21 @@ def test_every_policy_builds_by_name_and_keeps_the_pool_whole(name: str) -> None
 def test_queue_informed_wraps_a_plain_policy_only() -> None:
     with pytest.raises(InvalidArgumentError):
         QueueInformedPolicy(QueueInformedPolicy(make_policy("fifo")))
+
+
+def test_valued_admission_keeps_one_hit_wonders_out_of_the_tiers() -> None:
+    # lru values every block (nothing kept out); s3fifo values only what reached its main queue: the
+    # blocks evicted from the small queue unhit stay out, counted in not_admitted
+    from kvpool.tiers.backend import Namespace
+    from kvpool.tiers.host import HostTier
+    from kvpool.trace.loaders import load_trace
+    from kvpool.trace.replay import ReplayConfig, run_replay
+
+    requests = load_trace(max_requests=300).requests
+    out = {}
+    for policy in ("lru", "s3fifo"):
+        host = HostTier(4000, Namespace("t", "none", "hash-only", hash_scheme="trace-block-ids"))
+        result = run_replay(requests, ReplayConfig(block_size=64, num_blocks=1500, policy=policy),
+                            tiers=[host], tier_admission="valued")
+        out[policy] = result.tiers["not_admitted"]
+    assert out["lru"] == 0 and out["s3fifo"] > 0
