@@ -28,7 +28,7 @@ from typing import Final
 from librt.vecs import vec
 from mypy_extensions import i32, i64
 
-from kvpool.allocators.arrays import grown_i32, grown_i64, release_freed_memory
+from kvpool.allocators.arrays import extend_to, grown_i32, grown_i64, release_freed_memory
 
 #: ``key[b]`` of a block that holds no hash.
 NO_HASH: Final = -(1 << 63)
@@ -65,7 +65,7 @@ class PrefixIndex:
         if capacity > len(self.key):
             self.key = grown_i64(self.key, capacity, NO_HASH)
             if self._objects:
-                self._objects.extend([None] * (capacity - len(self._objects)))
+                extend_to(self._objects, capacity, None)
 
     # ---- reading ----------------------------------------------------------------------------------------
 

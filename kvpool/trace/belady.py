@@ -22,6 +22,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Hashable, Sequence
 
+from kvpool.allocators.arrays import extend_to
 from kvpool.allocators.groups import group_key, split_group_key
 from kvpool.allocators.policies import EvictionPolicy, KeyedHeap
 from kvpool.errors import IntegrityError
@@ -84,7 +85,7 @@ class BeladyPolicy(EvictionPolicy):
 
     def grow(self, capacity: int) -> None:
         self._heap.grow(capacity)
-        self._hash.extend([None] * (capacity - len(self._hash)))
+        extend_to(self._hash, capacity, None)
 
     def admitted(self, req: TraceRequest, hashes: Sequence[Hashable]) -> None:
         """``req`` (block hashes ``hashes``) is admitted for the first time: each of its hashes is now next
