@@ -249,7 +249,7 @@ NEW = 10
 DOC = [(7 * i + 3) % 251 for i in range(60)]
 PROMPTS = [DOC + [10, 11, 12], DOC[:45] + list(range(150, 170)), [(5 * i + 1) % 256 for i in range(23)]]
 MODELS = ("tiny-llama", "tiny-qwen2", "tiny-gpt2", "tiny-mistral", "tiny-gemma2", "tiny-gemma3",
-          "tiny-gpt-oss", "tiny-gemma4", "tiny-mimo")
+          "tiny-gpt-oss", "tiny-gemma4", "tiny-mimo", "tiny-llama4")
 
 
 @pytest.fixture(scope="module", params=MODELS)
