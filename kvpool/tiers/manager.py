@@ -99,9 +99,11 @@ class OffloadManager:
         write_through: store each published block in every tier at once (else: on eviction, cascading).
         asynchronous: run the byte tiers' stores on a worker thread (else inline: deterministic).
         staging_blocks: staging rows for those stores (blocks in flight at most).
-        admission: frequency admission into the tiers (bound to the device pool's size: it tracks at most
-            4 x ``pool.num_blocks`` hashes unless built with ``max_tracked``); None stores every block. Give
-            the pool its own instance if it filters its publish step too (one filter counts one stream).
+        admission: frequency admission into the tiers (bound to the chain's size: it tracks at most 4 x
+            the blocks of the device pool and the tiers that bound their size, unless built with
+            ``max_tracked``: a block offered again after more offers than that finds its count forgotten,
+            as it would find an admitted copy evicted); None stores every block. Give the pool its own
+            instance if it filters its publish step too (one filter counts one stream).
 
     Raises:
         InvalidArgumentError: a host tier not in first place, tiers whose ``block_bytes`` does not match
@@ -120,7 +122,7 @@ class OffloadManager:
             raise InvalidArgumentError(f"admission must be a FrequencyAdmission of the tiers' own (not the "
                                        f"pool's) or None, got {admission!r}")
         if admission is not None:
-            admission.bind(pool.num_blocks)
+            admission.bind(pool.num_blocks + sum(t.capacity_blocks or 0 for t in self.tiers))
         self.admission = admission
         self.host = self.tiers[0] if self.tiers and isinstance(self.tiers[0], HostTier) else None
         self.lower = self.tiers[1:] if self.host is not None else self.tiers
