@@ -489,7 +489,7 @@ class KVEventSink:
         keys); None when they are all of one group."""
         split = self._split
         assert split is not None
-        groups = [split(k)[0] for k in keys]
+        groups = list(map(operator.itemgetter(0), map(split, keys)))
         if not groups or groups.count(groups[0]) == len(groups):
             return None
         parts: dict[int | None, list[int]] = {}
