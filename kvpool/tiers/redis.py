@@ -637,17 +637,33 @@ def _read_replies(sock: Any, n: int, field_bytes: int) -> list[Any]:
     connection)."""
     data, pos, out = bytearray(), 0, []
     while len(out) < n:
-        got = _reply(data, pos, field_bytes)
+        got = _reply(data, pos, field_bytes) if data else None
         if got is None:  # incomplete: more bytes
             chunk = sock.recv(65536)
             if not chunk:
                 raise redis.ConnectionError("the server closed the connection")
             data += chunk
+            if not out and data.endswith(b"\r\n") and data.count(b"\r\n") == n:
+                integers = _integer_lines(data, n)  # the common case of EXISTS, HSET, DEL, at once
+                if integers is not None:
+                    return integers
             continue
         value, pos = got
         out.append(value)
     if pos != len(data):
         raise redis.InvalidResponse("more bytes than replies")
+    return out
+
+
+def _integer_lines(data: bytearray, n: int) -> list[int] | None:
+    """The ``n`` lines of ``data`` (exactly ``n``, each ended by CRLF) as non-negative integer replies
+    (``:<1-19 digits>``) read at once; None when any line is another reply (:func:`_reply` reads them)."""
+    out = []
+    for line in bytes(data).split(b"\r\n", n)[:n]:
+        digits = line[1:]
+        if line[:1] != b":" or not (0 < len(digits) < 20 and digits.isdigit()):
+            return None
+        out.append(int(digits))
     return out
 
 
