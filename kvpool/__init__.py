@@ -1,17 +1,16 @@
 """kvpool: the memory layer under an LLM inference engine's KV cache.
 
-Layers, bottom up (a module never imports one above it): ``errors``, ``numeric``, ``units`` / ``options``
-/ ``events`` -> ``hf_config`` -> ``spec`` -> ``planner`` -> ``allocators`` -> ``storage`` -> ``engine`` /
-``trace`` / ``metrics`` -> ``bench`` -> ``cli``.
+Layers, bottom up (a module never imports one above it): the ground (errors, numbers, units, options),
+events and model configs, the spec, the planner, the allocators, storage, the tiers, the request path, the
+consumers (engine, trace, metrics, integrations), bench, and the command line. Each module's rank is in the
+design page's table (docs/DESIGN.md, "Layers") and in tests/test_layers.py, which checks every import.
 Public names are imported lazily, so ``import kvpool`` stays cheap and pulls in no optional dependency.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from kvpool import _native
+from kvpool._lazy import lazy_exports
 
 _native.activate()  # compiled or interpreted hot modules: decided before any of them is imported
 
@@ -58,8 +57,4 @@ __all__ = [
     "OutOfBlocksError", "PinLimitError", "TraceFormatError", "parse_kv_dtype", *_LAZY,
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'kvpool' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

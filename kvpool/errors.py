@@ -71,3 +71,9 @@ class RankFailedError(KVPoolError, RuntimeError):
 
     def __reduce__(self) -> tuple:
         return type(self), (str(self), self.rank, self.traceback)
+
+
+class ModelError(KVPoolError, RuntimeError):
+    """The model's own code (transformers) raised while loading or running it; the message names the model,
+    the transformers version and the original error (chained as ``__cause__``). Unlike the errors above,
+    the run it stopped is not undone: an engine whose forward raised is not reused."""

@@ -32,14 +32,14 @@ share of reply frames per live batch), and :meth:`ZmqEventPublisher.close` drain
 :class:`KVEventSubscriber` (:mod:`kvpool.events_subscriber`, re-exported here) receives them in order, fills
 gaps from the replay socket and follows a publisher restarted on the same endpoint.
 
-This module sits on the ground floor beside :mod:`kvpool.errors`: it imports nothing else of kvpool.
-``msgspec`` is needed to import it (``pip install kvpool[events]``), ``pyzmq`` for the ZMQ classes.
+This module sits one floor above the ground: of kvpool above the ground it imports only the buffer its sink
+records into, :mod:`kvpool.event_buffer`.
+``msgspec`` is needed to import it, ``pyzmq`` for the ZMQ classes (both in kvpool's ``events`` extra).
 """
 
 from __future__ import annotations
 
 import bisect
-import importlib
 import itertools
 import operator
 import queue
@@ -52,6 +52,7 @@ from typing import Any
 
 import msgspec
 
+from kvpool._lazy import lazy_exports
 from kvpool.errors import ConfigError, InvalidArgumentError
 from kvpool.event_buffer import EventBuffer, EventRecorder
 from kvpool.numeric import as_id_list, as_int, as_optional_int
@@ -665,7 +666,7 @@ def _zmq() -> Any:
     try:
         import zmq
     except ImportError:
-        raise ImportError("ZMQ KV events need pyzmq: pip install kvpool[events]") from None
+        raise ImportError("ZMQ KV events need pyzmq: pip install pyzmq") from None
     return zmq
 
 
@@ -874,10 +875,8 @@ class ZmqEventPublisher(EventPublisher):
         self._ctx.term()
 
 
-def __getattr__(name: str) -> Any:
-    """``KVEventSubscriber`` and ``SequenceTracker`` live in :mod:`kvpool.events_subscriber` (one floor up);
-    ``from kvpool.events import KVEventSubscriber`` keeps working."""
-    if name in ("KVEventSubscriber", "SequenceTracker", "SubscriberStats"):
-        # a name users import from here: resolved on first use, so this floor imports nothing above it
-        return getattr(importlib.import_module("kvpool.events_subscriber"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# KVEventSubscriber, SequenceTracker and SubscriberStats live in kvpool.events_subscriber (one floor up);
+# `from kvpool.events import KVEventSubscriber` keeps working, resolved on first use, so this floor imports
+# nothing above it
+__getattr__, __dir__ = lazy_exports(__name__, dict.fromkeys(
+    ("KVEventSubscriber", "SequenceTracker", "SubscriberStats"), "kvpool.events_subscriber"))

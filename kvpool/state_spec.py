@@ -36,7 +36,7 @@ skipped. Family defaults the config classes supply are listed in :data:`FAMILIES
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
@@ -602,12 +602,3 @@ def _attention_spec(r: _Reader, num_layers: int, family: Family, tp: int, dtype:
     return KVCacheSpec(num_layers, kv_heads, head_dim, dtype, block_size, tp_size=tp,
                        num_attention_heads=heads)
 
-
-def layer_summary(roles: Sequence[LayerRole]) -> str:
-    """``"36 recurrent + 12 attention"`` (roles in the order they first appear; NONE layers counted as
-    "without cache")."""
-    counts: dict[LayerRole, int] = {}
-    for role in roles:
-        counts[role] = counts.get(role, 0) + 1
-    names = {LayerRole.NONE: "without cache"}
-    return " + ".join(f"{n} {names.get(role, role.value)}" for role, n in counts.items())

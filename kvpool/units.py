@@ -40,6 +40,8 @@ def parse_bytes(text: str) -> int:
     """``text`` as a whole number of bytes (the module docstring's format); ValueError saying why not."""
     match = _BYTES.match(text)
     unit = match.group(2).lower() if match else None
+    if match is None and _BYTES.match(text.strip().removeprefix("-")):
+        raise ValueError(f"{text!r} is negative: a byte count is 0 or more")
     if match is None or unit not in _UNITS:
         raise ValueError(f"{text!r} is not a byte count (e.g. 80GiB, 512MiB, 1073741824)")
     if len(match.group(1)) > 40:  # past int64 whatever the unit (and past Python's int-parsing limit)

@@ -4,6 +4,7 @@ convention, quiet exits on a closed pipe."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -178,6 +179,56 @@ def test_units_plural_and_bytes() -> None:
     for bad in ("80GB", "1e9", "0x10", "1_000", "-1GiB", "1.5B", "9" * 30 + "TiB"):
         with pytest.raises(ValueError):
             parse_bytes(bad)
+    with pytest.raises(ValueError, match="'-5GiB' is negative: a byte count is 0 or more"):
+        parse_bytes("-5GiB")
+
+
+# ---- options: written out in full, and a negative value reaches its option's check (issue 30) ---------
+
+def _long_options(parser: argparse.ArgumentParser, *, with_values: bool = False) -> list[str]:
+    return [s for a in parser._actions for s in a.option_strings
+            if s.startswith("--") and (not with_values or a.nargs != 0)]
+
+
+@pytest.mark.parametrize("path", [p for p, _ in parsers()], ids=lambda p: " ".join(p) or "kvpool")
+def test_options_are_never_abbreviated(path: tuple[str, ...], capsys: pytest.CaptureFixture) -> None:
+    """argparse takes any unambiguous prefix of an option (``--max-new-token`` ran as ``--max-new-tokens``);
+    kvpool refuses it in one line naming the option meant, before any other check (a missing positional),
+    for every option of every command."""
+    options = _long_options(dict(parsers())[path])
+    for option in options:
+        short = option[:-1]
+        if short in options or len(short) < 4:
+            continue
+        assert main([*path, short, "1"]) == 2, short
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1
+        prog = " ".join(("kvpool", *path))
+        assert err.startswith(f"{prog}: error: unknown option {short} (did you mean --"), err
+        assert "options are never abbreviated" in err
+
+
+@pytest.mark.parametrize("path", [p for p, _ in parsers()], ids=lambda p: " ".join(p) or "kvpool")
+def test_a_negative_value_after_a_space_reaches_its_option(path: tuple[str, ...], capsys) -> None:
+    """``--gpu-memory -5GiB`` got argparse's "expected one argument" (it read -5GiB as an option): every
+    option that takes a value now gets the word, and its own check says what is wrong with it."""
+    parser = dict(parsers())[path]
+    for option in _long_options(parser, with_values=True):
+        with contextlib.suppress(SystemExit):
+            parser.parse_args([option, "-5GiB"])  # parsing only: nothing runs
+        err = capsys.readouterr().err
+        assert "expected one argument" not in err and "unknown option" not in err, (option, err)
+    with pytest.raises(SystemExit):
+        dict(parsers())[("plan",)].parse_args([LLAMA_8B, "--gpu-memory", "-5GiB"])
+    assert capsys.readouterr().err == \
+        "kvpool plan: error: argument --gpu-memory: '-5GiB' is negative: a byte count is 0 or more\n"
+
+
+def test_words_after_a_double_dash_are_left_as_they_are() -> None:
+    from kvpool.cli._args import _attach_negative_values
+
+    assert _attach_negative_values(["--a", "-5", "--b=1", "-2", "-", "-x", "-3", "--", "--c", "-4"]) == [
+        "--a=-5", "--b=1", "-2", "-", "-x=-3", "--", "--c", "-4"]
 
 
 # ---- generate: bad input fails before the weights load ----------------------------------------------
@@ -368,3 +419,22 @@ def test_gemma3_first_conversion_says_so_before_it_starts(tmp_path: Path, monkey
     (tmp_path / "gemma3-270m" / "config.json").write_text("{}")
     assert models.gemma3_folder(tmp_path) == tmp_path / "gemma3-270m"  # converted: nothing to say
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("columns", ["60", "100", "200"])
+def test_generate_help_names_every_built_in_model_whole(monkeypatch: pytest.MonkeyPatch, columns: str
+                                                         ) -> None:
+    """Issue 29: the ten tiny hybrids were missing from ``--model``'s help, and argparse's wrapping broke a
+    name at a hyphen ("tiny-" / "gpt2"). Every name load_model knows is listed whole, at any width, and
+    every tiny name listed is one whose config loads."""
+    pytest.importorskip("transformers")
+    from kvpool.engine.models import BUILTIN_MODELS, load_config
+
+    monkeypatch.setenv("COLUMNS", columns)
+    text = dict(parsers())[("generate",)].format_help()
+    words = set(re.findall(r"[\w.-]+", text.split("\n  --model NAME", 1)[1].split("\n  --prompt TEXT", 1)[0]))
+    assert set(BUILTIN_MODELS) <= words
+    listed = sorted(w for w in words if w.startswith("tiny-"))
+    assert listed == sorted(n for n in BUILTIN_MODELS if n.startswith("tiny-")) and len(listed) == 19
+    for name in listed:
+        assert load_config(name)["model_type"]

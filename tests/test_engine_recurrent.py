@@ -214,3 +214,46 @@ def test_kv_from_a_tier_is_reused_only_with_its_state(checkpoints: int, hit: int
     assert engine.states.stats.kv_only_tokens == 40 - hit
     engine.offload.close()
     engine.kv_manager.check_integrity()
+
+
+def _raise_in_conv1d_init(*args: object, **kwargs: object) -> None:
+    raise RuntimeError("no\nmemory")  # a two-line message: the report keeps one line
+
+
+@pytest.mark.parametrize("where", ["forward", "load"])
+def test_cli_reports_an_error_inside_transformers_in_one_line(where: str, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 29: transformers 5.25's mixers called a cache method kvpool's cache lacked, and ``kvpool
+    generate`` died with a traceback. An exception raised in transformers' code, in the forward (a method the
+    mixers call taken off transformers' Cache) or while the model is built (a torch layer failing in its
+    constructor), is one line naming the model and the transformers version, exit status 1."""
+    import transformers
+    from transformers.cache_utils import Cache
+
+    from kvpool.cli import main
+
+    if where == "forward":
+        monkeypatch.delattr(Cache, "update_conv_state")
+        why = "AttributeError: 'SlotStateCache' object has no attribute 'update_conv_state'"
+    else:
+        monkeypatch.setattr(torch.nn.Conv1d, "__init__", _raise_in_conv1d_init)
+        why = "RuntimeError: no memory"
+    code = main(["generate", "--model", "tiny-lfm2", "--max-new-tokens", "2", "--prompt", "hi"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == (f"kvpool generate: error: tiny-lfm2 failed inside transformers "
+                                    f"{transformers.__version__}: {why}")
+
+
+def test_an_error_of_kvpool_inside_the_forward_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only transformers' own errors are reported as the model's: one raised by kvpool's code that
+    transformers calls (here the mixer's per-span cache) is a kvpool bug and propagates as it is."""
+    from kvpool.cli import main
+    from kvpool.engine import recurrent
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a kvpool bug")
+
+    monkeypatch.setattr(recurrent.SlotStateCache, "__init__", broken)
+    with pytest.raises(RuntimeError, match="a kvpool bug"):
+        main(["generate", "--model", "tiny-lfm2", "--max-new-tokens", "2", "--prompt", "hi"])

@@ -139,3 +139,16 @@ def test_byte_tiers_need_a_shared_hasher(tiny, tmp_path: Path) -> None:
     engine.enable_offload([HostTier(8, ns, like=engine.cache)])  # the host tier never leaves the process
     with pytest.raises(ConfigError, match="already"):
         engine.enable_offload([])
+
+
+def test_kv_events_need_a_shared_hasher(tiny) -> None:
+    """The events carry the hashes out of the process like a disk tier does (issue 30: the engine took a
+    process-local hasher with events, and refused one only under a disk or Redis tier); without a hasher
+    the engine takes a shared one."""
+    from kvpool.events import QueueEventPublisher
+
+    model, _ = tiny
+    with pytest.raises(ConfigError, match="KV events carry block hashes"):
+        LLMEngine(model, num_blocks=14, block_size=BLOCK, hasher=BlockHasher(),
+                  kv_events=QueueEventPublisher())
+    assert LLMEngine(model, num_blocks=14, block_size=BLOCK, kv_events=QueueEventPublisher()).hasher.shared

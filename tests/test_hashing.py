@@ -374,3 +374,48 @@ def test_prompt_embedding_digests_per_block() -> None:
     assert embedding_digest(embeds.to(torch.bfloat16)) != embedding_digest(embeds.to(torch.float16))
     tokens = [0] * 40  # placeholder token ids: only the embeddings tell two such prompts apart
     assert block_hashes(tokens, 16, extra_keys=keys)[1] != block_hashes(tokens, 16, extra_keys=new)[1]
+
+
+# ---- where the hashes go: one rule for the engine, the request path and the command line (issue 30) -----
+
+def test_hasher_for_defaults_to_a_shared_hasher_only_where_hashes_leave() -> None:
+    from kvpool.allocators.hashing import hasher_for, hashes_leave_process
+
+    assert not hashes_leave_process() and not hashes_leave_process(media=["host"])
+    assert hashes_leave_process(events=True) and hashes_leave_process(media=["host", "disk"])
+    assert hasher_for(None) is default_hasher()  # nothing leaves: the process-local default
+    assert hasher_for(None, media=["host"]) is default_hasher()
+    assert hasher_for(None, events=True).shared and hasher_for(None, media=["remote"]).shared
+    local, shared = BlockHasher(), BlockHasher(shared=True)
+    assert hasher_for(local, media=["host"]) is local and hasher_for(shared, media=["disk"]) is shared
+    with pytest.raises(ConfigError, match="KV events carry block hashes out of this process"):
+        hasher_for(local, events=True)
+    with pytest.raises(ConfigError, match="a disk tier, a remote tier carry"):
+        hasher_for(local, media=["host", "remote", "disk"])
+
+
+def test_the_request_path_refuses_a_process_local_hasher_whose_hashes_leave(tmp_path: Path) -> None:
+    """KVCacheManager, which engines are built on, holds the rule the engine held alone: its events or a
+    disk tier carry the hashes out of the process, where a random root matches no other process's."""
+    from kvpool.events import KVEventSink, QueueEventPublisher
+    from kvpool.requests.kv_manager import KVCacheManager
+    from kvpool.spec import KVCacheGroup, LayerKind
+    from kvpool.tiers.auth import TierKey
+    from kvpool.tiers.backend import Namespace
+    from kvpool.tiers.file import FileTier
+    from kvpool.tiers.host import HostTier
+
+    groups = (KVCacheGroup(0, LayerKind.FULL, None, (0,), 1, 4),)
+    sink = KVEventSink(QueueEventPublisher(), block_size=4)
+    with pytest.raises(ConfigError, match="shared hasher"):
+        KVCacheManager(groups, 16, hasher=BlockHasher(), event_sink=sink)
+    KVCacheManager(groups, 16, hasher=BlockHasher(shared=True), event_sink=sink)
+    ns = Namespace("model", "none", "hash-only", hash_scheme="test")
+    disk = FileTier(tmp_path, ns, capacity_bytes=10**6, block_bytes=0,
+                    auth_key=TierKey("kvpool tests: a tier key of 16+ bytes"))
+    kv = KVCacheManager(groups, 16, hasher=BlockHasher())
+    with pytest.raises(ConfigError, match="a disk tier carry block hashes"):
+        kv.attach_tiers([disk])
+    assert kv.tiers is None  # nothing attached
+    kv.attach_tiers([HostTier(8, ns)])  # host memory is this process's: any hasher
+    disk.close()

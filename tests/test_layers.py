@@ -1,6 +1,7 @@
 """The layering rule of DESIGN.md: data flows up, and no module imports one from a layer above it."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ RANKS = {
     # numeric (the one rule for ids, counts and numbers) and units (counts and bytes for people): the ground
     # _native (compiled or interpreted modules) runs before everything and imports only the standard library
     "_native": -1,
+    # _lazy (names a package exports, imported on first use) imports only the standard library too
+    "_lazy": -1,
     "errors": 0, "numeric": 0.5, "units": 0.7, "options": 0.8, "events": 1, "hf_config": 1, "spec": 2,
     # the buffer a KV event sink records into, compiled with the pool's hot path: beneath events
     "event_buffer": 0.9,
@@ -57,3 +60,22 @@ def test_imports_only_downward(path: Path) -> None:
         if there == here:
             continue
         assert RANKS[there] < RANKS[here], f"{path.name} ({here}) imports {name} ({there}): not downward"
+
+
+def _design_ranks() -> dict[str, float]:
+    """The layers table of docs/DESIGN.md: each module or package it names (``spec.py``, ``kvpool/tiers/``)
+    with the rank of its row."""
+    text = (PACKAGE.parent / "docs" / "DESIGN.md").read_text()
+    table = text[text.index("| rank | layer | modules | job |"):].split("\n\n")[0]
+    out = {}
+    for row in table.splitlines()[2:]:
+        rank, _layer, modules, _job = row.strip("|").split(" | ")[:4]
+        for name in re.findall(r"`(?:kvpool/)?(\w+)(?:\.py|/)`", modules):
+            out[name] = float(rank)
+    return out
+
+
+def test_the_design_page_gives_every_layer_its_rank() -> None:
+    """docs/DESIGN.md's layers table names every module and package of RANKS with the same rank (issue 30:
+    the map had lost the modules added since it was written)."""
+    assert _design_ranks() == {name: float(rank) for name, rank in RANKS.items()}

@@ -199,6 +199,55 @@ def test_help_shows_the_compiled_classes_docs() -> None:
     assert str(inspect.signature(BlockPool.allocate)) == "(self, /, n)"  # the text signature stays
 
 
+@pytest.mark.skipif(not COMPILED_HERE, reason="no compiled build here")
+@pytest.mark.parametrize("name", _native.COMPILED_MODULES)
+def test_compiled_classes_have_their_sources_signatures(name: str) -> None:
+    """Issue 30: a compiled class's ``__init__`` read ``(self, /, *args, **kwargs)`` (CPython's text for any C
+    type's); now the class and its ``__init__`` have the interpreted build's signatures, annotations and
+    defaults included, and construct as before."""
+    import importlib
+    import inspect
+
+    def shown(obj: object, annotations: bool) -> list[tuple[object, ...]]:
+        return [(p.name, p.kind, p.default, *([p.annotation] if annotations else []))
+                for p in inspect.signature(obj).parameters.values()]
+
+    compiled, source = importlib.import_module(name), _native.interpreted(name)
+    classes = [n for n, c in vars(source).items() if isinstance(c, type) and c.__module__ == source.__name__]
+    written = _native.source_init_signatures(_native.module_source(name), vars(source))  # defining __init__
+    assert classes and written
+    for cls in classes:
+        mine, theirs = getattr(compiled, cls), getattr(source, cls)
+        # a dataclass's generated __init__ is a plain function in both builds, its annotations the types
+        # mypyc erased them to (tuple for tuple[list[int], ...]): names, kinds and defaults only there
+        full = cls in written
+        assert shown(mine.__init__, full) == shown(theirs.__init__, full), cls
+        assert shown(mine, full) == shown(theirs, full), cls
+        assert "*args" not in str(inspect.signature(mine.__init__)), cls
+
+
+@pytest.mark.skipif(not COMPILED_HERE, reason="no compiled build here")
+def test_a_compiled_class_constructs_as_before_from_interpreted_code() -> None:
+    import inspect
+
+    from kvpool import BlockPool, InvalidArgumentError
+    from kvpool.allocators.policies import EvictionPolicy, LRUPolicy
+
+    assert _native.is_compiled(sys.modules["kvpool.allocators.block_pool"])
+    assert str(inspect.signature(BlockPool.__init__)).startswith("(self, num_blocks: 'IntArg', *, ")
+    pool = BlockPool(8, policy=LRUPolicy())
+    assert pool.allocate(3) == [0, 1, 2] and pool.num_free_blocks == 5
+    with pytest.raises(InvalidArgumentError, match="num_blocks must be an integer >= 1, got 0"):
+        BlockPool(0)
+
+    class Mine(EvictionPolicy):  # an interpreted subclass of a compiled class calls its __init__
+        def __init__(self) -> None:
+            super().__init__()
+            self.made = True
+
+    assert Mine().made and isinstance(Mine(), EvictionPolicy)
+
+
 def test_the_package_says_it_is_typed() -> None:
     assert (PACKAGE / "py.typed").is_file()
     assert '"py.typed"' in (PACKAGE.parent / "pyproject.toml").read_text()

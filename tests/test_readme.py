@@ -63,6 +63,17 @@ def test_every_python_block_is_tested_or_says_why_not(path: Path) -> None:
     assert not untested, f"{_page(path)}: python blocks without a doc-test marker: {untested}"
 
 
+def torch_threads(n: int | None = None) -> int | None:
+    """torch's intra-op thread count (None without torch); with ``n``, set it back to ``n`` first."""
+    if "torch" not in sys.modules:
+        return None
+    import torch
+
+    if n is not None:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
 def test_the_wire_in_example_is_tested() -> None:
     assert "wire-it-in" in doc_tests(README)
 
@@ -70,7 +81,12 @@ def test_the_wire_in_example_is_tested() -> None:
 @pytest.mark.parametrize(("path", "name"), DOC_TESTS, ids=[f"{_page(p)}:{n}" for p, n in DOC_TESTS])
 def test_readme_block_runs(path: Path, name: str) -> None:
     namespace: dict[str, object] = {"__name__": f"doc_{name}"}
-    exec(compile(doc_tests(path)[name], f"{_page(path)}:{name}", "exec"), namespace)  # noqa: S102 - our docs
+    threads = torch_threads()
+    try:  # a page's code as a reader runs it: no __future__ import of this file, its own thread setting
+        exec(compile(doc_tests(path)[name], f"{_page(path)}:{name}", "exec", dont_inherit=True),  # noqa: S102
+             namespace)
+    finally:
+        torch_threads(threads)
     if name == "wire-it-in":  # the request is gone and its blocks stay cached for the next one
         pool = namespace["pool"]
         assert pool.num_used_blocks == 0 and pool.num_cached_blocks == 2

@@ -25,8 +25,9 @@ pytest.importorskip("transformers")
 from kvpool.allocators.block_pool import BlockPool  # noqa: E402
 from kvpool.allocators.state_pool import StatePool  # noqa: E402
 from kvpool.engine.models import kv_spec, load_model, reference_greedy  # noqa: E402
-from kvpool.engine.recurrent import SlotStateCache, execution_kv_spec, hybrid_spec  # noqa: E402
+from kvpool.engine.recurrent import execution_kv_spec, hybrid_spec  # noqa: E402
 from kvpool.engine.runner import ModelRunner, StepBatch  # noqa: E402
+from kvpool.engine.state_cache import TESTED_TRANSFORMERS, SlotStateCache, SlotStateLayer  # noqa: E402
 from kvpool.errors import ConfigError, InvalidArgumentError  # noqa: E402
 from kvpool.spec import cdiv  # noqa: E402
 
@@ -176,6 +177,81 @@ def test_spec_shapes_are_transformers_states(family: tuple) -> None:
         conv, ssm = cache.layers[layer].conv_states[0], cache.layers[layer].recurrent_states[0]
         assert conv.shape[1:] == (state.conv_shape[0], state.conv_kernel), name  # K columns there
         assert (() if ssm is None else tuple(ssm.shape[1:])) == state.ssm_shape, name
+
+
+def test_the_slot_holds_transformers_own_states(family: tuple) -> None:
+    """The third prompt through the runner in two prefill chunks (11 + 6 tokens) leaves in its slot the
+    states transformers' own DynamicCache holds after one forward of it (a second model with the same
+    weights): the conv state's last K - 1 inputs (the pool keeps K - 1, transformers K) and the SSM state."""
+    from transformers import DynamicCache
+
+    name, sched, _ = family
+    req = Req(PROMPTS[2])
+    sched.admit(req)
+    sched.step([(req, 11)])
+    sched.step([(req, 6)])
+    reference = load_model(name, seed=1).model
+    cache = DynamicCache(config=reference.config)
+    with torch.no_grad():
+        reference(input_ids=torch.tensor([PROMPTS[2]]), cache=cache, use_cache=True)
+    pool = sched.runner.recurrent.cache
+    for layer in sched.hybrid.state.layers:
+        theirs = cache.layers[layer]
+        conv = pool.conv_view(layer, req.slot)
+        torch.testing.assert_close(conv, theirs.conv_states[0][..., -conv.shape[-1]:], atol=1e-4, rtol=0)
+        if pool.ssm is not None:
+            torch.testing.assert_close(pool.ssm_view(layer, req.slot), theirs.recurrent_states[0], atol=1e-4,
+                                       rtol=0)
+    sched.slots.free([req.slot])
+    sched.blocks.free(req.table)
+
+
+def test_the_cache_and_its_layers_are_transformers_own() -> None:
+    """Issue 29: transformers 5.25's mixers call ``increase_count`` and ``get_recurrent_states_to_keep``,
+    which kvpool's copy of the cache protocol lacked. SlotStateCache is a transformers ``Cache`` and its
+    layers ``LinearAttentionLayer``s that define nothing but ``__init__``, so every method of the protocol, of
+    this release or a later one, is transformers' own (the two above among them)."""
+    from transformers.cache_utils import Cache, LinearAttentionLayer
+
+    sched = Scheduler("tiny-qwen3-next")
+    cache = SlotStateCache(sched.runner.recurrent.cache, 1, True)
+    assert isinstance(cache, Cache) and issubclass(SlotStateLayer, LinearAttentionLayer)
+    for cls in (SlotStateCache, SlotStateLayer):
+        assert [k for k, v in vars(cls).items() if callable(v) or isinstance(v, property)] == ["__init__"]
+    layer, pool = sched.hybrid.state.layers[0], sched.runner.recurrent.cache
+    assert cache.get_conv_state(layer).data_ptr() == pool.conv_view(layer, 1).data_ptr()
+    assert not cache.is_recording_past(layer) and cache.has_previous_state(layer)
+    if hasattr(Cache, "get_recurrent_states_to_keep"):  # 5.25 and later
+        assert cache.get_recurrent_states_to_keep(layer) == 0
+
+
+def test_the_installed_transformers_is_a_tested_release() -> None:
+    """SlotStateLayer fills LinearAttentionLayer's state attributes, which transformers does not document:
+    a release not in TESTED_TRANSFORMERS is trusted only once this file passes on it and its name is added
+    (a check of the newest releases sees it fail here first)."""
+    import transformers
+
+    version = transformers.__version__
+    assert version in TESTED_TRANSFORMERS, f"untested transformers {version}"
+
+
+def test_a_layer_that_keeps_its_states_elsewhere_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A release whose layer renamed ``conv_states`` would keep its own zeros and update them, not the pool's
+    slot (the engine would run without state): SlotStateLayer refuses it, naming the release."""
+    import transformers
+    from transformers.cache_utils import LinearAttentionLayer
+
+    original = LinearAttentionLayer.__init__
+
+    def renamed(self: LinearAttentionLayer, *args: object, **kwargs: object) -> None:
+        original(self, *args, **kwargs)
+        self._conv_states = self.__dict__.pop("conv_states")
+
+    states = Scheduler("tiny-lfm2").runner.recurrent.cache
+    monkeypatch.setattr(LinearAttentionLayer, "__init__", renamed)
+    why = rf"transformers {transformers.__version__}'s LinearAttentionLayer has no conv_states: "
+    with pytest.raises(ConfigError, match=why + r".* transformers 5.24.0 and 5.25.0"):
+        SlotStateCache(states, 1, False)
 
 
 def test_mamba1_resumes_multi_token_spans_token_by_token() -> None:

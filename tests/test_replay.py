@@ -477,3 +477,24 @@ def test_pool_too_large_for_memory_is_a_config_error() -> None:
     requests = [TraceRequest(0.0, 16, 10**14)]  # the unbounded pool would be 6e12 blocks
     with pytest.raises(ConfigError, match="does not fit in memory"):
         run_replay(requests, ReplayConfig(block_size=16))
+
+
+def test_a_long_sweep_off_a_terminal_prints_a_line_per_run(capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 30: a sweep with --report ran 18 minutes without a word into a log; now each finished run says
+    so on stderr (stdout keeps the report, --json's too). 600 requests x 2 sizes = 1,200 >= the 1,000 from
+    which progress shows; --no-progress silences it; at a terminal it is a tqdm bar instead."""
+    argv = ["replay", "--max-requests", "600", "--sweep", "300,900", "--json"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    runs = json.loads(out)["runs"]
+    assert [line.split(":")[1].split(" done")[0] for line in lines] == [" run 1 of 2", " run 2 of 2"]
+    for line, size, run in zip(lines, ("300", "900"), runs, strict=True):
+        assert line.startswith("replay: run ") and f"({size} blocks, lru): block hit ratio " \
+            f"{run['block_hit_ratio']:.4f}," in line
+    assert main([*argv, "--no-progress"]) == 0 and capsys.readouterr().err == ""
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "replay: run" not in err and "1200/1200" in err  # the bar, ended full

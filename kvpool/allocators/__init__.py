@@ -3,14 +3,15 @@
 ``BlockPool`` (block tables with prefix caching, vLLM / nano-vllm style), ``BlockHasher`` /
 ``block_hashes`` / ``hash_block`` (chained prefix hashes from a secret root), ``TokenToKVPoolAllocator``
 (token slots or pages, SGLang style), ``ReqToTokenPool`` (request -> slot table), ``KVCacheCoordinator`` (a
-block table per KV cache group of a hybrid model over one ``BlockPool``) and ``SWATokenToKVPoolAllocator``
-(full and sliding-window token slots). Imported lazily, like the package root.
+block table per KV cache group of a hybrid model over one ``BlockPool``), ``SWATokenToKVPoolAllocator``
+(full and sliding-window token slots), ``StatePool`` (the recurrent state slots of a hybrid model's requests)
+and ``HybridReqToTokenPool`` (SGLang's request table with a state slot per request). Imported lazily, like
+the package root.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from kvpool._lazy import lazy_exports
 
 _LAZY = {
     "BlockPool": "kvpool.allocators.block_pool",
@@ -31,9 +32,4 @@ _LAZY = {
 }
 
 __all__ = list(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'kvpool.allocators' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -44,7 +44,7 @@ import os
 import struct
 import sys
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -197,6 +197,33 @@ def default_hasher() -> BlockHasher:
     """The process-local hasher used when none is given: ``BlockHasher()``, built on first use (so it reads
     ``$KVPOOL_HASH_SEED`` then) and kept for the life of the process."""
     return BlockHasher()
+
+
+def hashes_leave_process(*, events: bool = False, media: Iterable[str] = ()) -> bool:
+    """Whether block hashes leave this process, so that every process must compute the same ones (a shared
+    hasher): a KV event stream publishes them (``events``), or a tier keeps them outside the process (a
+    ``media`` entry other than ``"host"``: a disk folder, a Redis server). The one rule: the engine, the
+    request path and the command line all ask it."""
+    return events or any(medium != "host" for medium in media)
+
+
+def hasher_for(hasher: BlockHasher | None, *, events: bool = False, media: Iterable[str] = ()) -> BlockHasher:
+    """``hasher``, checked for where its hashes go (``events``, ``media``: :func:`hashes_leave_process`); or,
+    for None, the default there: ``BlockHasher(shared=True)`` when the hashes leave the process, else
+    :func:`default_hasher`.
+
+    Raises:
+        ConfigError: ``hasher`` is process-local (``shared=False``) and the hashes leave the process.
+    """
+    leaving = hashes_leave_process(events=events, media=media)
+    if hasher is None:
+        return BlockHasher(shared=True) if leaving else default_hasher()
+    if leaving and not hasher.shared:
+        where = " and ".join(filter(None, ["KV events" if events else "", ", ".join(
+            sorted({f"a {m} tier" for m in media if m != "host"}))]))
+        raise ConfigError(f"{where} carry block hashes out of this process: give a shared hasher "
+                          f"(BlockHasher(shared=True); ${SEED_ENV} for a fleet), not a process-local one")
+    return hasher
 
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: ExtraKeys = None, *,
@@ -383,7 +410,7 @@ def _digest_fn(algorithm: str) -> Callable[[bytes], bytes]:
     try:
         import xxhash  # optional dependency (extra "fasthash"), imported only when asked for
     except ImportError:
-        raise ConfigError("hash algorithm 'xxh3_128' needs the xxhash package (pip install kvpool[fasthash])"
+        raise ConfigError("hash algorithm 'xxh3_128' needs the xxhash package (pip install xxhash)"
                           ) from None
     return xxhash.xxh3_128_digest
 

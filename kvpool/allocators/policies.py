@@ -724,9 +724,5 @@ class FrequencyAdmission:
         self.counts[block_hash] = seen
         return False
 
-    def would_admit(self, block_hash: Hashable) -> bool:
-        """Whether the next offer of ``block_hash`` is admitted (counts nothing)."""
-        return self.counts.get(block_hash, 0) + 1 >= self.min_count
-
     def _halve(self) -> None:
         self.counts = {h: c // 2 for h, c in self.counts.items() if c > 1}

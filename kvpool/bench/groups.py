@@ -8,7 +8,7 @@ groups): reserve ``cdiv(n, B) - len(table)`` blocks when free, publish the block
 (the coordinator's own overhead) and for gpt-oss's two groups (sliding W 128 + full). ``ratio`` =
 coordinator ns / baseline ns, the three timed in turn in one run (target for two groups, compiled: <= 1.1x,
 issue 24). Replay: the shipped trace with a hybrid config, per group and all full on the same memory
-(:func:`kvpool.trace.group_replay.compare_all_full`).
+(:func:`kvpool.trace.replay.compare_all_full`).
 
 Wall clock and instruction counts differ for the two-group row (2026-12-02, compiled, 64 x 512): callgrind
 gives 0.90x the plain pool's instructions per step, the wall clock 0.99-1.04x. The workloads are the same

@@ -66,7 +66,7 @@ def run_suite(name: str, argv: list[str], threads: int) -> dict[str, Any]:
     """Run ``kvpool bench NAME ARGV --json`` in this process and return its result (nothing printed by the
     suite itself). Raises :class:`ConfigError` for arguments the suite refuses."""
     module = importlib.import_module(f"kvpool.bench.{name}")
-    parser = argparse.ArgumentParser(prog=f"kvpool bench {name}")
+    parser = argparse.ArgumentParser(prog=f"kvpool bench {name}", allow_abbrev=False)  # as the CLI
     module.add_arguments(parser)
     try:
         ns = parser.parse_args(argv)

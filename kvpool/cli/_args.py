@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import difflib
+import itertools
 import os
+import re
+import sys
+import textwrap
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -122,14 +127,72 @@ def describe_hasher(info: dict[str, Any]) -> str:
 
 class OneLineErrorParser(argparse.ArgumentParser):
     """argparse without the usage block on errors: bad input gives one line on stderr and exit status 2.
-    Its subcommand parsers are OneLineErrorParsers too, and every parser shows defaults in ``--help``."""
+    Its subcommand parsers are OneLineErrorParsers too, and every parser shows defaults in ``--help``.
+
+    * Options are written out in full: an abbreviation (``--max-new-token``) is an unknown option, as if
+      argparse were built with ``allow_abbrev=False``, and the error names the option meant. (argparse, and so
+      vLLM's and SGLang's servers, take any unambiguous prefix; kvpool does not, so that a script's option
+      never changes meaning when a later release adds an option with the same prefix.)
+    * A value that starts with a minus sign and a digit is the option's value (``--gpu-memory -5GiB`` as
+      ``--gpu-memory=-5GiB``), so the option's own check says what is wrong with it; argparse reads such a
+      word as an unknown option unless it is a plain number, and says ``expected one argument``.
+    """
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def add_subparsers(self, **kwargs: Any) -> Any:
+        self._commands = True  # the words from the command on are its parser's to judge
+        return super().add_subparsers(**kwargs)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        argv = _attach_negative_values(sys.argv[1:] if args is None else list(args))
+        mine = argv
+        if getattr(self, "_commands", False):  # up to the command (these parsers' options take no value)
+            mine = list(itertools.takewhile(lambda word: word.startswith("-"), argv))
+        self._refuse_unknown(mine)  # before argparse's own errors (a missing positional), which it causes
+        namespace, extras = super().parse_known_args(argv, namespace)
+        self._refuse_unknown(extras)
+        return namespace, extras
+
+    def _refuse_unknown(self, words: list[str]) -> None:
+        """Exit 2 naming the first word of ``words`` (up to ``--``) that is an option this parser lacks: a
+        word argparse reads as an option (a leading ``-``; not ``-`` alone, a negative value or words with a
+        space), whose name before any ``=`` is not in argparse's table of this parser's option strings."""
+        known = self._option_string_actions
+        for word in words:
+            if word == "--":
+                return
+            if word.startswith("-") and word != "-" and " " not in word and not NEGATIVE.match(word) \
+                    and word.split("=")[0] not in known:
+                option = word.split("=")[0]
+                close = difflib.get_close_matches(option, [s for s in known if s.startswith("--")], n=1)
+                hint = f" (did you mean {close[0]}? options are never abbreviated)" if close else ""
+                self.error(f"unknown option {option}{hint}")
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+#: A word that is a value, not an option, though it starts with a minus sign: ``-5``, ``-5GiB``, ``-.5``.
+NEGATIVE = re.compile(r"-\.?\d")
+
+
+def _attach_negative_values(argv: list[str]) -> list[str]:
+    """``["--gpu-memory", "-5GiB"]`` -> ``["--gpu-memory=-5GiB"]``: a negative-looking word after an option
+    (that has no ``=value`` already) becomes its value; nothing changes after ``--``."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[i:]
+        last = out[-1] if out else ""
+        if NEGATIVE.match(arg) and last.startswith("-") and "=" not in last and not NEGATIVE.match(last):
+            out[-1] = f"{last}={arg}"
+        else:
+            out.append(arg)
+    return out
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -144,6 +207,12 @@ class HelpFormatter(argparse.HelpFormatter):
             return text  # an empty list (no ids given) says no more than None
         shown = " ".join(map(str, default)) if isinstance(default, list) else "%(default)s"
         return f"{text} (default: {shown})"
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        """argparse's wrapping, without breaking a word at a hyphen: a name (``tiny-granite-4.0-h``,
+        ``--max-new-tokens``) stays whole on one line, as a reader searching the help types it."""
+        text = self._whitespace_matcher.sub(" ", text).strip()
+        return textwrap.wrap(text, width, break_on_hyphens=False)
 
     def _format_args(self, action: argparse.Action, default_metavar: str) -> str:
         if isinstance(action, CommaList):  # one comma list (a space list only parses, for old scripts)

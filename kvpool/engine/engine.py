@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvpool.allocators.groups import KVCacheCoordinator
-from kvpool.allocators.hashing import BlockHasher, default_hasher
+from kvpool.allocators.hashing import BlockHasher, hasher_for
 from kvpool.allocators.state_pool import StatePool
 from kvpool.engine.recurrent import hybrid_spec, model_kv_spec
 from kvpool.engine.runner import ModelRunner, StepBatch
@@ -89,7 +89,8 @@ class LLMEngine:
         keep_logits: store each sampled row of logits ``[V]`` in ``Request.logits`` (for tests).
         hasher: the block hasher (default: the process-local ``kvpool.allocators.hashing.default_hasher()``,
             a random root per process unless ``$KVPOOL_HASH_SEED`` is set; with ``kv_events``, a shared
-            ``BlockHasher(shared=True)``, since the hashes leave the process).
+            ``BlockHasher(shared=True)``, since the hashes leave the process; a process-local one given
+            with ``kv_events`` is refused: :func:`~kvpool.allocators.hashing.hasher_for`).
         tp_size: tensor-parallel ranks: ``model`` is this rank's shard and the KV cache holds
             ``spec.num_kv_heads_per_rank`` heads (see :mod:`kvpool.engine.distributed`).
         kv_events: a KV event publisher (:mod:`kvpool.events`): the pool records into a sink whose batch
@@ -131,7 +132,7 @@ class LLMEngine:
                                   enable_prefix_caching, state_save, state_checkpoints)
         self.cache = self.runner.cache
         sink = self._event_sink(kv_events)
-        self.hasher = hasher or (default_hasher() if sink is None else BlockHasher(shared=True))
+        self.hasher = hasher_for(hasher, events=sink is not None)
         self.kv_manager = KVCacheManager(spec.groups, num_blocks, enable_caching=enable_prefix_caching,
                                          hasher=self.hasher, policy=policy, pin_cap=pin_cap,
                                          admission=admission, event_sink=sink, states=self.states)
@@ -227,9 +228,6 @@ class LLMEngine:
             space = namespace if namespace is not None else self.tier_namespace()
             tiers = tiers_from_urls(urls, space, block_bytes=self.cache.bytes_per_block, like=self.cache,
                                     auth_key=auth_key)
-        if not self.hasher.shared and any(t.medium != "host" for t in tiers):
-            raise ConfigError("disk and remote tiers keep block hashes beyond this process: give the engine "
-                              "a shared hasher (BlockHasher(shared=True); $KVPOOL_HASH_SEED for a fleet)")
         return self.kv_manager.attach_tiers(tiers, cache=self.cache, write_through=write_through,
                                             asynchronous=asynchronous, admission=admission)
 

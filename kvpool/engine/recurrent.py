@@ -1,14 +1,14 @@
 """The execute side of recurrent hybrids: each recurrent mixer reads and writes its state in the pool's slot.
 
 transformers' recurrent mixers (Gated DeltaNet, KDA, Mamba-2, Mamba-1, LFM2's short convolutions) reach their
-state through one small cache interface (``get_conv_state``, ``get_recurrent_state``, ``update_conv_state``,
-``update_recurrent_state``, ``is_recording_past``): :class:`SlotStateCache` implements it over one request's
-slot of a :class:`~kvpool.storage.state.RecurrentStateCache`, handing out the slot's views (single-token
-decode updates them in place). Their torch fallbacks ignore ``cu_seqlens``, so a packed batch would mix the
-requests' states: :class:`RecurrentStates` replaces each mixer's ``forward`` (on the instance; the module tree
-and its weights stay as they are) with one that runs the original once per request span of the step, with
-that request's slot, and concatenates the outputs. Outside a step (a reference ``generate``) the original
-runs as before.
+state through transformers' ``Cache`` and its linear-attention layers:
+:class:`~kvpool.engine.state_cache.SlotStateCache` is such a ``Cache`` whose layers hold one request's slot of
+a :class:`~kvpool.storage.state.RecurrentStateCache` as their states, so transformers' own update code writes
+the pool in place and every method of the cache protocol is transformers' own. Their torch fallbacks ignore
+``cu_seqlens``, so a packed batch would mix the requests' states: :class:`RecurrentStates` replaces each
+mixer's ``forward`` (on the instance; the module tree and its weights stay as they are) with one that runs the
+original once per request span of the step, with that request's slot, and concatenates the outputs. Outside a
+step (a reference ``generate``) the original runs as before.
 
 A span that starts at token 0 is a fresh request: the mixer sees no previous state (it starts from zero, as
 transformers' prefill does) and writes the slot. A later span continues from the slot. Mamba-1 cannot
@@ -40,70 +40,6 @@ _NOT_PASSED = frozenset({"cache", "cache_params", "past_key_values", "attention_
                          "cache_position"})
 
 
-class SlotStateCache:
-    """transformers' linear-attention cache interface over one request's state slot.
-
-    Args:
-        states: the :class:`RecurrentStateCache`.
-        slot: the request's state slot.
-        has_previous: whether the slot holds the state after the request's earlier tokens (the span does
-            not start at token 0). Without one, ``get_*_state`` return None and the mixer starts from zero.
-
-    Only ``state_idx`` 0 exists (one conv and one SSM state per layer). The conv state keeps the last K - 1
-    inputs; ``update_conv_state`` returns the previous state followed by the new inputs (the left context a
-    causal convolution needs), as transformers' ``LinearAttentionLayer`` does.
-    """
-
-    def __init__(self, states: RecurrentStateCache, slot: int, has_previous: bool) -> None:
-        self.states, self.slot, self.previous = states, slot, has_previous
-
-    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        """``[1, channels, K - 1]``: the slot's view, or None before the request's first span."""
-        _only_state_0(state_idx)
-        return self.states.conv_view(layer_idx, self.slot) if self.previous else None
-
-    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        """``[1, *ssm_shape]``: the slot's view (updated in place by decode kernels), or None."""
-        _only_state_0(state_idx)
-        if not self.previous or self.states.ssm is None:
-            return None
-        return self.states.ssm_view(layer_idx, self.slot)
-
-    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
-                          **kwargs: Any) -> torch.Tensor:
-        """Store the last K - 1 of (previous state, ``conv_states`` ``[1, channels, T]``) in the slot and
-        return that concatenation (``conv_states`` alone on a fresh request: the convolution pads it)."""
-        _only_state_0(state_idx)
-        view = self.states.conv_view(layer_idx, self.slot)
-        full = torch.cat((view.to(conv_states.dtype), conv_states), dim=-1) if self.previous else conv_states
-        width = view.shape[-1]
-        if full.shape[-1] >= width:
-            view.copy_(full[..., -width:])
-        else:  # a fresh request shorter than K - 1 tokens: zeros on the left, as transformers pads
-            view.zero_()
-            view[..., width - full.shape[-1]:] = full
-        return full
-
-    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
-                               **kwargs: Any) -> torch.Tensor:
-        """Copy the mixer's final state (``[1, *ssm_shape]``) into the slot; returns the slot's view."""
-        _only_state_0(state_idx)
-        view = self.states.ssm_view(layer_idx, self.slot)
-        view.copy_(recurrent_states)
-        return view
-
-    def is_recording_past(self, layer_idx: int) -> bool:
-        return False
-
-    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
-        return self.previous
-
-
-def _only_state_0(state_idx: int) -> None:
-    if state_idx != 0:
-        raise InvalidArgumentError(f"state_idx {state_idx}: kvpool keeps one conv and one SSM state a layer")
-
-
 class RecurrentStates:
     """The recurrent half of a runner: the state buffers and the per-span mixers of one model.
 
@@ -120,7 +56,9 @@ class RecurrentStates:
 
     def __init__(self, model: Any, spec: RecurrentStateSpec, num_slots: int,
                  device: torch.device | str = "cpu") -> None:
-        self.spec = spec
+        from kvpool.engine.state_cache import SlotStateCache  # imports transformers
+
+        self.spec, self._slot_cache = spec, SlotStateCache
         self.cache = RecurrentStateCache(spec, num_slots, device=device)
         # (row start, row end, token start, slot, saves)
         self._spans: list[tuple[int, int, int, int, Sequence[tuple[int, int]]]] | None = None
@@ -172,15 +110,16 @@ class RecurrentStates:
                     saves: Sequence[tuple[int, int]], rest: dict[str, Any]) -> torch.Tensor:
         """The span in pieces cut at its saves, this layer's state copied into each checkpoint slot."""
         if not saves:
-            return self._run(original, hidden, start, slot, rest)
+            return self._run(original, layer, hidden, start, slot, rest)
         outputs, done = [], 0
         for b, checkpoint in saves:
             if b - start > done:
-                outputs.append(self._run(original, hidden[:, done:b - start], start + done, slot, rest))
+                outputs.append(self._run(original, layer, hidden[:, done:b - start], start + done, slot,
+                                             rest))
                 done = b - start
             self._save(layer, slot, checkpoint)
         if done < hidden.shape[1]:
-            outputs.append(self._run(original, hidden[:, done:], start + done, slot, rest))
+            outputs.append(self._run(original, layer, hidden[:, done:], start + done, slot, rest))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
     def _save(self, layer: int, slot: int, checkpoint: int) -> None:
@@ -189,12 +128,12 @@ class RecurrentStates:
         if cache.ssm is not None:
             cache.ssm_view(layer, checkpoint).copy_(cache.ssm_view(layer, slot))
 
-    def _run(self, original: Any, hidden: torch.Tensor, start: int, slot: int, rest: dict[str, Any]
-             ) -> torch.Tensor:
+    def _run(self, original: Any, layer: int, hidden: torch.Tensor, start: int, slot: int,
+             rest: dict[str, Any]) -> torch.Tensor:
         if start > 0 and hidden.shape[1] > 1 and not self.spec.resumes_multi_token:
-            return torch.cat([self._run(original, hidden[:, t:t + 1], start + t, slot, rest)
+            return torch.cat([self._run(original, layer, hidden[:, t:t + 1], start + t, slot, rest)
                               for t in range(hidden.shape[1])], dim=1)
-        cache = SlotStateCache(self.cache, slot, has_previous=start > 0)
+        cache = self._slot_cache(self.cache, slot, start > 0, layers=(layer,))
         return original(hidden, cache=cache, attention_mask=None, **rest)
 
 
@@ -254,3 +193,13 @@ def execution_kv_spec(spec: HybridSpec, model: Any) -> KVCacheSpec:
     heads = config.num_attention_heads
     return KVCacheSpec(attention.num_layers, heads, width, attention.dtype, attention.block_size,
                        num_attention_heads=heads)
+
+
+def __getattr__(name: str) -> Any:
+    """``SlotStateCache`` lives in :mod:`kvpool.engine.state_cache` (it imports transformers, which the engine
+    package does not need to import); the old import path keeps working."""
+    if name == "SlotStateCache":
+        from kvpool.engine.state_cache import SlotStateCache
+
+        return SlotStateCache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

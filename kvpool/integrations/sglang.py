@@ -214,8 +214,4 @@ class KvpoolHiCacheStorage(HiCacheStorage):
         self.store.close()
 
     def get_stats(self) -> None:
-        return None  # HiCache's storage metrics are its own type; the tiers' counters: tier_stats()
-
-    def tier_stats(self) -> dict[str, dict[str, int]]:
-        """Each pool's tier counters (:class:`~kvpool.tiers.backend.TierStats`)."""
-        return {pool: tier.stats().to_dict() for pool, tier in self.store.tiers.items()}
+        return None  # HiCache's storage metrics are its own type; each tier counts its own: tier.stats()

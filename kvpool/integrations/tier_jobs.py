@@ -9,6 +9,11 @@ truncated, flipped or unreadable ends the load there and the rows from it on are
 content is unspecified: the engine must not read them). A fault of the medium (a dead Redis, a full disk)
 is a short count, never an exception out of the worker.
 
+A load may have a deadline (``load_timeout_s``): one not finished by then is reported failed at once, with
+an event (:attr:`JobDone.released`) the worker sets when its I/O can no longer write the job's rows (the
+job ended, or was skipped before it began). Until then the engine must not reuse those rows: a late write
+would land in them.
+
 :func:`open_tier` builds the tier an engine's configuration names (``disk`` or ``redis``).
 """
 
@@ -19,13 +24,13 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvpool.errors import ConfigError
-from kvpool.numeric import as_int
+from kvpool.numeric import as_int, as_real
 from kvpool.tiers.auth import TierKey
 from kvpool.tiers.backend import Namespace, TierBackend
 
@@ -77,7 +82,10 @@ def open_tier(kind: str, namespace: Namespace, block_bytes: int, *,
 @dataclass(frozen=True)
 class JobDone:
     """One finished job: ``moved`` of its ``total`` blocks (a leading run for a load; for a store, how many
-    are in the tier afterwards), in ``seconds`` on the worker, ``moved * block_bytes`` bytes."""
+    are in the tier afterwards), in ``seconds`` on the worker, ``moved * block_bytes`` bytes.
+
+    ``released`` is None when the job's I/O has ended; for a load given up at its deadline (moved 0) it is
+    the event the worker sets once that I/O can no longer write the job's rows."""
 
     job_id: int
     is_load: bool
@@ -85,6 +93,7 @@ class JobDone:
     total: int
     seconds: float
     nbytes: int
+    released: threading.Event | None = None
 
     @property
     def ok(self) -> bool:
@@ -107,15 +116,28 @@ class TierJobs:
     """Store and load jobs between ``rows`` (a contiguous CPU ``uint8 [num_rows, block_bytes]`` tensor, the
     engine's host buffer) and ``tier``, run in submission order by one daemon thread.
 
+    Args:
+        load_timeout_s: seconds from a load's submission after which :meth:`finished` reports it failed
+            with a release event (None: a load is reported when its I/O ends). The deadline is checked in
+            :meth:`finished`, on ``clock`` (``time.monotonic``).
+
     Raises:
-        ConfigError: ``rows`` is not such a tensor, or its row width is not the tier's ``block_bytes``.
+        ConfigError: ``rows`` is not such a tensor, or its row width is not the tier's ``block_bytes``;
+            ``load_timeout_s`` negative or not a number.
     """
 
-    def __init__(self, tier: TierBackend, rows: torch.Tensor, name: str = "kvpool-tier-jobs") -> None:
+    def __init__(self, tier: TierBackend, rows: torch.Tensor, name: str = "kvpool-tier-jobs", *,
+                 load_timeout_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         if not (isinstance(rows, torch.Tensor) and rows.dtype == torch.uint8 and rows.dim() == 2
                 and rows.is_contiguous() and rows.device.type == "cpu" and rows.shape[1] == tier.block_bytes):
             raise ConfigError(f"rows must be a contiguous CPU uint8 tensor [n, {tier.block_bytes}]")
         self.tier, self.rows = tier, rows
+        self.load_timeout_s = None if load_timeout_s is None else as_real(
+            load_timeout_s, "load_timeout_s", minimum=0.0, error=ConfigError)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._deadlines: dict[int, tuple[float, float, int]] = {}  # open loads: (submitted, deadline, total)
+        self._given_up: dict[int, threading.Event] = {}  # loads reported failed whose I/O may still run
         self._todo: queue.Queue = queue.Queue()
         self._done: queue.SimpleQueue[JobDone] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
@@ -127,16 +149,33 @@ class TierJobs:
 
     def submit_load(self, job_id: int, keys: Sequence[bytes], slots: Sequence[int]) -> None:
         """Queue a copy of the tier's blocks ``keys`` into rows ``slots``."""
+        if self.load_timeout_s is not None:
+            now = self._clock()
+            with self._lock:
+                self._deadlines[job_id] = (now, now + self.load_timeout_s, len(keys))
         self._todo.put((job_id, True, list(keys), [int(s) for s in slots]))
 
     def finished(self) -> list[JobDone]:
-        """The jobs finished since the last call, in the order they finished."""
+        """The jobs finished since the last call, in the order they finished, then the loads given up at
+        their deadline (each reported once: its later end is not reported again)."""
         out = []
         while True:
             try:
                 out.append(self._done.get_nowait())
             except queue.Empty:
-                return out
+                return out + self._give_up_late_loads()
+
+    def _give_up_late_loads(self) -> list[JobDone]:
+        if not self._deadlines:
+            return []
+        now, out = self._clock(), []
+        with self._lock:
+            for job_id, (submitted, deadline, total) in list(self._deadlines.items()):
+                if now >= deadline:
+                    del self._deadlines[job_id]
+                    released = self._given_up[job_id] = threading.Event()
+                    out.append(JobDone(job_id, True, 0, total, now - submitted, 0, released))
+        return out
 
     @property
     def pending(self) -> int:
@@ -165,21 +204,37 @@ class TierJobs:
 
     def _run(self, job_id: int, is_load: bool, keys: list[bytes], slots: list[int]) -> None:
         start = time.perf_counter()
+        moved = 0
         try:
-            moved = self._load(keys, slots) if is_load else self._store(keys, slots)
+            if not is_load:
+                moved = self._store(keys, slots)
+            elif not self._was_given_up(job_id):
+                moved = self._load(job_id, keys, slots)
         except Exception:  # a fault is a miss, never a crash of the worker
             logger.exception("kvpool tier job %d failed", job_id)
             moved = 0
-        self._done.put(JobDone(job_id, is_load, moved, len(keys), time.perf_counter() - start,
-                               moved * self.tier.block_bytes))
+        with self._lock:  # a load given up is reported already: its I/O has ended, so its rows are free
+            released = self._given_up.pop(job_id, None) if is_load else None
+            self._deadlines.pop(job_id, None)
+            if released is None:
+                self._done.put(JobDone(job_id, is_load, moved, len(keys), time.perf_counter() - start,
+                                       moved * self.tier.block_bytes))
+        if released is not None:
+            released.set()
+
+    def _was_given_up(self, job_id: int) -> bool:
+        with self._lock:
+            return job_id in self._given_up
 
     def _store(self, keys: list[bytes], slots: list[int]) -> int:
         return sum(self.tier.set(keys[pos:pos + n], self.rows[first:first + n])
                    for pos, first, n in slot_runs(slots))
 
-    def _load(self, keys: list[bytes], slots: list[int]) -> int:
+    def _load(self, job_id: int, keys: list[bytes], slots: list[int]) -> int:
         moved = 0
         for pos, first, n in slot_runs(slots):
+            if pos and self._was_given_up(job_id):
+                break
             got = self.tier.get(keys[pos:pos + n], self.rows[first:first + n])
             moved += got
             if got < n:

@@ -1,5 +1,12 @@
-"""kvpool inside vLLM (tested with vLLM 0.33.0): eviction policies for the CPU offload tier and a secondary
-tier over kvpool's disk and Redis tiers. Imports vLLM: only vLLM's configuration loads this module.
+"""kvpool inside vLLM (tested with vLLM 0.33.0 and 0.34.0): eviction policies for the CPU offload tier and a
+secondary tier over kvpool's disk and Redis tiers. Imports vLLM: only vLLM's configuration loads this module.
+
+**Releases.** The module reads which interface the installed vLLM has from its base classes
+(:data:`POLICY_TOUCH`, :data:`TIER_TOUCH`, :data:`DEFERRED_RELEASE`): vLLM 0.33 has ``CachePolicy.touch``
+(abstract) and ``SecondaryTierManager.touch``; 0.34 removed both (a chunk's recency comes from
+``on_request_finished`` alone, abstract there) and added ``JobResult.deferred_release``. The adapters
+define ``touch`` only where the base class has it, and :class:`KvpoolTier`'s ``load_timeout_s`` (a load
+reported failed at a deadline while its I/O may still write) needs ``deferred_release``.
 
 **Policies** (``vllm/v1/kv_offload/cpu/policies/base.py``, ``CachePolicy``): :class:`KvpoolLRU`,
 :class:`KvpoolFIFO`, :class:`KvpoolLFU`, :class:`KvpoolSLRU`, :class:`KvpoolPriority`, :class:`KvpoolARC`,
@@ -28,7 +35,9 @@ below the CPU primary of ``TieringOffloadingSpec``::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any, ClassVar
 
@@ -55,7 +64,7 @@ from kvpool.allocators.policies import (
     PriorityPolicy,
     SLRUPolicy,
 )
-from kvpool.errors import InvalidArgumentError
+from kvpool.errors import ConfigError
 from kvpool.integrations.keys import offload_tier_key
 from kvpool.integrations.offload_policy import OffloadPolicy
 from kvpool.integrations.tier_jobs import JobDone, TierJobs, open_tier
@@ -66,6 +75,15 @@ logger = logging.getLogger(__name__)
 
 #: The ``kv_transfer_params`` entry holding a request's retention priority.
 PRIORITY_PARAM = "kvpool_priority"
+
+#: vLLM's ``CachePolicy`` has ``touch`` (0.33, abstract; gone in 0.34, where ``on_request_finished`` is).
+POLICY_TOUCH = hasattr(CachePolicy, "touch")
+#: vLLM's ``SecondaryTierManager`` has ``touch`` (0.33; gone in 0.34).
+TIER_TOUCH = hasattr(SecondaryTierManager, "touch")
+#: vLLM's ``JobResult`` has ``deferred_release`` (0.34): a failed load may hold its primary chunks.
+DEFERRED_RELEASE = "deferred_release" in {f.name for f in dataclasses.fields(JobResult)}
+#: vLLM's ``AsyncLookupManager`` has ``mark_present`` (0.34): a completed store answers pending lookups.
+LOOKUP_MARK_PRESENT = hasattr(AsyncLookupManager, "mark_present")
 
 
 def request_priority(req_context: ReqContext) -> int:
@@ -101,8 +119,10 @@ class KvpoolCachePolicy(CachePolicy):
     def remove(self, key: OffloadKey) -> None:
         self.core.remove(key)
 
-    def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
-        self.core.access(list(keys), request_priority(req_context))
+    if POLICY_TOUCH:
+        def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+            """vLLM 0.33's recency call (its connector no longer makes it; kept while the base has it)."""
+            self.core.access(list(keys), request_priority(req_context))
 
     def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         self.core.missed(list(keys))  # no access: ARC adapts its target to a ghost before the eviction
@@ -196,13 +216,14 @@ class KvpoolARCVllm(KvpoolCachePolicy):
     def make_policy(cls) -> EvictionPolicy:
         return ARCPolicy("vllm")
 
-    def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
-        """A hit for each ready chunk (vLLM's ``arc`` leaves a chunk still being stored in T1), a miss
-        observed for each absent key (vLLM's ``arc`` adapts its target to a ghost here too)."""
-        keys, core = list(keys), self.core
-        ready = {k for k in keys if (c := core.chunks.get(k)) is not None and c.ref_cnt >= 0}
-        core.access(keys, request_priority(req_context), ready)
-        core.missed(keys)
+    if POLICY_TOUCH:
+        def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+            """As vLLM 0.33's ``arc.touch``: a hit for each ready chunk (a chunk still being stored stays in
+            T1), a miss observed for each absent key (a ghost adapts the target)."""
+            keys, core = list(keys), self.core
+            ready = {k for k in keys if (c := core.chunks.get(k)) is not None and c.ref_cnt >= 0}
+            core.access(keys, request_priority(req_context), ready)
+            core.missed(keys)
 
 
 #: The policy adapters by kvpool policy name.
@@ -234,7 +255,13 @@ class KvpoolTier(SecondaryTierManager):
     loaded (``successful_keys``), the rest failed, so vLLM frees their primary chunks and recomputes them;
     a failed block is never reported loaded. A lookup asks the tier's index (disk: in memory) or, with
     ``async_lookup`` (the default for Redis), vLLM's ``AsyncLookupManager`` on its thread (RETRY until the
-    answer is in).
+    answer is in; a completed store marks its keys present where vLLM has ``mark_present``, 0.34).
+
+    With ``load_timeout_s`` (vLLM 0.34: ``JobResult.deferred_release``), a load not finished that many
+    seconds after its submission is reported failed at once (vLLM recomputes its blocks), with an event
+    set when the worker's I/O can no longer write its primary chunks; vLLM keeps the chunks out of its free
+    pool until then, so a late write never lands in a chunk given to another block. Until then a lookup of
+    the load's keys is a miss (a new promotion would queue behind the stalled read).
 
     Args (the tier's entry in ``secondary_tiers``, besides ``type`` and ``module_path``):
         tier: ``"disk"`` or ``"redis"``.
@@ -246,9 +273,12 @@ class KvpoolTier(SecondaryTierManager):
             (:func:`~kvpool.integrations.tier_jobs.open_tier`).
         kv_dtype, tp_rank, tp_size: further namespace fields (default ``"vllm"``, 0, 1).
         async_lookup: look up on a thread (default: True for Redis, False for disk).
+        load_timeout_s: seconds a load may take before it is reported failed (None: it is reported when its
+            I/O ends; the only choice before vLLM 0.34).
 
     Raises:
-        ConfigError: an unknown tier kind or a missing option (from the tier).
+        ConfigError: an unknown tier kind or a missing option (from the tier); ``load_timeout_s`` negative,
+            or given to a vLLM without ``JobResult.deferred_release``.
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -259,7 +289,11 @@ class KvpoolTier(SecondaryTierManager):
                  timeout_s: float = 2.0, retry_s: float = 1.0, ttl_s: int | None = None,
                  kv_dtype: str = "vllm", tp_rank: int = 0, tp_size: int = 1, async_lookup: bool | None = None,
                  backpressure_detector: Any = None, locality: str | None = None,
-                 auth_key: str | None = None) -> None:
+                 auth_key: str | None = None, load_timeout_s: float | None = None) -> None:
+        if load_timeout_s is not None and not DEFERRED_RELEASE:
+            raise ConfigError("load_timeout_s needs vLLM 0.34 or later (JobResult.deferred_release): "
+                              "this vLLM frees a failed load's chunks at once, while its read could still "
+                              "write them")
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         rows = torch.from_numpy(np.asarray(primary_kv_view)).view(torch.uint8)
         rows = rows.view(rows.shape[0], -1)
@@ -268,12 +302,16 @@ class KvpoolTier(SecondaryTierManager):
         self.tier = open_tier(tier, namespace, rows.shape[1], directory=directory,
                               capacity_bytes=capacity_bytes, url=url, prefix=prefix, timeout_s=timeout_s,
                               retry_s=retry_s, ttl_s=ttl_s, auth_key=auth_key)
-        self.jobs = TierJobs(self.tier, rows, name=f"kvpool-{tier_type}")
+        self.jobs = TierJobs(self.tier, rows, name=f"kvpool-{tier_type}", load_timeout_s=load_timeout_s)
         self._keys: dict[int, list[OffloadKey]] = {}
+        self._stalled: dict[OffloadKey, threading.Event] = {}  # keys of loads given up, until their read ends
         use_async = tier == "redis" if async_lookup is None else bool(async_lookup)
         self._lookups = _TierLookups(self.tier, tier_type) if use_async else None
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        stalled = self._stalled.get(key)
+        if stalled is not None and not stalled.is_set():
+            return LookupResult.MISS  # its last read is still stalled: another would wait behind it
         if self._lookups is not None:
             found = self._lookups.lookup(key, req_context)
             if found is None:
@@ -295,22 +333,33 @@ class KvpoolTier(SecondaryTierManager):
                               job_metadata.chunk_ids.tolist())
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
+        if self._stalled:
+            self._stalled = {k: ev for k, ev in self._stalled.items() if not ev.is_set()}
         return [self._result(done) for done in self.jobs.finished()]
 
     def _result(self, done: JobDone) -> JobResult:
         keys = self._keys.pop(done.job_id)
         if done.ok or not done.is_load:
+            if done.ok and not done.is_load and self._lookups is not None and LOOKUP_MARK_PRESENT:
+                self._lookups.mark_present(keys)
             return JobResult(done.job_id, done.ok, transfer_time=done.seconds, transfer_bytes=done.nbytes)
         if self._lookups is not None:
             self._lookups.mark_miss(keys[done.moved:])
+        held: dict[str, Any] = {}
+        if done.released is not None:
+            held["deferred_release"] = done.released
+            self._stalled.update(dict.fromkeys(keys, done.released))
         return JobResult(done.job_id, False, successful_keys=tuple(keys[:done.moved]) or None,
-                         transfer_time=done.seconds, transfer_bytes=done.nbytes)
+                         transfer_time=done.seconds, transfer_bytes=done.nbytes, **held)
 
     def has_pending_work(self) -> bool:
         return self.jobs.pending > 0
 
-    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self.tier.refresh([offload_tier_key(k) for k in keys])
+    if TIER_TOUCH:
+        def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+            """vLLM 0.33's recency call: the tier's LRU (disk) moves the keys to its tail. On 0.34 a load is
+            the tier's only use of a block (the disk tier's ``get`` refreshes it)."""
+            self.tier.refresh([offload_tier_key(k) for k in keys])
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -333,12 +382,3 @@ class KvpoolTier(SecondaryTierManager):
 
     def config_info(self) -> dict[str, Any]:
         return {}
-
-
-def _check_policy_name(name: str) -> type[KvpoolCachePolicy]:
-    """The adapter class of kvpool policy ``name`` (for tools that take kvpool's names)."""
-    try:
-        return POLICY_CLASSES[name]
-    except KeyError:
-        raise InvalidArgumentError(f"unknown kvpool policy {name!r}: choose one of "
-                                   f"{', '.join(POLICY_CLASSES)}") from None

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.allocators.block_pool import BlockPool, BlockPoolStats
 from kvpool.allocators.groups import CacheHit, KVCacheCoordinator, group_key
-from kvpool.allocators.hashing import BlockHasher
+from kvpool.allocators.hashing import BlockHasher, hasher_for
 from kvpool.errors import ConfigError, InvalidIdError
 from kvpool.requests.request import Request
 from kvpool.spec import KVCacheGroup, LayerKind
@@ -101,6 +101,8 @@ class KVCacheManager:
 
     Raises:
         InvalidArgumentError: as :class:`KVCacheCoordinator`.
+        ConfigError: a process-local ``hasher`` with an ``event_sink`` (the events carry its hashes out of
+            the process: :func:`~kvpool.allocators.hashing.hasher_for`).
     """
 
     def __init__(self, groups: Sequence[KVCacheGroup], num_blocks: int, *, enable_caching: bool = True,
@@ -111,7 +113,8 @@ class KVCacheManager:
                                               event_sink=event_sink, policy=policy, pin_cap=pin_cap,
                                               admission=admission, pool=pool)
         self.groups, self.block_size = self.coordinator.groups, self.coordinator.block_size
-        self.caching, self.hasher = enable_caching, hasher
+        self.caching = enable_caching
+        self.hasher = None if hasher is None else hasher_for(hasher, events=event_sink is not None)
         if states is not None and states.block_size != self.block_size:
             raise ConfigError(f"the state checkpoints' block size {states.block_size} is not the KV cache "
                               f"groups' {self.block_size}")
@@ -164,9 +167,10 @@ class KVCacheManager:
         hashes only, a replay). Returns the :class:`~kvpool.tiers.manager.OffloadManager`.
 
         Raises:
-            ConfigError: prefix caching is off, or tiers are attached already; with KV events, a host tier
-                whose pool has an event sink already. (A host tier that holds blocks already announces them
-                first: :meth:`~kvpool.allocators.block_pool.BlockPool.attach_event_sink`.)
+            ConfigError: prefix caching is off, or tiers are attached already; a disk or Redis tier under a
+                process-local hasher (:func:`~kvpool.allocators.hashing.hasher_for`); with KV events, a
+                host tier whose pool has an event sink already. (A host tier that holds blocks already
+                announces them first: :meth:`~kvpool.allocators.block_pool.BlockPool.attach_event_sink`.)
             InvalidArgumentError: as :class:`~kvpool.tiers.manager.OffloadManager`.
         """
         from kvpool.tiers.host import HostTier
@@ -174,6 +178,8 @@ class KVCacheManager:
 
         if not self.caching or self.tiers is not None:
             raise ConfigError("tiers need prefix caching and no tiers attached already")
+        if self.hasher is not None:
+            hasher_for(self.hasher, media=[t.medium for t in tiers])
         sink = self.pool.event_sink
         hosts = [t for t in tiers if isinstance(t, HostTier)] if sink is not None else []
         if any(t.pool.event_sink is not None for t in hosts):

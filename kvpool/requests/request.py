@@ -107,10 +107,6 @@ class Request:
         never written), the prompt alone for a prefill-only request."""
         return self.num_prompt_tokens + max(self.max_tokens - 1, 0)
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
-
     def append_output(self, token: int | None, logits: Any = None) -> bool:
         """Record one sampled token (None: a counted token, for a request without token ids) and its
         logits row (kept with ``keep_logits``); returns whether the request is done (``max_tokens`` outputs,

@@ -42,16 +42,6 @@ class SchedulerOutput:
     admitted: list[Request] = field(default_factory=list)
 
     @property
-    def num_decode_tokens(self) -> int:
-        """Scheduled requests decoding one token after their last output."""
-        return sum(1 for req, n in self.scheduled if _decoding(req, n))
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        """Tokens of prefill chunks (a first prefill, or the recompute of a preempted request)."""
-        return sum(n for req, n in self.scheduled if not _decoding(req, n))
-
-    @property
     def num_sampled(self) -> int:
         return sum(self.sampled)
 

@@ -31,7 +31,7 @@ import torch
 from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError
 from kvpool.numeric import as_int
 from kvpool.spec import AttentionKind, KVCacheSpec
-from kvpool.storage.block_copy import BlockIds, check_block_ids, copy_blocks, copy_pairs, copy_within
+from kvpool.storage.block_copy import BlockIds, check_block_ids, copy_pairs, copy_within
 from kvpool.storage.resident import resident_bytes
 from kvpool.units import plural
 
@@ -252,12 +252,6 @@ class BlockStore:
         """The buffer as raw words with the block dimension first, ``[num_blocks, ...]`` (a view): row ``b``
         is block ``b`` in every layer (contiguous within a layer, strided across layers)."""
         return self._raw.movedim(self.block_dim, 0)
-
-    def copy_blocks_to(self, other: BlockStore, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
-        """Copy blocks ``src_ids`` of this store into blocks ``dst_ids`` of ``other``, a store with the same
-        per-block shape and dtype (ids checked, ``dst_ids`` distinct):
-        :func:`~kvpool.storage.block_copy.copy_blocks`."""
-        copy_blocks(self, src_ids, other, dst_ids)
 
     def empty_blocks(self, num_blocks: int, *, pin_memory: bool = False) -> torch.Tensor:
         """An uninitialized CPU tensor shaped like :meth:`read_blocks` output for ``num_blocks`` blocks

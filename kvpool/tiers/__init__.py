@@ -3,13 +3,13 @@
 ``TierBackend`` (the interface, :mod:`kvpool.tiers.backend`), ``HostTier`` (CPU memory, the existing
 ``HostKVCache``), ``FileTier`` (a directory), ``RedisTier`` (a Redis server or cluster; needs redis-py),
 ``OffloadManager`` (device -> host -> disk -> remote), ``TierKey`` (the fleet secret that authenticates
-disk and Redis values, :mod:`kvpool.tiers.auth`). Imported lazily: ``pip install kvpool[tiers]``.
+disk and Redis values, :mod:`kvpool.tiers.auth`). Imported lazily; kvpool's ``tiers`` extra brings
+redis-py, xxhash and blake3.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from kvpool._lazy import lazy_exports
 
 _LAZY = {
     "Namespace": "kvpool.tiers.backend",
@@ -26,9 +26,4 @@ _LAZY = {
 }
 
 __all__ = list(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'kvpool.tiers' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -369,10 +369,6 @@ class OffloadManager:
             if n:
                 tier.count_hits(n)
 
-    def count_device_hits(self, n: int) -> None:
-        """Count ``n`` prefix blocks a consumer found on the device (beside the tiers' restored hits)."""
-        self.device_hits += n
-
     # ---- one sequence of hashes (a single KV cache group) --------------------------------------------
 
     def lookup(self, hashes: Sequence[Hashable]) -> PrefixHit:

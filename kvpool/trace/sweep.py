@@ -26,13 +26,14 @@ def run_sweep(requests: Sequence[TraceRequest], config: ReplayConfig, sizes: Seq
               policies: Sequence[str], *, record: bool = False,
               progress: Callable[[int], object] | None = None, event_sink: KVEventSink | None = None,
               tiers: Callable[[], Sequence[TierBackend]] | None = None, write_through: bool = False,
-              tier_admission: int = 1) -> list[SweepRun]:
+              tier_admission: int = 1, on_run: Callable[[SweepRun, int, int], object] | None = None
+              ) -> list[SweepRun]:
     """Replay ``requests`` with ``config`` for every pool size in ``sizes`` (None: unbounded) and policy in
     ``policies``, sizes outermost, in the given orders. ``record`` keeps each run's timeline and heat map
     (for :func:`kvpool.trace.report.write_report`); ``event_sink`` records every run's KV events (give it
     to a single run). ``tiers``: a factory of fresh (hash-only) tiers for each run, chained under its pool
     (:func:`run_replay`'s ``tiers``, ``write_through`` and ``tier_admission``); they are emptied and
-    closed after the run.
+    closed after the run. ``on_run(run, i, n)`` is called as run ``i`` of ``n`` (from 1) finishes.
     Raises :class:`~kvpool.errors.ConfigError` as :class:`ReplayConfig` and :func:`run_replay` do, before
     the first run for a bad name or size."""
     configs = [replace(config, num_blocks=size, policy=policy) for size in sizes for policy in policies]
@@ -49,6 +50,8 @@ def run_sweep(requests: Sequence[TraceRequest], config: ReplayConfig, sizes: Seq
                 tier.clear()
                 tier.close()
         runs.append(SweepRun(result, heatmap))
+        if on_run is not None:
+            on_run(runs[-1], len(runs), len(configs))
     return runs
 
 

@@ -1,5 +1,5 @@
-"""Conformance of kvpool's eviction policies inside vLLM 0.33's CPU offload tier (run by
-tests/integrations/run.sh in the vLLM venv; skipped where vLLM is not installed).
+"""Conformance of kvpool's eviction policies inside vLLM's CPU offload tier, 0.33.0 and 0.34.0 (run by
+tests/integrations/run.sh in each vLLM venv; skipped where vLLM is not installed).
 
 ``CPUOffloadingManager`` loads each kvpool adapter by ``cache_policy_module_path`` exactly as
 ``kv_connector_extra_config`` makes it, runs 2,000 Mooncake requests (vllm_harness.py), and must evict the
@@ -8,12 +8,16 @@ with that policy given the same events; and kvpool's ``arc-vllm`` must evict as 
 
 from __future__ import annotations
 
+import inspect
+from importlib.metadata import version
+
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: tests/integrations/run.sh runs this file "
                     "in the peer venv (benchmarks/peers/setup.sh)")
 
 import vllm_harness as h  # noqa: E402
+from packaging.version import Version  # noqa: E402
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
 
 from kvpool.integrations import vllm as kv  # noqa: E402
@@ -40,8 +44,8 @@ def vllm_run(policy: str, module: str | None, requests: list[list[bytes]]) -> h.
     return h.drive_vllm(manager, requests)
 
 
-CLASSES = {"lru": "KvpoolLRU", "fifo": "KvpoolFIFO", "lfu": "KvpoolLFU", "slru": "KvpoolSLRU",
-           "arc": "KvpoolARC", "arc-vllm": "KvpoolARCVllm"}
+#: vLLM loads each adapter by class name; ``priority`` runs on the harness's clock (ConformancePriority).
+CLASSES = {name: cls.__name__ for name, cls in kv.POLICY_CLASSES.items() if name != "priority"}
 
 
 @pytest.mark.parametrize("name", [*CLASSES, "priority"])
@@ -94,3 +98,15 @@ def test_kvpool_lru_evicts_as_vllm_lru(requests: list[list[bytes]]) -> None:
     assert len(theirs.evicted) > 10_000
     assert ours.hits == theirs.hits
     assert ours.evicted == theirs.evicted
+
+
+def test_adapters_follow_the_installed_release() -> None:
+    """The interface read from vLLM's base classes is the one its release notes give: ``touch`` on the
+    policy and the tier and no ``deferred_release`` before 0.34, the reverse from 0.34; no adapter is left
+    abstract (vLLM would refuse to build it)."""
+    new = Version(version("vllm")) >= Version("0.34")
+    assert kv.POLICY_TOUCH is kv.TIER_TOUCH is (not new)
+    assert kv.DEFERRED_RELEASE is new
+    for cls in [*kv.POLICY_CLASSES.values(), kv.KvpoolTier]:
+        assert not inspect.isabstract(cls), cls
+        assert hasattr(cls, "touch") is (not new), cls

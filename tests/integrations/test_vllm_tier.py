@@ -1,5 +1,6 @@
-"""Conformance of kvpool's tiers as a vLLM 0.33 secondary tier (``KvpoolTier`` below the CPU primary of
-``TieringOffloadingManager``), run by tests/integrations/run.sh in the vLLM venv; skipped without vLLM.
+"""Conformance of kvpool's tiers as a vLLM secondary tier (``KvpoolTier`` below the CPU primary of
+``TieringOffloadingManager``; vLLM 0.33.0 and 0.34.0), run by tests/integrations/run.sh in each vLLM venv;
+skipped without vLLM.
 
 Every chunk a request loads is compared byte for byte with what was stored under its key (tier_harness.py),
 so a wrong hit fails the test wherever it happens."""
@@ -11,6 +12,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,8 @@ import tier_harness as t  # noqa: E402
 from redis_servers import redis_server  # noqa: E402
 from vllm_harness import trace_keys  # noqa: E402
 
+from kvpool.errors import ConfigError  # noqa: E402
+from kvpool.integrations import vllm as kv  # noqa: E402
 from kvpool.integrations.keys import offload_tier_key  # noqa: E402
 from kvpool.tiers.backend import HEADER_BYTES  # noqa: E402
 
@@ -93,11 +97,12 @@ def test_disk_faults_are_misses_never_wrong_hits(requests, tmp_path: Path) -> No
     driver = run(manager, region, requests[:100])
     tier = manager.secondary_tiers[0].tier
     rng = random.Random(22)
-    files = sorted(p for p in tmp_path.rglob("*") if p.is_file() and len(p.name) == 32)
-    flipped = rng.sample(files, len(files) // 20)  # 5% of the blocks on disk: one payload byte flipped
-    for path in flipped:
+    stored = sorted(driver.tally.stored)
+    flipped = rng.sample(stored, len(stored) // 20)  # 5% of the blocks on disk: one payload byte flipped
+    for key in flipped:  # in its own file or its slot of a segment file, wherever the tier put it
+        path, at = tier._value_at(offload_tier_key(key))
         data = bytearray(path.read_bytes())
-        data[HEADER_BYTES + 100] ^= 0xFF
+        data[at + HEADER_BYTES + 100] ^= 0xFF
         path.write_bytes(bytes(data))
     get, injected = tier.get, []
 
@@ -112,11 +117,12 @@ def test_disk_faults_are_misses_never_wrong_hits(requests, tmp_path: Path) -> No
         driver.request(f"back{i}", [k[:-4]], store=False)
     driver.settle()
     tally, stats = driver.tally, tier.stats()
-    print(f"\ndisk faults: {len(flipped)} files flipped, {stats.corrupt} corrupt loads caught, "
+    caught = stats.corrupt + stats.unauthenticated  # a flipped payload byte fails the value's MAC
+    print(f"\ndisk faults: {len(flipped)} values flipped, {caught} damaged loads caught, "
           f"{len(injected)} loads failed by injection (retried by vLLM), "
           f"{tally.failed_promotions} promotions ended as misses, {tally.promoted} promoted and "
           f"{tally.checked} loads checked bit-exact")
-    assert stats.corrupt > 0 and injected and tally.failed_promotions >= stats.corrupt and tally.promoted > 0
+    assert caught > 0 and injected and tally.failed_promotions >= caught and tally.promoted > 0
     manager.shutdown()
 
 
@@ -157,3 +163,76 @@ def test_redis_tier_restart_faults_and_a_killed_server(requests, tmp_path: Path)
               "promotions ended as misses")
         assert injected and tally.promoted > 0 and tally.misses >= 50
         manager.shutdown()
+
+
+def fresh_hashes(base: int, n: int) -> list[bytes]:
+    """``n`` block hashes no trace request shares (32 bytes from ``base``)."""
+    return [(base + i).to_bytes(32, "big") for i in range(n)]
+
+
+@pytest.mark.skipif(not kv.DEFERRED_RELEASE, reason="this vLLM has no JobResult.deferred_release (0.34+)")
+def test_a_late_load_holds_its_primary_chunk_until_its_write_lands(tmp_path: Path) -> None:
+    """vLLM 0.34: a promotion whose read stalls past ``load_timeout_s`` fails at once (a miss: vLLM
+    recomputes), and its primary chunk stays out of vLLM's free pool until the read ends: a store made
+    meanwhile, which takes every other chunk of the 8-chunk primary, never gets it (so the late write cannot
+    land in another block), every block it stored reads back bit-exact after the late write, and once the
+    write has landed vLLM frees the chunk and the next store gets it."""
+    manager, region = t.build(8, {**disk(tmp_path), "load_timeout_s": 0.0})
+    driver = t.Driver(manager, region)
+    tier = manager.secondary_tiers[0]
+    (late_hash,) = fresh_hashes(1 << 40, 1)
+    for name, hashes in (("first", [late_hash]), ("fill1", fresh_hashes(2 << 40, 7)),
+                         ("fill2", fresh_hashes(3 << 40, 7))):
+        driver.request(name, hashes)
+        driver.settle()
+    late_key = t.make_offload_key(late_hash, 0)
+    assert manager.primary_tier._policy.get(late_key) is None  # evicted from the primary, on disk only
+    assert tier.tier.exists([offload_tier_key(late_key)]) == 1
+    gate, started, loads = threading.Event(), threading.Event(), []
+    get, submit_load = tier.tier.get, tier.submit_load
+
+    def stalled_get(keys, out):  # the medium stalls: the read lands only when the gate opens
+        started.set()
+        assert gate.wait(120)
+        return get(keys, out)
+
+    def recording_submit_load(job):
+        loads.append(job.chunk_ids.tolist())
+        submit_load(job)
+
+    tier.tier.get, tier.submit_load = stalled_get, recording_submit_load
+    ctx = t.ReqContext("late")
+    manager.on_new_request(ctx)
+    assert manager.lookup(late_key, ctx) is t.LookupResult.HIT_PENDING
+    driver.end_step()  # the promotion's load is submitted; its read reaches the medium and stalls
+    assert started.wait(60)
+    assert manager.lookup(late_key, ctx) is t.LookupResult.MISS  # given up at its deadline: a miss
+    (held,) = loads
+    assert len(held) == 1
+    manager.on_request_finished(ctx)
+    driver.end_step()
+    meanwhile = fresh_hashes(4 << 40, 7)
+    since = len(driver.allocated)
+    driver.request("meanwhile", meanwhile)  # takes the 7 other chunks while the read is stalled
+    assert len(driver.allocated) - since == 7, "the store must take every chunk it can"
+    assert held[0] not in driver.allocated[since:], "a chunk the late read may write was handed out"
+    assert manager.primary_tier.num_deferred_release_chunks == 1
+    gate.set()
+    driver.settle()  # the read lands in the held chunk; vLLM frees it on its next poll
+    assert manager.primary_tier.num_deferred_release_chunks == 0
+    for i, h in enumerate(meanwhile):  # bit-exact: the late write landed in none of them
+        assert driver.request(f"check{i}", [h], store=False) == 1
+    since = len(driver.allocated)
+    driver.request("after", fresh_hashes(5 << 40, 7))
+    assert held[0] in driver.allocated[since:]  # free again, and the next store gets it
+    print(f"\ndeferred release: chunk {held[0]} held while the stalled read ran; the 7 chunks stored "
+          f"meanwhile read back bit-exact; the next store got chunk {held[0]}")
+    manager.shutdown()
+
+
+@pytest.mark.skipif(kv.DEFERRED_RELEASE, reason="this vLLM has JobResult.deferred_release")
+def test_load_timeout_is_refused_without_deferred_release(tmp_path: Path) -> None:
+    """vLLM 0.33 frees a failed load's chunks at once: a load given up while its read runs could write into
+    a chunk already given to another block, so the option is refused."""
+    with pytest.raises(ConfigError, match="load_timeout_s needs vLLM 0.34"):
+        t.build(8, {**disk(tmp_path), "load_timeout_s": 1.0})

@@ -1,5 +1,5 @@
-"""Drive vLLM 0.33's ``TieringOffloadingManager`` (CPU primary + kvpool's tier below it) the way its
-scheduler does, writing and checking real bytes: a stored chunk's row holds :func:`pattern` of its key,
+"""Drive vLLM's ``TieringOffloadingManager`` (0.33.0 or 0.34.0: CPU primary + kvpool's tier below it) the way
+its scheduler does, writing and checking real bytes: a stored chunk's row holds :func:`pattern` of its key,
 and every chunk a request loads is compared with it, so a wrong hit cannot pass unseen."""
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ class Tally:
 class Driver:
     def __init__(self, manager: TieringOffloadingManager, region: Region) -> None:
         self.m, self.region, self.tally, self.step = manager, region, Tally(), 0
+        self.allocated: list[int] = []  # the primary chunks given to stores, in order
 
     def end_step(self) -> None:
         self.m.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
@@ -118,7 +119,9 @@ class Driver:
                 self.settle()
                 out = self.m.prepare_store(keys[hits:], ctx)
             if out is not None and out.keys_to_store:
-                for key, chunk in zip(out.keys_to_store, out.store_spec.chunk_ids.tolist(), strict=True):
+                chunks = out.store_spec.chunk_ids.tolist()
+                self.allocated += chunks
+                for key, chunk in zip(out.keys_to_store, chunks, strict=True):
                     self.region.array[chunk] = pattern(key)
                 self.m.complete_store(out.keys_to_store, ctx)
                 self.tally.stored.update(out.keys_to_store)

@@ -1,5 +1,6 @@
-"""Drive vLLM 0.33's ``CPUOffloadingManager`` with a slice of the Mooncake trace, the way its scheduler
-does, beside a kvpool ``BlockPool`` given the same events (the reference: kvpool's own pool and policy).
+"""Drive vLLM's ``CPUOffloadingManager`` (0.33.0 or 0.34.0) with a slice of the Mooncake trace, the way its
+scheduler does, beside a kvpool ``BlockPool`` given the same events (the reference: kvpool's own pool and
+policy).
 
 One request: ``on_new_request``; ``lookup`` of its keys until the first non-HIT; ``prepare_load`` of the
 hits; ``prepare_store`` of the rest. Its loads and stores complete (``complete_load``, ``complete_store``,
