@@ -461,8 +461,45 @@ class PagedKVCache(BlockStore):
             n = self.buffer.shape[0]
             self._views[0].append(self.buffer[:, start:k_end].view(n, b, sh.num_kv_heads, sh.head_dim))
             self._views[1].append(self.buffer[:, k_end:v_end].view(n, b, sh.num_kv_heads, sh.v_head_dim))
+        self._rows = [[self._token_rows(view) for view in self._views[kv]] for kv in (0, 1)]
+        self._memos: dict[object, tuple[torch.Tensor, int, Any]] = {}
         self._raw_views = self._flat_raw = [[], []]
         self._triton = None
+
+    def _token_rows(self, view: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """A packed layer view ``[N, B, H, D]`` as rows of one token each: ``(rows, per_block)``, ``rows``
+        raw words ``[*, H x D]`` starting at the layer's first row, so slot ``s`` is row ``s + (s // B) x
+        (per_block - B)`` (:meth:`_row_index`). None where the buffer does not split into such rows (a
+        block's elements not a multiple of the row, or the layer not starting on one)."""
+        width = view.shape[2] * view.shape[3]
+        start = (view.data_ptr() - self.buffer.data_ptr()) // view.element_size()
+        per_block = self.buffer.shape[1]
+        if per_block % width or start % width:
+            return None
+        rows = self.buffer.view(-1, width)[start // width:]
+        return rows.view(raw_dtype(width * view.element_size())), per_block // width
+
+    def _row_index(self, slots: torch.Tensor, per_block: int, key: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """Each slot's row in a :meth:`_token_rows` view of ``per_block`` rows per block: one division and
+        one add, remembered for the slot tensor ``key`` (default ``slots``) as long as it is unchanged
+        (:meth:`_memo`)."""
+        def rows() -> torch.Tensor:
+            block = torch.div(slots, self.block_size, rounding_mode="floor")
+            return torch.add(slots, block, alpha=per_block - self.block_size)
+
+        return self._memo(slots if key is None else key, per_block, rows)
+
+    def _memo(self, slots: torch.Tensor, tag: object, make: Any) -> Any:
+        """``make()``, or what it returned last for the same ``tag`` and the same slot tensor, unchanged
+        since (its ``_version``): the engine passes one slot mapping to every layer of a step, so the row
+        index and the padding of a packed cache are computed once per step, not once per layer."""
+        entry = self._memos.get(tag)
+        if entry is not None and entry[0] is slots and entry[1] == slots._version:
+            return entry[2]
+        value = make()
+        self._memos[tag] = (slots, slots._version, value)
+        return value
 
     def _nhd(self, page: torch.Tensor) -> torch.Tensor:
         return page if self.layout == "NHD" else page.permute(0, 2, 1, 3)
@@ -513,6 +550,13 @@ class PagedKVCache(BlockStore):
         if not self.packed and self.layout == "NHD":
             k_flat, v_flat = self._flat_views(layer)
             return k_flat.index_select(0, slots), v_flat.index_select(0, slots)
+        k_rows, v_rows = (self._rows[0][layer], self._rows[1][layer]) if self.packed else (None, None)
+        if k_rows is not None and v_rows is not None:
+            k_index = self._row_index(slots, k_rows[1])
+            v_index = k_index if v_rows[1] == k_rows[1] else self._row_index(slots, v_rows[1])
+            k_view, v_view = self._views[0][layer], self._views[1][layer]
+            return (k_rows[0].index_select(0, k_index).view(self.dtype).view(-1, *k_view.shape[2:]),
+                    v_rows[0].index_select(0, v_index).view(self.dtype).view(-1, *v_view.shape[2:]))
         block = torch.div(slots, self.block_size, rounding_mode="floor")
         offset = slots - block * self.block_size
         return self._views[0][layer][block, offset], self._views[1][layer][block, offset]
@@ -556,12 +600,7 @@ class PagedKVCache(BlockStore):
         pad = self._padding_after_check(slot_mapping, num_tokens, check)  # the Triton kernel skips -1
         k, v = encode(k, self.dtype, self.k_scale), encode(v, self.dtype, self.v_scale)
         if self.packed:
-            if pad:
-                slot_mapping, k, v = drop_padding(slot_mapping, k, v)
-            block = torch.div(slot_mapping, self.block_size, rounding_mode="floor")
-            index = (block, slot_mapping - block * self.block_size)
-            self._views[0][layer].index_put_(index, k)
-            self._views[1][layer].index_put_(index, v)
+            self._store_packed(layer, k, v, slot_mapping, pad)
             return
         if self._triton is not None:
             self._triton(k, v, slot_mapping, self.flat_k_cache(layer), self.flat_v_cache(layer))
@@ -577,6 +616,26 @@ class PagedKVCache(BlockStore):
             index = (block, slot_mapping - block * self.block_size)
             self._raw_views[0][layer].index_put_(index, k)
             self._raw_views[1][layer].index_put_(index, v)
+
+    def _store_packed(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                      pad: bool) -> None:
+        """K and V rows ``[T, H, D]`` into ``slot_mapping`` of a packed layer (``pad``: it may hold -1): one
+        ``index_copy_`` each of raw token rows where the buffer splits into them (:meth:`_token_rows`), else
+        an ``index_put_`` by block and offset."""
+        slots = slot_mapping
+        if pad:
+            keep = self._memo(slot_mapping, "keep", lambda: (slot_mapping != -1).nonzero().squeeze(1))
+            slots = self._memo(slot_mapping, "kept", lambda: slot_mapping[keep])
+            k, v = k.index_select(0, keep), v.index_select(0, keep)
+        for kv, x in ((0, k), (1, v)):
+            found = self._rows[kv][layer]
+            if found is None:
+                block = torch.div(slots, self.block_size, rounding_mode="floor")
+                self._views[kv][layer].index_put_((block, slots - block * self.block_size), x)
+                continue
+            rows, per_block = found
+            index = self._row_index(slots, per_block, key=slot_mapping)
+            rows.index_copy_(0, index, x.reshape(len(x), -1).view(rows.dtype))
 
     def gather(self, layer: int, block_table: BlockIds, seq_len: int, *, dtype: torch.dtype | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
