@@ -254,7 +254,7 @@ class BlockPagesMachine(RuleBasedStateMachine):
     @invariant()
     def agrees(self) -> None:
         self.pages.check_integrity()
-        assert self.pages.live_blocks() == sorted(self.live)
+        assert self.pages.live_blocks() == sorted(self.live) and self.pages.num_live == len(self.live)
         expected = set() if self.asleep else self.needed(self.live) | set(self.empty)
         assert self.pages.arena.committed_pages() == sorted(expected)
         assert self.pages.num_reserve == len(self.empty)
