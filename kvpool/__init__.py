@@ -58,10 +58,10 @@ _LAZY = {
 }
 
 __all__ = [
-    "AsleepError", "AttentionKind", "ConfigError", "DoubleFreeError", "DriverError", "InsufficientMemoryError",
-    "IntegrityError", "InvalidArgumentError", "InvalidIdError", "KVCacheGroup", "KVCacheSpec", "KVPoolError",
-    "LayerKind", "MemoryLimitError", "OutOfBlocksError", "PinLimitError", "TraceFormatError", "parse_kv_dtype",
-    *_LAZY,
+    "AsleepError", "AttentionKind", "ConfigError", "DoubleFreeError", "DriverError",
+    "InsufficientMemoryError", "IntegrityError", "InvalidArgumentError", "InvalidIdError", "KVCacheGroup",
+    "KVCacheSpec", "KVPoolError", "LayerKind", "MemoryLimitError", "OutOfBlocksError", "PinLimitError",
+    "TraceFormatError", "parse_kv_dtype", *_LAZY,
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -159,3 +159,21 @@ def test_block_major_uniform_cache_matches_the_strips_with_padding_and_a_reused_
         everything = torch.arange(36)
         assert all(torch.equal(a, b) for a, b in zip(major.gather_slots(layer, everything),
                                                      strips.gather_slots(layer, everything), strict=True))
+
+
+def test_block_major_store_under_inference_mode():
+    """The engine runs under torch.inference_mode, whose tensors keep no version counter: the row index is
+    computed afresh for them (a slot tensor changed in place is still seen)."""
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16, block_size=4)
+    strips = PagedKVCache(spec, 5, packed=False, zero=True)
+    major = PagedKVCache(spec, 5, packed=True, zero=True)
+    with torch.inference_mode():
+        slots = torch.tensor([3, -1, 9], dtype=torch.int64)
+        for layer in (0, 1, 0):
+            k = torch.full((3, 2, 8), float(layer + 1), dtype=torch.float16)
+            for cache in (strips, major):
+                cache.store_kv(k, k, slots, layer)
+            slots[0] += 4
+        for layer in (0, 1):
+            assert all(torch.equal(a, b) for a, b in zip(major.gather(layer, range(5), 20),
+                                                         strips.gather(layer, range(5), 20), strict=True))

@@ -16,8 +16,8 @@ Three tables:
 * **Layout**: for each model of ``--configs``, the ``[2, L, N, ...]`` strips against the block-major layout
   an elastic cache takes by default: the bytes the first block commits (the step in which memory follows
   use), the pages a block touches (page counts updated per block handed out or freed), and one step's
-  ``store_kv`` + ``gather_slots`` over every layer (``--tokens`` decode tokens on distinct blocks), timed in
-  turn.
+  ``store_kv`` + ``gather_slots`` over every layer (``--tokens`` decode tokens, each in its own block at a
+  random offset), timed in turn.
 """
 
 from __future__ import annotations
@@ -230,8 +230,9 @@ def layout_rows(configs: list[str], tokens: int, page_size: int, repeat: int, bl
                   for packed in (False, True)}
         for cache in caches.values():
             cache.commit_blocks(range(num_blocks))
-        gen = torch.Generator().manual_seed(0)
-        slots = torch.randperm(num_blocks, generator=gen)[:tokens] * spec.block_size
+        gen = torch.Generator().manual_seed(0)  # distinct blocks, a random offset in each (a decode step)
+        slots = (torch.randperm(num_blocks, generator=gen)[:tokens] * spec.block_size
+                 + torch.randint(0, spec.block_size, (tokens,), generator=gen))
         shape = spec.layer_shape(0)
         k = torch.randn(tokens, shape.num_kv_heads, shape.head_dim, generator=gen).to(spec.dtype)
         times: dict[bool, list[float]] = {False: [], True: []}

@@ -493,7 +493,10 @@ class PagedKVCache(BlockStore):
     def _memo(self, slots: torch.Tensor, tag: object, make: Any) -> Any:
         """``make()``, or what it returned last for the same ``tag`` and the same slot tensor, unchanged
         since (its ``_version``): the engine passes one slot mapping to every layer of a step, so the row
-        index and the padding of a packed cache are computed once per step, not once per layer."""
+        index and the padding of a packed cache are computed once per step, not once per layer. An inference
+        tensor (``torch.inference_mode``) keeps no version counter, so it is never remembered."""
+        if slots.is_inference():  # no version counter: a change in place could not be seen
+            return make()
         entry = self._memos.get(tag)
         if entry is not None and entry[0] is slots and entry[1] == slots._version:
             return entry[2]
