@@ -37,9 +37,14 @@ MiB = 2**20
 
 
 def fake_cuda(driver: FakeDriver):
-    """A back-end factory: the CUDA back end over ``driver``, its tensor a CPU stand-in of the size."""
-    return lambda device: CUDABackend(device, driver=driver,
-                                      to_tensor=lambda ptr, n, dev, owner: torch.zeros(n, dtype=torch.uint8))
+    """A back-end factory: the CUDA back end over ``driver``, its tensor a CPU stand-in of the size, made
+    (as torch's ``cudaPointerGetAttributes`` needs) while the base address is mapped and open."""
+
+    def to_tensor(ptr: int, nbytes: int, device: torch.device, owner: object) -> torch.Tensor:
+        assert ptr in driver.mapped and ptr in driver.accessible, "torch handed an unmapped address"
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+    return lambda device: CUDABackend(device, driver=driver, to_tensor=to_tensor)
 
 
 # ---- the CPU back end over real memory ------------------------------------------------------------------
@@ -199,6 +204,11 @@ def test_cuda_calls_come_in_the_drivers_order_with_granular_sizes() -> None:
     assert "cuMemGetAllocationGranularity" in drv.names()
     (reserve,) = [args for name, args in drv.calls if name == "cuMemAddressReserve"]
     assert reserve[:2] == (4 * g, g)
+    # page 0 mapped while torch is handed the address (it asks the driver which device it is on), then not
+    made = [n for n in drv.names() if n.startswith("cuMem")]
+    assert made[made.index("cuMemAddressReserve") + 1:] == ["cuMemCreate", "cuMemMap", "cuMemSetAccess",
+                                                            "cuMemsetD8", "cuMemUnmap", "cuMemRelease"]
+    assert drv.mapped == {} and drv.handles == {} and arena.num_committed == 0
     drv.calls.clear()
     arena.commit([0, 1, 3])  # two runs: pages 0-1 and page 3
     body = [n for n in drv.names() if n not in ("cuCtxPushCurrent", "cuCtxPopCurrent")]
