@@ -196,7 +196,7 @@ def test_targets_refuses_an_unknown_suite_in_one_line(capsys: pytest.CaptureFixt
 
 
 def test_memory_rows_ratios_and_layout_units_by_hand(capsys: pytest.CaptureFixture) -> None:
-    result = bench(capsys, "memory", "--pages", "4", "--page-size", "4096", "--repeat", "1",
+    result = bench(capsys, "memory", "--pages", "4", "--page-kib", "4", "--repeat", "1",
                    "--pool-gib", "0", "--configs", "smollm2-135m", "--tokens", "4", "--layout-blocks", "8")
     assert [r["what"] for r in result["per_page"]] == [
         "commit, one call a page", "commit, 4 pages in one call", "release, one call a page"]

@@ -47,13 +47,13 @@ MiB = 2**20
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pages", type=positive_int, default=64, metavar="N", help="pages committed per run")
-    parser.add_argument("--page-size", type=positive_int, default=DEFAULT_PAGE_SIZE, metavar="BYTES",
-                        help="bytes per page (default 2 MiB)")
+    parser.add_argument("--page-kib", type=positive_int, default=DEFAULT_PAGE_SIZE // 1024, metavar="N",
+                        help="KiB per page, a multiple of 4")
     parser.add_argument("--repeat", type=positive_int, default=5, metavar="N", help="timed repetitions")
     parser.add_argument("--pool-gib", type=non_negative_int, default=4, metavar="GIB",
-                        help="the RSS table's pool size (default 4 GiB; 0 skips the table)")
+                        help="the RSS table's pool size in GiB (0 skips the table)")
     parser.add_argument("--used", type=float, default=0.25, metavar="FRACTION",
-                        help="fraction of the pool's blocks the RSS table writes (default 0.25)")
+                        help="fraction of the pool's blocks the RSS table writes")
     parser.add_argument("--configs", action=CommaList, default=["smollm2-135m", "gemma-3-1b", "llama-3.1-8b"],
                         metavar="NAME,...", help="built-in model configs of the layout table")
     parser.add_argument("--tokens", type=positive_int, default=32, metavar="T",
@@ -262,7 +262,8 @@ def _config(page_size: int) -> ElasticConfig:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    require_at_least(args, {"pages": 1, "page_size": 4096, "repeat": 1, "tokens": 1})
+    require_at_least(args, {"pages": 1, "page_kib": 4, "repeat": 1, "tokens": 1})
+    args.page_size = args.page_kib * 1024
     per_page = cpu_page_costs(args.pages, args.page_size, args.repeat)
     cuda = cuda_page_costs(args.pages, args.page_size)
     rss = rss_table(args.pool_gib, args.used) if args.pool_gib else None
