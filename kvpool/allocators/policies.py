@@ -454,10 +454,12 @@ class FrequencyAdmission:
     """Admit a hash only once it has been offered ``min_count`` times (frequency-based admission, as
     NVIDIA Dynamo's KV block manager applies it before offloading; ``min_count=1`` admits everything).
 
-    Counts are kept for at most ``max_tracked`` hashes (default: 4 x the pool's blocks when a pool binds
-    it, else 65,536); when that many are tracked, every count is halved and the zeros dropped (TinyLFU's
-    reset, Einziger, Friedman and Manes, ACM TOS 2017), so memory stays bounded and old popularity fades.
-    A hash that is admitted stops being counted. O(1) amortized per offer.
+    Counts are kept for at most ``max_tracked`` hashes (default: 4 x the blocks of what binds it: a pool's,
+    or an offload manager's device pool and bounded tiers together; else 65,536); when that many are
+    tracked, every count is halved and the zeros dropped (TinyLFU's reset, Einziger, Friedman and Manes, ACM
+    TOS 2017), so memory stays bounded and old popularity fades. With ``min_count=2`` every tracked count is
+    1, so a reset forgets them all: a hash is admitted only when offered again within ``max_tracked`` other
+    hashes. A hash that is admitted stops being counted. O(1) amortized per offer.
 
     Raises:
         InvalidArgumentError: ``min_count`` or ``max_tracked`` not an integer >= 1.
@@ -469,7 +471,8 @@ class FrequencyAdmission:
         self.counts: dict[Hashable, int] = {}
 
     def bind(self, num_blocks: int) -> None:
-        """Default ``max_tracked`` to 4 x ``num_blocks`` (called by the pool)."""
+        """Default ``max_tracked`` to 4 x ``num_blocks`` (called by the pool or the offload manager it
+        filters for)."""
         if self.max_tracked is None:
             self.max_tracked = 4 * num_blocks
 

@@ -254,7 +254,7 @@ class KVCacheManager:
                 return None
             if self.on_admit is not None:
                 self.on_admit(req)
-            loaded = self.tiers.restore(self._plan(hit))
+            loaded = self.tiers.restore(*self._plan(hit))
             hit = coord.find_longest_cache_hit(hashes, hit.num_blocks, count=False)
             if states is not None:
                 hit = self._joint_hit(req, hit, None)
@@ -306,12 +306,15 @@ class KVCacheManager:
         """Whether a probed hit names blocks held in a tier (codes below -1)."""
         return any(b < -1 for blocks in hit.blocks for b in blocks)
 
-    def _plan(self, hit: CacheHit) -> list[tuple[Hashable, int]]:
-        """``(key, where)`` of every block ``hit`` needs, position by position, every group at a position."""
+    def _plan(self, hit: CacheHit) -> tuple[list[tuple[Hashable, int]], Hashable | None]:
+        """``(key, where)`` of every block ``hit`` needs, position by position, every group at a position;
+        and the hash before the first such position (None: position 0), the parent of what it restores."""
         null = self.null_block
-        return [(group_key(g, hit.block_hashes[i]), hit.blocks[g][i])
+        plan = [(group_key(g, hit.block_hashes[i]), hit.blocks[g][i])
                 for i in range(hit.num_blocks) for g in range(len(self.groups))
                 if hit.blocks[g][i] != null]
+        first = next((i for i in range(hit.num_blocks) if any(b[i] != null for b in hit.blocks)), 0)
+        return plan, hit.block_hashes[first - 1] if first else None
 
     def _places(self, hit: CacheHit, loaded: dict[Hashable, int]) -> dict[str, int]:
         """Hit blocks by where they were found: a prefix position counts for the tier its first group's
