@@ -47,7 +47,8 @@ from kvpool.state_spec import is_recurrent_config
 
 if TYPE_CHECKING:  # the tiers and events need their extras: imported when they are enabled
     from kvpool.allocators.policies import FrequencyAdmission
-    from kvpool.events import EventPublisher, KVEventSink
+    from kvpool.events.publishers import EventPublisher
+    from kvpool.events.sink import KVEventSink
     from kvpool.tiers.backend import TierBackend
     from kvpool.tiers.manager import OffloadManager
 
@@ -263,7 +264,8 @@ class LLMEngine:
     def _event_sink(self, publisher: EventPublisher | None) -> KVEventSink | None:
         if publisher is None or not publisher.enabled:
             return None
-        from kvpool.events import MEDIUM_GPU, KVEventSink
+        from kvpool.events.sink import KVEventSink
+        from kvpool.events.wire import MEDIUM_GPU
 
         return KVEventSink(publisher, block_size=self.block_size, medium=MEDIUM_GPU, group_idx=0)
 

@@ -42,7 +42,7 @@ from kvpool.spec import KVCacheGroup, LayerKind
 
 if TYPE_CHECKING:
     from kvpool.allocators.policies import FrequencyAdmission
-    from kvpool.events import KVEventSink
+    from kvpool.events.sink import KVEventSink
     from kvpool.requests.state_checkpoints import RequestStates
     from kvpool.storage.paged import BlockStore
     from kvpool.tiers.backend import TierBackend
@@ -93,8 +93,8 @@ class KVCacheManager:
         pin_cap: the pool's pin cap (see :class:`BlockPool`).
         admission: the pool's publish-step :class:`~kvpool.allocators.policies.FrequencyAdmission` (see
             :class:`BlockPool`).
-        event_sink: the pool's KV events (:class:`kvpool.events.KVEventSink`); :meth:`flush_events` once per
-            step publishes them.
+        event_sink: the pool's KV events (:class:`kvpool.events.sink.KVEventSink`); :meth:`flush_events`
+            once per step publishes them.
         pool: an all-free :class:`BlockPool` to use (see :class:`KVCacheCoordinator`).
         states: a recurrent hybrid's :class:`~kvpool.requests.state_checkpoints.RequestStates` (state slots
             and checkpoints, with the attention groups' block size), or None.
