@@ -39,3 +39,49 @@ def test_a_refused_redis_url_does_not_show_its_password(url: str) -> None:
     with pytest.raises(ConfigError) as info:
         parse_tier_url(url)
     assert "s3cret-Pass" not in str(info.value) and ":***@" in str(info.value)
+
+
+# ---- a tier URL is read once per command (issue 31: 14 parses, and 14 probes of a file:// folder) ----------
+
+
+@pytest.fixture
+def counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """How often a command parses a tier URL and probes a disk tier's folder (a folder created in it and
+    removed again: :func:`kvpool.tiers.from_url.check_folder`)."""
+    import tempfile
+
+    from kvpool.tiers import from_url
+
+    counts = {"parsed": 0, "probed": 0}
+    parse, mkdtemp = from_url.parse_tier_url, tempfile.mkdtemp
+
+    def parse_counted(url: str) -> object:
+        counts["parsed"] += 1
+        return parse(url)
+
+    def mkdtemp_counted(*args: object, **kwargs: object) -> str:
+        counts["probed"] += str(kwargs.get("prefix", "")).startswith(".kvpool-probe-")
+        return mkdtemp(*args, **kwargs)
+
+    monkeypatch.setattr(from_url, "parse_tier_url", parse_counted)
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp_counted)
+    monkeypatch.setenv("KVPOOL_TIER_KEY", "kvpool tests: a tier key")
+    return counts
+
+
+@pytest.mark.parametrize("tiers", [
+    ["--tier", "host://?blocks=4", "--tier", "file://{dir}?blocks=8"],
+    ["--host-blocks", "4", "--disk-dir", "{dir}", "--disk-blocks", "8"],  # the older spellings
+])
+def test_a_replay_sweep_reads_its_tier_chain_once(tiers: list[str], counted: dict[str, int], tmp_path, capsys
+                                                   ) -> None:
+    """``kvpool replay`` over a host and a disk tier, two pool sizes by two policies (four runs, each with
+    fresh tiers): each ``--tier`` URL is parsed once (the older options are read without a URL) and the disk
+    tier's folder probed once, for the whole command."""
+    from kvpool.cli import main
+
+    folder = str(tmp_path / "disk")
+    argv = ["replay", "--max-requests", "20", "--sweep", "8,16", "--policies", "lru,fifo", "--json",
+            *(a.format(dir=folder) for a in tiers)]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert counted == {"parsed": tiers.count("--tier"), "probed": 1}

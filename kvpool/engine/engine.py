@@ -50,6 +50,7 @@ if TYPE_CHECKING:  # the tiers and events need their extras: imported when they 
     from kvpool.events.publishers import EventPublisher
     from kvpool.events.sink import KVEventSink
     from kvpool.tiers.backend import TierBackend
+    from kvpool.tiers.from_url import TierURL
     from kvpool.tiers.manager import OffloadManager
 
 __all__ = ["EngineStats", "LLMEngine", "Request", "RequestStatus"]
@@ -199,11 +200,12 @@ class LLMEngine:
     def running(self) -> list[Request]:
         return self.scheduler.running
 
-    def enable_offload(self, tiers: Sequence[TierBackend | str], *, write_through: bool = False,
+    def enable_offload(self, tiers: Sequence[TierBackend | str | TierURL], *, write_through: bool = False,
                        asynchronous: bool = True, admission: FrequencyAdmission | None = None,
                        namespace: Any = None, auth_key: Any = None) -> OffloadManager:
         """Chain ``tiers`` (a :class:`~kvpool.tiers.host.HostTier` built ``like=self.cache`` first, then
-        disk / remote tiers; or their URLs, :mod:`kvpool.tiers.from_url`, built in ``namespace``, by default
+        disk / remote tiers; or their URLs or checked :class:`~kvpool.tiers.from_url.TierURL` s,
+        :mod:`kvpool.tiers.from_url`, built in ``namespace``, by default
         :meth:`tier_namespace`, with the fleet secret ``auth_key``, by default the environment's) under this
         engine's pool, for every KV cache group: evicted (or, with
         ``write_through``, published) blocks go down, and admission finds prefixes in every tier and loads
@@ -220,10 +222,10 @@ class LLMEngine:
                 blocks already announces them on the event stream first.)
             InvalidArgumentError: as :class:`~kvpool.tiers.manager.OffloadManager`.
         """
-        if any(isinstance(t, str) for t in tiers):
-            from kvpool.tiers.from_url import tiers_from_urls
+        from kvpool.tiers.from_url import TierURL, tiers_from_urls
 
-            urls = [t for t in tiers if isinstance(t, str)]
+        if any(isinstance(t, str | TierURL) for t in tiers):
+            urls = [t for t in tiers if isinstance(t, str | TierURL)]
             if len(urls) != len(tiers):
                 raise ConfigError("give enable_offload tiers or tier URLs, not both")
             space = namespace if namespace is not None else self.tier_namespace()

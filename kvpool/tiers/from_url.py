@@ -10,9 +10,11 @@ enable_offload`, a user's own engine) describes its chain as URLs, fastest first
 - ``redis://HOST:PORT[/DB]`` or ``rediss://...``: a Redis server or Redis Cluster node shared by processes
   (:class:`~kvpool.tiers.redis.RedisTier`).
 
-:func:`parse_tier_url` checks one URL without touching anything (so a command fails before it loads a
-model); :func:`check_chain` checks a chain's order (at most one host tier, first); :func:`tiers_from_urls`
-builds the tiers. Every malformed URL is a :class:`~kvpool.errors.ConfigError` naming what is wrong.
+:func:`parse_tier_url` checks one URL without touching anything but a disk tier's folder, which it probes
+(so a command fails before it loads a model), into a :class:`TierURL`; :func:`check_chain` checks a chain's
+order (at most one host tier, first); :func:`tiers_from_urls` builds the tiers. Both take a
+:class:`TierURL` as it is, so a command that reads its chain once parses each URL once. Every malformed URL
+is a :class:`~kvpool.errors.ConfigError` naming what is wrong.
 """
 
 from __future__ import annotations
@@ -79,16 +81,32 @@ def parse_tier_url(url: str) -> TierURL:
     if len(options) != 1 or not set(options) <= {"bytes", "blocks"}:
         raise _bad_url(url, "a disk tier takes one size, bytes=SIZE or blocks=N")
     path = urllib.parse.unquote(parts.path)
-    check_folder(path, f"bad tier URL {redact_url(url)!r}")
     if "blocks" in options:
-        return TierURL(medium, url, blocks=_positive(url, options["blocks"]), path=path)
+        return disk_tier(path, blocks=_positive(url, options["blocks"]), url=url)
     try:
         size = parse_bytes(options["bytes"])
     except ValueError as exc:
         raise _bad_url(url, str(exc)) from None
-    if size < 1:
-        raise _bad_url(url, "the disk tier needs bytes > 0")
-    return TierURL(medium, url, bytes=size, path=path)
+    return disk_tier(path, bytes=size, url=url)
+
+
+def disk_tier(folder: str, *, bytes: int | None = None, blocks: int | None = None, url: str | None = None,
+              what: str | None = None) -> TierURL:
+    """The checked :class:`TierURL` of a disk tier in ``folder`` bounded in ``bytes`` or in ``blocks`` (one
+    of them): the folder is probed once (:func:`check_folder`). ``url``: the tier's URL as written (default:
+    :func:`disk_url` of the folder); ``what``: how an error names the tier (default: by its URL).
+
+    Raises:
+        ConfigError: a folder that cannot be created or written, no size or two, a size below 1.
+    """
+    url = url if url is not None else disk_url(folder, bytes=bytes, blocks=blocks)
+    check_folder(folder, what if what is not None else f"bad tier URL {redact_url(url)!r}")
+    if (bytes is None) == (blocks is None):
+        raise _bad_url(url, "a disk tier takes one size, bytes=SIZE or blocks=N")
+    size, unit = (bytes, "bytes") if bytes is not None else (blocks, "blocks")
+    if size is None or size < 1:
+        raise _bad_url(url, f"the disk tier needs {unit} > 0")
+    return TierURL("disk", url, blocks=blocks, bytes=bytes, path=folder)
 
 
 def _options(url: str, query: str) -> dict[str, str]:
@@ -132,24 +150,25 @@ def _can_create_in(folder: Path) -> bool:
     return True
 
 
-def check_chain(urls: Sequence[str]) -> list[TierURL]:
-    """Every URL of a chain checked, and the chain's order: at most one host tier, and it comes first.
-    Raises ConfigError."""
-    parsed = [parse_tier_url(u) for u in urls]
+def check_chain(urls: Sequence[str | TierURL]) -> list[TierURL]:
+    """Every URL of a chain checked, and the chain's order: at most one host tier, and it comes first. A
+    :class:`TierURL` was checked when it was made: it is taken as it is (a URL is parsed once per
+    command). Raises ConfigError."""
+    parsed = [u if isinstance(u, TierURL) else parse_tier_url(u) for u in urls]
     hosts = [i for i, t in enumerate(parsed) if t.medium == "host"]
     if len(hosts) > 1 or hosts and hosts[0] != 0:
         raise ConfigError("a tier chain has at most one host tier, and it comes first (fastest first)")
     return parsed
 
 
-def tiers_from_urls(urls: Sequence[str], namespace: Any, *, block_bytes: int, like: Any = None,
+def tiers_from_urls(urls: Sequence[str | TierURL], namespace: Any, *, block_bytes: int, like: Any = None,
                     auth_key: Any = None) -> list[Any]:
-    """The tiers ``urls`` describe, fastest first, in ``namespace`` (a
-    :class:`~kvpool.tiers.backend.Namespace`), storing ``block_bytes`` per block (0: hash-only, a replay);
-    ``like``: the device cache a host tier copies (None: hash-only). A disk tier bounded in blocks holds
-    that many values with their 64-byte headers. ``auth_key``: the fleet secret that authenticates the disk
-    and Redis tiers' values (a :class:`~kvpool.tiers.auth.TierKey`, or the secret as str/bytes; None: the
-    environment's, :meth:`~kvpool.tiers.auth.TierKey.from_env`).
+    """The tiers ``urls`` (URLs, or :class:`TierURL` s checked already) describe, fastest first, in
+    ``namespace`` (a :class:`~kvpool.tiers.backend.Namespace`), storing ``block_bytes`` per block (0:
+    hash-only, a replay); ``like``: the device cache a host tier copies (None: hash-only). A disk tier
+    bounded in blocks holds that many values with their 64-byte headers. ``auth_key``: the fleet secret
+    that authenticates the disk and Redis tiers' values (a :class:`~kvpool.tiers.auth.TierKey`, or the
+    secret as str/bytes; None: the environment's, :meth:`~kvpool.tiers.auth.TierKey.from_env`).
 
     Raises:
         ConfigError: as :func:`check_chain`, a disk or Redis tier without a secret, or a tier that cannot
