@@ -85,3 +85,17 @@ def test_a_replay_sweep_reads_its_tier_chain_once(tiers: list[str], counted: dic
             *(a.format(dir=folder) for a in tiers)]
     assert main(argv) == 0, capsys.readouterr().err
     assert counted == {"parsed": tiers.count("--tier"), "probed": 1}
+
+
+def test_the_older_options_join_a_tier_chain_fastest_first(tmp_path) -> None:
+    """``--tier file://...`` with ``--host-blocks``: the host tier goes first (it was refused as second);
+    ``--tier`` URLs out of order are still refused."""
+    from kvpool.cli import build_parser
+    from kvpool.cli._tiers import tier_chain
+
+    disk = f"file://{tmp_path}/d?blocks=8"
+    args = build_parser().parse_args(["replay", "--tier", disk, "--host-blocks", "4"])
+    assert [(t.medium, t.blocks) for t in tier_chain(args)] == [("host", 4), ("disk", 8)]
+    args = build_parser().parse_args(["replay", "--tier", disk, "--tier", "host://?blocks=4"])
+    with pytest.raises(ConfigError, match="comes first"):
+        tier_chain(args)
