@@ -99,3 +99,20 @@ def test_the_older_options_join_a_tier_chain_fastest_first(tmp_path) -> None:
     args = build_parser().parse_args(["replay", "--tier", disk, "--tier", "host://?blocks=4"])
     with pytest.raises(ConfigError, match="comes first"):
         tier_chain(args)
+
+
+def test_the_plug_ins_and_the_urls_make_a_tier_in_one_place(tmp_path) -> None:
+    """``open_tier`` (the vLLM / SGLang plug-ins' configuration) and a tier URL describe the same disk
+    tier: the same class, bound and folder; Redis options on a disk tier are refused; ``"public"`` opts
+    out of the fleet secret in both."""
+    pytest.importorskip("blake3")
+    from kvpool.integrations.tier_jobs import open_tier
+    from kvpool.tiers.backend import Namespace
+    from kvpool.tiers.from_url import build_tier, disk_tier, tiers_from_urls
+
+    ns = Namespace("m", "w", "layout")
+    plug_in = open_tier("disk", ns, 64, directory=tmp_path / "a", capacity_bytes=1 << 20, auth_key="public")
+    [url] = tiers_from_urls([f"file://{tmp_path}/b?bytes=1MiB"], ns, block_bytes=64, auth_key="public")
+    assert type(plug_in) is type(url) and plug_in.capacity_bytes == url.capacity_bytes == 1 << 20
+    with pytest.raises(ConfigError, match="for a Redis tier"):
+        build_tier(disk_tier(str(tmp_path / "c"), blocks=4), ns, block_bytes=64, ttl_s=5)
