@@ -34,7 +34,7 @@ from kvpool.allocators.groups import KVCacheCoordinator
 from kvpool.allocators.hashing import BlockHasher, hasher_for
 from kvpool.allocators.state_pool import StatePool
 from kvpool.engine.recurrent import hybrid_spec, model_kv_spec
-from kvpool.engine.runner import ModelRunner, StepBatch
+from kvpool.engine.runner import ModelRunner, StepBatch, StepRunner
 from kvpool.engine.sampling import SamplingParams, sample
 from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError, KVPoolError
 from kvpool.numeric import as_id_list, as_int, index_or_none
@@ -186,6 +186,14 @@ class LLMEngine:
     @pool.setter
     def pool(self, pool: Any) -> None:
         self.kv_manager.coordinator.pool = pool
+
+    def wrap_runner(self, wrap: Callable[[ModelRunner], StepRunner]) -> StepRunner:
+        """Run every step through ``wrap(runner)`` (a :class:`~kvpool.engine.runner.StepRunner`: a
+        tensor-parallel leader ships each batch to its followers before executing it); returns it. With
+        :meth:`~kvpool.requests.kv_manager.KVCacheManager.wrap_pool`, the declared seam
+        :mod:`kvpool.engine.distributed` takes an engine over through."""
+        self.runner = wrapper = wrap(self.runner)
+        return wrapper
 
     @property
     def offload(self) -> OffloadManager | None:
