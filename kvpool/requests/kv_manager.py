@@ -124,6 +124,7 @@ class KVCacheManager:
         self.stats, self.first_stats = PrefixCacheStats(), PrefixCacheStats()
         self.ops = 0  # block ids and hashes handled by pool calls (a replay reports block ops per second)
         self._wanted_pins: list[list[Hashable]] = []
+        self._waiting: dict[Hashable, list[Hashable]] = {}  # request id -> the hashes announced waiting
         self.pins: list[list[int]] = []  # block ids of each prefix pinned, in pin order
         #: Called with each request :meth:`admit` is about to touch or allocate for (its blocks fit), before
         #: anything changes: a replay's offline eviction bound learns the admission order here.
@@ -235,6 +236,23 @@ class KVCacheManager:
             parent = req.block_hashes[-1] if req.block_hashes else None
             tokens = req.token_ids[done:]
             req.block_hashes += self.hasher.block_hashes(tokens, self.block_size, parent=parent)
+
+    def announce_waiting(self, req: Request, waiting: bool) -> None:
+        """Tell a queue-informed policy (:meth:`BlockPool.waiting`) that ``req`` joined (``waiting``) or left
+        the waiting queue, with the block hashes it has now, in every group. Nothing for other policies."""
+        pool = self.pool
+        if not self.caching or not getattr(getattr(pool, "policy", None), "reads_waiting", False):
+            return
+        if waiting:
+            hashes = list(req.block_hashes)
+            self._waiting[req.request_id] = hashes
+        else:
+            gone = self._waiting.pop(req.request_id, None)
+            if gone is None:
+                return
+            hashes = gone
+        for g in range(len(self.groups)):
+            pool.waiting(hashes if g == 0 else [group_key(g, h) for h in hashes], 1 if waiting else -1)
 
     def admit(self, req: Request, budget: int) -> int | None:
         """Admit ``req`` (holding no blocks) with its cached prefix and a first chunk of at most ``budget``

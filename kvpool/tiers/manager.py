@@ -49,7 +49,7 @@ import torch
 
 from kvpool.allocators.block_pool import BlockPool
 from kvpool.allocators.groups import group_key, split_group_key
-from kvpool.allocators.policies import FrequencyAdmission
+from kvpool.allocators.policies import FrequencyAdmission, ValuedAdmission
 from kvpool.errors import IntegrityError, InvalidArgumentError, OutOfBlocksError
 from kvpool.storage.block_copy import gather_rows, scatter_rows
 from kvpool.storage.paged import BlockStore
@@ -115,7 +115,8 @@ class OffloadManager:
         admission: frequency admission into the tiers (bound to the chain's size: it tracks at most 4 x
             the blocks of the device pool and the tiers that bound their size, unless built with
             ``max_tracked``: a block offered again after more offers than that finds its count forgotten,
-            as it would find an admitted copy evicted); None stores every block. Give the pool its own
+            as it would find an admitted copy evicted), or a ``ValuedAdmission`` (the device policy's
+            signal: only blocks it values go down); None stores every block. Give the pool its own
             instance if it filters its publish step too (one filter counts one stream).
 
     Raises:
@@ -480,9 +481,14 @@ class OffloadManager:
             self._stage(lambda ids, out: gather_rows(self.cache, ids, out), block_ids, hashes, lower)
 
     def _admitted(self, block_ids: list[int], hashes: list[Hashable]) -> tuple[list[int], list[Hashable]]:
-        """The blocks whose offer the admission filter accepts (one offer each, in order)."""
-        admit = self.admission.admit  # type: ignore[union-attr]
-        keep = [i for i, h in enumerate(hashes) if admit(h)]
+        """The blocks whose offer the admission filter accepts (one offer each, in order; a
+        :class:`ValuedAdmission` asks the device policy instead)."""
+        if isinstance(self.admission, ValuedAdmission):
+            valued = self.pool.policy.valued
+            keep = [i for i, b in enumerate(block_ids) if valued(b)]
+        else:
+            admit = self.admission.admit  # type: ignore[union-attr]
+            keep = [i for i, h in enumerate(hashes) if admit(h)]
         self.not_admitted += len(hashes) - len(keep)
         return [block_ids[i] for i in keep], [hashes[i] for i in keep]
 
