@@ -58,7 +58,7 @@ from types import ModuleType
 
 #: The modules setup.py compiles (read there with ``ast``, without importing kvpool).
 COMPILED_MODULES = (
-    "kvpool.event_buffer",
+    "kvpool.events.buffer",
     "kvpool.allocators.arrays",
     "kvpool.allocators.prefix_index",
     "kvpool.allocators.policy_base",

@@ -35,7 +35,7 @@ from kvpool.spec import KVCacheGroup, LayerKind, cdiv
 from kvpool.units import plural
 
 if TYPE_CHECKING:
-    from kvpool.events import KVEventSink
+    from kvpool.events.sink import KVEventSink
 
 
 def group_key(group: int, block_hash: Hashable) -> Hashable:
@@ -89,7 +89,7 @@ class KVCacheCoordinator:
         groups: the model's groups (``KVCacheSpec.groups``), indexed 0, 1, ... with one block size.
         num_blocks: pool blocks, the null block included (reserved when a group has a window).
         enable_caching: prefix caching (as ``BlockPool``).
-        event_sink: KV events of the pool (:class:`kvpool.events.KVEventSink`): told how to read group
+        event_sink: KV events of the pool (:class:`kvpool.events.sink.KVEventSink`): told how to read group
             keys, so each event names its group, its kind and its window.
         policy: the pool's eviction policy (a name or a fresh
             :class:`~kvpool.allocators.policies.EvictionPolicy`), as :class:`BlockPool` takes it. One policy

@@ -39,8 +39,8 @@ from kvpool.allocators.hashing import (
 from kvpool.allocators.policies import POLICIES
 from kvpool.bench.peers import live_rows
 from kvpool.bench.timing import alternated_ns, median_ns, print_table, require_at_least
+from kvpool.cli.options import CommaList, non_negative_int, positive_int
 from kvpool.errors import ConfigError, OutOfBlocksError
-from kvpool.options import CommaList, non_negative_int, positive_int
 
 #: Issue 24's targets as ratios of the row's figure to its baseline's (events on / off).
 TARGET_RATIOS = {"evicting allocate(1), events on": 1.3, "cache_blocks(1) + 16 token ids, events on": 1.3}
@@ -321,7 +321,8 @@ def _event_rows(size: int, ops: int, repeat: int) -> list[dict[str, Any]]:
     what is left), not a transport's cost per batch. Issue 24's target: on / off <= 1.3 for
     ``cache_blocks`` with token ids and for an evicting allocation."""
     try:
-        from kvpool.events import KVEventSink, NullEventPublisher
+        from kvpool.events.publishers import NullEventPublisher
+        from kvpool.events.sink import KVEventSink
     except ImportError as exc:
         return [{"op": "events on", "skipped": f"kvpool.events not importable: {exc}"}]
 

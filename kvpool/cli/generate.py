@@ -36,7 +36,7 @@ from kvpool.cli._tiers import (
     public_root_hint,
     tier_admission,
     tier_auth_key,
-    tier_urls,
+    tier_chain,
     wants_tiers,
 )
 from kvpool.cli._tp import add_tp_argument, report_rank_failure, run_ranks, tp_size_of
@@ -263,7 +263,7 @@ def _enable_tiers(engine: Any, args: argparse.Namespace) -> Any:
     """The tiers the options ask for, under the engine's pool, in the engine's namespace: the model by its
     weights (this rank's shard) and its config, and the tensor-parallel rank (so two processes share
     blocks exactly when they compute the same KV shard)."""
-    return engine.enable_offload(tier_urls(args), write_through=args.write_through,
+    return engine.enable_offload(tier_chain(args), write_through=args.write_through,
                                  admission=tier_admission(args), namespace=engine.tier_namespace(args.model),
                                  auth_key=tier_auth_key(args))
 

@@ -33,13 +33,12 @@ from kvpool.cli._args import (
     word_list,
 )
 from kvpool.cli._observe import Observers, add_event_arguments
-from kvpool.cli._tiers import add_tier_arguments, build_tiers, check_tier_targets, tier_urls, wants_tiers
+from kvpool.cli._tiers import add_tier_arguments, build_tiers, check_tier_targets, tier_chain, wants_tiers
 from kvpool.cli.plan import add_memory_arguments, hybrid_from_args, kv_spec_from_args, plan_from_args
 from kvpool.errors import ConfigError, TraceFormatError
 from kvpool.planner import PoolPlan
 from kvpool.spec import KVCacheSpec
 from kvpool.tiers.auth import redact_url
-from kvpool.tiers.from_url import check_chain
 from kvpool.trace.loaders import FORMATS, load_trace
 from kvpool.trace.replay import HIT_RATIO_BASIS, REPLAY_POLICIES, TIMINGS, ReplayConfig, compare_all_full
 from kvpool.trace.sweep import SweepRun, hit_ratio_table, rejected_table, run_sweep
@@ -298,7 +297,7 @@ def tier_descriptions(args: argparse.Namespace) -> list[str]:
     """The tiers below the pool, fastest first: ``host 100,000 blocks``, ``disk 4,294,967,296 B in DIR``,
     ``remote redis://HOST:PORT``."""
     out = []
-    for tier in check_chain(tier_urls(args)):
+    for tier in tier_chain(args):
         size = f"{tier.blocks:,} blocks" if tier.blocks is not None else \
             f"{tier.bytes:,} B" if tier.bytes is not None else ""
         remote = f" {redact_url(tier.url)}" if tier.medium == "remote" else ""

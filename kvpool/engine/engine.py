@@ -34,7 +34,7 @@ from kvpool.allocators.groups import KVCacheCoordinator
 from kvpool.allocators.hashing import BlockHasher, hasher_for
 from kvpool.allocators.state_pool import StatePool
 from kvpool.engine.recurrent import hybrid_spec, model_kv_spec
-from kvpool.engine.runner import ModelRunner, StepBatch
+from kvpool.engine.runner import ModelRunner, StepBatch, StepRunner
 from kvpool.engine.sampling import SamplingParams, sample
 from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError, KVPoolError
 from kvpool.numeric import as_id_list, as_int, index_or_none
@@ -47,8 +47,10 @@ from kvpool.state_spec import is_recurrent_config
 
 if TYPE_CHECKING:  # the tiers and events need their extras: imported when they are enabled
     from kvpool.allocators.policies import FrequencyAdmission
-    from kvpool.events import EventPublisher, KVEventSink
+    from kvpool.events.publishers import EventPublisher
+    from kvpool.events.sink import KVEventSink
     from kvpool.tiers.backend import TierBackend
+    from kvpool.tiers.from_url import TierURL
     from kvpool.tiers.manager import OffloadManager
 
 __all__ = ["EngineStats", "LLMEngine", "Request", "RequestStatus"]
@@ -185,6 +187,14 @@ class LLMEngine:
     def pool(self, pool: Any) -> None:
         self.kv_manager.coordinator.pool = pool
 
+    def wrap_runner(self, wrap: Callable[[ModelRunner], StepRunner]) -> StepRunner:
+        """Run every step through ``wrap(runner)`` (a :class:`~kvpool.engine.runner.StepRunner`: a
+        tensor-parallel leader ships each batch to its followers before executing it); returns it. With
+        :meth:`~kvpool.requests.kv_manager.KVCacheManager.wrap_pool`, the declared seam
+        :mod:`kvpool.engine.distributed` takes an engine over through."""
+        self.runner = wrapper = wrap(self.runner)
+        return wrapper
+
     @property
     def offload(self) -> OffloadManager | None:
         """The tier chain of :meth:`enable_offload`, or None."""
@@ -198,11 +208,12 @@ class LLMEngine:
     def running(self) -> list[Request]:
         return self.scheduler.running
 
-    def enable_offload(self, tiers: Sequence[TierBackend | str], *, write_through: bool = False,
+    def enable_offload(self, tiers: Sequence[TierBackend | str | TierURL], *, write_through: bool = False,
                        asynchronous: bool = True, admission: FrequencyAdmission | None = None,
                        namespace: Any = None, auth_key: Any = None) -> OffloadManager:
         """Chain ``tiers`` (a :class:`~kvpool.tiers.host.HostTier` built ``like=self.cache`` first, then
-        disk / remote tiers; or their URLs, :mod:`kvpool.tiers.from_url`, built in ``namespace``, by default
+        disk / remote tiers; or their URLs or checked :class:`~kvpool.tiers.from_url.TierURL` s,
+        :mod:`kvpool.tiers.from_url`, built in ``namespace``, by default
         :meth:`tier_namespace`, with the fleet secret ``auth_key``, by default the environment's) under this
         engine's pool, for every KV cache group: evicted (or, with
         ``write_through``, published) blocks go down, and admission finds prefixes in every tier and loads
@@ -219,10 +230,10 @@ class LLMEngine:
                 blocks already announces them on the event stream first.)
             InvalidArgumentError: as :class:`~kvpool.tiers.manager.OffloadManager`.
         """
-        if any(isinstance(t, str) for t in tiers):
-            from kvpool.tiers.from_url import tiers_from_urls
+        from kvpool.tiers.from_url import TierURL, tiers_from_urls
 
-            urls = [t for t in tiers if isinstance(t, str)]
+        if any(isinstance(t, str | TierURL) for t in tiers):
+            urls = [t for t in tiers if isinstance(t, str | TierURL)]
             if len(urls) != len(tiers):
                 raise ConfigError("give enable_offload tiers or tier URLs, not both")
             space = namespace if namespace is not None else self.tier_namespace()
@@ -263,7 +274,8 @@ class LLMEngine:
     def _event_sink(self, publisher: EventPublisher | None) -> KVEventSink | None:
         if publisher is None or not publisher.enabled:
             return None
-        from kvpool.events import MEDIUM_GPU, KVEventSink
+        from kvpool.events.sink import KVEventSink
+        from kvpool.events.wire import MEDIUM_GPU
 
         return KVEventSink(publisher, block_size=self.block_size, medium=MEDIUM_GPU, group_idx=0)
 

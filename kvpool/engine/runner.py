@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -48,6 +48,19 @@ class StepBatch:
     spans: list[tuple[tuple[list[int], ...], int, int]]
     state_slots: list[int] | None = None
     state_saves: list[list[tuple[int, int]]] | None = None
+
+
+class StepRunner(Protocol):
+    """What the engine asks of the runner it executes its steps with: a :class:`ModelRunner`, or a wrapper
+    put in front of one with :meth:`~kvpool.engine.engine.LLMEngine.wrap_runner` (a tensor-parallel leader's,
+    which ships each batch to its followers first): the KV cache and spec it runs over, and ``execute``."""
+
+    cache: Any
+    spec: Any
+
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """As :meth:`ModelRunner.execute`: the logits ``[S, V]`` of ``batch.sample_rows``."""
+        ...
 
 
 class ModelRunner:

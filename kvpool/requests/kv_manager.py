@@ -36,13 +36,13 @@ from typing import TYPE_CHECKING, Any
 from kvpool.allocators.block_pool import BlockPool, BlockPoolStats
 from kvpool.allocators.groups import CacheHit, KVCacheCoordinator, group_key
 from kvpool.allocators.hashing import BlockHasher, hasher_for
-from kvpool.errors import ConfigError, InvalidIdError
+from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError
 from kvpool.requests.request import Request
 from kvpool.spec import KVCacheGroup, LayerKind
 
 if TYPE_CHECKING:
     from kvpool.allocators.policies import FrequencyAdmission
-    from kvpool.events import KVEventSink
+    from kvpool.events.sink import KVEventSink
     from kvpool.requests.state_checkpoints import RequestStates
     from kvpool.storage.paged import BlockStore
     from kvpool.tiers.backend import TierBackend
@@ -93,8 +93,8 @@ class KVCacheManager:
         pin_cap: the pool's pin cap (see :class:`BlockPool`).
         admission: the pool's publish-step :class:`~kvpool.allocators.policies.FrequencyAdmission` (see
             :class:`BlockPool`).
-        event_sink: the pool's KV events (:class:`kvpool.events.KVEventSink`); :meth:`flush_events` once per
-            step publishes them.
+        event_sink: the pool's KV events (:class:`kvpool.events.sink.KVEventSink`); :meth:`flush_events`
+            once per step publishes them.
         pool: an all-free :class:`BlockPool` to use (see :class:`KVCacheCoordinator`).
         states: a recurrent hybrid's :class:`~kvpool.requests.state_checkpoints.RequestStates` (state slots
             and checkpoints, with the attention groups' block size), or None.
@@ -113,6 +113,7 @@ class KVCacheManager:
                                               event_sink=event_sink, policy=policy, pin_cap=pin_cap,
                                               admission=admission, pool=pool)
         self.groups, self.block_size = self.coordinator.groups, self.coordinator.block_size
+        self._block_pool: BlockPool = self.coordinator.pool
         self.caching = enable_caching
         self.hasher = None if hasher is None else hasher_for(hasher, events=event_sink is not None)
         if states is not None and states.block_size != self.block_size:
@@ -133,8 +134,30 @@ class KVCacheManager:
 
     @property
     def pool(self) -> Any:
-        """The coordinator's :class:`BlockPool` (a tensor-parallel leader may have wrapped it)."""
+        """What the request path calls: the coordinator's :class:`BlockPool`, or the wrapper
+        :meth:`wrap_pool` put in front of it."""
         return self.coordinator.pool
+
+    @property
+    def block_pool(self) -> BlockPool:
+        """The :class:`BlockPool` itself, under any wrapper :meth:`wrap_pool` put in front of it (the tiers
+        attach to it)."""
+        return self._block_pool
+
+    def wrap_pool(self, wrap: Callable[[BlockPool], Any]) -> Any:
+        """Put ``wrap(pool)`` in front of the :class:`BlockPool`: every later call of the request path (the
+        coordinator's allocate, free, cache and lookup) goes through it, and it is :attr:`pool`; returns it.
+        The seam a tensor-parallel leader records the pool's calls through, to replay them on its followers
+        (:class:`kvpool.engine.distributed.RecordingPool`): the wrapper takes every call a BlockPool takes
+        and must pass each on to it. Once per manager.
+
+        Raises:
+            InvalidArgumentError: a wrapper is in front already.
+        """
+        if self.coordinator.pool is not self._block_pool:
+            raise InvalidArgumentError("the pool has a wrapper in front of it already")
+        self.coordinator.pool = wrapper = wrap(self._block_pool)
+        return wrapper
 
     @property
     def null_block(self) -> int:
@@ -185,8 +208,7 @@ class KVCacheManager:
         hosts = [t for t in tiers if isinstance(t, HostTier)] if sink is not None else []
         if any(t.pool.event_sink is not None for t in hosts):
             raise ConfigError("with KV events, the host tier must not publish events elsewhere already")
-        raw = getattr(self.pool, "pool", self.pool)  # the BlockPool itself, under a recording wrapper
-        self.tiers = OffloadManager(raw, tiers, cache=cache, write_through=write_through,
+        self.tiers = OffloadManager(self.block_pool, tiers, cache=cache, write_through=write_through,
                                     asynchronous=asynchronous, admission=admission,
                                     staging_blocks=staging_blocks)
         for host in hosts:  # its stores and evictions go out in the same batches, medium CPU

@@ -64,7 +64,7 @@ from kvpool.trace.belady import BeladyPolicy, TraceFuture
 from kvpool.trace.loaders import MOONCAKE_BLOCK_SIZE, TraceRequest
 
 if TYPE_CHECKING:
-    from kvpool.events import KVEventSink
+    from kvpool.events.sink import KVEventSink
     from kvpool.tiers.backend import TierBackend
 
 TIMINGS = ("instant", "trace")
