@@ -16,14 +16,15 @@ RANKS = {
     "_native": -1,
     # _lazy (names a package exports, imported on first use) imports only the standard library too
     "_lazy": -1,
-    "errors": 0, "numeric": 0.5, "units": 0.7, "options": 0.8, "events": 1, "hf_config": 1, "spec": 2,
+    "errors": 0, "numeric": 0.5, "units": 0.7, "options": 0.8, "events": 1,
+    # what memory a model needs and how much a device gives (the config, the kinds, KV and state, the plans)
+    "spec": 2,
     # the buffer a KV event sink records into, compiled with the pool's hot path: beneath events
     "event_buffer": 0.9,
-    "planner": 3,
     # the KV event subscriber over the wire format and sockets of events (which re-exports it lazily)
     "events_subscriber": 1.1,
-    # recurrent-state hybrids: state_spec over spec and hf_config, state_planner over state_spec
-    "state_spec": 2.5, "state_planner": 3.5,
+    # the old import paths of the spec package's modules: deprecation shims over it
+    "hf_config": 2.9, "state_spec": 2.9, "planner": 2.9, "state_planner": 2.9,
     "allocators": 4, "storage": 5, "tiers": 5.5, "requests": 5.8, "engine": 6, "trace": 6, "metrics": 6,
     "integrations": 6,
     "bench": 7, "cli": 8,
@@ -60,6 +61,26 @@ def test_imports_only_downward(path: Path) -> None:
         if there == here:
             continue
         assert RANKS[there] < RANKS[here], f"{path.name} ({here}) imports {name} ({there}): not downward"
+
+
+#: The spec package's modules bottom up: each imports only the ones before it, so the layer has no circle
+#: inside (``kvpool.spec`` itself, the package's face, comes last).
+SPEC_ORDER = ("hf_config", "kv", "state", "planner", "state_planner", "__init__")
+
+
+@pytest.mark.parametrize("name", SPEC_ORDER)
+def test_the_spec_package_imports_in_order(name: str) -> None:
+    path = PACKAGE / "spec" / f"{name}.py"
+    for imported in _imports(path):
+        parts = imported.split(".")
+        if parts[1] != "spec":
+            continue
+        there = parts[2] if len(parts) > 2 else "__init__"
+        assert SPEC_ORDER.index(there) < SPEC_ORDER.index(name), f"spec/{name}.py imports {imported}"
+
+
+def test_the_spec_order_names_every_module() -> None:
+    assert sorted(SPEC_ORDER) == sorted(p.stem for p in (PACKAGE / "spec").glob("*.py"))
 
 
 def _design_ranks() -> dict[str, float]:

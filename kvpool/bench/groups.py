@@ -28,8 +28,8 @@ from pathlib import Path
 from kvpool.allocators.block_pool import BlockPool
 from kvpool.allocators.groups import KVCacheCoordinator
 from kvpool.bench.timing import alternated_ns, print_table, require_at_least
-from kvpool.planner import MemoryReadings, plan_pool
 from kvpool.spec import KVCacheSpec, LayerKind, kv_cache_groups
+from kvpool.spec.planner import MemoryReadings, plan_pool
 from kvpool.trace.loaders import load_trace
 from kvpool.trace.replay import ReplayConfig, compare_all_full, run_replay
 

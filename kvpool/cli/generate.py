@@ -1,7 +1,7 @@
 """``kvpool generate``: run a real model with its KV in kvpool (continuous batching, prefix caching).
 
-Pool size: ``--num-blocks N``, or ``--kv-memory BYTES`` sized by :func:`kvpool.planner.plan_pool`; by default
-the live CUDA profile on a GPU and :data:`DEFAULT_KV_MEMORY` on CPU.
+Pool size: ``--num-blocks N``, or ``--kv-memory BYTES`` sized by :func:`kvpool.spec.planner.plan_pool`; by
+default the live CUDA profile on a GPU and :data:`DEFAULT_KV_MEMORY` on CPU.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def pool_blocks(loaded: Any, args: argparse.Namespace, tp_size: int = 1) -> int:
     if args.num_blocks is not None:
         return args.num_blocks
     from kvpool.engine.recurrent import model_kv_spec
-    from kvpool.planner import MemoryReadings, plan_pool, profile_cuda_memory
+    from kvpool.spec.planner import MemoryReadings, plan_pool, profile_cuda_memory
 
     spec = model_kv_spec(loaded.model, block_size=args.block_size, tp_size=tp_size)
     if args.kv_memory is None and loaded.model.device.type == "cuda":
@@ -145,7 +145,7 @@ def check_before_load(args: argparse.Namespace, tp_size: int) -> None:
     :func:`kvpool.engine.models.config_before_load` (nothing to check for Gemma 3 270M before its first
     conversion). Raises ConfigError / InsufficientMemoryError."""
     from kvpool.engine.models import config_before_load, config_spec
-    from kvpool.state_spec import is_recurrent_config
+    from kvpool.spec.state import is_recurrent_config
 
     config = config_before_load(args.model)
     if config is None:
@@ -156,7 +156,7 @@ def check_before_load(args: argparse.Namespace, tp_size: int) -> None:
         return
     spec = config_spec(config, block_size=args.block_size, kv_dtype="float32", tp_size=tp_size)  # as loaded
     if args.num_blocks is None and (args.kv_memory is not None or not torch.cuda.is_available()):
-        from kvpool.planner import MemoryReadings, plan_pool
+        from kvpool.spec.planner import MemoryReadings, plan_pool
 
         budget = args.kv_memory if args.kv_memory is not None else DEFAULT_KV_MEMORY
         plan_pool(spec, MemoryReadings(total_bytes=budget, non_kv_bytes=0), gpu_memory_utilization=1.0)

@@ -1,16 +1,16 @@
 """``kvpool plan CONFIG``: how much KV cache a model gets on a GPU (per tensor-parallel rank).
 
 CONFIG is a ``config.json``, a folder holding one, or a built-in name
-(:data:`kvpool.hf_config.BUILTIN_CONFIGS`).
+(:data:`kvpool.spec.hf_config.BUILTIN_CONFIGS`).
 Without ``--gpu-memory`` it reads the local CUDA device (its total, free and already-used memory) and adds
 ``--non-kv-memory`` (the model's weights and activations) to what is already in use. Each assumption that
 changes the answer (no non-KV memory, the KV dtype ``auto`` picked, the step size of a windowed model) is
 said in a ``note:`` line (``notes`` in ``--json``).
 
-An attention / recurrent hybrid (Qwen3-Next, Nemotron-H, ...: :func:`kvpool.state_spec.is_recurrent_config`)
+An attention / recurrent hybrid (Qwen3-Next, Nemotron-H, ...: :func:`kvpool.spec.state.is_recurrent_config`)
 is planned over its attention layers only, and a ``recurrent state`` part follows: the state per request and
 its KV-token equivalent and, with ``--max-model-len``, both ways the engines size state beside KV
-(:mod:`kvpool.state_planner`: vLLM's one pool, SGLang's two pools) in the same KV memory.
+(:mod:`kvpool.spec.state_planner`: vLLM's one pool, SGLang's two pools) in the same KV memory.
 """
 
 from __future__ import annotations
@@ -31,17 +31,17 @@ from kvpool.cli._args import (
     positive_int,
 )
 from kvpool.errors import ConfigError
-from kvpool.hf_config import BUILTIN_CONFIGS, load_config, model_dtype, model_type
-from kvpool.planner import (
+from kvpool.spec import KVCacheSpec, auto_kv_dtype, parse_kv_dtype
+from kvpool.spec.hf_config import BUILTIN_CONFIGS, load_config, model_dtype, model_type
+from kvpool.spec.planner import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     MemoryReadings,
     PoolPlan,
     plan_pool,
     profile_cuda_memory,
 )
-from kvpool.spec import KVCacheSpec, auto_kv_dtype, parse_kv_dtype
-from kvpool.state_planner import plan_state_memory
-from kvpool.state_spec import HybridSpec, is_recurrent_config
+from kvpool.spec.state import HybridSpec, is_recurrent_config
+from kvpool.spec.state_planner import plan_state_memory
 from kvpool.units import human_bytes, plural
 
 

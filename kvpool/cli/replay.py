@@ -35,8 +35,8 @@ from kvpool.cli._observe import Observers, add_event_arguments
 from kvpool.cli._tiers import add_tier_arguments, build_tiers, check_tier_targets, tier_urls, wants_tiers
 from kvpool.cli.plan import add_memory_arguments, hybrid_from_args, kv_spec_from_args, plan_from_args
 from kvpool.errors import ConfigError, TraceFormatError
-from kvpool.planner import PoolPlan
 from kvpool.spec import KVCacheSpec
+from kvpool.spec.planner import PoolPlan
 from kvpool.tiers.auth import redact_url
 from kvpool.tiers.from_url import check_chain
 from kvpool.trace.loaders import FORMATS, load_trace

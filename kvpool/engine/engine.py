@@ -43,7 +43,7 @@ from kvpool.requests.request import Request, RequestStatus
 from kvpool.requests.scheduler import Scheduler, SchedulerOutput
 from kvpool.requests.state_checkpoints import RequestStates, SavePolicy, StateCheckpoints
 from kvpool.spec import KVCacheSpec
-from kvpool.state_spec import is_recurrent_config
+from kvpool.spec.state import is_recurrent_config
 
 if TYPE_CHECKING:  # the tiers and events need their extras: imported when they are enabled
     from kvpool.allocators.policies import FrequencyAdmission
@@ -81,7 +81,7 @@ class LLMEngine:
     Args:
         model: a Hugging Face causal LM in eval mode; each step switches its attention to
             :func:`paged_attention` if something else (a reference ``generate``) set another one.
-        num_blocks: KV blocks in the pool (size it with :func:`kvpool.planner.plan_pool`).
+        num_blocks: KV blocks in the pool (size it with :func:`kvpool.spec.planner.plan_pool`).
         max_num_batched_tokens: token budget of one step (decode tokens + prefill chunks).
         max_num_seqs: running requests at most.
         eos_token_ids: tokens that end a request (unless its ``ignore_eos``).

@@ -31,7 +31,7 @@ import torch
 
 from kvpool.errors import ConfigError, InvalidArgumentError
 from kvpool.spec import AttentionKind, KVCacheSpec
-from kvpool.state_spec import HybridSpec, RecurrentStateSpec
+from kvpool.spec.state import HybridSpec, RecurrentStateSpec
 from kvpool.storage.state import RecurrentStateCache
 
 #: Keyword arguments of the decoder layer's call that a per-request mixer call must not receive: the
@@ -44,7 +44,7 @@ class RecurrentStates:
     """The recurrent half of a runner: the state buffers and the per-span mixers of one model.
 
     Args:
-        model: a Hugging Face causal LM of a family of :data:`kvpool.state_spec.FAMILIES`.
+        model: a Hugging Face causal LM of a family of :data:`kvpool.spec.state.FAMILIES`.
         spec: its :class:`RecurrentStateSpec` (on this rank).
         num_slots: state slots of the buffers.
         device: where the buffers live.
@@ -166,7 +166,7 @@ def model_kv_spec(model: Any, *, block_size: int, dtype: torch.dtype | None = No
     """The KV spec the engine's paged cache holds for ``model``: :func:`kvpool.engine.models.kv_spec`, or for
     a recurrent hybrid its attention layers' (:func:`execution_kv_spec`; ConfigError for ``tp_size`` > 1)."""
     from kvpool.engine.models import kv_spec
-    from kvpool.state_spec import is_recurrent_config
+    from kvpool.spec.state import is_recurrent_config
 
     if not is_recurrent_config(model.config.to_dict()):
         return kv_spec(model, block_size=block_size, dtype=dtype, tp_size=tp_size)

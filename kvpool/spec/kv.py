@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from kvpool.errors import ConfigError
-from kvpool.hf_config import MAX_LAYERS, too_many_layers
 from kvpool.numeric import as_int, as_optional_int
+from kvpool.spec.hf_config import MAX_LAYERS, too_many_layers
 
 #: KV cache dtype names accepted everywhere (CLI, ``from_hf_config``, ``parse_kv_dtype``).
 KV_DTYPES: dict[str, torch.dtype] = {
@@ -290,7 +290,7 @@ class KVCacheSpec:
     """The KV cache of one model on one tensor-parallel rank.
 
     Args:
-        num_layers: attention layers that keep KV (at most :data:`kvpool.hf_config.MAX_LAYERS`).
+        num_layers: attention layers that keep KV (at most :data:`kvpool.spec.hf_config.MAX_LAYERS`).
         num_kv_heads: KV heads of the whole model, before tensor parallelism (not query heads).
         head_dim: elements per head.
         dtype: KV storage dtype (a torch dtype or a name from :data:`KV_DTYPES`).
@@ -593,13 +593,13 @@ class KVCacheSpec:
         block_size: int = 16,
     ) -> KVCacheSpec:
         """Build the spec from a Hugging Face ``config.json`` (a file, a folder holding one, a dict, or the
-        name of a built-in config: :data:`kvpool.hf_config.BUILTIN_CONFIGS`).
+        name of a built-in config: :data:`kvpool.spec.hf_config.BUILTIN_CONFIGS`).
 
-        See :func:`kvpool.hf_config.read_kv_fields` for the model types understood and how missing fields
+        See :func:`kvpool.spec.hf_config.read_kv_fields` for the model types understood and how missing fields
         are filled; ``kv_cache_dtype="auto"`` follows vLLM (:func:`auto_kv_dtype`). Raises
         :class:`ConfigError` for an unreadable config, a missing field or a bad dtype.
         """
-        from kvpool.hf_config import read_kv_fields
+        from kvpool.spec.hf_config import read_kv_fields
 
         fields = read_kv_fields(path_or_dict)
         model_dtype, model_type = fields.pop("model_dtype"), fields.pop("model_type")
