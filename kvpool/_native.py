@@ -59,6 +59,7 @@ from types import ModuleType
 #: The modules setup.py compiles (read there with ``ast``, without importing kvpool).
 COMPILED_MODULES = (
     "kvpool.event_buffer",
+    "kvpool.spec.kinds",
     "kvpool.allocators.policies",
     "kvpool.allocators.block_pool",
     "kvpool.allocators.groups",

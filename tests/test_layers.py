@@ -64,8 +64,9 @@ def test_imports_only_downward(path: Path) -> None:
 
 
 #: The spec package's modules bottom up: each imports only the ones before it, so the layer has no circle
-#: inside (``kvpool.spec`` itself, the package's face, comes last).
-SPEC_ORDER = ("hf_config", "kv", "state", "planner", "state_planner", "__init__")
+#: inside (``kvpool.spec`` itself, the package's face, comes last). ``kinds`` imports nothing of kvpool but
+#: the ground (it is compiled with the allocators' hot path).
+SPEC_ORDER = ("hf_config", "kinds", "kv", "state", "memory", "planner", "state_planner", "__init__")
 
 
 @pytest.mark.parametrize("name", SPEC_ORDER)
@@ -81,6 +82,10 @@ def test_the_spec_package_imports_in_order(name: str) -> None:
 
 def test_the_spec_order_names_every_module() -> None:
     assert sorted(SPEC_ORDER) == sorted(p.stem for p in (PACKAGE / "spec").glob("*.py"))
+
+
+def test_the_kinds_stand_on_the_ground() -> None:
+    assert {_layer(m) for m in _imports(PACKAGE / "spec" / "kinds.py")} <= {"errors", "numeric"}
 
 
 def _design_ranks() -> dict[str, float]:

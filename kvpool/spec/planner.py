@@ -54,7 +54,7 @@ import torch
 
 from kvpool.errors import InsufficientMemoryError, InvalidArgumentError
 from kvpool.numeric import as_int, as_optional_int, as_real
-from kvpool.spec.kv import KVCacheGroup, KVCacheSpec, LayerKind, cdiv
+from kvpool.spec.kv import KVCacheGroup, KVCacheSpec, cdiv
 from kvpool.units import human_bytes, plural
 
 #: The step budget a plan assumes (tokens one scheduler step computes, prefill chunks and decodes together):
@@ -297,7 +297,7 @@ def _check_minimum(spec: KVCacheSpec, num_blocks: int, available: int, max_model
         needs.append((sum(g.max_blocks(max_model_len, step) for g in spec.groups),
                       f"one request of max_model_len {max_model_len} tokens"))
     elif spec.has_windows:
-        blocks = sum(g.max_blocks(2**62, step) if g.kind is not LayerKind.FULL else 1 for g in spec.groups)
+        blocks = sum(g.memory_kind.steady_blocks(step, bs) for g in spec.groups)
         needs.append((blocks, f"one request running past the {_windows(spec)} at {plural(step, 'token')} "
                               f"per step"))
     blocks, what = max(needs)
@@ -323,9 +323,8 @@ def _check_minimum(spec: KVCacheSpec, num_blocks: int, available: int, max_model
 
 def _windows(spec: KVCacheSpec) -> str:
     """``"sliding window of 4096 tokens"`` (and ``"chunk of 8192 tokens"``) for the windowed groups."""
-    kinds = {(g.kind, g.window) for g in spec.groups if g.kind is not LayerKind.FULL}
-    names = {LayerKind.SLIDING: "sliding window", LayerKind.CHUNKED: "chunk"}
-    return " and ".join(f"{names[k]} of {w} tokens" for k, w in sorted(kinds, key=lambda kw: kw[0].value))
+    kinds = {g.memory_kind for g in spec.groups if g.memory_kind.frees_blocks}
+    return " and ".join(k.window_phrase() for k in sorted(kinds, key=lambda k: (k.name, k.window)))
 
 
 def readings_from_cuda_stats(total_bytes: int, free_bytes: int, peak_allocated_bytes: int,

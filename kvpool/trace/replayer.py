@@ -53,7 +53,8 @@ from kvpool.requests.kv_manager import KVCacheManager, blocks_needed
 from kvpool.requests.request import Request
 from kvpool.requests.scheduler import Scheduler, SchedulerOutput
 from kvpool.requests.state_checkpoints import RequestStates, SavePolicy, StateCheckpoints
-from kvpool.spec import KVCacheGroup, LayerKind
+from kvpool.spec import KVCacheGroup
+from kvpool.spec.kv import needs_null_block
 from kvpool.trace.belady import BeladyPolicy, TraceFuture
 from kvpool.trace.loaders import MOONCAKE_BLOCK_SIZE, TraceRequest
 
@@ -147,7 +148,7 @@ class ReplayConfig:
     @property
     def kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
         """:attr:`groups`, or one full-attention group when none are given."""
-        return self.groups or (KVCacheGroup(0, LayerKind.FULL, None, (0,), 1, self.block_size),)
+        return self.groups or (KVCacheGroup.full(self.block_size),)
 
     @property
     def step_tokens(self) -> int:
@@ -247,7 +248,7 @@ def unbounded_num_blocks(requests: Sequence[TraceRequest], config: ReplayConfig 
     """Blocks to hold every request of the trace at once: the sum of :func:`request_blocks` (the null
     block counted once). ``config`` may be a block size (one full-attention group)."""
     config = ReplayConfig(block_size=config) if isinstance(config, int) else config
-    null = 1 if any(g.kind is not LayerKind.FULL for g in config.kv_cache_groups) else 0
+    null = 1 if needs_null_block(config.kv_cache_groups) else 0
     return max(1 + null, sum(request_blocks(r, config) - null for r in requests) + null)
 
 
