@@ -60,7 +60,11 @@ from types import ModuleType
 COMPILED_MODULES = (
     "kvpool.event_buffer",
     "kvpool.spec.kinds",
+    "kvpool.allocators.policy_base",
     "kvpool.allocators.policies",
+    "kvpool.allocators.arc",
+    "kvpool.allocators.queue_policies",
+    "kvpool.allocators.prefix_policies",
     "kvpool.allocators.block_pool",
     "kvpool.allocators.groups",
     "kvpool.allocators.token",

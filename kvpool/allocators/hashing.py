@@ -410,7 +410,7 @@ def _digest_fn(algorithm: str) -> Callable[[bytes], bytes]:
     try:
         import xxhash  # optional dependency (extra "fasthash"), imported only when asked for
     except ImportError:
-        raise ConfigError("hash algorithm 'xxh3_128' needs the xxhash package (pip install kvpool[fasthash])"
+        raise ConfigError("hash algorithm 'xxh3_128' needs the xxhash package (pip install xxhash)"
                           ) from None
     return xxhash.xxh3_128_digest
 

@@ -13,6 +13,6 @@ by the module path its configuration names. The logic underneath needs no engine
 :mod:`~kvpool.integrations.offload_policy` (a kvpool policy keyed by the engine's keys),
 :mod:`~kvpool.integrations.tier_jobs` (tier copies on a worker thread) and
 :mod:`~kvpool.integrations.page_store` (SGLang's page calls over a tier). Nothing else in kvpool imports
-this package, and kvpool never depends on vLLM or SGLang (``pip install kvpool[vllm]`` / ``kvpool[sglang]``
-name the releases these adapters are tested against).
+this package, and kvpool never depends on vLLM or SGLang (kvpool's ``vllm`` and ``sglang`` extras name the
+releases these adapters are tested against).
 """

@@ -3,7 +3,8 @@
 ``TierBackend`` (the interface, :mod:`kvpool.tiers.backend`), ``HostTier`` (CPU memory, the existing
 ``HostKVCache``), ``FileTier`` (a directory), ``RedisTier`` (a Redis server or cluster; needs redis-py),
 ``OffloadManager`` (device -> host -> disk -> remote), ``TierKey`` (the fleet secret that authenticates
-disk and Redis values, :mod:`kvpool.tiers.auth`). Imported lazily: ``pip install kvpool[tiers]``.
+disk and Redis values, :mod:`kvpool.tiers.auth`). Imported lazily; kvpool's ``tiers`` extra brings
+redis-py, xxhash and blake3.
 """
 
 from __future__ import annotations
