@@ -100,7 +100,8 @@ class LLMEngine:
         policy: the eviction policy of cached free blocks, a name of
             :data:`~kvpool.allocators.policies.POLICIES` or a fresh
             :class:`~kvpool.allocators.policies.EvictionPolicy` (default ``"lru"``); the ``priority``
-            policy keeps the blocks of requests added with a higher ``priority`` longer.
+            policy keeps the blocks of requests added with a higher ``priority`` longer. A recurrent
+            hybrid's state checkpoints are evicted by a fresh policy of the same name.
         pin_cap: the largest fraction of the pool that :meth:`pin_prefix` may pin.
         admission: a :class:`~kvpool.allocators.policies.FrequencyAdmission` the pool asks before it
             publishes a new block hash (None: publish every full block).
@@ -135,7 +136,7 @@ class LLMEngine:
         if memory is None:
             memory = model_memory(model, block_size=block_size, dtype=kv_dtype, tp_size=tp_size)
         spec = self._build_runner(model, memory, num_blocks, max_num_seqs, enable_prefix_caching, state_save,
-                                  state_checkpoints)
+                                  state_checkpoints, policy if isinstance(policy, str) else policy.name)
         self.cache = self.runner.cache
         sink = self._event_sink(kv_events)
         self.hasher = hasher_for(hasher, events=sink is not None)
@@ -154,9 +155,10 @@ class LLMEngine:
         self.vocab_size: int = model.get_input_embeddings().num_embeddings
 
     def _build_runner(self, model: Any, memory: ModelMemory, num_blocks: int, max_num_seqs: int,
-                      caching: bool, state_save: str | SavePolicy, state_checkpoints: int | None
-                      ) -> KVCacheSpec:
-        """The runner (and, for a recurrent hybrid, :attr:`states`); returns the KV spec."""
+                      caching: bool, state_save: str | SavePolicy, state_checkpoints: int | None,
+                      eviction: str) -> KVCacheSpec:
+        """The runner (and, for a recurrent hybrid, :attr:`states`, its checkpoints evicted by a fresh
+        policy named ``eviction``); returns the KV spec."""
         self.hybrid, self.states = memory.hybrid, None
         spec = engine_kv_spec(memory, model)
         if self.hybrid is None:
@@ -169,7 +171,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, spec, num_blocks, hybrid=self.hybrid,
                                   num_state_slots=max_num_seqs + capacity, attention=self.attention)
         pool = StatePool(max_num_seqs + capacity)
-        checkpoints = StateCheckpoints(capacity, pool=pool) if capacity else StateCheckpoints(0)
+        checkpoints = StateCheckpoints(capacity, pool=pool, policy=eviction) if capacity else \
+            StateCheckpoints(0)
         self.states = RequestStates(policy, self.block_size, pool, checkpoints=checkpoints,
                                     mover=self.runner.recurrent.cache)
         return spec

@@ -337,12 +337,14 @@ class Replayer:
         self.kv.attach_tiers(tiers, write_through=write_through, asynchronous=False, admission=admission)
 
     def _states(self) -> RequestStates | None:
-        """A recurrent hybrid's state slots (one per request that may run) and counted checkpoints."""
+        """A recurrent hybrid's state slots (one per request that may run) and counted checkpoints, evicted
+        by a policy of the pool's name (``lru`` under ``belady``, whose future is the KV blocks')."""
         cfg = self.cfg
         if cfg.state_save is None:
             return None
+        policy = make_policy("lru" if cfg.policy == "belady" else cfg.policy, clock=lambda: self.now)
         return RequestStates(cfg.state_save, cfg.block_size, StatePool(cfg.max_num_seqs),
-                             checkpoints=StateCheckpoints(cfg.state_checkpoints))
+                             checkpoints=StateCheckpoints(cfg.state_checkpoints, policy=policy))
 
     def _policy(self, num_blocks: int) -> EvictionPolicy:
         cfg = self.cfg
