@@ -15,13 +15,16 @@ from kvpool._lazy import lazy_exports
 _native.activate()  # compiled or interpreted hot modules: decided before any of them is imported
 
 from kvpool.errors import (  # noqa: E402
+    AsleepError,
     ConfigError,
     DoubleFreeError,
+    DriverError,
     InsufficientMemoryError,
     IntegrityError,
     InvalidArgumentError,
     InvalidIdError,
     KVPoolError,
+    MemoryLimitError,
     OutOfBlocksError,
     PinLimitError,
     TraceFormatError,
@@ -47,14 +50,18 @@ _LAZY = {
     "slot_mapping": "kvpool.storage.paged",
     "MLAKVCache": "kvpool.storage.mla",
     "HostKVCache": "kvpool.storage.host",
+    "PageArena": "kvpool.storage.arena",
+    "ElasticConfig": "kvpool.storage.arena",
+    "MemoryBudget": "kvpool.storage.arena",
     "LLMEngine": "kvpool.engine.engine",
     "SamplingParams": "kvpool.engine.sampling",
 }
 
 __all__ = [
-    "AttentionKind", "ConfigError", "DoubleFreeError", "InsufficientMemoryError", "IntegrityError",
-    "InvalidArgumentError", "InvalidIdError", "KVCacheGroup", "KVCacheSpec", "KVPoolError", "LayerKind",
-    "OutOfBlocksError", "PinLimitError", "TraceFormatError", "parse_kv_dtype", *_LAZY,
+    "AsleepError", "AttentionKind", "ConfigError", "DoubleFreeError", "DriverError",
+    "InsufficientMemoryError", "IntegrityError", "InvalidArgumentError", "InvalidIdError", "KVCacheGroup",
+    "KVCacheSpec", "KVPoolError", "LayerKind", "MemoryLimitError", "OutOfBlocksError", "PinLimitError",
+    "TraceFormatError", "parse_kv_dtype", *_LAZY,
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -15,6 +15,20 @@ class InsufficientMemoryError(KVPoolError):
     """The memory budget cannot hold the smallest usable pool (says how many bytes are missing)."""
 
 
+class MemoryLimitError(InsufficientMemoryError):
+    """Committing memory would pass a limit (a page arena's own, or a budget several arenas share), or a
+    limit would be set below what is committed now; nothing was committed and the limit is unchanged."""
+
+
+class AsleepError(KVPoolError, RuntimeError):
+    """An operation on memory that ``sleep()`` gave back: call ``wake()`` first; nothing changed."""
+
+
+class DriverError(KVPoolError, RuntimeError):
+    """A device driver call failed for a reason other than memory (the message names the call and the
+    driver's error)."""
+
+
 class OutOfBlocksError(KVPoolError):
     """An allocation asked for more blocks, pages or slots than are available; nothing was handed out.
 

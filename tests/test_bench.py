@@ -193,3 +193,21 @@ def test_targets_rows_follow_from_the_suites_figures() -> None:
 def test_targets_refuses_an_unknown_suite_in_one_line(capsys: pytest.CaptureFixture) -> None:
     assert main(["bench", "targets", "--skip", "nope"]) == 2
     assert "'nope' is not one of replay" in capsys.readouterr().err
+
+
+def test_memory_rows_ratios_and_layout_units_by_hand(capsys: pytest.CaptureFixture) -> None:
+    result = bench(capsys, "memory", "--pages", "4", "--page-kib", "4", "--repeat", "1",
+                   "--pool-gib", "0", "--configs", "smollm2-135m", "--tokens", "4", "--layout-blocks", "8")
+    assert [r["what"] for r in result["per_page"]] == [
+        "commit, one call a page", "commit, 4 pages in one call", "release, one call a page"]
+    for row in result["per_page"]:
+        assert row["ratio"] == pytest.approx(row["us_per_page"] / row["baseline_us"])
+    assert result["rss"] is None
+    (layout,) = result["layout"]
+    # SmolLM2-135M: 30 layers x 3 KV heads x 64 x bf16, B 16: 6 KiB per strip block, 2 x 30 strips; a block
+    # is 360 KiB. 8 blocks: a strip is 48 KiB = 12 pages of 4 KiB, so block 1 (bytes 6-12 KiB of each strip)
+    # touches pages 1 and 2 of each of the 60 strips: 120 pages; block-major it is bytes 360-720 KiB: 90 pages
+    assert layout["bytes_per_block"] == 360 * 1024
+    assert layout["strips_pages_per_block"] == 120 and layout["block_major_pages_per_block"] == 90
+    assert layout["strips_unit_bytes"] == 60 * 2 * 4096 and layout["block_major_unit_bytes"] == 360 * 1024
+    assert layout["ratio"] == pytest.approx(layout["block_major_step_us"] / layout["strips_step_us"])

@@ -134,3 +134,46 @@ def test_host_swap_round_trip():
     cache.buffer.zero_()
     host.swap_in(cache, host_ids, [0, 1])
     assert torch.equal(cache.buffer[:2], before[2:]) and cache.buffer[2:].sum() == 0
+
+
+def test_block_major_uniform_cache_matches_the_strips_with_padding_and_a_reused_slot_tensor():
+    """packed=True on a uniform spec stores through raw token rows and remembers the row index of the last
+    slot tensor: the same tensor changed in place between two stores must not reuse the old rows."""
+    spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float16, block_size=4)
+    strips = PagedKVCache(spec, 9, packed=False, zero=True)
+    major = PagedKVCache(spec, 9, packed=True, zero=True)
+    assert major.packed and major.buffer.shape == (9, 2 * 3 * 4 * 2 * 8)
+    gen = torch.Generator().manual_seed(3)
+    slots = torch.tensor([5, -1, 30, 12, -1, 0], dtype=torch.int64)
+    for _ in range(3):
+        for layer in range(3):  # one slot tensor for every layer of a step, as the engine passes it
+            k = torch.randn(6, 2, 8, generator=gen).half()
+            v = torch.randn(6, 2, 8, generator=gen).half()
+            for cache in (strips, major):
+                cache.store_kv(k, v, slots, layer)
+        slots[0] += 1  # in place: the next step writes another slot through the same tensor
+    for layer in range(3):
+        table = list(range(9))
+        assert all(torch.equal(a, b) for a, b in zip(major.gather(layer, table, 36),
+                                                     strips.gather(layer, table, 36), strict=True))
+        everything = torch.arange(36)
+        assert all(torch.equal(a, b) for a, b in zip(major.gather_slots(layer, everything),
+                                                     strips.gather_slots(layer, everything), strict=True))
+
+
+def test_block_major_store_under_inference_mode():
+    """The engine runs under torch.inference_mode, whose tensors keep no version counter: the row index is
+    computed afresh for them (a slot tensor changed in place is still seen)."""
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16, block_size=4)
+    strips = PagedKVCache(spec, 5, packed=False, zero=True)
+    major = PagedKVCache(spec, 5, packed=True, zero=True)
+    with torch.inference_mode():
+        slots = torch.tensor([3, -1, 9], dtype=torch.int64)
+        for layer in (0, 1, 0):
+            k = torch.full((3, 2, 8), float(layer + 1), dtype=torch.float16)
+            for cache in (strips, major):
+                cache.store_kv(k, k, slots, layer)
+            slots[0] += 4
+        for layer in (0, 1):
+            assert all(torch.equal(a, b) for a, b in zip(major.gather(layer, range(5), 20),
+                                                         strips.gather(layer, range(5), 20), strict=True))

@@ -22,6 +22,8 @@ SUITES = {
     "replay": "trace replay block operations per second",
     "groups": "KV cache group coordinator per decode step against one plain pool; replay memory per group",
     "tiers": "host / disk / Redis store and load GB/s against raw copy_, file, redis-py and raw + MAC",
+    "memory": "page arena commit / release per page against fresh-tensor faults and frees; RSS of an elastic "
+              "pool against a fixed one; strips against block-major",
     "targets": "every speed target's ratio from the suites above, in one run",
 }
 

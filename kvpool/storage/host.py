@@ -27,6 +27,7 @@ import torch
 from kvpool.allocators.block_pool import BlockPool
 from kvpool.errors import InvalidArgumentError, InvalidIdError
 from kvpool.spec import AttentionKind, KVCacheSpec
+from kvpool.storage.arena import ElasticConfig, elastic_config
 from kvpool.storage.block_copy import BlockIds, check_block_ids, copy_blocks
 from kvpool.storage.mla import MLAKVCache
 from kvpool.storage.paged import BlockStore, PagedKVCache
@@ -54,33 +55,43 @@ class HostKVCache:
         num_blocks: host blocks.
         enable_caching: prefix caching in the host pool (off by default): the offload tier
             (:class:`kvpool.tiers.host.HostTier`) publishes swapped-out blocks under their hashes there.
-        pin_memory: page-locked memory (needed for async copies); default: when CUDA is available. Pinned
-            memory is committed at once; unpinned memory is ``torch.empty`` and lazily committed.
-        **cache_kwargs: passed to the store (``dtype``, ``layout``, fp8 scales): must match the device cache.
+        pin_memory: page-locked memory (needed for async copies); default: when CUDA is available and the
+            cache is not elastic. Pinned memory is committed at once; unpinned memory is ``torch.empty`` and
+            lazily committed.
+        elastic: True or an :class:`~kvpool.storage.arena.ElasticConfig`: the host store sits on a CPU
+            page arena (:class:`~kvpool.storage.elastic.ElasticMemory`), unpinned (the swaps stage through
+            pinned buffers of their own). A block's pages are committed when :meth:`allocate` hands it out
+            and given back once it is free and holds no hash (:meth:`free`, :meth:`release_free`).
+        **cache_kwargs: passed to the store (``dtype``, ``layout``, fp8 scales, ``packed``): must match the
+            device cache's layout.
 
     Attributes: ``cache`` (the host store), ``pool`` (its ``BlockPool``). Blocks given out by
     :meth:`swap_out` stay allocated until :meth:`free`.
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, *, pin_memory: bool | None = None,
-                 enable_caching: bool = False, **cache_kwargs: Any) -> None:
-        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+                 enable_caching: bool = False, elastic: bool | ElasticConfig = False,
+                 **cache_kwargs: Any) -> None:
+        is_elastic = elastic_config(elastic) is not None
+        pin = torch.cuda.is_available() and not is_elastic if pin_memory is None else pin_memory
         store = MLAKVCache if spec.attention is AttentionKind.MLA else PagedKVCache
-        self.cache: BlockStore = store(spec, num_blocks, device="cpu", pin_memory=pin, **cache_kwargs)
+        self.cache: BlockStore = store(spec, num_blocks, device="cpu", pin_memory=pin, elastic=elastic,
+                                       **cache_kwargs)
         self.pool = BlockPool(num_blocks, enable_caching=enable_caching)
         self._in_flight: deque[_InFlight] = deque()
         self._streams: dict[torch.device, Any] = {}
 
     @classmethod
     def like(cls, cache: PagedKVCache | MLAKVCache, num_blocks: int, *, pin_memory: bool | None = None,
-             enable_caching: bool = False) -> HostKVCache:
+             enable_caching: bool = False, elastic: bool | ElasticConfig = False) -> HostKVCache:
         """A host tier of ``num_blocks`` blocks matching ``cache``'s spec, dtype, layout and scales."""
         if isinstance(cache, MLAKVCache):
             kwargs: dict[str, Any] = {"scale": cache.scale}
         else:
-            kwargs = {"layout": cache.layout, "k_scale": cache.k_scale, "v_scale": cache.v_scale}
+            kwargs = {"layout": cache.layout, "k_scale": cache.k_scale, "v_scale": cache.v_scale,
+                      "packed": cache.packed}
         return cls(cache.spec, num_blocks, pin_memory=pin_memory, enable_caching=enable_caching,
-                   dtype=cache.dtype, **kwargs)
+                   elastic=elastic, dtype=cache.dtype, **kwargs)
 
     @property
     def num_blocks(self) -> int:
@@ -124,7 +135,7 @@ class HostKVCache:
         if publish is not None and len(publish) != len(ids):
             raise InvalidArgumentError(f"{len(ids)} blocks to swap out but {len(publish)} keys to publish")
         in_use, cached_free = _source_states(pool, ids)
-        host_ids = self.pool.allocate(len(ids))
+        host_ids = self.allocate(len(ids))
         if publish is not None:
             self.pool.cache_blocks(host_ids, list(publish))
         dst = torch.tensor(host_ids, dtype=torch.int64)
@@ -164,12 +175,41 @@ class HostKVCache:
         else:
             copy_blocks(self.cache, src.tolist(), cache, dst.tolist())
 
+    def allocate(self, n: int) -> list[int]:
+        """``n`` host blocks from the host pool (:meth:`BlockPool.allocate`), their pages committed when the
+        store is elastic. Raises OutOfBlocksError, or MemoryLimitError / InsufficientMemoryError when the
+        pages cannot be committed (the blocks go back to the pool; cached blocks the allocation evicted
+        stay evicted)."""
+        ids = self.pool.allocate(n)
+        if self.cache.pages is not None and ids:
+            try:
+                self.cache.commit_blocks(ids)
+            except BaseException:
+                self.pool.free(ids[::-1])
+                self.release_free(ids)
+                raise
+        return ids
+
     def free(self, host_ids: BlockIds) -> None:
-        """Return host blocks to the host pool (after completing a swap-out still landing in them).
+        """Return host blocks to the host pool (after completing a swap-out still landing in them); on an
+        elastic store, give back the pages of those now free and holding no hash (:meth:`release_free`).
         Raises as :meth:`BlockPool.free` does (InvalidIdError, DoubleFreeError); nothing is freed then."""
         ids = check_block_ids(host_ids, self.num_blocks).tolist()  # a tensor too, as Python ints
         self._wait_for(ids)
         self.pool.free(ids)
+        self.release_free(ids)
+
+    def release_free(self, host_ids: Sequence[int]) -> int:
+        """On an elastic store, release those of ``host_ids`` that are free in the host pool and hold no
+        hash (their KV is worth nothing now): a page is given back once no live block is on it. Return
+        the bytes given back (0 for a fixed store)."""
+        pages = self.cache.pages
+        if pages is None:
+            return 0
+        pool = self.pool
+        gone = [b for b in dict.fromkeys(host_ids)
+                if pool.ref_count(b) == 0 and pool.block_hash(b) is None and pages.is_live(b)]
+        return pages.release_blocks(gone) if gone else 0
 
     def poll(self) -> int:
         """Complete every finished asynchronous copy (dropping its source blocks' extra references); return
@@ -192,7 +232,8 @@ class HostKVCache:
             torch.cuda.current_stream(device).wait_stream(self._streams[device])
 
     def stats(self) -> dict[str, Any]:
-        """The host store's ``stats()`` plus ``free_blocks``, ``used_blocks``, ``in_flight``, ``pinned``."""
+        """The host store's ``stats()`` (``elastic``: its page arena's) plus ``free_blocks``,
+        ``used_blocks``, ``in_flight``, ``pinned``."""
         return {**self.cache.stats(), "free_blocks": self.pool.num_free_blocks,
                 "used_blocks": self.pool.num_used_blocks, "in_flight": len(self._in_flight),
                 "pinned": self.cache.buffer.is_pinned()}

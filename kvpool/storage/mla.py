@@ -12,6 +12,7 @@ import torch
 
 from kvpool.errors import ConfigError, InvalidArgumentError
 from kvpool.spec import AttentionKind, KVCacheSpec
+from kvpool.storage.arena import ElasticConfig
 from kvpool.storage.paged import (
     BlockIds,
     BlockStore,
@@ -35,6 +36,8 @@ class MLAKVCache(BlockStore):
         zero: as for :class:`kvpool.storage.paged.PagedKVCache` (the buffer is ``torch.empty`` unless
             ``zero``).
         scale: per-tensor fp8 scale of the latent (ignored for other dtypes).
+        elastic: as for :class:`kvpool.storage.paged.PagedKVCache`; the latent keeps its
+            ``[L, N, B, R + P]`` layout there, so a block touches at least L pages.
 
     Views (no copies): :meth:`kv_cache` ``[N, B, R + P]``, :meth:`flat_kv_cache` ``[N*B, R + P]``, and the two
     parts :meth:`c_kv_cache` ``[N, B, R]`` and :meth:`k_pe_cache` ``[N, B, P]`` (non-contiguous slices).
@@ -47,7 +50,7 @@ class MLAKVCache(BlockStore):
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype | None = None, scale: float = 1.0, pin_memory: bool = False,
-                 zero: bool = False) -> None:
+                 zero: bool = False, elastic: bool | ElasticConfig = False) -> None:
         if spec.attention is not AttentionKind.MLA:
             raise ConfigError("MLAKVCache needs an MLA spec (attention='mla'); use PagedKVCache for MHA/GQA")
         if len(spec.groups) > 1:
@@ -59,7 +62,7 @@ class MLAKVCache(BlockStore):
         self.latent_dim = spec.latent_dim
         (self.scale,) = fp8_scales(dtype, scale)
         super().__init__((self.num_layers, num_blocks, spec.block_size, self.latent_dim), spec.block_size,
-                         device=device, dtype=dtype, pin_memory=pin_memory, zero=zero)
+                         device=device, dtype=dtype, pin_memory=pin_memory, zero=zero, elastic=elastic)
         self._flat_raw = [self._raw[layer].view(self.num_slots, -1) for layer in range(self.num_layers)]
 
     def kv_cache(self, layer: int) -> torch.Tensor:

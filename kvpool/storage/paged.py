@@ -31,7 +31,9 @@ import torch
 from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError
 from kvpool.numeric import as_int
 from kvpool.spec import AttentionKind, KVCacheSpec
+from kvpool.storage.arena import ElasticConfig, elastic_config
 from kvpool.storage.block_copy import BlockIds, check_block_ids, copy_pairs, copy_within
+from kvpool.storage.elastic import ElasticMemory
 from kvpool.storage.resident import resident_bytes
 from kvpool.units import plural
 
@@ -188,7 +190,7 @@ def _process_rss() -> int | None:
     return int(psutil.Process().memory_info().rss)
 
 
-class BlockStore:
+class BlockStore(ElasticMemory):
     """One pre-allocated buffer whose dimension ``block_dim`` indexes blocks; shared by the KV caches.
 
     Zeroing: the buffer comes from ``torch.empty`` unless ``zero=True``. On CPU that keeps pages lazily
@@ -196,20 +198,32 @@ class BlockStore:
     (``gather``, the engine's paged attention) reads only slots that were written. Pass ``zero=True`` for a
     kernel that loads whole blocks and masks the tail after the fact: unwritten memory may hold NaN, and
     ``0 * NaN`` is NaN. ``pin_memory=True`` (page-locked, for async host<->device copies) commits all pages.
+
+    ``elastic``: the buffer is a view of a :class:`~kvpool.storage.arena.PageArena` instead
+    (:class:`~kvpool.storage.elastic.ElasticMemory`): address space for every block, physical memory only
+    for the pages under the blocks :meth:`commit_blocks` names, reading 0 when committed.
     """
 
     block_dim: int
 
     def __init__(self, shape: Sequence[int], block_size: int, *, device: str | torch.device,
-                 dtype: torch.dtype, pin_memory: bool, zero: bool) -> None:
+                 dtype: torch.dtype, pin_memory: bool, zero: bool, elastic: bool | ElasticConfig = False
+                 ) -> None:
         num_blocks = as_int(shape[self.block_dim], "num_blocks", minimum=1, error=ConfigError)
         shape = [*shape[:self.block_dim], num_blocks, *shape[self.block_dim + 1:]]
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ConfigError(f"the KV cache dtype must be a floating torch.dtype, got {dtype!r}")
+        config = elastic_config(elastic)
+        if config is not None and pin_memory:
+            raise ConfigError("an elastic buffer cannot be pinned (pinning commits every page at once)")
         factory = torch.zeros if zero else torch.empty
         try:
             self._rss_before = _process_rss() if torch.device(device).type == "cpu" else None
-            self.buffer = factory(tuple(shape), dtype=dtype, device=device, pin_memory=pin_memory)
+            if config is not None:  # committed pages read 0: zero needs nothing more
+                (self.buffer,) = self.allocate_elastic(config, device, [(tuple(shape), dtype)],
+                                                       self.block_dim)
+            else:
+                self.buffer = factory(tuple(shape), dtype=dtype, device=device, pin_memory=pin_memory)
         except (RuntimeError, AssertionError) as exc:  # a bad device, no pinned memory, out of memory
             raise ConfigError(f"cannot allocate the KV buffer {list(shape)} {dtype} on {device!r}: "
                               f"{str(exc).splitlines()[0]}") from None
@@ -272,14 +286,16 @@ class BlockStore:
 
     def stats(self) -> dict[str, Any]:
         """``num_blocks``, ``block_size``, ``dtype``, ``device``, ``nbytes``, ``bytes_per_block``,
-        ``resident_bytes`` (this buffer's pages in RAM, :meth:`resident_bytes`), and the whole process's
+        ``resident_bytes`` (this buffer's pages in RAM, :meth:`resident_bytes`), the whole process's
         ``rss_bytes`` and ``rss_growth_bytes`` (RSS minus RSS before the allocation: everything the process
-        allocated since, not just this cache). None where unknown (off the CPU, or without psutil)."""
+        allocated since, not just this cache), None where unknown (off the CPU, or without psutil); and
+        ``elastic``: the page arena's stats (:meth:`ElasticMemory.elastic_stats`; None for a fixed buffer)."""
         rss = _process_rss() if self.device.type == "cpu" else None
         growth = rss - self._rss_before if rss is not None and self._rss_before is not None else None
         return {"num_blocks": self.num_blocks, "block_size": self.block_size, "dtype": str(self.dtype),
                 "device": str(self.device), "nbytes": self.nbytes, "bytes_per_block": self.bytes_per_block,
-                "resident_bytes": self.resident_bytes(), "rss_bytes": rss, "rss_growth_bytes": growth}
+                "resident_bytes": self.resident_bytes(), "rss_bytes": rss, "rss_growth_bytes": growth,
+                "elastic": self.elastic_stats()}
 
     def _check_layer(self, layer: int, num_layers: int) -> int:
         """``layer`` as a Python int in ``[0, num_layers)`` (:mod:`kvpool.numeric`); InvalidArgumentError."""
@@ -348,6 +364,14 @@ class PagedKVCache(BlockStore):
         v_scale: the same for V.
         pin_memory: page-locked CPU memory (the host tier sets it when CUDA exists).
         zero: zero-fill instead of ``torch.empty`` (see :class:`BlockStore` for why the default is empty).
+        elastic: True or an :class:`~kvpool.storage.arena.ElasticConfig`: the buffer sits on a page arena
+            (:class:`~kvpool.storage.elastic.ElasticMemory`): nothing is committed until
+            :meth:`~kvpool.storage.elastic.ElasticMemory.commit_blocks`, pages are given back as blocks
+            are released, the views never move. CPU or CUDA; not with ``pin_memory``.
+        packed: the block-major ``[N, E]`` layout (a block's bytes in every layer contiguous). None (the
+            default): where the layers differ in shape, and on an elastic NHD cache (its memory then
+            follows use one page at a time, not ``2 x L`` pages: see ``docs/storage.md``). False for an
+            elastic cache in the ``[2, L, N, ...]`` layout; True for a fixed cache in the block-major one.
 
     Views (no copies): :meth:`k_cache`, :meth:`v_cache` ``[N, B, H, D]`` (FlashAttention's paged layout and
     FlashInfer NHD; in the HND layout these are permuted, non-contiguous views), :meth:`kv_cache`
@@ -356,15 +380,17 @@ class PagedKVCache(BlockStore):
     layout).
 
     Raises:
-        ConfigError: an MLA spec (use ``MLAKVCache``), an unknown layout (or HND for a packed spec), or a
-            non-positive ``num_blocks``.
+        ConfigError: an MLA spec (use ``MLAKVCache``), an unknown layout (or HND packed), ``packed=False``
+            for layers of several shapes, a non-positive ``num_blocks``, ``elastic`` with ``pin_memory`` or
+            on a device with no page arena.
     """
 
     block_dim = 2
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype | None = None, layout: str = "NHD", k_scale: float = 1.0,
-                 v_scale: float = 1.0, pin_memory: bool = False, zero: bool = False) -> None:
+                 v_scale: float = 1.0, pin_memory: bool = False, zero: bool = False,
+                 elastic: bool | ElasticConfig = False, packed: bool | None = None) -> None:
         if spec.attention is not AttentionKind.MHA:
             raise ConfigError("PagedKVCache stores MHA/GQA K and V; use MLAKVCache for an MLA spec")
         if layout not in LAYOUTS:
@@ -374,12 +400,10 @@ class PagedKVCache(BlockStore):
         self.num_layers, self.head_dim = spec.num_layers, spec.head_dim
         self.num_heads = spec.num_kv_heads_per_rank
         self.layers_per_block = spec.layers_per_block
-        shape = spec.layer_shape(0)
-        #: True where layers differ in shape (or V in width from K): the ``[N, E]`` layout of the module
-        #: docstring, each layer's views of its own shape
-        self.packed = not spec.uniform_shape or shape.head_dim != shape.v_head_dim
-        if self.packed and layout != "NHD":
-            raise ConfigError("layers of several K/V shapes are stored packed, in NHD pages only")
+        #: True for the block-major ``[N, E]`` layout of the module docstring (each layer's views of its own
+        #: shape): where layers differ in shape (or V in width from K), on an elastic NHD cache by default,
+        #: or where asked
+        self.packed = self._packed(spec, layout, packed, elastic_config(elastic) is not None)
         #: per layer: its (H, D, Dv) on this rank (its KV source's for a layer that reads another's KV)
         self.layer_shapes = [spec.layer_shape(layer) for layer in range(self.num_layers)]
         #: per layer: (its KV cache group, its slot in that group's blocks); layer l reads and writes only
@@ -396,26 +420,39 @@ class PagedKVCache(BlockStore):
         dtype = dtype or spec.dtype
         self.k_scale, self.v_scale = fp8_scales(dtype, k_scale, v_scale)
         if self.packed:
-            self._init_packed(num_blocks, device, dtype, pin_memory, zero)
+            self._init_packed(num_blocks, device, dtype, pin_memory, zero, elastic)
             return
         bhd = (spec.block_size, self.num_heads, self.head_dim)
         page = bhd if layout == "NHD" else (self.num_heads, spec.block_size, self.head_dim)
         super().__init__((2, self.layers_per_block, num_blocks, *page), spec.block_size, device=device,
-                         dtype=dtype, pin_memory=pin_memory, zero=zero)
+                         dtype=dtype, pin_memory=pin_memory, zero=zero, elastic=elastic)
         slots = self._slot
         self._views = [[self._nhd(self.buffer[kv, slot]) for slot in slots] for kv in (0, 1)]
         self._raw_views = [[self._nhd(self._raw[kv, slot]) for slot in slots] for kv in (0, 1)]
         self._flat_raw = [[self._flat(self._raw[kv, slot]) for slot in slots] for kv in (0, 1)]
         self._triton = _triton_store(self.device) if layout == "NHD" else None
 
+    @staticmethod
+    def _packed(spec: KVCacheSpec, layout: str, packed: bool | None, elastic: bool) -> bool:
+        """Whether the cache is block-major (``packed``): see :class:`PagedKVCache`'s ``packed``."""
+        shape = spec.layer_shape(0)
+        needed = not spec.uniform_shape or shape.head_dim != shape.v_head_dim
+        if packed is None:
+            packed = needed or (elastic and layout == "NHD")
+        if needed and not packed:
+            raise ConfigError("layers of several K/V shapes are stored packed: packed=False cannot hold them")
+        if packed and layout != "NHD":
+            raise ConfigError("the packed (block-major) layout keeps NHD pages only")
+        return bool(packed)
+
     def _init_packed(self, num_blocks: int, device: str | torch.device, dtype: torch.dtype, pin_memory: bool,
-                     zero: bool) -> None:
+                     zero: bool, elastic: bool | ElasticConfig) -> None:
         """The ``[N, E]`` buffer and each layer's K ``[N, B, H, D]`` and V ``[N, B, H, Dv]`` views."""
         self.block_dim = 0
         b, group = self.spec.block_size, self.spec.groups[0]
         per_block = group.slots * b * group.shape.elements  # type: ignore[union-attr]
         super().__init__((num_blocks, per_block), b, device=device, dtype=dtype, pin_memory=pin_memory,
-                         zero=zero)
+                         zero=zero, elastic=elastic)
         self._views = [[], []]
         for layer, sh in enumerate(self.layer_shapes):
             start = self._slot[layer] * b * sh.elements
@@ -424,8 +461,48 @@ class PagedKVCache(BlockStore):
             n = self.buffer.shape[0]
             self._views[0].append(self.buffer[:, start:k_end].view(n, b, sh.num_kv_heads, sh.head_dim))
             self._views[1].append(self.buffer[:, k_end:v_end].view(n, b, sh.num_kv_heads, sh.v_head_dim))
+        self._rows = [[self._token_rows(view) for view in self._views[kv]] for kv in (0, 1)]
+        self._memos: dict[object, tuple[torch.Tensor, int, Any]] = {}
         self._raw_views = self._flat_raw = [[], []]
         self._triton = None
+
+    def _token_rows(self, view: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """A packed layer view ``[N, B, H, D]`` as rows of one token each: ``(rows, per_block)``, ``rows``
+        raw words ``[*, H x D]`` starting at the layer's first row, so slot ``s`` is row ``s + (s // B) x
+        (per_block - B)`` (:meth:`_row_index`). None where the buffer does not split into such rows (a
+        block's elements not a multiple of the row, or the layer not starting on one)."""
+        width = view.shape[2] * view.shape[3]
+        start = (view.data_ptr() - self.buffer.data_ptr()) // view.element_size()
+        per_block = self.buffer.shape[1]
+        if per_block % width or start % width:
+            return None
+        rows = self.buffer.view(-1, width)[start // width:]
+        return rows.view(raw_dtype(width * view.element_size())), per_block // width
+
+    def _row_index(self, slots: torch.Tensor, per_block: int, key: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """Each slot's row in a :meth:`_token_rows` view of ``per_block`` rows per block: one division and
+        one add, remembered for the slot tensor ``key`` (default ``slots``) as long as it is unchanged
+        (:meth:`_memo`)."""
+        def rows() -> torch.Tensor:
+            block = torch.div(slots, self.block_size, rounding_mode="floor")
+            return torch.add(slots, block, alpha=per_block - self.block_size)
+
+        return self._memo(slots if key is None else key, per_block, rows)
+
+    def _memo(self, slots: torch.Tensor, tag: object, make: Any) -> Any:
+        """``make()``, or what it returned last for the same ``tag`` and the same slot tensor, unchanged
+        since (its ``_version``): the engine passes one slot mapping to every layer of a step, so the row
+        index and the padding of a packed cache are computed once per step, not once per layer. An inference
+        tensor (``torch.inference_mode``) keeps no version counter, so it is never remembered."""
+        if slots.is_inference():  # no version counter: a change in place could not be seen
+            return make()
+        entry = self._memos.get(tag)
+        if entry is not None and entry[0] is slots and entry[1] == slots._version:
+            return entry[2]
+        value = make()
+        self._memos[tag] = (slots, slots._version, value)
+        return value
 
     def _nhd(self, page: torch.Tensor) -> torch.Tensor:
         return page if self.layout == "NHD" else page.permute(0, 2, 1, 3)
@@ -476,6 +553,13 @@ class PagedKVCache(BlockStore):
         if not self.packed and self.layout == "NHD":
             k_flat, v_flat = self._flat_views(layer)
             return k_flat.index_select(0, slots), v_flat.index_select(0, slots)
+        k_rows, v_rows = (self._rows[0][layer], self._rows[1][layer]) if self.packed else (None, None)
+        if k_rows is not None and v_rows is not None:
+            k_index = self._row_index(slots, k_rows[1])
+            v_index = k_index if v_rows[1] == k_rows[1] else self._row_index(slots, v_rows[1])
+            k_view, v_view = self._views[0][layer], self._views[1][layer]
+            return (k_rows[0].index_select(0, k_index).view(self.dtype).view(-1, *k_view.shape[2:]),
+                    v_rows[0].index_select(0, v_index).view(self.dtype).view(-1, *v_view.shape[2:]))
         block = torch.div(slots, self.block_size, rounding_mode="floor")
         offset = slots - block * self.block_size
         return self._views[0][layer][block, offset], self._views[1][layer][block, offset]
@@ -519,12 +603,7 @@ class PagedKVCache(BlockStore):
         pad = self._padding_after_check(slot_mapping, num_tokens, check)  # the Triton kernel skips -1
         k, v = encode(k, self.dtype, self.k_scale), encode(v, self.dtype, self.v_scale)
         if self.packed:
-            if pad:
-                slot_mapping, k, v = drop_padding(slot_mapping, k, v)
-            block = torch.div(slot_mapping, self.block_size, rounding_mode="floor")
-            index = (block, slot_mapping - block * self.block_size)
-            self._views[0][layer].index_put_(index, k)
-            self._views[1][layer].index_put_(index, v)
+            self._store_packed(layer, k, v, slot_mapping, pad)
             return
         if self._triton is not None:
             self._triton(k, v, slot_mapping, self.flat_k_cache(layer), self.flat_v_cache(layer))
@@ -540,6 +619,26 @@ class PagedKVCache(BlockStore):
             index = (block, slot_mapping - block * self.block_size)
             self._raw_views[0][layer].index_put_(index, k)
             self._raw_views[1][layer].index_put_(index, v)
+
+    def _store_packed(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                      pad: bool) -> None:
+        """K and V rows ``[T, H, D]`` into ``slot_mapping`` of a packed layer (``pad``: it may hold -1): one
+        ``index_copy_`` each of raw token rows where the buffer splits into them (:meth:`_token_rows`), else
+        an ``index_put_`` by block and offset."""
+        slots = slot_mapping
+        if pad:
+            keep = self._memo(slot_mapping, "keep", lambda: (slot_mapping != -1).nonzero().squeeze(1))
+            slots = self._memo(slot_mapping, "kept", lambda: slot_mapping[keep])
+            k, v = k.index_select(0, keep), v.index_select(0, keep)
+        for kv, x in ((0, k), (1, v)):
+            found = self._rows[kv][layer]
+            if found is None:
+                block = torch.div(slots, self.block_size, rounding_mode="floor")
+                self._views[kv][layer].index_put_((block, slots - block * self.block_size), x)
+                continue
+            rows, per_block = found
+            index = self._row_index(slots, per_block, key=slot_mapping)
+            rows.index_copy_(0, index, x.reshape(len(x), -1).view(rows.dtype))
 
     def gather(self, layer: int, block_table: BlockIds, seq_len: int, *, dtype: torch.dtype | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,34 +23,46 @@ import torch
 from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError
 from kvpool.numeric import as_int, index_or_none
 from kvpool.spec.state import RecurrentStateSpec
+from kvpool.storage.arena import ElasticConfig, elastic_config
 from kvpool.storage.block_copy import check_block_ids, copy_pairs, copy_within
+from kvpool.storage.elastic import ElasticMemory
 
 
-class RecurrentStateCache:
+class RecurrentStateCache(ElasticMemory):
     """The conv and SSM state of every recurrent layer for ``num_slots`` requests.
 
     Args:
         spec: the :class:`~kvpool.spec.state.RecurrentStateSpec` (shapes and dtypes per layer per request).
         num_slots: state slots N (what the state pool hands out, padding slot included).
         device: where the buffers live.
+        elastic: True or an :class:`~kvpool.storage.arena.ElasticConfig`: both buffers sit on one page
+            arena (:class:`~kvpool.storage.elastic.ElasticMemory`, whose "blocks" are the state slots
+            here): a slot's pages are committed by ``commit_blocks([slot])`` and given back by
+            ``release_blocks``. A slot touches at least one page per recurrent layer and buffer.
 
-    The buffers start zeroed (``torch.zeros``; on CPU the pages are committed lazily).
+    The buffers start zeroed (``torch.zeros``; on CPU the pages are committed lazily; an elastic slot reads
+    0 when its pages are committed).
 
     Raises:
         ConfigError: a bad slot count, or the buffers cannot be allocated on ``device``.
     """
 
     def __init__(self, spec: RecurrentStateSpec, num_slots: int, *,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", elastic: bool | ElasticConfig = False) -> None:
         self.spec = spec
         self.num_slots = as_int(num_slots, "num_slots", minimum=1, error=ConfigError)
         self.layer_row = {layer: i for i, layer in enumerate(spec.layers)}
         n_layers = spec.num_layers
+        config = elastic_config(elastic)
+        buffers = [((n_layers, self.num_slots, *spec.conv_shape), spec.conv_dtype)]
+        if spec.ssm_shape:
+            buffers.append(((n_layers, self.num_slots, *spec.ssm_shape), spec.ssm_dtype))
         try:
-            self.conv = torch.zeros((n_layers, self.num_slots, *spec.conv_shape), dtype=spec.conv_dtype,
-                                    device=device)
-            self.ssm = None if not spec.ssm_shape else torch.zeros(
-                (n_layers, self.num_slots, *spec.ssm_shape), dtype=spec.ssm_dtype, device=device)
+            if config is not None:
+                tensors = self.allocate_elastic(config, device, buffers, 1)
+            else:
+                tensors = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in buffers]
+            self.conv, self.ssm = tensors[0], (tensors[1] if len(tensors) > 1 else None)
         except (RuntimeError, AssertionError, TypeError) as exc:  # a bad device, out of memory
             raise ConfigError(f"cannot allocate the state buffers of {self.num_slots} slots on {device!r}: "
                               f"{str(exc).splitlines()[0]}") from None

@@ -22,6 +22,7 @@ import torch
 
 from kvpool.allocators.block_pool import BlockPool
 from kvpool.errors import IntegrityError
+from kvpool.storage.arena import ElasticConfig
 from kvpool.storage.block_copy import gather_rows, scatter_rows
 from kvpool.storage.host import HostKVCache
 from kvpool.storage.paged import BlockStore
@@ -32,6 +33,8 @@ class HostTier(TierBackend):
     """``num_blocks`` host blocks shaped like the device cache ``like`` (pinned on CUDA), or hash-only.
 
     Keys are the block hashes themselves (they never leave the process, so no :func:`block_key` form).
+    ``elastic``: the host memory sits on a page arena (:class:`~kvpool.storage.host.HostKVCache`): it grows
+    with the blocks stored and shrinks as :meth:`delete` drops them.
 
     Raises:
         InvalidArgumentError: ``num_blocks`` < 1; ConfigError: the host buffer cannot be allocated.
@@ -40,11 +43,11 @@ class HostTier(TierBackend):
     medium = "host"
 
     def __init__(self, num_blocks: int, namespace: Namespace, *, like: BlockStore | None = None,
-                 pin_memory: bool | None = None) -> None:
+                 pin_memory: bool | None = None, elastic: bool | ElasticConfig = False) -> None:
         super().__init__(namespace, like.bytes_per_block if like is not None else 0)
         if like is not None:
             self.host: HostKVCache | None = HostKVCache.like(like, num_blocks, pin_memory=pin_memory,
-                                                             enable_caching=True)
+                                                             enable_caching=True, elastic=elastic)
             self.pool = self.host.pool
         else:
             self.host, self.pool = None, BlockPool(num_blocks)
@@ -85,7 +88,7 @@ class HostTier(TierBackend):
             new = self._refresh(keys)
             held = len(keys) - len(new)
             left_out, new = self._fit(new)
-            ids = self.pool.allocate(len(new)) if new else []
+            ids = self._allocate(len(new)) if new else []
             if ids and self.host is not None:
                 scatter_rows(self.host.cache, ids, blocks if new == list(range(len(new))) else blocks[new])
             self._publish(ids, [keys[i] for i in new])
@@ -99,6 +102,8 @@ class HostTier(TierBackend):
             self.pool.touch(idle)
             self.pool.evict_blocks(idle)
             self.pool.free(idle)
+            if self.host is not None:
+                self.host.release_free(idle)
             return len(idle)
 
     def clear(self) -> int:
@@ -125,7 +130,7 @@ class HostTier(TierBackend):
                 return left_out
             new_keys = [keys[i] for i in new]
             if self.host is None or cache is None:
-                self._publish(self.pool.allocate(len(new)), new_keys)
+                self._publish(self._allocate(len(new)), new_keys)
                 return left_out
             # published now, in use until the copy lands (on the CPU: at once), never evicted half-written
             ids = self.host.swap_out(cache, [block_ids[i] for i in new], pool=hold, publish=new_keys)
@@ -185,6 +190,10 @@ class HostTier(TierBackend):
             self.pool.free(held)
         self.ops += len(keys) + 2 * len(held)
         return new
+
+    def _allocate(self, n: int) -> list[int]:
+        """``n`` host blocks (their pages committed on an elastic host store)."""
+        return self.pool.allocate(n) if self.host is None else self.host.allocate(n)
 
     def _fit(self, new: list[int]) -> tuple[list[int], list[int]]:
         """Split ``new`` into (the first ones that do not fit, the last ones that do)."""
