@@ -24,7 +24,6 @@ from kvpool.events.wire import (
     FULL_ATTENTION,
     HASH_FORMATS,
     MEDIUM_GPU,
-    SPEC_KINDS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
