@@ -61,6 +61,7 @@ COMPILED_MODULES = (
     "kvpool.events.buffer",
     "kvpool.allocators.arrays",
     "kvpool.allocators.prefix_index",
+    "kvpool.spec.kinds",
     "kvpool.allocators.policy_base",
     "kvpool.allocators.policies",
     "kvpool.allocators.arc",

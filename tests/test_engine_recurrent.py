@@ -137,6 +137,10 @@ def test_bad_state_options() -> None:
         _engine(model, state_checkpoints=-1)
     with pytest.raises(ConfigError, match="one rank"):
         _engine(model, tp_size=2)
+    # the KV pool's policy orders the checkpoints too: a fresh one of its name
+    engine = _engine(model, policy="fifo")
+    assert engine.states.checkpoints.policy.name == "fifo" and engine.states.checkpoints.policy is not \
+        engine.pool.policy
 
 
 def test_cli_generate_runs_a_hybrid(capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 #: The packages and modules that export names; the first four import some of them on first use.
-EXPORTING = ["kvpool", "kvpool.allocators", "kvpool.tiers", "kvpool.events", "kvpool.storage",
+EXPORTING = ["kvpool", "kvpool.spec", "kvpool.allocators", "kvpool.tiers", "kvpool.events", "kvpool.storage",
              "kvpool.requests", "kvpool.engine", "kvpool.trace"]
 #: Third-party modules an exported name may need (its extra not installed: that name alone is skipped).
 OPTIONAL = ("redis", "zmq", "msgspec", "transformers", "xxhash", "blake3")

@@ -34,10 +34,11 @@ from kvpool.cli._args import (
 )
 from kvpool.cli._observe import Observers, add_event_arguments
 from kvpool.cli._tiers import add_tier_arguments, build_tiers, check_tier_targets, tier_chain, wants_tiers
-from kvpool.cli.plan import add_memory_arguments, hybrid_from_args, kv_spec_from_args, plan_from_args
+from kvpool.cli.plan import add_memory_arguments, memory_from_args, plan_from_args
 from kvpool.errors import ConfigError, TraceFormatError
-from kvpool.planner import PoolPlan
 from kvpool.spec import KVCacheSpec
+from kvpool.spec.memory import ModelMemory
+from kvpool.spec.planner import PoolPlan
 from kvpool.tiers.auth import redact_url
 from kvpool.trace.loaders import FORMATS, load_trace
 from kvpool.trace.replay import HIT_RATIO_BASIS, REPLAY_POLICIES, TIMINGS, ReplayConfig, compare_all_full
@@ -220,9 +221,11 @@ def _plan_runs(args: argparse.Namespace
     if args.sweep:  # pool sizes in blocks; --model-config then gives the KV cache groups only
         _refuse_unused_memory_options(args, allowed=("--tp-size", "--kv-cache-dtype"))
         num_blocks, pool_plan = None, None
-        spec = None if args.model_config is None else kv_spec_from_args(args.model_config, args)
+        memory = None if args.model_config is None else memory_from_args(args.model_config, args)
+        spec = None if memory is None else memory.require_kv()
     else:
-        num_blocks, spec, pool_plan = sizing_from_args(args)
+        num_blocks, memory, pool_plan = sizing_from_args(args)
+        spec = None if memory is None else memory.require_kv()
     sizes: list[int | None] = [*args.sweep] if args.sweep else [num_blocks]
     hybrid = spec is not None and (spec.has_windows or len(spec.groups) > 1)
     policies: list[str] = args.policies or [args.policy]
@@ -232,7 +235,7 @@ def _plan_runs(args: argparse.Namespace
         raise ConfigError("--kv-events follows one run: drop --sweep / --policies")
     for policy in policies:  # every name now, not after the first runs
         ReplayConfig(policy=policy)
-    state_save = _state_save(args)
+    state_save = _state_save(args, memory)
     config = ReplayConfig(
         block_size=args.block_size, num_blocks=sizes[0], timing=args.timing,
         max_batched_tokens=args.max_batched_tokens, max_running=args.max_running, step_s=args.step_s,
@@ -242,10 +245,10 @@ def _plan_runs(args: argparse.Namespace
     return config, sizes, policies, spec, pool_plan
 
 
-def _state_save(args: argparse.Namespace) -> str | None:
-    """``--state-save`` (``tail`` for a recurrent ``--model-config`` without it); ConfigError when given
-    for a model without recurrent state."""
-    recurrent = args.model_config is not None and hybrid_from_args(args.model_config, args) is not None
+def _state_save(args: argparse.Namespace, memory: ModelMemory | None) -> str | None:
+    """``--state-save`` (``tail`` for a recurrent ``--model-config`` without it: ``memory``, the config's
+    :class:`ModelMemory`, has a state); ConfigError when given for a model without recurrent state."""
+    recurrent = memory is not None and memory.hybrid is not None
     if not recurrent and (args.state_save is not None or args.state_checkpoints is not None):
         option = "--state-save" if args.state_save is not None else "--state-checkpoints"
         raise ConfigError(f"{option} needs --model-config of a recurrent hybrid (Qwen3-Next, Nemotron-H...)")
@@ -324,9 +327,10 @@ def _sweep_report(head: dict[str, Any], config: ReplayConfig, runs: list[SweepRu
                                for policy, row in table.items()} if "belady" in table else {}}
 
 
-def sizing_from_args(args: argparse.Namespace) -> tuple[int | None, KVCacheSpec | None, PoolPlan | None]:
+def sizing_from_args(args: argparse.Namespace) -> tuple[int | None, ModelMemory | None, PoolPlan | None]:
     """The pool size: ``--num-blocks``; or, with ``--model-config`` and ``--gpu-memory``, the planner's
-    num_blocks with the spec and plan (a hybrid spec is replayed per KV cache group); or None (unbounded)."""
+    num_blocks with the config's :class:`ModelMemory` and the plan (a hybrid spec is replayed per KV cache
+    group); or None (unbounded)."""
     if args.model_config is None:
         _refuse_unused_memory_options(args)
         return args.num_blocks, None, None
@@ -334,8 +338,9 @@ def sizing_from_args(args: argparse.Namespace) -> tuple[int | None, KVCacheSpec 
         raise ConfigError("give either --num-blocks or --model-config, not both")
     if args.gpu_memory is None:
         raise ConfigError("--model-config needs --gpu-memory BYTES (the device memory per rank)")
-    spec, plan = plan_from_args(args.model_config, args)
-    return plan.num_blocks, spec, plan
+    memory = memory_from_args(args.model_config, args)
+    _, plan = plan_from_args(memory, args)
+    return plan.num_blocks, memory, plan
 
 
 def _refuse_unused_memory_options(args: argparse.Namespace, allowed: tuple[str, ...] = ()) -> None:

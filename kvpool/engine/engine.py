@@ -33,7 +33,7 @@ import torch
 from kvpool.allocators.groups import KVCacheCoordinator
 from kvpool.allocators.hashing import BlockHasher, hasher_for
 from kvpool.allocators.state_pool import StatePool
-from kvpool.engine.recurrent import hybrid_spec, model_kv_spec
+from kvpool.engine.recurrent import engine_kv_spec, model_memory
 from kvpool.engine.runner import ModelRunner, StepBatch, StepRunner
 from kvpool.engine.sampling import SamplingParams, sample
 from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError, KVPoolError
@@ -43,7 +43,7 @@ from kvpool.requests.request import Request, RequestStatus
 from kvpool.requests.scheduler import Scheduler, SchedulerOutput
 from kvpool.requests.state_checkpoints import RequestStates, SavePolicy, StateCheckpoints
 from kvpool.spec import KVCacheSpec
-from kvpool.state_spec import is_recurrent_config
+from kvpool.spec.memory import ModelMemory
 
 if TYPE_CHECKING:  # the tiers and events need their extras: imported when they are enabled
     from kvpool.allocators.policies import FrequencyAdmission
@@ -83,7 +83,7 @@ class LLMEngine:
     Args:
         model: a Hugging Face causal LM in eval mode; each step switches its attention to
             :func:`paged_attention` if something else (a reference ``generate``) set another one.
-        num_blocks: KV blocks in the pool (size it with :func:`kvpool.planner.plan_pool`).
+        num_blocks: KV blocks in the pool (size it with :func:`kvpool.spec.planner.plan_pool`).
         max_num_batched_tokens: token budget of one step (decode tokens + prefill chunks).
         max_num_seqs: running requests at most.
         eos_token_ids: tokens that end a request (unless its ``ignore_eos``).
@@ -102,7 +102,8 @@ class LLMEngine:
         policy: the eviction policy of cached free blocks, a name of
             :data:`~kvpool.allocators.policies.POLICIES` or a fresh
             :class:`~kvpool.allocators.policies.EvictionPolicy` (default ``"lru"``); the ``priority``
-            policy keeps the blocks of requests added with a higher ``priority`` longer.
+            policy keeps the blocks of requests added with a higher ``priority`` longer. A recurrent
+            hybrid's state checkpoints are evicted by a fresh policy of the same name.
         pin_cap: the largest fraction of the pool that :meth:`pin_prefix` may pin.
         admission: a :class:`~kvpool.allocators.policies.FrequencyAdmission` the pool asks before it
             publishes a new block hash (None: publish every full block).
@@ -113,6 +114,9 @@ class LLMEngine:
         attention: ``"gather"`` (default: gather each context, then SDPA) or ``"paged"`` (a CPU kernel that
             reads the pool in place by block table: :mod:`kvpool.engine.paged_attention`; ConfigError where
             it cannot run).
+        memory: the model's :class:`~kvpool.spec.memory.ModelMemory` at ``block_size``, ``kv_dtype`` and
+            ``tp_size``, where the caller has made it (its config read once per command); default
+            :func:`kvpool.engine.recurrent.model_memory`'s.
 
     Attributes: ``kv_manager`` (the :class:`~kvpool.requests.kv_manager.KVCacheManager`), ``scheduler``,
     ``kv`` (its :class:`KVCacheCoordinator`), ``pool`` (its :class:`BlockPool`), ``cache`` (the KV tensors),
@@ -125,13 +129,16 @@ class LLMEngine:
                  keep_logits: bool = False, hasher: BlockHasher | None = None, tp_size: int = 1,
                  kv_events: EventPublisher | None = None, policy: Any = "lru", pin_cap: float = 0.5,
                  admission: FrequencyAdmission | None = None, state_save: str | SavePolicy = "tail",
-                 state_checkpoints: int | None = None, attention: str = "gather") -> None:
+                 state_checkpoints: int | None = None, attention: str = "gather",
+                 memory: ModelMemory | None = None) -> None:
         max_num_batched_tokens = as_int(max_num_batched_tokens, "max_num_batched_tokens", minimum=1)
         max_num_seqs = as_int(max_num_seqs, "max_num_seqs", minimum=1)
         self.model, self.block_size, self.device = model, block_size, model.device
         self.attention = attention
-        spec = self._build_runner(model, num_blocks, block_size, kv_dtype, tp_size, max_num_seqs,
-                                  enable_prefix_caching, state_save, state_checkpoints)
+        if memory is None:
+            memory = model_memory(model, block_size=block_size, dtype=kv_dtype, tp_size=tp_size)
+        spec = self._build_runner(model, memory, num_blocks, max_num_seqs, enable_prefix_caching, state_save,
+                                  state_checkpoints, policy if isinstance(policy, str) else policy.name)
         self.cache = self.runner.cache
         sink = self._event_sink(kv_events)
         self.hasher = hasher_for(hasher, events=sink is not None)
@@ -149,25 +156,26 @@ class LLMEngine:
         self.max_model_len: int | None = getattr(model.config, "max_position_embeddings", None)
         self.vocab_size: int = model.get_input_embeddings().num_embeddings
 
-    def _build_runner(self, model: Any, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None,
-                      tp_size: int, max_num_seqs: int, caching: bool, state_save: str | SavePolicy,
-                      state_checkpoints: int | None) -> KVCacheSpec:
-        """The runner (and, for a recurrent hybrid, :attr:`states`); returns the KV spec."""
-        self.hybrid, self.states = None, None
-        spec = model_kv_spec(model, block_size=block_size, dtype=kv_dtype, tp_size=tp_size)
-        if not is_recurrent_config(model.config.to_dict()):
+    def _build_runner(self, model: Any, memory: ModelMemory, num_blocks: int, max_num_seqs: int,
+                      caching: bool, state_save: str | SavePolicy, state_checkpoints: int | None,
+                      eviction: str) -> KVCacheSpec:
+        """The runner (and, for a recurrent hybrid, :attr:`states`, its checkpoints evicted by a fresh
+        policy named ``eviction``); returns the KV spec."""
+        self.hybrid, self.states = memory.hybrid, None
+        spec = engine_kv_spec(memory, model)
+        if self.hybrid is None:
             self.runner = ModelRunner(model, spec, num_blocks, attention=self.attention)
             return spec
         policy = state_save if isinstance(state_save, SavePolicy) else SavePolicy.parse(state_save)
         default = max_num_seqs if caching else 0
         capacity = as_int(default if state_checkpoints is None else state_checkpoints, "state_checkpoints",
                           minimum=0, error=ConfigError)
-        self.hybrid = hybrid_spec(model, block_size=block_size, dtype=kv_dtype)
         self.runner = ModelRunner(model, spec, num_blocks, hybrid=self.hybrid,
                                   num_state_slots=max_num_seqs + capacity, attention=self.attention)
         pool = StatePool(max_num_seqs + capacity)
-        checkpoints = StateCheckpoints(capacity, pool=pool) if capacity else StateCheckpoints(0)
-        self.states = RequestStates(policy, block_size, pool, checkpoints=checkpoints,
+        checkpoints = StateCheckpoints(capacity, pool=pool, policy=eviction) if capacity else \
+            StateCheckpoints(0)
+        self.states = RequestStates(policy, self.block_size, pool, checkpoints=checkpoints,
                                     mover=self.runner.recurrent.cache)
         return spec
 

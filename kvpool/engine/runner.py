@@ -20,7 +20,7 @@ from kvpool.engine.paged_attention import ATTENTION_CHOICES, check_paged_cache, 
 from kvpool.engine.recurrent import RecurrentStates
 from kvpool.errors import ConfigError, InvalidArgumentError
 from kvpool.spec import KVCacheSpec
-from kvpool.state_spec import HybridSpec
+from kvpool.spec.state import HybridSpec
 from kvpool.storage.paged import PagedKVCache
 
 
@@ -72,7 +72,7 @@ class ModelRunner:
             set another one.
         spec: the KV cache of this rank (``spec.num_kv_heads_per_rank`` heads per layer).
         num_blocks: blocks in the cache (the same on every rank).
-        hybrid: for an attention / recurrent hybrid, its :class:`~kvpool.state_spec.HybridSpec`: ``spec``
+        hybrid: for an attention / recurrent hybrid, its :class:`~kvpool.spec.state.HybridSpec`: ``spec``
             then covers the attention layers only (``hybrid.attention_layers``, in order) and the runner
             keeps ``num_state_slots`` state slots (:class:`~kvpool.engine.recurrent.RecurrentStates`) that
             each batch names in ``state_slots``.

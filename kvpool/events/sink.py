@@ -24,7 +24,6 @@ from kvpool.events.wire import (
     FULL_ATTENTION,
     HASH_FORMATS,
     MEDIUM_GPU,
-    SPEC_KINDS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -131,14 +130,14 @@ class KVEventSink:
 
     def use_groups(self, split_key: KeySplit, groups: Mapping[int, tuple[str, int | None]]) -> None:
         """Read the pool's keys as ``split_key(key) -> (group index, block hash)``, and describe group g as
-        ``groups[g] = (layer kind, window in tokens)`` (``kvpool.spec.LayerKind`` values, sent under
-        vLLM's names; the window goes out for sliding groups only). A KV cache coordinator, whose one
-        pool holds every group's keys, calls this; each event then names its group."""
+        ``groups[g] = (kv_cache_spec_kind, kv_cache_spec_sliding_window)``, vLLM's names for its kind and
+        window (what each memory kind says of itself: :attr:`kvpool.spec.kinds.MemoryKind.event_name`,
+        ``event_window``). A KV cache coordinator, whose one pool holds every group's keys, calls this;
+        each event then names its group."""
         self._convert()  # what was recorded before goes out as it was read then
         self._split = split_key
         self.recorder.plain = self.recorder.unsplit = False
-        self._groups = {g: (SPEC_KINDS.get(kind, kind), window if kind == "sliding_attention" else None)
-                        for g, (kind, window) in groups.items()}
+        self._groups = dict(groups)
 
     def for_medium(self, medium: str) -> KVEventSink:
         """A sink for another tier's pool (``"CPU"``: the host tier) that records into this one's buffer,

@@ -38,7 +38,8 @@ from kvpool.allocators.groups import CacheHit, KVCacheCoordinator, group_key
 from kvpool.allocators.hashing import BlockHasher, hasher_for
 from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError
 from kvpool.requests.request import Request
-from kvpool.spec import KVCacheGroup, LayerKind
+from kvpool.spec import KVCacheGroup
+from kvpool.spec.kv import needs_null_block
 
 if TYPE_CHECKING:
     from kvpool.allocators.policies import FrequencyAdmission
@@ -77,7 +78,7 @@ def blocks_needed(groups: Sequence[KVCacheGroup], num_tokens: int, chunk_tokens:
     null block a pool reserves when a group has a window. A request needing more than the pool never runs."""
     chunk = max(1, min(chunk_tokens, num_tokens))
     need = sum(g.max_blocks(num_tokens, chunk) for g in groups)
-    return need + any(g.kind is not LayerKind.FULL for g in groups)
+    return need + needs_null_block(groups)
 
 
 class KVCacheManager:
@@ -413,7 +414,7 @@ class KVCacheManager:
         steps). False, nothing changed, where that is not so. The caller counts the steps' tokens."""
         coord, computed = self.coordinator, req.num_computed_tokens
         if steps <= 0 or self.states is not None or self._wanted_pins or len(self.groups) != 1 or \
-                self.groups[0].kind is not LayerKind.FULL or \
+                self.groups[0].memory_kind.frees_blocks or \
                 (self.caching and len(req.block_hashes) * self.block_size > computed):
             return False
         pool = self.pool
