@@ -34,7 +34,8 @@ are broken by recency: the block freed least recently goes first, as in LRU.
 
 ``lru`` is the pool's default and stays on its fast path (the pool calls :class:`LRUPolicy`'s chunk queue
 directly); the other policies are called through this interface. The families, a module each:
-this one (``lru``, ``fifo``, ``lfu``, ``priority``, ``slru``), :mod:`kvpool.allocators.arc` (``arc``,
+this one (``fifo``, ``lfu``, ``priority``, ``slru``; ``lru`` is in :mod:`kvpool.allocators.policy_base`,
+beside the interface, so that every family can build on it), :mod:`kvpool.allocators.arc` (``arc``,
 ``arc-vllm``), :mod:`kvpool.allocators.queue_policies` (``s3fifo``, ``sieve``: scan-resistant queues,
 exactly as libCacheSim), :mod:`kvpool.allocators.prefix_policies` (``tlru``, ``lineage``, and the
 queue-informed ``queue-lru``, ``queue-lineage``: policies that read the prefix tree or the waiting
@@ -51,12 +52,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
-from librt.vecs import append, vec
-from mypy_extensions import i32
-
 from kvpool.allocators.arc import ARC_VARIANTS, ARCPolicy
-from kvpool.allocators.arrays import extend_flags, extend_to, grown_i32, next_capacity, release_freed_memory
-from kvpool.allocators.policy_base import SEQ_SPAN, EvictionPolicy, KeyedHeap
+from kvpool.allocators.arrays import extend_flags, extend_to
+from kvpool.allocators.policy_base import SEQ_SPAN, EvictionPolicy, KeyedHeap, LRUPolicy
 from kvpool.errors import InvalidArgumentError
 from kvpool.numeric import IntArg, RealArg, as_int, as_optional_int, as_real
 
@@ -70,136 +68,6 @@ POLICIES = ("lru", "fifo", "lfu", "slru", "priority", "arc", "arc-vllm", "s3fifo
 
 
 # ---- LRU and FIFO ---------------------------------------------------------------------------------------
-
-
-class LRUPolicy(EvictionPolicy):
-    """Least recently used: evict the block freed longest ago; a hit revives it in place. O(1) per call
-    (amortized).
-
-    The order of vLLM's ``FreeKVCacheBlockQueue`` and nano-vllm's free deque (which double as LRUs), kept
-    as a **log**: each :meth:`insert_chunk` (one ``free`` call's blocks, in order) appends its blocks to
-    ``_log[_head:_end]``, and ``where[b]`` is the position + 1 of ``b``'s live entry (0: not evictable). A
-    revived block only loses its ``where``: its entry stays behind, stale, and :meth:`pop` skips it (an
-    entry is live exactly when ``where`` of its block points at it). The log is compacted in place (the
-    entries moved to its front, each live one's ``where`` renumbered) once the spent head is half of it,
-    once stale entries pass half the live ones, and before it would grow, so memory stays O(evictable
-    blocks) and every call O(1) amortized; it grows by a chunk or an eighth
-    (:func:`~kvpool.allocators.arrays.next_capacity`). Both are flat vectors of 32-bit ints (4 bytes a
-    block, 4 an entry; :mod:`kvpool.allocators.arrays`), with no Python object per entry. The pool calls
-    :meth:`insert_chunk` and :meth:`pop` directly on its fast path (head = next victim), and revives a
-    touched block itself: ``where[b] = 0`` for each, then :meth:`removed` with their count.
-    """
-
-    name = "lru"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.where: vec[i32] = vec[i32]()  # block -> position + 1 of its live entry in _log, or 0
-        self._log: vec[i32] = vec[i32]()  # entries _log[_head:_end], oldest first; the rest is room
-        self._head = 0  # the entry the next victim is looked for at
-        self._end = 0  # one past the newest entry
-        self._live = 0  # evictable blocks (live entries)
-        self._stale = 0  # entries of revived blocks not yet skipped or compacted away
-
-    def grow(self, capacity: int) -> None:
-        if capacity > len(self.where):
-            self.where = grown_i32(self.where, capacity, 0)
-
-    def insert(self, block: int, priority: int) -> None:
-        self.insert_chunk([block])
-
-    def insert_chunk(self, blocks: list[int]) -> None:
-        """Append ``blocks`` (distinct ids, none evictable), oldest first."""
-        if self._end + len(blocks) > len(self._log):
-            self._make_room(len(blocks))
-        where, log, end = self.where, self._log, self._end
-        for b in blocks:
-            log[end] = b
-            end += 1
-            where[b] = end
-        self._end = end
-        self._live += len(blocks)
-
-    def _make_room(self, room: int) -> None:
-        """Compact the log when its spent and stale entries are an eighth of it or more; grow it unless that
-        left ``room`` free entries and an eighth of it besides (so the next call is that many entries
-        away: O(1) amortized per entry)."""
-        size = len(self._log)
-        if 8 * (self._head + self._stale) >= size:
-            self._compact(self._stale > 0)
-        if self._end + room + (size >> 3) > size:
-            self._log = grown_i32(self._log, next_capacity(size, self._end + room, 1 << 62), 0)
-            release_freed_memory(4 * len(self._log))  # the old log's pages
-
-    def remove(self, block: int) -> None:
-        self.where[block] = 0
-        self.removed(1)
-
-    def removed(self, count: int) -> None:
-        """``count`` evictable blocks left the queue: the caller set their ``where`` to 0."""
-        self._live -= count
-        self._stale += count
-        if self._stale > 4096 and 2 * self._stale > self._live:
-            self._compact(True)
-
-    def pop(self) -> int:
-        log, where = self._log, self.where
-        head = self._head
-        while True:
-            b = int(log[head])
-            head += 1
-            if where[b] == head:
-                break
-            self._stale -= 1
-        where[b] = 0
-        self._live -= 1
-        self._head = head
-        if head >= 4096 and 2 * head >= self._end:  # move the entries past the spent head (amortized O(1))
-            self._compact(False)
-        return b
-
-    def dropped(self, block: int) -> None:
-        if self.where[block]:
-            self.remove(block)
-
-    def clear(self) -> None:
-        """Make no block evictable (the pool's ``reset_prefix_cache``)."""
-        where = self.where
-        for b in self.order():
-            where[b] = 0
-        self._head = self._end = self._live = self._stale = 0
-
-    def _compact(self, live_only: bool) -> None:
-        """Move the entries from the head on (only the live ones when ``live_only``) to the front of the log,
-        in place, each live entry's ``where`` renumbered to its new position (ascending: a renumbered entry
-        is never taken for a later one, whose stale entries all come before it)."""
-        log, where, out = self._log, self.where, 0
-        for i in range(self._head, self._end):
-            b = int(log[i])
-            live = where[b] == i + 1
-            if live or not live_only:
-                log[out] = b
-                out += 1
-                if live:
-                    where[b] = out
-        self._head, self._end = 0, out
-        if live_only:
-            self._stale = 0
-
-    def order(self) -> list[int]:
-        return [int(b) for b in self.live()]
-
-    def live(self) -> vec[i32]:
-        """:meth:`order` as a vector (4 bytes a block, no Python int per block: for integrity checks)."""
-        log, where = self._log, self.where
-        out = vec[i32](capacity=self._live)
-        for i in range(self._head, self._end):
-            if where[int(log[i])] == i + 1:
-                out = append(out, log[i])
-        return out
-
-    def __len__(self) -> int:
-        return self._live
 
 
 class _HeapPolicy(EvictionPolicy):
