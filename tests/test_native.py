@@ -214,8 +214,10 @@ def test_compiled_classes_have_their_sources_signatures(name: str) -> None:
 
     compiled, source = importlib.import_module(name), _native.interpreted(name)
     classes = [n for n, c in vars(source).items() if isinstance(c, type) and c.__module__ == source.__name__]
+    if not classes:
+        pytest.skip(f"{name} defines functions only")
     written = _native.source_init_signatures(_native.module_source(name), vars(source))  # defining __init__
-    assert classes and written
+    assert written
     for cls in classes:
         mine, theirs = getattr(compiled, cls), getattr(source, cls)
         # a dataclass's generated __init__ is a plain function in both builds, its annotations the types
