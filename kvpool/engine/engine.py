@@ -44,6 +44,7 @@ from kvpool.requests.scheduler import Scheduler, SchedulerOutput
 from kvpool.requests.state_checkpoints import RequestStates, SavePolicy, StateCheckpoints
 from kvpool.spec import KVCacheSpec
 from kvpool.state_spec import is_recurrent_config
+from kvpool.storage.arena import ElasticConfig
 
 if TYPE_CHECKING:  # the tiers and events need their extras: imported when they are enabled
     from kvpool.allocators.policies import FrequencyAdmission
@@ -58,10 +59,13 @@ __all__ = ["EngineStats", "LLMEngine", "Request", "RequestStatus"]
 class EngineStats:
     """Counters over the engine's life. ``peak_blocks_used``: most blocks in use after any step's scheduling;
     ``prefix_hit_tokens``: tokens found in the prefix cache (device or tiers) on admission (a re-admission
-    after preemption counts again); ``elapsed_s``: wall time inside :meth:`LLMEngine.generate`."""
+    after preemption counts again); ``elapsed_s``: wall time inside :meth:`LLMEngine.generate`;
+    ``peak_committed_bytes``: most KV bytes committed after any step's scheduling (an elastic cache; a
+    fixed one counts its whole buffer)."""
 
     num_blocks: int
     peak_blocks_used: int = 0
+    peak_committed_bytes: int = 0
     prefix_hit_tokens: int = 0
     preemptions: int = 0
     generated_tokens: int = 0
@@ -111,6 +115,11 @@ class LLMEngine:
         attention: ``"gather"`` (default: gather each context, then SDPA) or ``"paged"`` (a CPU kernel that
             reads the pool in place by block table: :mod:`kvpool.engine.paged_attention`; ConfigError where
             it cannot run).
+        elastic: False (default), True or an :class:`~kvpool.storage.arena.ElasticConfig` (a memory limit,
+            a :class:`~kvpool.storage.arena.MemoryBudget` shared with other engines): the KV cache sits on a
+            page arena whose committed memory follows the used and cached blocks (the request path commits
+            a block's pages as it is handed out and releases them once it holds no KV:
+            :mod:`kvpool.requests.block_memory`). ConfigError with ``tp_size`` > 1.
 
     Attributes: ``kv_manager`` (the :class:`~kvpool.requests.kv_manager.KVCacheManager`), ``scheduler``,
     ``kv`` (its :class:`KVCacheCoordinator`), ``pool`` (its :class:`BlockPool`), ``cache`` (the KV tensors),
@@ -123,11 +132,15 @@ class LLMEngine:
                  keep_logits: bool = False, hasher: BlockHasher | None = None, tp_size: int = 1,
                  kv_events: EventPublisher | None = None, policy: Any = "lru", pin_cap: float = 0.5,
                  admission: FrequencyAdmission | None = None, state_save: str | SavePolicy = "tail",
-                 state_checkpoints: int | None = None, attention: str = "gather") -> None:
+                 state_checkpoints: int | None = None, attention: str = "gather",
+                 elastic: bool | ElasticConfig = False) -> None:
         max_num_batched_tokens = as_int(max_num_batched_tokens, "max_num_batched_tokens", minimum=1)
         max_num_seqs = as_int(max_num_seqs, "max_num_seqs", minimum=1)
         self.model, self.block_size, self.device = model, block_size, model.device
         self.attention = attention
+        if elastic is not False and tp_size > 1:
+            raise ConfigError("an elastic KV cache runs with tp_size 1 (the other ranks would not commit)")
+        self._elastic = elastic
         spec = self._build_runner(model, num_blocks, block_size, kv_dtype, tp_size, max_num_seqs,
                                   enable_prefix_caching, state_save, state_checkpoints)
         self.cache = self.runner.cache
@@ -135,7 +148,8 @@ class LLMEngine:
         self.hasher = hasher_for(hasher, events=sink is not None)
         self.kv_manager = KVCacheManager(spec.groups, num_blocks, enable_caching=enable_prefix_caching,
                                          hasher=self.hasher, policy=policy, pin_cap=pin_cap,
-                                         admission=admission, event_sink=sink, states=self.states)
+                                         admission=admission, event_sink=sink, states=self.states,
+                                         memory=self.cache if self.cache.elastic else None)
         self.tp_size = tp_size
         self.scheduler = Scheduler(self.kv_manager, max_num_batched_tokens=max_num_batched_tokens,
                                    max_num_seqs=max_num_seqs)
@@ -154,14 +168,15 @@ class LLMEngine:
         self.hybrid, self.states = None, None
         spec = model_kv_spec(model, block_size=block_size, dtype=kv_dtype, tp_size=tp_size)
         if not is_recurrent_config(model.config.to_dict()):
-            self.runner = ModelRunner(model, spec, num_blocks, attention=self.attention)
+            self.runner = ModelRunner(model, spec, num_blocks, attention=self.attention,
+                                      elastic=self._elastic)
             return spec
         policy = state_save if isinstance(state_save, SavePolicy) else SavePolicy.parse(state_save)
         default = max_num_seqs if caching else 0
         capacity = as_int(default if state_checkpoints is None else state_checkpoints, "state_checkpoints",
                           minimum=0, error=ConfigError)
         self.hybrid = hybrid_spec(model, block_size=block_size, dtype=kv_dtype)
-        self.runner = ModelRunner(model, spec, num_blocks, hybrid=self.hybrid,
+        self.runner = ModelRunner(model, spec, num_blocks, hybrid=self.hybrid, elastic=self._elastic,
                                   num_state_slots=max_num_seqs + capacity, attention=self.attention)
         pool = StatePool(max_num_seqs + capacity)
         checkpoints = StateCheckpoints(capacity, pool=pool) if capacity else StateCheckpoints(0)
@@ -341,6 +356,7 @@ class LLMEngine:
             return []
         self.stats.steps += 1
         self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, self.pool.num_used_blocks)
+        self.stats.peak_committed_bytes = max(self.stats.peak_committed_bytes, self._committed_bytes())
         self.stats.prefix_hit_tokens += sum(req.num_computed_tokens for req in out.admitted)
         logits = self.runner.execute(self._prepare(out))
         sampling = [req for (req, _), samples in zip(out.scheduled, out.sampled, strict=True) if samples]
@@ -369,6 +385,22 @@ class LLMEngine:
         reqs = [req for req, _ in out.scheduled]
         return StepBatch(ids, positions, rows, spans, [self.states.slot(r) for r in reqs],
                          [self.states.pending(r) for r in reqs])
+
+    def _committed_bytes(self) -> int:
+        committed = self.cache.committed_bytes
+        return self.cache.nbytes if committed is None else committed
+
+    def memory_stats(self) -> dict[str, Any]:
+        """The KV cache's memory in bytes: ``reserved`` (the whole cache: its address space when elastic),
+        ``committed`` (physical memory held now: the whole buffer for a fixed cache), ``used`` (blocks in
+        use x bytes per block), ``cached`` (cached free blocks x bytes per block: the prefix cache), and
+        ``elastic`` (whether committed memory follows the blocks). With an elastic cache, ``committed`` is
+        ``used + cached`` rounded up to whole pages per run of blocks, plus the arena's reserve of pages.
+        O(1); safe to call from another thread between steps."""
+        per_block, pool = self.cache.bytes_per_block, self.pool
+        return {"reserved": self.cache.nbytes, "committed": self._committed_bytes(),
+                "used": pool.num_used_blocks * per_block, "cached": pool.num_evictable_blocks * per_block,
+                "elastic": self.cache.elastic}
 
     def num_token_slots_used(self) -> int:
         """Token slots holding KV now: the tokens written in each block in use, a block that requests share

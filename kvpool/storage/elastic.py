@@ -68,6 +68,14 @@ class ElasticMemory:
         (:meth:`BlockPages.release_blocks`). Return the bytes released. Their KV is gone."""
         return self._elastic().release_blocks(block_ids)
 
+    def is_live(self, block: int) -> bool:
+        """Whether ``block`` is live (committed and not released since: :meth:`BlockPages.is_live`)."""
+        return self._elastic().is_live(block)
+
+    def live_blocks(self) -> list[int]:
+        """The live blocks, ascending."""
+        return self._elastic().live_blocks()
+
     def trim(self) -> int:
         """Give back every committed page with no live block; return the bytes."""
         return self._elastic().trim()

@@ -1,0 +1,167 @@
+"""The engine on an elastic KV cache (issue 32): the request path commits a block's pages as it is handed out
+and releases them once it holds no KV.
+
+Expected tokens and logits come from transformers' own greedy ``generate`` (no kvpool code); the expected
+committed bytes are counted by hand from the pool's block states: with 4 KiB pages and tiny-llama's
+2 KiB blocks (2 layers x 2 KV heads x 16 x fp32 x 4 tokens x K and V = 2,048 B) in the block-major layout,
+block b lives on page b // 2 alone, so the committed bytes are 4 KiB x the pages holding a used or cached
+block (plus the reserve, 0 here).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from kvpool.allocators.block_pool import CACHED, IN_USE, NULL, PINNED  # noqa: E402
+from kvpool.engine.engine import LLMEngine  # noqa: E402
+from kvpool.engine.models import TINY_WINDOW, load_model, reference_greedy  # noqa: E402
+from kvpool.engine.sampling import SamplingParams  # noqa: E402
+from kvpool.errors import ConfigError  # noqa: E402
+from kvpool.storage.arena import ElasticConfig, MemoryBudget  # noqa: E402
+
+BLOCK = 4
+NEW = 12
+PAGE = 4096
+BASE = list(range(7, 47))
+PROMPTS = [BASE, BASE[:30] + [200, 201, 202, 203, 204], [99, 98, 97, 96, 95, 94, 93], BASE[:17],
+           [150 + i % 40 for i in range(51)]]
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple:
+    model = load_model("tiny-llama", seed=1).model
+    return model, [reference_greedy(model, p, NEW) for p in PROMPTS]
+
+
+def elastic_engine(model, num_blocks: int = 64, **kwargs) -> LLMEngine:
+    kwargs.setdefault("elastic", ElasticConfig(page_size=PAGE))
+    return LLMEngine(model, num_blocks=num_blocks, block_size=BLOCK, keep_logits=True, **kwargs)
+
+
+def pages_by_hand(engine: LLMEngine) -> int:
+    """Bytes of the pages under every block that holds KV (in use or cached) and the null block (a windowed
+    model's table entry that kernels may read), from the pool's block states."""
+    per_page = PAGE // engine.cache.bytes_per_block
+    holding = [b for b, s in enumerate(engine.pool.block_states()) if s in (IN_USE, CACHED, PINNED, NULL)]
+    return PAGE * len({b // per_page for b in holding})
+
+
+def run_checked(engine: LLMEngine, prompts, limit: int | None = None) -> list:
+    """Generate step by step, checking after each step that the committed bytes are the hand count (and
+    under ``limit``) and that the live blocks are the used and cached ones."""
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=NEW)) for p in prompts]
+    peak = 0
+    while engine.has_unfinished():
+        engine.step()
+        engine.kv_manager.check_integrity()
+        committed = engine.memory_stats()["committed"]
+        assert committed == pages_by_hand(engine)
+        assert limit is None or committed <= limit
+        peak = max(peak, committed)
+    assert engine.stats.peak_committed_bytes >= peak  # (measured after scheduling, before the frees)
+    return [engine.requests[i] for i in ids]
+
+
+def assert_matches(requests, refs) -> None:
+    for req, (tokens, logits) in zip(requests, refs, strict=True):
+        assert req.output_token_ids == tokens
+        torch.testing.assert_close(torch.stack(req.logits), logits, atol=1e-4, rtol=0)
+
+
+def test_block_and_page_sizes_are_the_hand_figures(tiny) -> None:
+    engine = elastic_engine(tiny[0])
+    assert engine.cache.bytes_per_block == 2 * 2 * 2 * 16 * 4 * BLOCK  # K and V, layers, heads, dim, fp32
+    assert engine.cache.packed and engine.memory_stats() == {"reserved": 64 * 2048, "committed": 0, "used": 0,
+                                                             "cached": 0, "elastic": True}
+
+
+def test_committed_bytes_follow_the_blocks_and_tokens_match(tiny) -> None:
+    model, refs = tiny
+    engine = elastic_engine(model)
+    assert_matches(run_checked(engine, PROMPTS), refs)
+    stats = engine.memory_stats()
+    assert stats["used"] == 0 and stats["cached"] == engine.pool.num_evictable_blocks * 2048 > 0
+    assert stats["committed"] == pages_by_hand(engine) < stats["reserved"]
+
+
+def test_without_prefix_caching_every_page_goes_back(tiny) -> None:
+    model, refs = tiny
+    engine = elastic_engine(model, enable_prefix_caching=False)
+    assert_matches(run_checked(engine, PROMPTS), refs)
+    assert engine.memory_stats()["committed"] == 0 and engine.stats.peak_committed_bytes > 0
+
+
+def test_a_memory_limit_waits_and_preempts_but_never_passes(tiny) -> None:
+    # 16 pages: the 51-token prompt alone needs (51 + 12 - 1) / 4 -> 16 blocks, at worst one a page (its
+    # hit blocks may lie anywhere); all five prompts at once need more, so they wait or are preempted
+    model, refs = tiny
+    limit = 16 * PAGE
+    engine = elastic_engine(model, elastic=ElasticConfig(page_size=PAGE, limit_bytes=limit))
+    assert_matches(run_checked(engine, PROMPTS, limit), refs)
+    assert engine.kv_manager.memory.refused > 0  # the limit did bite
+
+
+def test_a_shared_budget_bounds_the_engine(tiny) -> None:
+    model, refs = tiny
+    budget = MemoryBudget(16 * PAGE)
+    engine = elastic_engine(model, elastic=ElasticConfig(page_size=PAGE, budget=budget))
+    assert_matches(run_checked(engine, PROMPTS, 16 * PAGE), refs)
+    assert budget.committed_bytes == engine.memory_stats()["committed"]
+
+
+def test_sliding_window_blocks_are_released_as_the_window_moves() -> None:
+    model = load_model("tiny-mistral", seed=1).model
+    prompt = [3 + i % 200 for i in range(100)]
+    ref = reference_greedy(model, prompt, NEW)
+    engine = elastic_engine(model, num_blocks=200, enable_prefix_caching=False, max_num_batched_tokens=16)
+    (req,) = run_checked(engine, [prompt])
+    assert req.output_token_ids == ref[0]
+    # prefilled 16 tokens a step, a window of 16 tokens: at most the window's 4 blocks (5 when it starts
+    # mid-block) and the chunk's 4 are held at once, of the 28 blocks of the 111 tokens written
+    assert TINY_WINDOW == 16
+    assert engine.stats.peak_blocks_used <= 5 + 4
+    # each of those blocks and the null block on a page of its own at worst: under the 14 pages of 28 blocks
+    assert engine.stats.peak_committed_bytes <= PAGE * (engine.stats.peak_blocks_used + 1) < 14 * PAGE
+
+
+def test_tensor_parallel_elastic_is_refused(tiny) -> None:
+    with pytest.raises(ConfigError, match="tp_size 1"):
+        LLMEngine(tiny[0], num_blocks=8, tp_size=2, elastic=True)
+
+
+def test_restores_from_a_host_tier_commit_what_they_load(tiny) -> None:
+    # 14 blocks: the 51-token prompt takes the whole device, so the shared prefix of prompts 1 and 2 is
+    # evicted to the host tier and restored from it into blocks whose pages the restore commits
+    from kvpool.allocators.hashing import BlockHasher
+    from kvpool.tiers.backend import Namespace
+    from kvpool.tiers.host import HostTier
+
+    model, refs = tiny
+    engine = elastic_engine(model, num_blocks=16, hasher=BlockHasher("sha256", shared=True))
+    namespace = Namespace.for_cache(engine.cache, model="tiny-llama-elastic", hash_scheme="sha256")
+    engine.enable_offload([HostTier(64, namespace, like=engine.cache)], asynchronous=False)
+    order = [0, 4, 1]
+    for i in order:
+        (req,) = run_checked(engine, [PROMPTS[i]])
+        assert req.output_token_ids == refs[i][0]
+    assert engine.offload.tier_hits()["host"] > 0
+
+
+def test_the_memory_gauges_scrape_the_hand_count(tiny) -> None:
+    from kvpool.metrics import KVPoolCollector
+
+    engine = elastic_engine(tiny[0])
+    run_checked(engine, PROMPTS[:2])
+    collector = KVPoolCollector().add_memory(engine.memory_stats)
+    (family,) = [f for f in collector.collect() if f.name == "kvpool_kv_memory_bytes"]
+    got = {s.labels["state"]: s.value for s in family.samples}
+    cached = engine.pool.num_evictable_blocks * 2048  # both finished: every full block is cached
+    assert got == {"reserved": 64 * 2048, "committed": pages_by_hand(engine), "used": 0, "cached": cached}
+    # KV is written for 40 + 12 - 1 and 35 + 12 - 1 tokens: 12 and 11 full blocks, each cached (the 7 shared
+    # ones twice: both requests computed them in the same steps)
+    assert cached == (51 // BLOCK + 46 // BLOCK) * 2048
