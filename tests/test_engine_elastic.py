@@ -19,7 +19,7 @@ from kvpool.allocators.block_pool import CACHED, IN_USE, NULL, PINNED  # noqa: E
 from kvpool.engine.engine import LLMEngine  # noqa: E402
 from kvpool.engine.models import TINY_WINDOW, load_model, reference_greedy  # noqa: E402
 from kvpool.engine.sampling import SamplingParams  # noqa: E402
-from kvpool.errors import ConfigError  # noqa: E402
+from kvpool.errors import AsleepError, ConfigError  # noqa: E402
 from kvpool.storage.arena import ElasticConfig, MemoryBudget  # noqa: E402
 
 BLOCK = 4
@@ -165,3 +165,129 @@ def test_the_memory_gauges_scrape_the_hand_count(tiny) -> None:
     # KV is written for 40 + 12 - 1 and 35 + 12 - 1 tokens: 12 and 11 full blocks, each cached (the 7 shared
     # ones twice: both requests computed them in the same steps)
     assert cached == (51 // BLOCK + 46 // BLOCK) * 2048
+
+
+# ---- sleep and wake ----------------------------------------------------------------------------------
+
+
+def test_sleep_mid_generation_then_wake_gives_transformers_tokens(tiny) -> None:
+    from kvpool.events import AllBlocksCleared, QueueEventPublisher
+
+    model, refs = tiny
+    publisher = QueueEventPublisher()
+    engine = elastic_engine(model, kv_events=publisher, max_num_batched_tokens=32)
+    assert engine.pin_prefix(BASE[:16]) is False  # waits for the blocks to be cached
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=NEW)) for p in PROMPTS]
+    for _ in range(4):
+        engine.step()
+    running = len(engine.running)
+    assert running > 0 and engine.kv_manager.pins and engine.memory_stats()["committed"] > 0
+    given = engine.sleep()
+    assert given > 0 and engine.cache.committed_bytes == 0 and engine.memory_stats()["committed"] == 0
+    assert engine.pool.num_free_blocks == 64 and engine.pool.num_cached_blocks == 0
+    assert engine.stats.preemptions >= running and not engine.running
+    batches = []
+    while (batch := publisher.get(timeout=0)) is not None:
+        batches.append(batch)
+    assert isinstance(batches[-1].events[-1], AllBlocksCleared)
+    with pytest.raises(AsleepError):
+        engine.step()
+    with pytest.raises(AsleepError):
+        engine.generate([PROMPTS[0]])
+    assert engine.sleep() == 0 and len(engine.requests) == len(PROMPTS)  # nothing queued by generate
+    engine.wake()
+    assert engine.wake() == 0
+    while engine.has_unfinished():
+        engine.step()
+        engine.kv_manager.check_integrity()
+        assert engine.memory_stats()["committed"] == pages_by_hand(engine)
+    assert_matches([engine.requests[i] for i in ids], refs)
+    assert engine.kv_manager.pins  # pinned again once recomputed
+
+
+def test_sleep_leaves_the_tiers_alone(tiny) -> None:
+    from kvpool.allocators.hashing import BlockHasher
+    from kvpool.tiers.backend import Namespace
+    from kvpool.tiers.host import HostTier
+
+    model, refs = tiny
+    engine = elastic_engine(model, hasher=BlockHasher("sha256", shared=True), enable_prefix_caching=True)
+    namespace = Namespace.for_cache(engine.cache, model="tiny-llama-sleep", hash_scheme="sha256")
+    host = HostTier(64, namespace, like=engine.cache)
+    engine.enable_offload([host], write_through=True, asynchronous=False)
+    run_checked(engine, [PROMPTS[0]])
+    held = host.pool.num_cached_blocks
+    assert held == 51 // BLOCK
+    engine.sleep()
+    engine.wake()
+    assert host.pool.num_cached_blocks == held
+    (req,) = run_checked(engine, [PROMPTS[1]])  # its 7 shared blocks come back from the host
+    assert req.output_token_ids == refs[1][0] and engine.offload.tier_hits()["host"] == 7
+
+
+def test_a_fixed_engine_cannot_sleep(tiny) -> None:
+    with pytest.raises(ConfigError, match="elastic"):
+        LLMEngine(tiny[0], num_blocks=8).sleep()
+
+
+RSS_SCRIPT = r"""
+import gc, json, sys
+import psutil, torch, transformers
+from kvpool.engine.engine import LLMEngine
+from kvpool.engine.sampling import SamplingParams
+
+torch.manual_seed(0)
+config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=4, head_dim=512, intermediate_size=128,
+                                  max_position_embeddings=4096)
+model = transformers.AutoModelForCausalLM.from_config(config).eval()
+engine = LLMEngine(model, num_blocks=512, block_size=16, elastic=True)
+prompts = [[(7 * i + j) % 256 for j in range(300)] for i in range(4)]
+params = SamplingParams(max_new_tokens=4)
+first = [r.output_token_ids for r in engine.generate(prompts, params)]
+rss = lambda: (gc.collect(), psutil.Process().memory_info().rss)[1]
+before, committed = rss(), engine.memory_stats()["committed"]
+given = engine.sleep()
+after = rss()
+engine.wake()
+again = [r.output_token_ids for r in engine.generate(prompts, params)]
+print(json.dumps({"committed": committed, "given": given, "drop": before - after, "same": first == again,
+                  "block": engine.cache.bytes_per_block}))
+"""
+
+
+def test_sleep_gives_the_kv_memory_back_to_the_os() -> None:
+    # 2 layers x K and V x 4 heads x 512 x fp32 = 32 KiB a token, 512 KiB a 16-token block, 4 blocks on a
+    # 2 MiB page; 4 prompts of 300 tokens + 4 new keep 4 x 18 full blocks cached (~36 MiB) when they end
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("psutil")
+    out = subprocess.run([sys.executable, "-c", RSS_SCRIPT], capture_output=True, text=True, timeout=600,
+                         check=True).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["block"] == 2 * 2 * 4 * 512 * 4 * 16 and got["same"]
+    assert got["committed"] == got["given"] >= 4 * 18 * got["block"]
+    assert 0.9 * got["committed"] <= got["drop"] <= got["committed"] + 8 * 2**20, got
+
+
+def test_a_hybrid_gives_its_state_pages_back_too() -> None:
+    model = load_model("tiny-qwen3-next", seed=1).model
+    prompts = PROMPTS[:3]
+    refs = [reference_greedy(model, p, 8)[0] for p in prompts]
+    engine = elastic_engine(model, max_num_batched_tokens=16)
+    states = engine.runner.recurrent.cache
+    committed = states.committed_bytes
+    assert committed > 0 and states.pages.num_live == states.num_slots  # every slot committed up front
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=8)) for p in prompts]
+    for _ in range(3):
+        engine.step()
+    assert engine.sleep() >= committed
+    assert states.committed_bytes == 0 and engine.cache.committed_bytes == 0
+    engine.wake()
+    assert states.committed_bytes == committed
+    while engine.has_unfinished():
+        engine.step()
+        engine.kv_manager.check_integrity()
+    assert [engine.requests[i].output_token_ids for i in ids] == refs

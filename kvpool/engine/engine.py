@@ -36,7 +36,14 @@ from kvpool.allocators.state_pool import StatePool
 from kvpool.engine.recurrent import hybrid_spec, model_kv_spec
 from kvpool.engine.runner import ModelRunner, StepBatch
 from kvpool.engine.sampling import SamplingParams, sample
-from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError, KVPoolError
+from kvpool.errors import (
+    AsleepError,
+    ConfigError,
+    IntegrityError,
+    InvalidArgumentError,
+    InvalidIdError,
+    KVPoolError,
+)
 from kvpool.numeric import as_id_list, as_int, index_or_none
 from kvpool.requests.kv_manager import KVCacheManager
 from kvpool.requests.request import Request, RequestStatus
@@ -119,7 +126,8 @@ class LLMEngine:
             a :class:`~kvpool.storage.arena.MemoryBudget` shared with other engines): the KV cache sits on a
             page arena whose committed memory follows the used and cached blocks (the request path commits
             a block's pages as it is handed out and releases them once it holds no KV:
-            :mod:`kvpool.requests.block_memory`). ConfigError with ``tp_size`` > 1.
+            :mod:`kvpool.requests.block_memory`), and :meth:`sleep` / :meth:`wake` give every KV and state
+            page back and take them again. ConfigError with ``tp_size`` > 1.
 
     Attributes: ``kv_manager`` (the :class:`~kvpool.requests.kv_manager.KVCacheManager`), ``scheduler``,
     ``kv`` (its :class:`KVCacheCoordinator`), ``pool`` (its :class:`BlockPool`), ``cache`` (the KV tensors),
@@ -158,6 +166,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[int, Request] = {}
         self.stats = EngineStats(num_blocks)
+        self.asleep = False
         self.max_model_len: int | None = getattr(model.config, "max_position_embeddings", None)
         self.vocab_size: int = model.get_input_embeddings().num_embeddings
 
@@ -343,11 +352,67 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ---- sleep and wake
+    def sleep(self) -> int:
+        """Give back every page of the KV cache and of a hybrid's state cache while the weights stay
+        (vLLM's sleep level 1 for the KV cache, SGLang's memory saver). Running requests are preempted
+        (their tokens so far kept, their KV recomputed after :meth:`wake`, tokens identical), pinned
+        prefixes wait to be pinned again once cached, the prefix index is emptied (an
+        ``AllBlocksCleared`` KV event, published now), the state checkpoints dropped; the tiers keep what
+        they hold (swaps in flight finish first). Until :meth:`wake`, :meth:`step` and :meth:`generate`
+        raise AsleepError; :meth:`add_request` queues. Returns the bytes given back; 0 when asleep already.
+
+        Raises:
+            ConfigError: the engine was built without ``elastic``.
+        """
+        if not self.cache.elastic:
+            raise ConfigError("sleep needs an elastic KV cache: build the engine with elastic=True")
+        if self.asleep:
+            return 0
+        if self.offload is not None:
+            self.offload.synchronize()
+        before = self.cache.committed_bytes + self._state_bytes()
+        self.stats.preemptions += len(self.scheduler.preempt_all())
+        if not self.kv_manager.empty():
+            raise IntegrityError("a block is still in use after every request was preempted")
+        self.kv_manager.flush_events()
+        self.cache.sleep()
+        if self.runner.recurrent is not None:
+            self.runner.recurrent.cache.sleep()
+        self.asleep = True
+        return before
+
+    def wake(self) -> int:
+        """Take memory again after :meth:`sleep`: the pages the KV cache kept for no block (the null block,
+        the reserve) and every state slot, reading 0; the KV cache's blocks are committed again as they are
+        handed out. Returns the bytes committed; 0 when awake. Raises MemoryLimitError /
+        InsufficientMemoryError (still asleep) when they cannot be committed."""
+        if not self.asleep:
+            return 0
+        taken = self.cache.wake()
+        if self.runner.recurrent is not None:
+            try:
+                taken += self.runner.recurrent.cache.wake()
+            except BaseException:
+                self.cache.sleep()
+                raise
+        self.asleep = False
+        return taken
+
+    def _state_bytes(self) -> int:
+        recurrent = self.runner.recurrent
+        return 0 if recurrent is None else recurrent.cache.committed_bytes or 0
+
+    def _check_awake(self) -> None:
+        if self.asleep:
+            raise AsleepError("the engine is asleep (sleep() gave its KV memory back): call wake() first")
+
     # ---- one step
     @torch.inference_mode()
     def step(self) -> list[Request]:
         """Decide (schedule, block operations), execute one forward, sample; returns the requests that
-        finished in this step."""
+        finished in this step. Raises AsleepError between :meth:`sleep` and :meth:`wake`."""
+        self._check_awake()
         if self.offload is not None:
             self.offload.poll()
         out = self.scheduler.schedule()
@@ -418,7 +483,9 @@ class LLMEngine:
         Raises:
             InvalidArgumentError, OutOfBlocksError: as :meth:`add_request`, or a ``params`` sequence whose
                 length differs from ``prompts``; checked for every prompt before any is queued.
+            AsleepError: the engine is asleep (nothing queued).
         """
+        self._check_awake()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise InvalidArgumentError(f"{len(prompts)} prompts but {len(params_list)} sampling params")

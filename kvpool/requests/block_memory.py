@@ -100,6 +100,11 @@ class PoolMemory:
         pool.evict_blocks(victims)
         return self.emptied(victims)
 
+    def release_all(self) -> int:
+        """Release every live block that holds no KV now (after the prefix cache was emptied and every
+        request freed: all of them but the null block); return the bytes given back."""
+        return self.emptied(self.store.live_blocks())
+
     def check(self) -> None:
         """IntegrityError unless the live blocks are exactly the pool's used and cached blocks (the null
         block aside)."""

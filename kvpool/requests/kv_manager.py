@@ -468,6 +468,25 @@ class KVCacheManager:
         self.pins, self._wanted_pins = [], []
         return unpinned
 
+    def empty(self) -> bool:
+        """Empty the device cache while no request holds blocks (an engine going to sleep): every pinned
+        prefix is unpinned and waits to be pinned again once cached (:meth:`pin_when_cached`), the prefix
+        index is dropped (``BlockPool.reset_prefix_cache``: an ``AllBlocksCleared`` event), so are a
+        hybrid's state checkpoints, and with ``memory`` every block is released. The tiers keep what they
+        hold. Returns False, changing nothing, while a request holds blocks."""
+        if self.coordinator.requests:
+            return False
+        pool = self.pool
+        waiting = [[pool.block_hash(b) for b in ids] for ids in self.pins] + self._wanted_pins
+        self.unpin_all()
+        pool.reset_prefix_cache()
+        self._wanted_pins = waiting
+        if self.states is not None:
+            self.states.checkpoints.clear()
+        if self.memory is not None:
+            self.memory.release_all()
+        return True
+
     # ---- state --------------------------------------------------------------------------------------
 
     def hits_by_place(self, *, first_admissions: bool = False) -> dict[str, int]:

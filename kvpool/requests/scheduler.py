@@ -115,6 +115,17 @@ class Scheduler:
             return
         req.status = RequestStatus.ABORTED
 
+    def preempt_all(self) -> list[Request]:
+        """Preempt every running request, newest first (each requeued at the front, so they run again in
+        their order, before the waiting ones); returns them. Their tokens so far are kept; their KV is
+        recomputed."""
+        gone = []
+        while self.running:
+            req = self.running.pop()
+            self._preempt(req)
+            gone.append(req)
+        return gone
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
