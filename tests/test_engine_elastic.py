@@ -291,3 +291,48 @@ def test_a_hybrid_gives_its_state_pages_back_too() -> None:
         engine.step()
         engine.kv_manager.check_integrity()
     assert [engine.requests[i].output_token_ids for i in ids] == refs
+
+
+# ---- several engines, one budget ---------------------------------------------------------------------
+
+
+def test_two_engines_under_one_budget_run_interleaved_and_never_pass_it(tiny) -> None:
+    # two models in one process, one limit of 24 pages (96 KiB) for both: alone, the five prompts of one
+    # model took more (checked below), so the engines wait, preempt and give pages back in turn; each
+    # steps in turn, and an idle one trims its cached blocks' pages for the busy one
+    llama, llama_refs = tiny
+    qwen = load_model("tiny-qwen2", seed=1).model
+    qwen_prompts = PROMPTS[::-1]
+    qwen_refs = [reference_greedy(qwen, p, NEW) for p in qwen_prompts]
+    limit = 24 * PAGE
+    budget = MemoryBudget(limit)
+    engines = [elastic_engine(model, elastic=ElasticConfig(page_size=PAGE, budget=budget))
+               for model in (llama, qwen)]
+    ids = [[e.add_request(p, SamplingParams(max_new_tokens=NEW)) for p in prompts]
+           for e, prompts in zip(engines, (PROMPTS, qwen_prompts), strict=True)]
+    peak = 0
+    while any(e.has_unfinished() for e in engines):
+        for engine in engines:
+            if engine.has_unfinished():
+                engine.step()
+                engine.kv_manager.check_integrity()
+            else:
+                engine.trim()
+            committed = [e.memory_stats()["committed"] for e in engines]
+            assert budget.committed_bytes == sum(committed) <= limit
+            peak = max(peak, budget.committed_bytes)
+    for engine, rids, refs in zip(engines, ids, (llama_refs, qwen_refs), strict=True):
+        assert_matches([engine.requests[i] for i in rids], refs)
+    assert sum(e.kv_manager.memory.refused for e in engines) > 0 and peak > limit // 2
+    alone = elastic_engine(llama)
+    alone.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))
+    assert alone.stats.peak_committed_bytes > limit  # the budget did bite
+
+
+def test_a_limit_too_small_for_one_request_is_a_typed_error(tiny) -> None:
+    from kvpool.errors import MemoryLimitError
+
+    engine = elastic_engine(tiny[0], elastic=ElasticConfig(page_size=PAGE, limit_bytes=2 * PAGE))
+    with pytest.raises(MemoryLimitError, match="cannot be admitted although nothing runs"):
+        engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=NEW))
+    assert engine.memory_stats()["committed"] == 0 and engine.pool.num_used_blocks == 0

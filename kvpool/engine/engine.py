@@ -43,6 +43,7 @@ from kvpool.errors import (
     InvalidArgumentError,
     InvalidIdError,
     KVPoolError,
+    MemoryLimitError,
 )
 from kvpool.numeric import as_id_list, as_int, index_or_none
 from kvpool.requests.kv_manager import KVCacheManager
@@ -399,6 +400,17 @@ class LLMEngine:
         self.asleep = False
         return taken
 
+    def trim(self) -> int:
+        """Give back the pages of the cached free blocks (an idle engine under a budget shared with a busy
+        one): they are evicted from the prefix index (``BlockRemoved`` events), then every committed page
+        with no block holding KV is released, the reserve too. Returns the bytes given back. ConfigError
+        without ``elastic``."""
+        if self.kv_manager.memory is None:
+            raise ConfigError("trim needs an elastic KV cache: build the engine with elastic=True")
+        given = self.kv_manager.memory.shrink()
+        self.kv_manager.flush_events()
+        return given + self.cache.trim()
+
     def _state_bytes(self) -> int:
         recurrent = self.runner.recurrent
         return 0 if recurrent is None else recurrent.cache.committed_bytes or 0
@@ -484,6 +496,8 @@ class LLMEngine:
             InvalidArgumentError, OutOfBlocksError: as :meth:`add_request`, or a ``params`` sequence whose
                 length differs from ``prompts``; checked for every prompt before any is queued.
             AsleepError: the engine is asleep (nothing queued).
+            MemoryLimitError: nothing runs and the memory limit leaves no room for the first waiting request
+                (an elastic cache under a limit too small for it, or under a budget another engine holds).
         """
         self._check_awake()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
@@ -494,8 +508,12 @@ class LLMEngine:
         ids = [self._enqueue(req) for req in checked]
         start = time.perf_counter()
         while self.has_unfinished():
-            before = self.stats.generated_tokens
+            before, moved = self.stats.generated_tokens, (self.stats.steps, self.stats.preemptions)
             self.step()
+            if moved == (self.stats.steps, self.stats.preemptions) and self.kv_manager.memory_refused:
+                raise MemoryLimitError(f"request {self.waiting[0].request_id} cannot be admitted although "
+                                       "nothing runs: the memory limit leaves no room for its blocks (with "
+                                       "a budget shared with another engine, step both engines instead)")
             if on_step is not None:
                 on_step(self.stats.generated_tokens - before)
         self.stats.elapsed_s += time.perf_counter() - start

@@ -132,6 +132,10 @@ class KVCacheManager:
         #: The hook that keeps ``memory``'s committed blocks equal to the used and cached ones (None: none).
         self.memory = None if memory is None else PoolMemory(memory, lambda: self.pool, self.null_block)
         self._uncommitted: set[Hashable] = set()  # requests holding blocks a refused commit left uncommitted
+        #: Whether a commit was refused by a memory limit since the scheduler cleared it at the start of its
+        #: step: a step that comes up empty then waits instead of raising (another pool under the same
+        #: budget may give memory back).
+        self.memory_refused = False
         self._windowed = any(g.kind is not LayerKind.FULL for g in self.groups)
         self.tiers: OffloadManager | None = None
         self.stats, self.first_stats = PrefixCacheStats(), PrefixCacheStats()
@@ -264,6 +268,7 @@ class KVCacheManager:
         coord.allocate(req.request_id, computed + chunk, hit)
         if self.memory is not None and not self._committed(req):
             self._free_blocks(req)  # the memory is short: as with a short pool, nothing stays allocated
+            self.memory_refused = True
             return None
         self.ops += min(hit.num_blocks + 1, limit) + coord.num_blocks_held(req.request_id)
         req.num_computed_tokens = computed
@@ -346,6 +351,7 @@ class KVCacheManager:
             coord.allocate(rid, computed + num_new_tokens)
         if memory is not None and (need or rid in self._uncommitted) and not self._committed(req):
             self._uncommitted.add(rid)  # allocated but not committed: the next reserve (or a free) sees to it
+            self.memory_refused = True
             self.ops += freed + need
             return False
         self.ops += freed + need
