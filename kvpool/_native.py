@@ -59,7 +59,11 @@ from types import ModuleType
 #: The modules setup.py compiles (read there with ``ast``, without importing kvpool).
 COMPILED_MODULES = (
     "kvpool.event_buffer",
+    "kvpool.allocators.policy_base",
     "kvpool.allocators.policies",
+    "kvpool.allocators.arc",
+    "kvpool.allocators.queue_policies",
+    "kvpool.allocators.prefix_policies",
     "kvpool.allocators.block_pool",
     "kvpool.allocators.groups",
     "kvpool.allocators.token",

@@ -465,7 +465,43 @@ class KVEventSink:
                parent_hash: Hashable | None, tokens: list[int] | None,
                extra_keys: Sequence[tuple | None] | None, lora_name: str | None) -> None:
         """Buffer one storing call (``new``: its positions that entered the index, None for all of them;
-        ``tokens``: the sink's own checked list)."""
+        ``tokens``: the sink's own checked list). A call whose keys name several groups (a tier's pool
+        taking evicted blocks of every group, a restore) is buffered as one call per group, in the order
+        the groups first appear, each with its group's blocks in the call's order and the call's
+        ``parent_hash``, as if the caller had made one call per group: each run of new blocks names its own
+        group, and its parent is the block before it in that group (the call's ``parent_hash`` for the
+        group's first block)."""
+        parts = None if self._split is None else self._group_positions(block_hashes)
+        if parts is None:
+            self._store_group(block_hashes, new, parent_hash, tokens, extra_keys, lora_name)
+            return
+        entered = None if new is None else set(new)
+        bs = self.block_size
+        for positions in parts:
+            mine = None if entered is None else [j for j, i in enumerate(positions) if i in entered]
+            if mine is not None and len(mine) == len(positions):
+                mine = None
+            own = None if tokens is None else [t for i in positions for t in tokens[i * bs:(i + 1) * bs]]
+            self._store_group([block_hashes[i] for i in positions], mine, parent_hash, own,
+                              None if extra_keys is None else [extra_keys[i] for i in positions], lora_name)
+
+    def _group_positions(self, keys: Sequence[Hashable]) -> list[list[int]] | None:
+        """The positions of ``keys`` by group, groups in the order they first appear (a split sink's
+        keys); None when they are all of one group."""
+        split = self._split
+        assert split is not None
+        groups = list(map(operator.itemgetter(0), map(split, keys)))
+        if not groups or groups.count(groups[0]) == len(groups):
+            return None
+        parts: dict[int | None, list[int]] = {}
+        for i, g in enumerate(groups):
+            parts.setdefault(g, []).append(i)
+        return list(parts.values())
+
+    def _store_group(self, block_hashes: Sequence[Hashable], new: Sequence[int] | None,
+                     parent_hash: Hashable | None, tokens: list[int] | None,
+                     extra_keys: Sequence[tuple | None] | None, lora_name: str | None) -> None:
+        """Buffer one storing call of one group's blocks (as :meth:`_store`)."""
         runs = None if new is None else _runs(new)
         if runs is not None and not runs:
             return
@@ -540,7 +576,7 @@ class KVEventSink:
                       lora_name: str | None) -> BlockStored:
         bs, run = self.block_size, keys[first:last]
         group, kind, window = self.group_idx, self.kind, self.sliding_window
-        if self._split is not None:  # one call publishes one group's blocks
+        if self._split is not None:  # a record holds one group's blocks (see _store)
             group = self._split(run[0])[0]
             run = [self._split(k)[1] for k in run]
             kind, window = self._groups.get(group, (kind, window))

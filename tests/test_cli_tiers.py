@@ -266,6 +266,24 @@ def test_replay_tier_admission_stores_a_block_at_its_kth_eviction(k: int, host_h
     assert out["tiers"]["not_admitted"] == refused
 
 
+def test_replay_tier_admission_remembers_as_far_as_the_tiers_reach(tmp_path: Path, capsys) -> None:
+    # 10 conversations of 2 full blocks, in order, three times, on a device of 3 blocks (each request evicts
+    # the one before it): a block's second offer comes 18 other offers after its first. The filter
+    # tracked 4 x the device's 3 blocks = 12 hashes, so it forgot every first offer and admitted nothing
+    # (as it admitted nothing over 1,500 Mooncake requests); it now tracks 4 x (3 + the host's 24) = 108:
+    # the second pass's offers are admitted, and every request of the third pass finds its 2 blocks on the
+    # host: 20 host hits. Refused: the first pass's 20 offers, and the third pass's 18 (an admitted hash is
+    # counted anew).
+    trace = tmp_path / "rounds.jsonl"
+    rows = [{"timestamp": i, "input_length": 1025, "output_length": 1,
+             "hash_ids": [c * 10, c * 10 + 1, c * 10 + 2]} for i, c in enumerate(list(range(10)) * 3)]
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = replay_json(str(trace), "--block-size", "512", "--num-blocks", "3", "--host-blocks", "24",
+                      "--tier-admission", "2", capsys=capsys)
+    assert out["tier_hits"] == {"device": 0, "host": 20}
+    assert out["tiers"]["not_admitted"] == 38
+
+
 def test_replay_refuses_tier_admission_without_a_tier_or_below_1(capsys) -> None:
     assert main(["replay", "--tier-admission", "2"]) == 2
     assert main(["replay", "--host-blocks", "4", "--tier-admission", "0"]) == 2

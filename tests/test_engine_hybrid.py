@@ -27,7 +27,8 @@ PROMPTS = [
     [(5 * i + 1) % 256 for i in range(41)],  # 41 tokens, unrelated
     DOC + DOC[:60],  # 120 tokens
 ]
-HYBRID = ("tiny-mistral", "tiny-gemma2", "tiny-gemma3", "tiny-gpt-oss", "tiny-gemma4", "tiny-mimo")
+HYBRID = ("tiny-mistral", "tiny-gemma2", "tiny-gemma3", "tiny-gpt-oss", "tiny-gemma4", "tiny-mimo",
+          "tiny-llama4")
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -65,7 +66,9 @@ def test_groups_of_the_tiny_models():
                      "tiny-gemma4": [(LayerKind.SLIDING, 2), (LayerKind.SLIDING, 1), (LayerKind.FULL, 1)],
                      # full 1 x (24 + 16) x 4 B = 160 B per token, sliding 2 x 40 x 4 = 320 B: full layers
                      # 2 x 160 = 320 B per token in all, the fewest: 2 full slots, 1 sliding
-                     "tiny-mimo": [(LayerKind.FULL, 2)] + [(LayerKind.SLIDING, 1)] * 4}
+                     "tiny-mimo": [(LayerKind.FULL, 2)] + [(LayerKind.SLIDING, 1)] * 4,
+                     # Llama 4's layout: layers 0-2 chunked, 3 full, one group each (as Scout's 36 + 12)
+                     "tiny-llama4": [(LayerKind.CHUNKED, 1)] * 3 + [(LayerKind.FULL, 1)]}
 
 
 def test_tokens_and_logits_match_transformers(tiny):
@@ -96,9 +99,10 @@ def test_preemption_matches(tiny):
     name, model, refs = tiny
     # too few blocks for all four at once: tiny-mistral's one sliding group needs up to cdiv(16 + 16 - 2, 4)
     # + 1 = 9 blocks per request with chunks of 16 (12 blocks, 11 usable); the full groups of the Gemmas
-    # need up to 34 for the 120-token prompt (60 and 90 blocks)
+    # need up to 34 for the 120-token prompt (60 and 90 blocks); tiny-llama4's three chunked groups up to
+    # cdiv(16 - 1 + 16, 4) = 8 each beside its full group's 34 (70 blocks)
     blocks = {"tiny-mistral": 12, "tiny-gemma2": 60, "tiny-gemma3": 90, "tiny-gpt-oss": 60,
-              "tiny-gemma4": 60, "tiny-mimo": 90}[name]
+              "tiny-gemma4": 60, "tiny-mimo": 90, "tiny-llama4": 70}[name]
     engine, requests = run(model, num_blocks=blocks, max_num_batched_tokens=16)
     assert engine.stats.preemptions > 0
     assert_matches(requests, refs)

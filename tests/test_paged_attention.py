@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvpool.engine.attention import build_step_metadata, gather_attention
-from kvpool.engine.paged_attention import PagedBatch, paged_attention, paged_batch
+from kvpool.engine.paged_attention import PagedBatch, new_token_slots, paged_attention, paged_batch
 from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError
 from kvpool.spec import KVCacheGroup, KVCacheSpec, LayerKind
 from kvpool.storage.paged import PagedKVCache
@@ -237,6 +237,93 @@ def test_mismatched_kv_dtypes_and_zero_kv_heads_are_typed_errors() -> None:
         paged_attention(q, kc[:, :, :0], vc[:, :, :0], batch)  # Hq % 0
 
 
+def _bad_arguments(q, kc, vc, batch) -> dict[str, tuple]:
+    """What reached the kernel (or Python's arithmetic before it) and failed there with an untyped error:
+    ZeroDivisionError for a head dim of 0, TypeError for a window of 1.5 or 2**64, ValueError for a str
+    scale; the rest the kernel took silently."""
+    t, st, pos = batch.tables, batch.starts, batch.positions
+    return {
+        "head dim 0": (q[..., :0], kc[..., :0], vc[..., :0], batch, {}),
+        "V head dim 0": (q, kc, vc[..., :0], batch, {}),
+        "window 1.5": (q, kc, vc, PagedBatch(t, st, pos, window=1.5), {}),
+        "window 2**64": (q, kc, vc, PagedBatch(t, st, pos, window=2**64), {}),
+        "window True": (q, kc, vc, PagedBatch(t, st, pos, window=True), {}),
+        "chunk '8'": (q, kc, vc, PagedBatch(t, st, pos, chunk="8"), {}),
+        "str scale": (q, kc, vc, batch, {"scale": "0.5"}),
+        "NaN scale": (q, kc, vc, batch, {"scale": float("nan")}),
+        "str softcap": (q, kc, vc, batch, {"softcap": "30"}),
+        "infinite softcap": (q, kc, vc, batch, {"softcap": float("inf")}),
+        "sinks as a list": (q, kc, vc, batch, {"sinks": [0.0] * HQ}),
+        "query as a list": (q.tolist(), kc, vc, batch, {}),
+        "tables as a list": (q, kc, vc, PagedBatch(t.tolist(), st, pos), {}),
+    }
+
+
+BAD_ARGUMENTS = ("head dim 0", "V head dim 0", "window 1.5", "window 2**64", "window True", "chunk '8'",
+                 "str scale", "NaN scale", "str softcap", "infinite softcap", "sinks as a list",
+                 "query as a list", "tables as a list")
+
+
+@pytest.mark.parametrize("case", BAD_ARGUMENTS)
+def test_bad_arguments_are_typed_errors_before_the_kernel(case: str) -> None:
+    q, kc, vc, tables = _random_case([(0, 8)])
+    batch = paged_batch(_group(), [((tables[0],), 0, 8)], 64, B)
+    cases = _bad_arguments(q, kc, vc, batch)
+    assert tuple(cases) == BAD_ARGUMENTS
+    query, k, v, bad, kwargs = cases[case]
+    with pytest.raises(InvalidArgumentError):
+        paged_attention(query, k, v, bad, **kwargs)
+
+
+def test_paged_batch_refuses_what_a_cast_would_pass_as_another_value() -> None:
+    """Each of these failed in Python's arithmetic (a block size of 0: ZeroDivisionError) or, worse, was
+    cast by torch.tensor(..., dtype=int32) into another batch: a start of 0.5 became 0, a block id of 1.5
+    block 1."""
+    group, table = _group(), [1, 2]
+    with pytest.raises(InvalidArgumentError, match="block_size"):
+        paged_batch(group, [((table,), 0, 8)], 64, 0)
+    with pytest.raises(InvalidArgumentError, match="num_blocks"):
+        paged_batch(group, [((table,), 0, 8)], "64", B)
+    with pytest.raises(InvalidArgumentError, match="start"):
+        paged_batch(group, [((table,), 0.5, 8)], 64, B)
+    with pytest.raises(InvalidIdError):
+        paged_batch(group, [(([1.5, 2],), 0, 8)], 64, B)
+    with pytest.raises(InvalidIdError):
+        paged_batch(group, [(([2**70, 2],), 0, 8)], 64, B)
+    with pytest.raises(InvalidArgumentError, match="block_size"):
+        new_token_slots(paged_batch(group, [((table,), 0, 8)], 64, B), 0)
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=HKV, head_dim=D, dtype="float32", block_size=B)
+    cache = PagedKVCache(spec, 64)
+    step = build_step_metadata(cache, spec.groups, [((table,), 0, 8)], "cpu").groups[0]
+    with pytest.raises(InvalidArgumentError, match="scaling"):
+        gather_attention(torch.zeros(1, HQ, 8, D), cache, 0, step, [0, 8], scaling="0.5")
+
+
+@pytest.mark.parametrize("softcap", [0.0, -0.0, -30.0, 0])
+def test_a_softcap_of_zero_or_below_is_refused_on_both_paths(softcap) -> None:
+    """transformers' eager attention computes tanh(s / c) * c (NaN at c = 0, |c|'s values at c < 0) and
+    FlashAttention reads 0 as off: a softcap <= 0 has no one meaning, so both engine paths refuse it (the
+    kernel used to skip it while the gather path applied it: 1.94 apart). None is off on both."""
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=HKV, head_dim=D, dtype="float32", block_size=B)
+    cache = PagedKVCache(spec, 64)
+    gen = torch.Generator().manual_seed(5)
+    cache.k_cache(0).copy_(torch.randn(cache.k_cache(0).shape, generator=gen))
+    cache.v_cache(0).copy_(torch.randn(cache.v_cache(0).shape, generator=gen))
+    full = [(([1, 2],), 0, 8)]
+    q = torch.randn(8, HQ, D, generator=gen)
+    gather = build_step_metadata(cache, spec.groups, full, "cpu").groups[0]
+    paged = build_step_metadata(cache, spec.groups, full, "cpu", attention="paged").groups[0].paged
+    with pytest.raises(InvalidArgumentError, match="softcap"):
+        paged_attention(q, cache.k_cache(0), cache.v_cache(0), paged, softcap=softcap)
+    with pytest.raises(InvalidArgumentError, match="softcap"):
+        gather_attention(q.transpose(0, 1).unsqueeze(0), cache, 0, gather, [0, 8], softcap=softcap)
+    for cap in (None, 0.5):  # what is allowed, the two paths compute alike (scores ~3: 0.5 caps them)
+        torch.testing.assert_close(
+            paged_attention(q, cache.k_cache(0), cache.v_cache(0), paged, softcap=cap),
+            gather_attention(q.transpose(0, 1).unsqueeze(0), cache, 0, gather, [0, 8], softcap=cap)[0],
+            atol=1e-5, rtol=0)
+
+
 # ---- the engine with attention="paged" against transformers -------------------------------------------
 
 transformers = pytest.importorskip("transformers")
@@ -249,7 +336,7 @@ NEW = 10
 DOC = [(7 * i + 3) % 251 for i in range(60)]
 PROMPTS = [DOC + [10, 11, 12], DOC[:45] + list(range(150, 170)), [(5 * i + 1) % 256 for i in range(23)]]
 MODELS = ("tiny-llama", "tiny-qwen2", "tiny-gpt2", "tiny-mistral", "tiny-gemma2", "tiny-gemma3",
-          "tiny-gpt-oss", "tiny-gemma4", "tiny-mimo")
+          "tiny-gpt-oss", "tiny-gemma4", "tiny-mimo", "tiny-llama4")
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -268,6 +355,16 @@ def test_engine_with_paged_attention_matches_transformers(tiny, batched_tokens) 
         assert req.output_token_ids == tokens
         torch.testing.assert_close(torch.stack(req.logits), logits, atol=1e-4, rtol=0)
     assert engine.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("attention", ["gather", "paged"])
+def test_the_engine_refuses_a_model_s_softcap_of_zero_on_both_paths(attention: str) -> None:
+    model = load_model("tiny-gemma2", seed=1).model
+    for layer in model.model.layers:  # what transformers' Gemma 2 attention passes as softcap
+        layer.self_attn.attn_logit_softcapping = 0.0
+    engine = LLMEngine(model, num_blocks=64, block_size=B, attention=attention)
+    with pytest.raises(InvalidArgumentError, match="softcap must be a finite number > 0, got 0.0"):
+        engine.generate([PROMPTS[2]], SamplingParams(max_new_tokens=2))
 
 
 def test_engine_refuses_an_unknown_attention() -> None:

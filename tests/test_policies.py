@@ -64,6 +64,20 @@ EXPECTED = {
     "arc": [3, 2, 0, 1, 4],
     # vLLM's rules: the same lists; |T1| = 2 >= int(p) = 0: T1 first, then T2 (A, B, E)
     "arc-vllm": [3, 2, 0, 1, 4],
+    # 6 blocks: small queue int(0.6) = 0 blocks, so A..E enter the main queue in publish order, counts A 2,
+    # B 1, E 1; the clock: A -> 1 and B -> 0 go round, C goes; D; E -> 0, A -> 0 round, B; then E, A
+    "s3fifo": [2, 3, 1, 4, 0],
+    # queue A..E (oldest first), visited A, B, E: the hand clears A, B, evicts C; D; clears E, wraps past
+    # the newest to A (cleared), evicts it; then B, E
+    "sieve": [2, 3, 0, 1, 4],
+    # threshold 64, next prompt 16 blocks: budget 5 + 16 - 64 < 0, every block TEL-safe: LRU
+    "tlru": [3, 2, 0, 1, 4],
+    # the first free is a request of generation 1 (keys 1 x span + 1..5: E, D, C, B, A); each later free
+    # of A, B, E reuses generation-1 blocks: generation 2, keyed after every generation-1 block
+    "lineage": [3, 2, 0, 1, 4],
+    # nothing waits: as lru and lineage
+    "queue-lru": [3, 2, 0, 1, 4],
+    "queue-lineage": [3, 2, 0, 1, 4],
 }
 
 

@@ -262,6 +262,21 @@ def test_cli_sweep_json_and_table(capsys: pytest.CaptureFixture[str], sweep) -> 
     assert text[-1].split()[:2] == ["belady", "100.0%"]
 
 
+def test_cli_sweep_adds_the_bound(capsys: pytest.CaptureFixture[str], sweep) -> None:
+    # the same sweep without belady named: it is added last, and each policy's share of it is the ratio of
+    # the runs' own hit ratios (the fixture's runs: lru, lfu, arc, belady at 300 and 600 blocks)
+    argv = ["replay", "--max-requests", "400", "--block-size", "128", "--sweep", "300,600", "--policies",
+            "lru,arc", "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert list(report["block_hit_ratio"]) == ["lru", "arc", "belady"]
+    ratio = {(r.policy, r.num_blocks): r.result.block_hit_ratio for r in sweep}
+    assert report["share_of_bound"]["arc"]["600"] == ratio[("arc", 600)] / ratio[("belady", 600)]
+    assert report["share_of_bound"]["belady"] == {"300": 1.0, "600": 1.0}
+    assert main([*argv, "--no-bound"]) == 0
+    assert list(json.loads(capsys.readouterr().out)["block_hit_ratio"]) == ["lru", "arc"]
+
+
 def test_cli_single_policy_and_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "one.html"
     assert main(["replay", "--max-requests", "200", "--block-size", "512", "--num-blocks", "300", "--policy",

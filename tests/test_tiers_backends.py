@@ -447,6 +447,59 @@ def test_segments_across_a_restart_in_write_order_without_what_left(tmp_path: Pa
     small.check_integrity()
 
 
+#: Names int(name, 16) reads as a segment number (so a restart indexed their values), none of which is the
+#: 16 lowercase hex digits the tier writes, reads and deletes: their values were never read nor removed, and
+#: check_integrity() failed for good (found by renaming a segment after a kill -9).
+NOT_SEGMENT_NAMES = ["0", "1f", "0x0", "0_0", " 0", "+0", "0000000000000000 ", "000000000000000A",
+                     "00000000000000000", "000000000000000"]
+
+
+@pytest.mark.parametrize("name", NOT_SEGMENT_NAMES)
+def test_a_segment_under_another_name_is_deleted_at_start(tmp_path: Path, name: str) -> None:
+    t, _ = stored_file(tmp_path)
+    path, _ = t._value_at(block_key(0))
+    assert path.name == "0000000000000000"  # the first segment: 16 lowercase hex digits
+    t.close()
+    path.rename(path.with_name(name))
+    again = FileTier(tmp_path, NS, capacity_bytes=100 * (HEADER_BYTES + BPB), block_bytes=BPB, auth_key=KEY)
+    assert not path.with_name(name).exists() and not list(path.parent.iterdir())  # deleted, as documented
+    assert again.exists(keys(3)) == 0 and again.num_blocks == 0
+    again.check_integrity()
+    assert again.set(keys(3), rows(3)) == 3  # and the tier goes on (its next segment after the others)
+    again.check_integrity()
+
+
+@pytest.mark.parametrize("move", ["upper case", "spaced", "another subfolder", "a folder"])
+def test_a_value_file_under_another_name_is_deleted_at_start(tmp_path: Path, move: str,
+                                                             per_file: None) -> None:
+    """The same for a file per value: bytes.fromhex also takes upper case and spaces, and a file in
+    another subfolder than its name's first two digits was indexed but read and deleted at its own place;
+    a folder where a file belongs was left, and check_integrity() failed on it for good."""
+    t = FileTier(tmp_path, NS, capacity_bytes=100 * (HEADER_BYTES + BPB), block_bytes=BPB, auth_key=KEY)
+    ks, data = [block_key(k) for k in (0, 0xABCDEF, 2)], rows(3, seed=6)  # the second one's name has letters
+    assert t.set(ks, data) == 3
+    path = t._path(ks[1])
+    t.close()
+    if move == "upper case":
+        path.rename(path.with_name(path.name.upper()))
+    elif move == "spaced":
+        path.rename(path.with_name(path.name[:2] + " " + path.name[2:]))
+    elif move == "another subfolder":
+        (path.parent.parent / "zz").mkdir()
+        path.rename(path.parent.parent / "zz" / path.name)
+    else:
+        path.unlink()
+        path.mkdir()
+        (path / "inside").write_bytes(b"x")
+    again = FileTier(tmp_path, NS, capacity_bytes=100 * (HEADER_BYTES + BPB), block_bytes=BPB, auth_key=KEY)
+    again.check_integrity()
+    assert sorted(p.name for p in path.parent.parent.glob("*/*")) == sorted(
+        again._path(k).name for k in (ks[0], ks[2]))
+    out = torch.zeros(1, BPB, dtype=torch.uint8)
+    assert again.exists(ks[:1]) == 1 and again.exists(ks[1:2]) == 0
+    assert again.get(ks[2:], out) == 1 and torch.equal(out[0], data[2])
+
+
 def test_segments_are_compacted_and_keep_the_lru_order(tmp_path: Path) -> None:
     # Per-value eviction in LRU order over segments of several values, against a brute-force LRU; dead
     # slots force compactions (which move values, never their order) and stay within the capacity.
@@ -488,13 +541,37 @@ def test_a_bad_directory_is_a_config_error(tmp_path: Path, where: str) -> None:
                  auth_key=KEY)
 
 
-def test_one_process_per_namespace_directory(tmp_path: Path) -> None:
+def test_one_file_tier_per_namespace_directory(tmp_path: Path) -> None:
+    """Two tiers on one folder would each index and evict the same files: the second is refused, saying
+    whose the folder is (a second tier of this process was refused as "another process")."""
     t = FileTier(tmp_path, NS, capacity_bytes=1000, block_bytes=BPB, auth_key=KEY)
-    with pytest.raises(ConfigError, match="another process"):
+    with pytest.raises(ConfigError, match="another FileTier of this process holds it"):
         FileTier(tmp_path, NS, capacity_bytes=1000, block_bytes=BPB, auth_key=KEY)
+    (tmp_path / "link").symlink_to(tmp_path)
+    with pytest.raises(ConfigError, match="another FileTier of this process"):  # the folder by another path
+        FileTier(tmp_path / "link", NS, capacity_bytes=1000, block_bytes=BPB, auth_key=KEY)
     FileTier(tmp_path, OTHER, capacity_bytes=1000, block_bytes=BPB, auth_key=KEY).close()  # another namespace
     t.close()
     FileTier(tmp_path, NS, capacity_bytes=1000, block_bytes=BPB, auth_key=KEY).close()
+
+
+def test_a_folder_another_process_holds_is_refused_as_such(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    FileTier(tmp_path, NS, capacity_bytes=1000, block_bytes=BPB, auth_key=KEY).close()  # made, then let go
+    lock = tmp_path / NS.tag / ".lock"
+    hold = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); "
+            "print('held', flush=True); sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(lock)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError, match="another process holds it"):
+            FileTier(tmp_path, NS, capacity_bytes=1000, block_bytes=BPB, auth_key=KEY)
+    finally:
+        holder.communicate("", timeout=30)
+    FileTier(tmp_path, NS, capacity_bytes=1000, block_bytes=BPB, auth_key=KEY).close()  # its turn now
 
 
 def test_a_block_larger_than_the_disk_tier_is_refused(tmp_path: Path) -> None:

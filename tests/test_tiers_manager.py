@@ -358,6 +358,20 @@ def test_kv_round_trips_bit_exact_through_every_tier(asynchronous: bool, write_t
     m.close()
 
 
+def test_tier_admission_tracks_four_times_the_chain(tmp_path: Path, redis_single) -> None:
+    # 4 x (device 10 + host 20 + disk 30 values; Redis bounds nothing) = 240; the device alone gave 40,
+    # fewer hashes than a trace evicts between two offers of one block
+    m = build([("host", 20), ("disk", 30), ("redis", None)], tmp_path, redis_single.url, device=10,
+              write_through=False, admission=FrequencyAdmission(2))
+    assert m.admission.max_tracked == 4 * (10 + 20 + 30) == 240
+    assert [t.capacity_blocks for t in m.tiers] == [20, 30, None]
+    given = build([("host", 20)], tmp_path / "b", None, device=10, write_through=False,
+                  admission=FrequencyAdmission(2, max_tracked=7))
+    assert given.admission.max_tracked == 7  # a bound given is kept
+    m.close()
+    given.close()
+
+
 def test_bad_chains_are_refused(tmp_path: Path) -> None:
     cache = PagedKVCache(SPEC, 4)
     ns = Namespace.for_cache(cache, model="x")

@@ -25,7 +25,7 @@ from kvpool.tiers.file import FileTier
 from kvpool.tiers.host import HostTier
 
 redis = pytest.importorskip("redis")
-from redis_servers import Stall  # noqa: E402
+from redis_servers import FakeRedis, Stall  # noqa: E402
 
 from kvpool.tiers.redis import RedisTier  # noqa: E402
 
@@ -462,53 +462,6 @@ def test_a_full_disk_under_two_writers(tiny_tmpfs: Path) -> None:
 # ---- a broken or hostile server: replies redis-py parses into anything ------------------------------------
 
 #: The answer to redis-py's HELLO 3 (a RESP3 map of the fields it reads back).
-HELLO = b"%3\r\n+server\r\n+redis\r\n+version\r\n+7.0.0\r\n+proto\r\n:3\r\n"
-
-
-class FakeRedis:
-    """A loopback TCP server speaking just enough RESP for redis-py to connect (PING, CLIENT SETINFO),
-    answering each data command (EXISTS, HMGET, HSET, ...) with the bytes of ``replies[command]``: what a
-    broken server, or one run by someone hostile, may send."""
-
-    def __init__(self, replies: dict[bytes, bytes]) -> None:
-        import socket
-
-        from redis_servers import free_port
-
-        self.replies = replies
-        self.sock = socket.create_server(("127.0.0.1", free_port()))
-        self.url = f"redis://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.thread = threading.Thread(target=self._accept, daemon=True, name="fake-redis")
-        self.thread.start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: Any) -> None:
-        reader = conn.makefile("rb")
-        try:
-            while (line := reader.readline()).startswith(b"*"):
-                words = []
-                for _ in range(int(line[1:])):
-                    size = int(reader.readline()[1:])
-                    words.append(reader.read(size + 2)[:-2])
-                command = words[0].upper()
-                known = {b"PING": b"+PONG\r\n", b"CLIENT": b"+OK\r\n", b"SELECT": b"+OK\r\n", b"HELLO": HELLO}
-                conn.sendall(known.get(command) or self.replies.get(command, b"-ERR unknown\r\n"))
-        except (OSError, ValueError):
-            pass
-        finally:
-            conn.close()
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 def resp_value(header: bytes, payload: bytes) -> bytes:
     return b"*2\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(header), header, len(payload), payload)
 
@@ -531,7 +484,7 @@ HOSTILE_HMGET = {  # an HMGET reply, and the reason a get counts it by
 @pytest.mark.parametrize("reply", list(HOSTILE_HMGET))
 def test_hostile_replies_are_misses_on_both_threads(reply: str) -> None:
     answer, why = HOSTILE_HMGET[reply]
-    server = FakeRedis({b"EXISTS": b":1\r\n", b"HMGET": answer, b"HSET": b"+OK\r\n"})
+    server = FakeRedis({b"EXISTS": b":1\r\n", b"HMGET": answer, b"HSET": b"+OK\r\n"}, protocol=3)
     try:
         t = RedisTier(server.url, NS, block_bytes=BPB, auth_key=KEY, cluster=False, timeout_s=1.0, retry_s=0)
         assert both(lambda: t.exists(keys(1)), lambda: t.exists(keys(1))) == [1, 1]  # it says so; get checks
@@ -553,7 +506,7 @@ HOSTILE_INTEGER = {  # an EXISTS reply the tier reads itself (an integer per com
 
 @pytest.mark.parametrize("reply", list(HOSTILE_INTEGER))
 def test_hostile_integer_replies_are_errors_on_both_threads(reply: str) -> None:
-    server = FakeRedis({b"EXISTS": HOSTILE_INTEGER[reply], b"DEL": b"-ERR no\r\n"})
+    server = FakeRedis({b"EXISTS": HOSTILE_INTEGER[reply], b"DEL": b"-ERR no\r\n"}, protocol=3)
     try:
         t = RedisTier(server.url, NS, block_bytes=BPB, auth_key=KEY, cluster=False, timeout_s=1.0, retry_s=0)
         assert both(lambda: t.exists(keys(1)), lambda: t.exists(keys(1))) == [0, 0]

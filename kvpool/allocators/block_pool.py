@@ -389,8 +389,7 @@ class BlockPool:
         if self._lru is not None:
             self._lru.insert_chunk(chunk)
             return
-        for block in chunk:  # any policy but LRU, through its interface
-            self._policy.insert(block, level)
+        self._policy.released(ids, chunk, level)  # any policy but LRU, through its interface
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Add one reference to each block (a prefix hit). A cached free block leaves the LRU and is
@@ -650,6 +649,23 @@ class BlockPool:
         policy = self._policy
         for h in reversed(absent):
             policy.missed(h)
+
+    def waiting(self, block_hashes: Sequence[Hashable], count: int = 1) -> None:
+        """Tell the policy that ``count`` more (negative: fewer) waiting requests will look ``block_hashes``
+        (a request's prompt, head first) up: a queue-informed policy (``queue-lru``, ``queue-lineage``)
+        keeps their cached blocks from eviction while the requests wait (vLLM RFC #48485). A scheduler calls
+        it with +1 when a request joins the waiting queue and -1 when it leaves (admitted or aborted). Other
+        policies ignore it (the call returns at once). Changes no stats and no ref count.
+
+        Raises:
+            InvalidArgumentError: ``count`` not an integer.
+        """
+        policy = self._policy
+        if not policy.reads_waiting:
+            return
+        delta = as_int(count, "count")
+        for h in block_hashes:
+            policy.waiting(h, delta)
 
     def match_prefix(self, block_hashes: Sequence[Hashable]) -> list[int]:
         """:meth:`lookup` without counting stats: the block ids of the longest cached prefix of

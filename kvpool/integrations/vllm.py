@@ -10,7 +10,8 @@ reported failed at a deadline while its I/O may still write) needs ``deferred_re
 
 **Policies** (``vllm/v1/kv_offload/cpu/policies/base.py``, ``CachePolicy``): :class:`KvpoolLRU`,
 :class:`KvpoolFIFO`, :class:`KvpoolLFU`, :class:`KvpoolSLRU`, :class:`KvpoolPriority`, :class:`KvpoolARC`,
-:class:`KvpoolARCVllm` (``arc-vllm``: vLLM's own ARC rules), each kvpool's policy of that name
+:class:`KvpoolARCVllm` (``arc-vllm``: vLLM's own ARC rules), :class:`KvpoolS3FIFO`, :class:`KvpoolSieve`,
+:class:`KvpoolTLRU`, :class:`KvpoolLineage`, each kvpool's policy of that name
 (:mod:`kvpool.allocators.policies`) driven as
 :class:`~kvpool.integrations.offload_policy.OffloadPolicy` describes. vLLM loads one by class name::
 
@@ -63,6 +64,7 @@ from kvpool.allocators.policies import (
     LRUPolicy,
     PriorityPolicy,
     SLRUPolicy,
+    make_policy,
 )
 from kvpool.errors import ConfigError
 from kvpool.integrations.keys import offload_tier_key
@@ -226,8 +228,43 @@ class KvpoolARCVllm(KvpoolCachePolicy):
             core.missed(keys)
 
 
-#: The policy adapters by kvpool policy name.
-POLICY_CLASSES = {"lru": KvpoolLRU, "fifo": KvpoolFIFO, "lfu": KvpoolLFU, "slru": KvpoolSLRU,
+class KvpoolS3FIFO(KvpoolCachePolicy):
+    """kvpool's ``s3fifo`` (S3-FIFO as libCacheSim evicts: :mod:`kvpool.allocators.queue_policies`)."""
+
+    @classmethod
+    def make_policy(cls) -> EvictionPolicy:
+        return make_policy("s3fifo")
+
+
+class KvpoolSieve(KvpoolCachePolicy):
+    """kvpool's ``sieve`` (SIEVE as libCacheSim evicts: :mod:`kvpool.allocators.queue_policies`)."""
+
+    @classmethod
+    def make_policy(cls) -> EvictionPolicy:
+        return make_policy("sieve")
+
+
+class KvpoolTLRU(KvpoolCachePolicy):
+    """kvpool's ``tlru`` (:mod:`kvpool.allocators.prefix_policies`); the tier frees chunk by chunk, so every
+    chunk counts as a sequence's head: LRU order with the TEL-safe rule of one-chunk sequences."""
+
+    @classmethod
+    def make_policy(cls) -> EvictionPolicy:
+        return make_policy("tlru")
+
+
+class KvpoolLineage(KvpoolCachePolicy):
+    """kvpool's ``lineage`` (:mod:`kvpool.allocators.prefix_policies`); the tier frees chunk by chunk, so a
+    chunk's generation comes from its own reuse (hits, a remembered hash)."""
+
+    @classmethod
+    def make_policy(cls) -> EvictionPolicy:
+        return make_policy("lineage")
+
+
+#: The policy adapters by kvpool policy name (the queue-informed ones need kvpool's scheduler: none here).
+POLICY_CLASSES = {"s3fifo": KvpoolS3FIFO, "sieve": KvpoolSieve, "tlru": KvpoolTLRU, "lineage": KvpoolLineage,
+                  "lru": KvpoolLRU, "fifo": KvpoolFIFO, "lfu": KvpoolLFU, "slru": KvpoolSLRU,
                   "priority": KvpoolPriority, "arc": KvpoolARC, "arc-vllm": KvpoolARCVllm}
 
 

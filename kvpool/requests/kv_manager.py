@@ -141,6 +141,7 @@ class KVCacheManager:
         self.stats, self.first_stats = PrefixCacheStats(), PrefixCacheStats()
         self.ops = 0  # block ids and hashes handled by pool calls (a replay reports block ops per second)
         self._wanted_pins: list[list[Hashable]] = []
+        self._waiting: dict[Hashable, list[Hashable]] = {}  # request id -> the hashes announced waiting
         self.pins: list[list[int]] = []  # block ids of each prefix pinned, in pin order
         #: Called with each request :meth:`admit` is about to touch or allocate for (its blocks fit), before
         #: anything changes: a replay's offline eviction bound learns the admission order here.
@@ -233,6 +234,23 @@ class KVCacheManager:
             tokens = req.token_ids[done:]
             req.block_hashes += self.hasher.block_hashes(tokens, self.block_size, parent=parent)
 
+    def announce_waiting(self, req: Request, waiting: bool) -> None:
+        """Tell a queue-informed policy (:meth:`BlockPool.waiting`) that ``req`` joined (``waiting``) or left
+        the waiting queue, with the block hashes it has now, in every group. Nothing for other policies."""
+        pool = self.pool
+        if not self.caching or not getattr(getattr(pool, "policy", None), "reads_waiting", False):
+            return
+        if waiting:
+            hashes = list(req.block_hashes)
+            self._waiting[req.request_id] = hashes
+        else:
+            gone = self._waiting.pop(req.request_id, None)
+            if gone is None:
+                return
+            hashes = gone
+        for g in range(len(self.groups)):
+            pool.waiting(hashes if g == 0 else [group_key(g, h) for h in hashes], 1 if waiting else -1)
+
     def admit(self, req: Request, budget: int) -> int | None:
         """Admit ``req`` (holding no blocks) with its cached prefix and a first chunk of at most ``budget``
         tokens; returns the chunk's tokens, or None (no block allocated) when the pool is short (or, for a
@@ -255,7 +273,7 @@ class KVCacheManager:
                 return None
             if self.on_admit is not None:
                 self.on_admit(req)
-            loaded = self.tiers.restore(self._plan(hit))
+            loaded = self.tiers.restore(*self._plan(hit))
             hit = coord.find_longest_cache_hit(hashes, hit.num_blocks, count=False)
             if states is not None:
                 hit = self._joint_hit(req, hit, None)
@@ -311,12 +329,15 @@ class KVCacheManager:
         """Whether a probed hit names blocks held in a tier (codes below -1)."""
         return any(b < -1 for blocks in hit.blocks for b in blocks)
 
-    def _plan(self, hit: CacheHit) -> list[tuple[Hashable, int]]:
-        """``(key, where)`` of every block ``hit`` needs, position by position, every group at a position."""
+    def _plan(self, hit: CacheHit) -> tuple[list[tuple[Hashable, int]], Hashable | None]:
+        """``(key, where)`` of every block ``hit`` needs, position by position, every group at a position;
+        and the hash before the first such position (None: position 0), the parent of what it restores."""
         null = self.null_block
-        return [(group_key(g, hit.block_hashes[i]), hit.blocks[g][i])
+        plan = [(group_key(g, hit.block_hashes[i]), hit.blocks[g][i])
                 for i in range(hit.num_blocks) for g in range(len(self.groups))
                 if hit.blocks[g][i] != null]
+        first = next((i for i in range(hit.num_blocks) if any(b[i] != null for b in hit.blocks)), 0)
+        return plan, hit.block_hashes[first - 1] if first else None
 
     def _places(self, hit: CacheHit, loaded: dict[Hashable, int]) -> dict[str, int]:
         """Hit blocks by where they were found: a prefix position counts for the tier its first group's

@@ -103,11 +103,13 @@ class Scheduler:
         self.check_fits(req)
         self.kv.hash_blocks(req)
         self.waiting.append(req)
+        self.kv.announce_waiting(req, True)
 
     def abort(self, req: Request) -> None:
         """Stop ``req`` and free its blocks (a no-op for a finished one)."""
         if req.status is RequestStatus.WAITING and req in self.waiting:
             self.waiting.remove(req)
+            self.kv.announce_waiting(req, False)
         elif req.status is RequestStatus.RUNNING:
             self.running.remove(req)
             self.kv.free(req)
@@ -178,6 +180,7 @@ class Scheduler:
             if n is None:
                 break
             waiting.popleft()
+            self.kv.announce_waiting(req, False)
             running.append(req)
             req.status = RequestStatus.RUNNING
             out.scheduled.append((req, n))
@@ -188,6 +191,7 @@ class Scheduler:
         self.kv.preempt(req)
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
+        self.kv.announce_waiting(req, True)
         self.num_preemptions += 1
 
     def update(self, out: SchedulerOutput, tokens: Sequence[int | None], logits: Sequence[object] = ()

@@ -316,6 +316,13 @@ class TierBackend(ABC):
         """Bytes the tier may hold (values with their headers), None when it sets no bound itself."""
 
     @property
+    def capacity_blocks(self) -> int | None:
+        """Blocks the tier may hold, None when it sets no bound itself (``capacity_bytes`` over
+        ``value_bytes``)."""
+        capacity = self.capacity_bytes
+        return None if capacity is None or not self.value_bytes else capacity // self.value_bytes
+
+    @property
     @abstractmethod
     def used_bytes(self) -> int:
         """Bytes held now (for a remote tier: what this process knows it stored, not the server's total)."""

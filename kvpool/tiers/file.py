@@ -7,8 +7,9 @@ thread computes the header, then the header): a key is indexed only once its fil
 file (a crash mid-write) fails its MAC. The index (key -> the stamp of the write that made its file, LRU
 order) lives in memory; files left by an earlier run of the same namespace are indexed at start (oldest
 modification first), so a restart finds them (and a file that does not verify under this run's key is a
-miss then). One process owns a namespace directory at a time (an exclusive ``flock`` on ``.lock``); share
-blocks across processes with the Redis tier.
+miss then); anything else in the folder (another name, a folder, a temporary file) is deleted then. One
+tier owns a namespace directory at a time (an exclusive ``flock`` on ``.lock``; a second, of this process or
+another, is refused saying which); share blocks across processes with the Redis tier.
 
 Threads: reads (``exists``, ``get``, ``refresh``) take the index lock only for their index lookups and read
 the file outside it (a ``get`` of blocks of at least ``FileTier.overlap_bytes`` checks each block's MAC on
@@ -32,6 +33,7 @@ import errno
 import fcntl
 import itertools
 import os
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -43,7 +45,7 @@ from kvpool.errors import ConfigError
 from kvpool.numeric import as_int
 from kvpool.tiers.auth import TierKey, require_auth_key
 from kvpool.tiers.backend import HEADER_BYTES, Namespace, TierBackend, block_key, encode_header, verify_parts
-from kvpool.tiers.segments import Segments, close_all, require, unlink_quietly, write_all
+from kvpool.tiers.segments import Segments, close_all, remove_quietly, require, unlink_quietly, write_all
 from kvpool.units import plural
 
 #: ``listener(keys, payloads)``: blocks a store is about to evict, with their verified payloads.
@@ -86,7 +88,7 @@ class FileTier(TierBackend):
         self._doomed: list[tuple[bytes, int, bool]] = []  # bad files a read found: (key, stamp, unlink)
         self._stamps = itertools.count(1)  # a stamp per indexed write: a reader knows the file it read
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> stamp, least recently used first
-        self._lock_fd = _claim(self._dir)
+        self._lock_fd, self._held = _claim(self._dir)
         self._subdirs: set[str] = set()
         self._cascade: Cascade | None = None
         self._macs: concurrent.futures.ThreadPoolExecutor | None = None  # the MAC thread of big loads
@@ -260,8 +262,8 @@ class FileTier(TierBackend):
                 _require(set(self._segments.where) == set(self._index), "the index and the segments disagree")
                 self._segments.check_locked(self._capacity)
             else:
-                files = {p.name: p.stat().st_size for p in self._dir.glob("*/*")}
-                indexed = {key.hex(): self.value_bytes for key in self._index}
+                files = {f"{p.parent.name}/{p.name}": p.stat().st_size for p in self._dir.glob("*/*")}
+                indexed = {f"{key.hex()[:2]}/{key.hex()}": self.value_bytes for key in self._index}
                 differ = set(files.items()) ^ set(indexed.items())  # a name in one only, or another size
                 _require(not differ, f"{plural(len({name for name, _ in differ}), 'file')} and the index "
                                      f"disagree (name or size) in {self._dir}")
@@ -275,6 +277,8 @@ class FileTier(TierBackend):
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+            with _HELD_LOCK:
+                _HELD.discard(self._held)
 
     # ---- files ---------------------------------------------------------------------------------------
 
@@ -484,15 +488,15 @@ class FileTier(TierBackend):
             return
         found = []
         for path in self._dir.glob("*/*"):
+            key = _key_of(path)
             try:
-                key, stat = bytes.fromhex(path.name), path.stat()
-            except (ValueError, OSError):
-                _unlink(path)  # a temporary file (or anything else) left by a crash
-                continue
-            if len(key) == 16 and stat.st_size == self.value_bytes:
+                stat = path.stat() if key is not None and path.is_file() else None
+            except OSError:
+                stat = None
+            if stat is not None and stat.st_size == self.value_bytes:
                 found.append((stat.st_mtime_ns, key))
-            else:
-                _unlink(path)
+            else:  # a temporary file left by a crash, another name or size, a folder: deleted
+                remove_quietly(path)
         for _, key in sorted(found):
             self._index[key] = next(self._stamps)
         self._subdirs = {p.name for p in self._dir.iterdir() if p.is_dir()}
@@ -505,7 +509,7 @@ class FileTier(TierBackend):
         """:meth:`_scan` for values in segments: files of a file per value are deleted (another layout)."""
         for path in self._dir.glob("*/*"):
             if path.parent.name != "segments":
-                _unlink(path)
+                remove_quietly(path)
         for _, key in self._segments.scan(self._ns):  # type: ignore[union-attr]
             self._index[key] = next(self._stamps)
         while self.used_bytes > self._capacity:
@@ -514,23 +518,60 @@ class FileTier(TierBackend):
         self._segments.compact(self._capacity)  # type: ignore[union-attr]  (dead slots a smaller capacity left)
 
 
-def _claim(folder: Path) -> int:
-    """Create ``folder`` and take an exclusive lock on its ``.lock`` file; ConfigError when impossible."""
+#: A value file's name: exactly what :meth:`FileTier._file` writes (``bytes.fromhex`` would also take upper
+#: case and spaces, and the file could sit in any subfolder: its value indexed but read elsewhere).
+_VALUE_NAME = re.compile(r"[0-9a-f]{32}")
+
+
+def _key_of(path: Path) -> bytes | None:
+    """The block key a value file at ``path`` holds (``<2 hex digits>/<32 hex digits>``, the subfolder the
+    name's first two), or None: no value file."""
+    name = path.name
+    if not _VALUE_NAME.fullmatch(name) or path.parent.name != name[:2]:
+        return None
+    return bytes.fromhex(name)
+
+
+#: The namespace folders (real paths) the open FileTiers of this process hold. The ``flock`` cannot tell a
+#: second tier of this process from another process's (a second open of ``.lock`` is refused either way),
+#: so this says which it is.
+_HELD: set[str] = set()
+_HELD_LOCK = threading.Lock()
+
+
+def _claim(folder: Path) -> tuple[int, str]:
+    """Create ``folder`` and take an exclusive lock on its ``.lock`` file: one FileTier per namespace folder
+    (two would each index and evict the same files on their own). Returns the lock's descriptor and the
+    folder's real path (held until :meth:`FileTier.close`).
+
+    Raises:
+        ConfigError: the folder cannot be made or written, or another FileTier holds it: one of this
+            process (close it first) or another process.
+    """
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
         raise ConfigError(f"cannot use {folder.parent} as a disk tier: {exc.strerror or exc}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        why = "another process uses it" if exc.errno in (errno.EAGAIN, errno.EACCES) else exc.strerror
-        raise ConfigError(f"cannot use {folder} as a disk tier: {why}") from None
-    if not os.access(folder, os.W_OK):
-        os.close(fd)
-        raise ConfigError(f"cannot use {folder.parent} as a disk tier: not writable")
-    return fd
+    held = os.path.realpath(folder)
+    with _HELD_LOCK:
+        try:
+            if held in _HELD:
+                raise ConfigError(f"cannot use {folder} as a disk tier: another FileTier of this process "
+                                  "holds it (close() that one first, or give each its own folder)")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                busy = exc.errno in (errno.EAGAIN, errno.EACCES)
+                why = "another process holds it (one process per folder)" if busy else exc.strerror
+                raise ConfigError(f"cannot use {folder} as a disk tier: {why}") from None
+            if not os.access(folder, os.W_OK):
+                raise ConfigError(f"cannot use {folder.parent} as a disk tier: not writable")
+        except ConfigError:
+            os.close(fd)
+            raise
+        _HELD.add(held)
+    return fd, held
 
 
 _write_all = write_all

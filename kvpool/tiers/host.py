@@ -243,6 +243,10 @@ class HostTier(TierBackend):
         return self.pool.num_blocks * self.block_bytes
 
     @property
+    def capacity_blocks(self) -> int:
+        return self.pool.num_blocks  # (its values may be empty: a hash-only tier)
+
+    @property
     def used_bytes(self) -> int:
         return self.num_blocks * self.block_bytes
 

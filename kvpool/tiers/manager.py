@@ -48,8 +48,8 @@ from typing import Any
 import torch
 
 from kvpool.allocators.block_pool import BlockPool
-from kvpool.allocators.groups import group_key
-from kvpool.allocators.policies import FrequencyAdmission
+from kvpool.allocators.groups import group_key, split_group_key
+from kvpool.allocators.policies import FrequencyAdmission, ValuedAdmission
 from kvpool.errors import IntegrityError, InvalidArgumentError, OutOfBlocksError
 from kvpool.storage.block_copy import gather_rows, scatter_rows
 from kvpool.storage.paged import BlockStore
@@ -99,9 +99,12 @@ class OffloadManager:
         write_through: store each published block in every tier at once (else: on eviction, cascading).
         asynchronous: run the byte tiers' stores on a worker thread (else inline: deterministic).
         staging_blocks: staging rows for those stores (blocks in flight at most).
-        admission: frequency admission into the tiers (bound to the device pool's size: it tracks at most
-            4 x ``pool.num_blocks`` hashes unless built with ``max_tracked``); None stores every block. Give
-            the pool its own instance if it filters its publish step too (one filter counts one stream).
+        admission: frequency admission into the tiers (bound to the chain's size: it tracks at most 4 x
+            the blocks of the device pool and the tiers that bound their size, unless built with
+            ``max_tracked``: a block offered again after more offers than that finds its count forgotten,
+            as it would find an admitted copy evicted), or a ``ValuedAdmission`` (the device policy's
+            signal: only blocks it values go down); None stores every block. Give the pool its own
+            instance if it filters its publish step too (one filter counts one stream).
 
     Raises:
         InvalidArgumentError: a host tier not in first place, tiers whose ``block_bytes`` does not match
@@ -120,7 +123,7 @@ class OffloadManager:
             raise InvalidArgumentError(f"admission must be a FrequencyAdmission of the tiers' own (not the "
                                        f"pool's) or None, got {admission!r}")
         if admission is not None:
-            admission.bind(pool.num_blocks)
+            admission.bind(pool.num_blocks + sum(t.capacity_blocks or 0 for t in self.tiers))
         self.admission = admission
         self.host = self.tiers[0] if self.tiers and isinstance(self.tiers[0], HostTier) else None
         self.lower = self.tiers[1:] if self.host is not None else self.tiers
@@ -200,13 +203,17 @@ class OffloadManager:
 
     # ---- restoring from the tiers -------------------------------------------------------------------
 
-    def restore(self, plan: Sequence[tuple[Hashable, int]]) -> dict[Hashable, int]:
-        """Bring a prefix found by :meth:`probe` onto the device: ``plan`` lists, in prefix order, ``(key,
-        where)`` for every block the hit needs, ``where`` a device block id or a :func:`tier_code`. The
+    def restore(self, plan: Sequence[tuple[Hashable, int]], parent_hash: Hashable | None = None
+                ) -> dict[Hashable, int]:
+        """Bring a prefix found by :meth:`probe` onto the device: ``plan`` lists, position by position of
+        the prefix (a position's groups together), ``(key, where)`` for every block the hit needs, ``where``
+        a device block id or a :func:`tier_code`. The
         device blocks are held while fresh blocks are allocated for the others; those are loaded (one
         batched copy per run of one tier; a block a tier no longer gives is looked for in the tiers below
         it) and published under their keys; then everything is released again, so the loaded blocks are
-        cached free device blocks that the caller's next device lookup finds and touches. Loading stops at
+        cached free device blocks that the caller's next device lookup finds and touches (published group
+        by group with their chain's parents, for a KV event sink; ``parent_hash``: the hash of the block
+        before the plan's first position, None when it starts the sequence). Loading stops at
         the first block no tier gives intact (a miss, counted in ``load_failures``: the caller's prefix
         then ends before it, never on wrong KV). Returns the keys loaded, each with the index of the tier
         it came from (in :attr:`tiers`).
@@ -239,7 +246,8 @@ class OffloadManager:
         if loaded:
             self._restoring = True  # blocks that came from the tiers are not offered to them again
             try:
-                self.pool.cache_blocks(fresh[:loaded], keys[:loaded])
+                for ids, published, parent in self._restored_calls(plan, fresh, loaded, parent_hash):
+                    self.pool.cache_blocks(ids, published, parent_hash=parent)
             finally:
                 self._restoring = False
             self._count_loaded(where[:loaded])
@@ -249,6 +257,36 @@ class OffloadManager:
             memory.emptied(fresh[loaded:])
         self._ops += len(plan) + 2 * len(below)
         return {key: tier_of(w) for key, w in zip(keys[:loaded], where[:loaded], strict=True)}
+
+    @staticmethod
+    def _restored_calls(plan: Sequence[tuple[Hashable, int]], fresh: list[int], loaded: int,
+                        parent_hash: Hashable | None) -> list[tuple[list[int], list[Hashable], Any]]:
+        """How a restore publishes: per group (in the order the groups first appear in ``plan``), its
+        blocks in the plan's order up to the last of the ``loaded`` tier blocks (in ``fresh``), the device
+        blocks among them too, with the key of the block before the group's first one as the parent (the
+        plan is position by position, so that is the previous position's hash; ``parent_hash`` before the
+        plan's first position). Publishing the key a block holds is a no-op, so only the loaded blocks
+        enter the index, and a KV event sink gives each run of them its group and, as its parent, the block
+        before it in the request's chain. Returns ``(block ids, keys, parent key)`` per call."""
+        calls: dict[int, tuple[list[int], list[Hashable], Any]] = {}
+        seen: set[int] = set()
+        position, before, n = None, parent_hash, 0
+        for key, where in plan:
+            if where < -1:
+                if n == loaded:
+                    break
+                where, n = fresh[n], n + 1
+            elif where in seen:
+                continue
+            seen.add(where)
+            g, h = split_group_key(key)
+            if h != position:
+                before, position = (before if position is None else position), h
+            if g not in calls:
+                calls[g] = ([], [], None if before is None else group_key(g, before))
+            calls[g][0].append(where)
+            calls[g][1].append(key)
+        return list(calls.values())
 
     def agree(self, loaded: int) -> int:
         """How many leading blocks of a restore every rank loaded: ``loaded`` in one process; tensor
@@ -432,9 +470,14 @@ class OffloadManager:
             self._stage(lambda ids, out: gather_rows(self.cache, ids, out), block_ids, hashes, lower)
 
     def _admitted(self, block_ids: list[int], hashes: list[Hashable]) -> tuple[list[int], list[Hashable]]:
-        """The blocks whose offer the admission filter accepts (one offer each, in order)."""
-        admit = self.admission.admit  # type: ignore[union-attr]
-        keep = [i for i, h in enumerate(hashes) if admit(h)]
+        """The blocks whose offer the admission filter accepts (one offer each, in order; a
+        :class:`ValuedAdmission` asks the device policy instead)."""
+        if isinstance(self.admission, ValuedAdmission):
+            valued = self.pool.policy.valued
+            keep = [i for i, b in enumerate(block_ids) if valued(b)]
+        else:
+            admit = self.admission.admit  # type: ignore[union-attr]
+            keep = [i for i, h in enumerate(hashes) if admit(h)]
         self.not_admitted += len(hashes) - len(keep)
         return [block_ids[i] for i in keep], [hashes[i] for i in keep]
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
@@ -30,6 +32,9 @@ from kvpool.tiers.backend import HEADER_BYTES, MAGIC
 
 #: Values per ``writev`` (each is two buffers, header and payload; Linux takes at most 1024 per call).
 WRITE_RECORDS = 256
+#: A segment file's name: exactly what :meth:`Segments.path` writes (``int(name, 16)`` would also take
+#: ``1f``, ``0x1f``, ``1_f``, `` 1f`` or upper case, whose values would be indexed but read elsewhere).
+_SEGMENT_NAME = re.compile(r"[0-9a-f]{16}")
 _KEY = slice(24, 40)  # the block key's bytes in a header
 
 
@@ -57,6 +62,12 @@ class Segments:
 
     def path(self, segment: int) -> str:
         return f"{self.folder}{os.sep}{segment:016x}"
+
+    @staticmethod
+    def number(name: str) -> int | None:
+        """The segment a file named ``name`` is (16 lowercase hex digits, as :meth:`path` names it), or
+        None: no segment."""
+        return int(name, 16) if _SEGMENT_NAME.fullmatch(name) else None
 
     @property
     def dead_bytes(self) -> int:
@@ -208,17 +219,19 @@ class Segments:
     def scan(self, namespace: bytes) -> list[tuple[tuple[int, int], bytes]]:
         """The values earlier runs left, in the order they were written: ((segment, slot), key) for each
         slot whose header names a key of ``namespace`` (its MAC is checked when it is read), a later one
-        of a key winning. Files that are no segment are deleted, a torn last value cut off, a segment
-        without values deleted."""
+        of a key winning. Anything that is no segment (another name, a folder, a file that cannot be read)
+        is deleted, a torn last value cut off, a segment without values deleted."""
         found: dict[bytes, tuple[int, int]] = {}
         for name in os.listdir(self.folder):
             path = os.path.join(self.folder, name)
+            segment = self.number(name)
             try:
-                segment = int(name, 16)
+                if segment is None:
+                    raise OSError("no segment")
                 with open(path, "rb") as f:
                     data = f.read()
-            except (ValueError, OSError):
-                unlink_quietly(path)
+            except OSError:
+                remove_quietly(path)
                 continue
             self._next = max(self._next, segment + 1)
             n = len(data) // self.value_bytes
@@ -245,9 +258,13 @@ class Segments:
         in one, live counts match, no other file, dead slots within ``capacity`` bytes."""
         files = {}
         for name in os.listdir(self.folder):
+            segment = self.number(name)
             try:
-                files[int(name, 16)] = os.stat(os.path.join(self.folder, name)).st_size
-            except (ValueError, OSError):
+                path = os.path.join(self.folder, name)
+                if segment is None or not os.path.isfile(path):
+                    raise OSError("no segment")
+                files[segment] = os.stat(path).st_size
+            except OSError:
                 files[-1] = -1
         expected = {s: n * self.value_bytes for s, n in self.slots.items()}
         differ = set(files.items()) ^ set(expected.items())
@@ -287,6 +304,15 @@ def write_all(fd: int, parts: list[Any], offset: int | None = None) -> None:
 def unlink_quietly(path: str | os.PathLike) -> None:
     with contextlib.suppress(OSError):
         os.unlink(path)
+
+
+def remove_quietly(path: str | os.PathLike) -> None:
+    """Delete what is at ``path``: a file, or a folder with everything in it (a tier's folder holds only
+    what the tier put there; anything else found at start goes)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        unlink_quietly(path)
 
 
 def require(ok: bool, what: str) -> None:

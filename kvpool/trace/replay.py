@@ -41,7 +41,7 @@ def run_replay(requests: Sequence[TraceRequest], config: ReplayConfig = ReplayCo
                 pool: BlockPool | None = None, progress: Callable[[int], object] | None = None,
                 record_timeline: bool = False, event_sink: KVEventSink | None = None,
                 observer: Callable[[float, BlockPool], object] | None = None,
-                tiers: Sequence[TierBackend] = (), write_through: bool = False, tier_admission: int = 1
+                tiers: Sequence[TierBackend] = (), write_through: bool = False, tier_admission: int | str = 1
                 ) -> ReplayResult:
     """Replay ``requests`` through ``pool`` (default: a fresh :class:`BlockPool` of ``config.num_blocks``
     with ``config.policy``, recording KV events into ``event_sink``) and return what it measured. The
@@ -63,7 +63,8 @@ def run_replay(requests: Sequence[TraceRequest], config: ReplayConfig = ReplayCo
     found below is "loaded" into new device blocks for every group its hit needs. No KV moves, only hashes.
     The manager detaches at the end (the tiers stay open). ``tier_admission`` K > 1: a block goes down
     only once it has been offered K times (a :class:`~kvpool.allocators.policies.FrequencyAdmission` in
-    the manager); 1 stores every block.
+    the manager); ``"valued"``: only the blocks the pool's eviction policy values
+    (:class:`~kvpool.allocators.policies.ValuedAdmission`); 1 stores every block.
     """
     if any(r.hash_ids is not None for r in requests):
         sub_blocks_per_hash_block(config.block_size)

@@ -45,7 +45,13 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.allocators.block_pool import BlockPool
 from kvpool.allocators.hashing import BlockHasher
-from kvpool.allocators.policies import POLICIES, EvictionPolicy, FrequencyAdmission, make_policy
+from kvpool.allocators.policies import (
+    POLICIES,
+    EvictionPolicy,
+    FrequencyAdmission,
+    ValuedAdmission,
+    make_policy,
+)
 from kvpool.allocators.state_pool import StatePool
 from kvpool.errors import ConfigError, IntegrityError, InvalidArgumentError, OutOfBlocksError
 from kvpool.numeric import as_int, as_optional_int, as_real
@@ -320,11 +326,13 @@ class Replayer:
         self.area = 0.0
         self.peak = 0
 
-    def chain(self, tiers: Sequence[TierBackend], write_through: bool, tier_admission: int = 1) -> None:
+    def chain(self, tiers: Sequence[TierBackend], write_through: bool, tier_admission: int | str = 1) -> None:
         """Put ``tiers`` under the pool (an inline :class:`~kvpool.tiers.manager.OffloadManager`, with a
-        :class:`FrequencyAdmission` of ``tier_admission`` offers when that is above 1)."""
-        admission = FrequencyAdmission(tier_admission) if as_int(tier_admission, "tier_admission",
-                                                                 minimum=1) > 1 else None
+        :class:`FrequencyAdmission` of ``tier_admission`` offers when that is above 1, or the device policy's
+        :class:`ValuedAdmission` for ``"valued"``)."""
+        admission: FrequencyAdmission | None = ValuedAdmission() if tier_admission == "valued" else None
+        if admission is None and as_int(tier_admission, "tier_admission", minimum=1) > 1:
+            admission = FrequencyAdmission(as_int(tier_admission, "tier_admission"))
         self.kv.attach_tiers(tiers, write_through=write_through, asynchronous=False, admission=admission)
 
     def _states(self) -> RequestStates | None:

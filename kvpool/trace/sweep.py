@@ -26,7 +26,7 @@ def run_sweep(requests: Sequence[TraceRequest], config: ReplayConfig, sizes: Seq
               policies: Sequence[str], *, record: bool = False,
               progress: Callable[[int], object] | None = None, event_sink: KVEventSink | None = None,
               tiers: Callable[[], Sequence[TierBackend]] | None = None, write_through: bool = False,
-              tier_admission: int = 1, on_run: Callable[[SweepRun, int, int], object] | None = None
+              tier_admission: int | str = 1, on_run: Callable[[SweepRun, int, int], object] | None = None
               ) -> list[SweepRun]:
     """Replay ``requests`` with ``config`` for every pool size in ``sizes`` (None: unbounded) and policy in
     ``policies``, sizes outermost, in the given orders. ``record`` keeps each run's timeline and heat map

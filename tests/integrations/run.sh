@@ -24,7 +24,8 @@ for p in ${peers[@]}; do
     vllm|vllm-*) echo "== $p: vLLM $("$py" -c 'import importlib.metadata as m; print(m.version("vllm"))')"
                  "$py" -m pytest -q -s -p no:cacheprovider tests/integrations/test_vllm_policies.py \
                    tests/integrations/test_vllm_tier.py ;;
-    sglang) "$py" -m pytest -q -s -p no:cacheprovider tests/integrations/test_sglang_storage.py
+    sglang) "$py" -m pytest -q -s -p no:cacheprovider tests/integrations/test_sglang_storage.py \
+              tests/integrations/test_sglang_tlru.py
             "$py" tests/integrations/hicache_throughput.py ;;
     *) echo "unknown peer $p (vllm, vllm-0.34, vllm-latest or sglang)" >&2; exit 2 ;;
   esac
