@@ -373,15 +373,22 @@ def profile_cuda_memory(device: torch.device | int | str | None = None, *,
                                    "(MemoryReadings, or --gpu-memory on the command line)")
     if warmup is not None and not callable(warmup):
         raise InvalidArgumentError(f"warmup must be a function running one forward pass, got {warmup!r}")
+    free, total, stats = _cuda_after(device, warmup)
+    return readings_from_cuda_stats(total, free, stats.get("allocated_bytes.all.peak", 0),
+                                    stats.get("reserved_bytes.all.current", 0))
+
+
+def _cuda_after(device: torch.device | int | str | None, warmup: Callable[[], object] | None
+                ) -> tuple[int, int, dict[str, Any]]:
+    """``(free, total, memory_stats)`` of a CUDA device after ``warmup`` (None: none), garbage collected
+    before and after it and the peak reset before it (the order of :func:`profile_cuda_memory`)."""
     if warmup is not None:
         _collect(device)
         torch.cuda.reset_peak_memory_stats(device)
         warmup()
     _collect(device)
     free, total = torch.cuda.mem_get_info(device)
-    stats = torch.cuda.memory_stats(device)
-    return readings_from_cuda_stats(total, free, stats.get("allocated_bytes.all.peak", 0),
-                                    stats.get("reserved_bytes.all.current", 0))
+    return free, total, torch.cuda.memory_stats(device)
 
 
 #: The margin a measured pool leaves free: at least this many bytes (vLLM 0.34's extensible KV cache).
@@ -428,12 +435,7 @@ def measure_free_memory(device: torch.device | str, warmup: Callable[[], object]
         raise InvalidArgumentError(f"warmup must be a function running one forward pass, got {warmup!r}")
     dev = torch.device(device)
     if dev.type == "cuda":
-        _collect(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        warmup()
-        _collect(dev)
-        free, _ = torch.cuda.mem_get_info(dev)
-        stats = torch.cuda.memory_stats(dev)
+        free, _, stats = _cuda_after(dev, warmup)
         transient = stats.get("allocated_bytes.all.peak", 0) - stats.get("allocated_bytes.all.current", 0)
         return measured(str(dev), free, transient)
     if dev.type != "cpu":

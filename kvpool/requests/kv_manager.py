@@ -358,7 +358,9 @@ class KVCacheManager:
 
     def reserve(self, req: Request, num_new_tokens: int) -> bool:
         """Blocks for ``num_new_tokens`` more tokens of running ``req`` (after freeing what its windows left
-        behind); False, nothing allocated, when the pool is short."""
+        behind); False, nothing allocated, when the pool is short. With ``memory``, also False when their
+        commit is refused: the blocks allocated then stay with ``req``, not committed, until a later
+        ``reserve`` commits them (or ``free`` gives them back)."""
         coord, rid, computed, memory = self.coordinator, req.request_id, req.num_computed_tokens, self.memory
         before = coord.block_tables(rid) if memory is not None and self._windowed else None
         freed = coord.remove_skipped_blocks(rid, computed)
