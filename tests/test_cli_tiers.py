@@ -295,6 +295,8 @@ def test_replay_sweep_plots_hit_ratio_by_tier(tmp_path: Path, capsys) -> None:
     png = tmp_path / "sweep.png"
     out = replay_json("--max-requests", "300", "--block-size", "512", "--sweep", "60,120", "--host-blocks",
                       "200", "--plot", str(png), capsys=capsys)
-    assert [run["num_blocks"] for run in out["runs"]] == [60, 120]
+    # one run per size and policy: the default lru, and the offline bound a sweep adds (--no-bound drops it)
+    assert [(run["num_blocks"], run["policy"]) for run in out["runs"]] == [
+        (60, "lru"), (60, "belady"), (120, "lru"), (120, "belady")]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["replay", "--max-requests", "50", "--sweep", "60", "--num-blocks", "5"]) == 2

@@ -43,11 +43,12 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--write-through", action="store_true",
                        help="store each block in every tier when it is published (default: when the device "
                             "evicts it, cascading down)")
-    group.add_argument("--tier-admission", type=admission_arg, default=1, metavar="K|valued",
-                       help="frequency admission: a block goes down only once it has been offered K times "
-                            "(evicted, or published with --write-through); 1 stores every block; valued: "
-                            "only the blocks the device's eviction policy values (not one-hit wonders by its "
-                            "own signal: s3fifo's main queue, sieve's visited, lineage's reused)")
+    group.add_argument("--tier-admission", type=admission_arg, default=1, metavar="K",
+                       help="a count K or the word valued. K: frequency admission, a block goes down "
+                            "only once it has been offered K times (evicted, or published with "
+                            "--write-through); 1 stores every block. valued: only the blocks the device's "
+                            "eviction policy values (not one-hit wonders by its own signal: s3fifo's main "
+                            "queue, sieve's visited, lineage's reused)")
 
 
 def tier_urls(args: argparse.Namespace) -> list[str]:
