@@ -429,7 +429,7 @@ def measure_free_memory(device: torch.device | str, warmup: Callable[[], object]
 
     Raises:
         InvalidArgumentError: ``warmup`` not callable, a device neither CPU nor CUDA, or (CPU) psutil
-            missing (``pip install 'kvpool[bench]'``).
+            missing (``pip install psutil``).
     """
     if not callable(warmup):
         raise InvalidArgumentError(f"warmup must be a function running one forward pass, got {warmup!r}")
@@ -443,7 +443,7 @@ def measure_free_memory(device: torch.device | str, warmup: Callable[[], object]
     try:
         import psutil
     except ImportError:
-        raise InvalidArgumentError("measuring CPU memory needs psutil: pip install 'kvpool[bench]'") from None
+        raise InvalidArgumentError("measuring CPU memory needs psutil: pip install psutil") from None
     gc.collect()
     _reset_high_water_mark()
     warmup()
