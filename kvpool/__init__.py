@@ -34,10 +34,10 @@ from kvpool.spec import AttentionKind, KVCacheGroup, KVCacheSpec, LayerKind, par
 __version__ = "0.1.0"
 
 _LAZY = {
-    "MemoryReadings": "kvpool.planner",
-    "PoolPlan": "kvpool.planner",
-    "plan_pool": "kvpool.planner",
-    "profile_cuda_memory": "kvpool.planner",
+    "MemoryReadings": "kvpool.spec.planner",
+    "PoolPlan": "kvpool.spec.planner",
+    "plan_pool": "kvpool.spec.planner",
+    "profile_cuda_memory": "kvpool.spec.planner",
     "BlockPool": "kvpool.allocators.block_pool",
     "block_hashes": "kvpool.allocators.hashing",
     "hash_block": "kvpool.allocators.hashing",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,5 +25,22 @@ def lazy_exports(module: str, table: Mapping[str, str]
 
     def __dir__() -> list[str]:
         return sorted(set(vars(sys.modules[module])) | set(table))
+
+    return __getattr__, __dir__
+
+
+def moved_module(module: str, new: str) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """``(__getattr__, __dir__)`` for a deprecated module ``module`` whose contents moved to ``new``: every
+    name is ``new``'s (imported on first use), and reading one warns with a ``DeprecationWarning`` that
+    names the new import path, at the caller's line."""
+
+    def __getattr__(name: str) -> Any:
+        if name.startswith("__"):  # import machinery and tools probing the module (__path__, __wrapped__)
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        warnings.warn(f"{module} moved to {new}: import {name} from {new}", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(new), name)
+
+    def __dir__() -> list[str]:
+        return sorted(set(vars(sys.modules[module])) | set(dir(importlib.import_module(new))))
 
     return __getattr__, __dir__

@@ -58,7 +58,8 @@ from types import ModuleType
 
 #: The modules setup.py compiles (read there with ``ast``, without importing kvpool).
 COMPILED_MODULES = (
-    "kvpool.event_buffer",
+    "kvpool.events.buffer",
+    "kvpool.spec.kinds",
     "kvpool.allocators.policy_base",
     "kvpool.allocators.policies",
     "kvpool.allocators.arc",

@@ -60,7 +60,7 @@ from kvpool.numeric import as_int
 
 if TYPE_CHECKING:
     from kvpool.allocators.block_pool import BlockPool
-    from kvpool.events import EventPublisher
+    from kvpool.events.publishers import EventPublisher
 
 POOL_LABELS = ("tier", "group")
 MEMORY_STATES = ("reserved", "committed", "used", "cached")

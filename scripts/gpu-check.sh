@@ -211,7 +211,7 @@ def _():
 
 @check("planner-profile")
 def _():
-    from kvpool.planner import profile_cuda_memory
+    from kvpool.spec.planner import profile_cuda_memory
 
     r = profile_cuda_memory()
     assert 0 < r.free_bytes <= r.total_bytes and 0 <= r.non_kv_bytes < r.total_bytes

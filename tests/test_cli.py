@@ -267,7 +267,7 @@ def test_generate_refuses_bad_input_before_loading_the_model(argv: list[str], me
     assert not Path("/proc/nope").exists()
 
 
-# ---- one vocabulary of flags (kvpool.options) -------------------------------------------------------
+# ---- one vocabulary of flags (kvpool.cli.options) ---------------------------------------------------
 
 METAVAR = re.compile(r"[A-Z][A-Z_]*(\.[a-z]+)?(,\.\.\.)?")
 LEAVES = [p for p, parser in parsers() if p and not any(

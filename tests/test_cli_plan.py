@@ -326,7 +326,7 @@ def test_unknown_config_name_lists_the_built_ins(capsys, tmp_path, monkeypatch):
 
 
 def test_help_lists_the_built_in_configs(capsys):
-    from kvpool.hf_config import BUILTIN_CONFIGS
+    from kvpool.spec.hf_config import BUILTIN_CONFIGS
 
     assert main(["plan", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
@@ -370,9 +370,9 @@ def test_the_largest_layer_count_is_refused_in_seconds_and_little_memory(tmp_pat
 
 
 def test_the_largest_layer_count_plans():
-    from kvpool.hf_config import MAX_LAYERS
-    from kvpool.planner import MemoryReadings, plan_pool
     from kvpool.spec import KVCacheSpec
+    from kvpool.spec.hf_config import MAX_LAYERS
+    from kvpool.spec.planner import MemoryReadings, plan_pool
 
     # 65536 layers, Gemma 3's pattern (every 6th full): 10922 full, 54614 sliding; 1 KV head of 8, fp8:
     # 2 x 1 x 8 x 1 B = 16 B per layer-token
@@ -387,7 +387,7 @@ def test_the_largest_layer_count_plans():
 
 def test_the_local_device_reading_says_the_model_is_not_counted(capsys, monkeypatch):
     from kvpool.cli import plan as plan_cli
-    from kvpool.planner import MemoryReadings
+    from kvpool.spec.planner import MemoryReadings
 
     # a device of 80 GiB with 2 GiB in use (CUDA context, other processes) and 78 GiB free
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

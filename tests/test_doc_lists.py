@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kvpool import _native
 from kvpool.engine.models import DEFAULT_MODEL, GEMMA3, TINY_HYBRID_MODELS, TINY_MODELS
-from kvpool.hf_config import BUILTIN_CONFIGS
+from kvpool.spec.hf_config import BUILTIN_CONFIGS
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]

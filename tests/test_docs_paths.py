@@ -60,12 +60,17 @@ TOOLS = ("kvpool/bench/", "kvpool/cli/")
 
 
 def test_every_public_module_has_an_api_page() -> None:
-    """Each public module (no leading underscore, no package ``__init__``, not a tool) is rendered by a
+    """Each public module (no leading underscore, no package ``__init__``, not a tool, not a deprecated
+    import path) is rendered by a
     ``::: kvpool.module`` directive on one of docs/api/'s pages, and every directive names a module."""
     modules = {".".join(p.relative_to(ROOT).with_suffix("").parts) for p in (ROOT / "kvpool").rglob("*.py")
-               if not p.name.startswith("_") and not p.relative_to(ROOT).as_posix().startswith(TOOLS)}
+               if not p.name.startswith("_") and not p.relative_to(ROOT).as_posix().startswith(TOOLS)
+               and "moved_module(" not in p.read_text()}  # an old import path: its names are documented anew
     directives = {m for page in (ROOT / "docs" / "api").glob("*.md")
                   for m in re.findall(r"^::: (kvpool[\w.]*)$", page.read_text(), re.M)}
     missing = modules - directives
     assert not missing, f"modules with no ::: directive on a docs/api/ page (add one): {sorted(missing)}"
-    assert not directives - modules, f"docs/api/ directives naming no module: {directives - modules}"
+    # a tool's module may have a page too (kvpool.cli.options, the vocabulary the bench suites share)
+    named = {".".join(p.relative_to(ROOT).with_suffix("").parts) for p in (ROOT / "kvpool").rglob("*.py")}
+    named |= {".".join(p.relative_to(ROOT).parts) for p in (ROOT / "kvpool").rglob("*") if p.is_dir()}
+    assert not directives - named, f"docs/api/ directives naming no module: {directives - named}"

@@ -17,7 +17,7 @@ import torch
 from kvpool.allocators.block_pool import BlockPool
 from kvpool.errors import AsleepError, ConfigError, DoubleFreeError, MemoryLimitError
 from kvpool.spec import KVCacheSpec
-from kvpool.state_spec import RecurrentKind, RecurrentStateSpec
+from kvpool.spec.state import RecurrentKind, RecurrentStateSpec
 from kvpool.storage.arena import ElasticConfig, MemoryBudget
 from kvpool.storage.host import HostKVCache
 from kvpool.storage.mla import MLAKVCache

@@ -137,6 +137,10 @@ def test_bad_state_options() -> None:
         _engine(model, state_checkpoints=-1)
     with pytest.raises(ConfigError, match="one rank"):
         _engine(model, tp_size=2)
+    # the KV pool's policy orders the checkpoints too: a fresh one of its name
+    engine = _engine(model, policy="fifo")
+    assert engine.states.checkpoints.policy.name == "fifo" and engine.states.checkpoints.policy is not \
+        engine.pool.policy
 
 
 def test_cli_generate_runs_a_hybrid(capsys: pytest.CaptureFixture[str]) -> None:
@@ -171,14 +175,14 @@ def test_the_replay_makes_the_engines_pool_calls(policy: str) -> None:
     model = load_model("tiny-lfm2", seed=1).model
     hasher = BlockHasher("sha256", shared=True)
     engine = _engine(model, hasher=hasher, state_save=policy, state_checkpoints=6)
-    engine.kv_manager.coordinator.pool = engine_log = RecordingPool(engine.pool, on_check=lambda: None)
+    engine_log = engine.kv_manager.wrap_pool(lambda pool: RecordingPool(pool, on_check=lambda: None))
     done = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
     outputs = {r.request_id: r.output_token_ids for r in done}
     config = ReplayConfig(block_size=4, num_blocks=30, timing="trace", max_batched_tokens=16, max_running=3,
                           state_save=policy, state_checkpoints=6)
     replayer = Replayer([Request(i, p, NEW) for i, p in enumerate(PROMPTS)], config, hasher=hasher,
                         next_token=lambda req: outputs[req.request_id][req.num_output_tokens])
-    replayer.kv.coordinator.pool = replay_log = RecordingPool(replayer.kv.pool, on_check=lambda: None)
+    replay_log = replayer.kv.wrap_pool(lambda pool: RecordingPool(pool, on_check=lambda: None))
     result = replayer.run(0.0)
     assert engine.stats.preemptions > 0 and replay_log.log == engine_log.log
     assert result.hit_blocks * 4 == sum(r.num_cached_tokens for r in done) > 0

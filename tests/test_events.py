@@ -181,7 +181,7 @@ def test_removals_join_per_group_and_medium_until_something_comes_between() -> N
     # group 1 joins it; one of the CPU sink recording into the same buffer does not, nor one of group 0.
     pub = QueueEventPublisher()
     sink = KVEventSink(pub, block_size=1, max_batch_events=2, hash_format="int64")
-    sink.use_groups(lambda key: key, {0: ("full_attention", None), 1: ("sliding_attention", 4)})
+    sink.use_groups(lambda key: key, {0: ("full_attention", None), 1: ("sliding_window", 4)})
     host = sink.for_medium("CPU")
     wire = [int.from_bytes(h[8:], "big") for h in H]
     sink.cleared()

@@ -23,8 +23,8 @@ from kvpool.events import (  # noqa: E402
     KVEventBatch,
     KVEventSubscriber,
     ZmqEventPublisher,
-    _Replays,
 )
+from kvpool.events.transport import _Replays  # noqa: E402
 
 
 def _batch(h: int) -> KVEventBatch:

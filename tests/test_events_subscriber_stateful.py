@@ -1,4 +1,4 @@
-"""The subscriber's bookkeeping (:class:`kvpool.events_subscriber.SequenceTracker`, no sockets) against a
+"""The subscriber's bookkeeping (:class:`kvpool.events.subscriber.SequenceTracker`, no sockets) against a
 scripted publisher: cases by hand for each fault, then a hypothesis state machine that restarts the
 publisher, drops and loses batches, races replay requests with live batches, lets the replay socket go
 silent, and compares what the tracker delivers and counts missed with a brute-force model of the stream."""
@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 pytest.importorskip("msgspec")
 
 from kvpool.errors import InvalidArgumentError  # noqa: E402
-from kvpool.events_subscriber import SequenceTracker  # noqa: E402
+from kvpool.events.subscriber import SequenceTracker  # noqa: E402
 
 
 def _drain(t: SequenceTracker) -> list[tuple[int, object]]:

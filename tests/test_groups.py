@@ -293,15 +293,3 @@ def test_pool_prefix_match_and_unreferenced_count():
     for bad in ([6], [-1], [True]):
         with pytest.raises(InvalidIdError):
             pool.num_unreferenced(bad)
-
-
-def test_the_coordinators_skip_arithmetic_is_the_groups_formula() -> None:
-    """groups._skipped_blocks (the compiled decode step's copy of KVCacheGroup.skipped_blocks, kept for speed)
-    gives the spec's answer for sliding and chunked groups at every token count."""
-    from kvpool.allocators.groups import _skipped_blocks
-    from kvpool.spec import LayerKind, kv_cache_groups
-
-    for kind, window in ((LayerKind.SLIDING, 5), (LayerKind.SLIDING, 128), (LayerKind.CHUNKED, 64)):
-        group = kv_cache_groups([kind], {kind: window}, 16)[0]
-        for n in range(0, 600):
-            assert _skipped_blocks(kind is LayerKind.SLIDING, window, 16, n) == group.skipped_blocks(n)

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from kvpool.errors import ConfigError
-from kvpool.hf_config import load_config, read_kv_fields
 from kvpool.spec import KVCacheSpec
+from kvpool.spec.hf_config import load_config, read_kv_fields
 
 CONFIGS = Path(__file__).parent / "configs"
 
@@ -314,7 +314,7 @@ def test_bad_sizes_are_named_before_transformers_fills_the_rest(value):
 def test_sizes_filled_by_transformers_are_checked_too(monkeypatch):
     """A default that comes back zero from transformers' config class is refused like a zero in the file."""
     pytest.importorskip("transformers")
-    import kvpool.hf_config as hf
+    import kvpool.spec.hf_config as hf
 
     monkeypatch.setattr(hf, "_filled_from_transformers", lambda config, missing: {**config,
                                                                                  "num_hidden_layers": 0})
@@ -362,14 +362,14 @@ BUILT_IN_SOURCES = {
 
 
 def test_built_in_configs_are_the_package_data():
-    from kvpool.hf_config import BUILTIN_CONFIGS, BUILTIN_DIR
+    from kvpool.spec.hf_config import BUILTIN_CONFIGS, BUILTIN_DIR
 
     assert {p.stem for p in BUILTIN_DIR.glob("*.json")} == set(BUILTIN_CONFIGS) == set(BUILT_IN_SOURCES)
 
 
 @pytest.mark.parametrize("name", sorted(BUILT_IN_SOURCES))
 def test_a_built_in_config_is_the_published_one(name, no_transformers):
-    from kvpool.hf_config import config_path
+    from kvpool.spec.hf_config import config_path
 
     source = CONFIGS / f"{BUILT_IN_SOURCES[name]}.json"
     assert config_path(name).parent.name == "configs" and config_path(name).parent.parent.name == "kvpool"
@@ -402,7 +402,7 @@ def test_a_path_wins_over_a_built_in_name(tmp_path, monkeypatch):
 
 
 def test_layer_counts_are_bounded_before_anything_is_built():
-    from kvpool.hf_config import MAX_LAYERS
+    from kvpool.spec.hf_config import MAX_LAYERS
 
     base = {"model_type": "llama", "num_attention_heads": 4, "hidden_size": 64}
     assert read_kv_fields({**base, "num_hidden_layers": MAX_LAYERS})["num_layers"] == MAX_LAYERS

@@ -25,9 +25,9 @@ import pytest
 from kvpool.allocators.groups import KVCacheCoordinator
 from kvpool.cli import main
 from kvpool.errors import ConfigError, InsufficientMemoryError, OutOfBlocksError
-from kvpool.hf_config import load_config, read_kv_fields
-from kvpool.planner import MemoryReadings, plan_pool
 from kvpool.spec import KVCacheGroup, KVCacheSpec, LayerKind, cdiv, kv_cache_groups
+from kvpool.spec.hf_config import load_config, read_kv_fields
+from kvpool.spec.planner import MemoryReadings, plan_pool
 
 CONFIGS = Path(__file__).parent / "configs"
 GiB, MiB = 2**30, 2**20

@@ -16,9 +16,9 @@ import torch
 
 from kvpool.cli import main
 from kvpool.errors import ConfigError
-from kvpool.hf_config import read_kv_fields
-from kvpool.planner import MemoryReadings, plan_pool
 from kvpool.spec import KVCacheSpec, LayerKind, LayerShape
+from kvpool.spec.hf_config import read_kv_fields
+from kvpool.spec.planner import MemoryReadings, plan_pool
 
 CONFIGS = Path(__file__).parent / "configs" / "layer_shapes"
 F, S = LayerKind.FULL, LayerKind.SLIDING

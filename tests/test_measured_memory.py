@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvpool.errors import InvalidArgumentError
-from kvpool.planner import measure_free_memory, measured
+from kvpool.spec.planner import measure_free_memory, measured
 
 GiB, MiB = 2**30, 2**20
 

@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvpool.errors import AsleepError, DoubleFreeError, InvalidIdError, MemoryLimitError
 from kvpool.spec import KVCacheSpec
-from kvpool.state_spec import RecurrentKind, RecurrentStateSpec
+from kvpool.spec.state import RecurrentKind, RecurrentStateSpec
 from kvpool.storage.arena import ElasticConfig
 from kvpool.storage.mla import MLAKVCache
 from kvpool.storage.page_map import PageMap

@@ -9,10 +9,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool import planner
 from kvpool.errors import InsufficientMemoryError, InvalidArgumentError
-from kvpool.planner import MemoryReadings, plan_pool, profile_cuda_memory, readings_from_cuda_stats
-from kvpool.spec import KVCacheSpec
+from kvpool.spec import KVCacheSpec, planner
+from kvpool.spec.planner import MemoryReadings, plan_pool, profile_cuda_memory, readings_from_cuda_stats
 
 GiB = 2**30
 # Llama-3.1-8B, bf16: 2 x 32 x 8 x 128 x 2 B = 131072 B per token, x 16 = 2 MiB per block

@@ -45,7 +45,15 @@ def reference_hits(make, size: int, keys: list[int]) -> list[bool]:
 
 
 def pool_hits(policy, size: int, keys: list[int]) -> list[bool]:
-    pool, hits = BlockPool(size, policy=policy), []
+    pool = BlockPool(size, policy=policy)
+    hits = access(pool, keys)
+    pool.check_integrity()
+    return hits
+
+
+def access(pool: BlockPool, keys: list[int]) -> list[bool]:
+    """Each key as a one-block prefix: a hit is touched and freed, a miss allocated, published and freed."""
+    hits = []
     for key in keys:
         hit = pool.lookup([key])
         if hit:
@@ -56,7 +64,6 @@ def pool_hits(policy, size: int, keys: list[int]) -> list[bool]:
             pool.cache_blocks(block, [key])
             pool.free(block)
         hits.append(bool(hit))
-    pool.check_integrity()
     return hits
 
 
@@ -76,13 +83,5 @@ def test_s3fifo_evicts_a_scan_before_the_reused_keys() -> None:
     # hand count: a pool of 20 blocks (small queue 2, main 18); keys 0-9 hit twice each in the small queue
     # move to the main queue; a scan of 100 one-off keys then passes through the small queue alone
     pool = BlockPool(20, policy="s3fifo")
-    for key in [k for k in range(10) for _ in range(3)] + list(range(100, 200)):
-        hit = pool.lookup([key])
-        if hit:
-            pool.touch(hit)
-            pool.free(hit)
-        else:
-            block = pool.allocate(1)
-            pool.cache_blocks(block, [key])
-            pool.free(block)
+    access(pool, [k for k in range(10) for _ in range(3)] + list(range(100, 200)))
     assert all(pool.get_cached_block(k) is not None for k in range(10))

@@ -46,7 +46,7 @@ def test_the_replay_makes_the_engines_pool_calls(name: str, num_blocks: int) -> 
     hasher = BlockHasher("sha256", shared=True)
     engine = LLMEngine(model, num_blocks=num_blocks, block_size=4, max_num_batched_tokens=12, max_num_seqs=5,
                        hasher=hasher)
-    engine.kv.pool = engine_log = _recorded(engine.kv.pool)
+    engine_log = engine.kv_manager.wrap_pool(_recorded)
     params = SamplingParams(max_new_tokens=9, ignore_eos=True)
     done = engine.generate(PARITY_PROMPTS, params)
     assert engine.stats.preemptions > 0 and engine.stats.prefix_hit_tokens > 0  # the log covers both
@@ -57,7 +57,7 @@ def test_the_replay_makes_the_engines_pool_calls(name: str, num_blocks: int) -> 
                           max_running=5, groups=engine.kv.groups)
     replayer = Replayer(requests, config, hasher=hasher,
                         next_token=lambda req: outputs[req.request_id][req.num_output_tokens])
-    replayer.kv.coordinator.pool = replay_log = _recorded(replayer.kv.pool)
+    replay_log = replayer.kv.wrap_pool(_recorded)
     result = replayer.run(0.0)
     assert result.requests_completed == len(PARITY_PROMPTS) and result.preemptions == engine.stats.preemptions
     assert len(engine_log.log) > 50
@@ -135,3 +135,26 @@ def test_matrix_cells_on_two_ranks(references: dict, tmp_path, redis_single) -> 
     outcomes = launch(matrix.run_cells, 2, TWO_RANKS, str(tmp_path), redis_url)
     for cell, outcome in zip(TWO_RANKS, outcomes, strict=True):
         check_cell(cell, outcome, references[cell["model"]])
+
+
+def test_a_wrapped_pool_takes_the_request_paths_calls_and_the_tiers_attach_below_it() -> None:
+    """The declared seam a tensor-parallel leader takes the pool over through (issue 31: it rewired the
+    coordinator and ``attach_tiers`` unwrapped it by duck typing): the wrapper is ``kv.pool`` and logs an
+    admission's allocate, ``block_pool`` stays the pool, the tiers attach to it, one wrapper only."""
+    from kvpool.errors import InvalidArgumentError
+    from kvpool.requests.kv_manager import KVCacheManager
+    from kvpool.spec import KVCacheGroup, LayerKind
+    from kvpool.tiers.backend import Namespace
+    from kvpool.tiers.host import HostTier
+
+    kv = KVCacheManager((KVCacheGroup(0, LayerKind.FULL, None, (0,), 1, 2),), 16)
+    raw = kv.pool
+    log = kv.wrap_pool(_recorded)
+    assert kv.pool is log and kv.block_pool is raw and log.pool is raw
+    assert kv.admit(Request(0, [1, 2, 3, 4, 5], 1), 64) == 5  # 5 tokens: 3 blocks of 2
+    assert ("allocate", (3,)) in [(name, args) for name, args, _, _ in log.drain()]
+    manager = kv.attach_tiers([HostTier(8, Namespace("m", "none", "hash-only", hash_scheme="trace"))],
+                              asynchronous=False)
+    assert manager.pool is raw
+    with pytest.raises(InvalidArgumentError, match="wrapper in front"):
+        kv.wrap_pool(_recorded)

@@ -130,6 +130,42 @@ def test_checkpoints_evict_least_recently_used_and_restores_touch() -> None:
     assert ckpt.longest(["x", "a", "y"], 3) == 2 and ckpt.longest(["a"], 0) == 0
 
 
+@pytest.mark.parametrize(("policy", "evicted"), [("lru", "b"), ("fifo", "a"), ("lfu", "a")])
+def test_checkpoints_are_evicted_in_the_policys_order(policy: str, evicted: str) -> None:
+    # a and b saved in that order; b restored twice, then a once. LRU: b is the least recently used; FIFO:
+    # a was saved first (restores do not count); LFU: a was used least (one restore against two).
+    ckpt = StateCheckpoints(2, policy=policy)
+    for key in "ab":
+        ckpt.commit(key, ckpt.reserve())
+    for key in "bba":
+        ckpt.touch(key)
+    ckpt.reserve()
+    assert evicted not in ckpt and len(ckpt) == 1 and ckpt.stats.evicted == 1
+    assert ckpt.policy.name == policy
+
+
+def test_a_policy_serves_one_set_of_checkpoints() -> None:
+    from kvpool.allocators.policies import make_policy
+
+    policy = make_policy("arc")
+    StateCheckpoints(4, policy=policy)
+    with pytest.raises(InvalidArgumentError, match="already serves a pool"):
+        StateCheckpoints(4, policy=policy)
+    with pytest.raises(InvalidArgumentError, match="unknown eviction policy"):
+        StateCheckpoints(4, policy="mru")
+
+
+@pytest.mark.parametrize("policy", ["fifo", "belady"])
+def test_the_replay_evicts_checkpoints_by_its_policy(policy: str) -> None:
+    from kvpool.trace.loaders import TraceRequest
+
+    trace = [TraceRequest(0.0, 1024, 8, (1, 2)), TraceRequest(1.0, 1024, 8, (1, 3))]
+    replayer = Replayer(trace, ReplayConfig(block_size=16, state_save="tail", policy=policy,
+                                            state_checkpoints=2))
+    # belady orders KV blocks by the trace's future; the checkpoints fall back to LRU
+    assert replayer.kv.states.checkpoints.policy.name == ("lru" if policy == "belady" else policy)
+
+
 class _Mover:
     def __init__(self) -> None:
         self.calls: list[tuple[str, list]] = []
@@ -271,7 +307,7 @@ class CheckpointMachine(RuleBasedStateMachine):
         ckpt = self.states.checkpoints
         assert len(ckpt) == len(self.lru) and ckpt.stats.saved == self.saved
         assert ckpt.stats.evicted == self.evicted
-        assert all((slot == NO_SLOT) == (self.capacity is None) for slot in ckpt._entries.values())
+        assert all((slot == NO_SLOT) == (self.capacity is None) for slot in ckpt.slots())
 
 
 TestCheckpointMachine = CheckpointMachine.TestCase

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from kvpool.errors import ConfigError, InsufficientMemoryError
-from kvpool.state_planner import group_size, plan_single_pool, plan_state_memory, plan_two_pools
-from kvpool.state_spec import HybridSpec
+from kvpool.spec.state import HybridSpec
+from kvpool.spec.state_planner import group_size, plan_single_pool, plan_state_memory, plan_two_pools
 
 HYBRID = Path(__file__).parent / "configs" / "hybrid"
 GiB = 2**30

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvpool.errors import ConfigError
-from kvpool.state_spec import (
+from kvpool.spec.state import (
     LAYER_TYPE_ROLES,
     HybridSpec,
     LayerRole,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError
-from kvpool.state_spec import RecurrentKind, RecurrentStateSpec
+from kvpool.spec.state import RecurrentKind, RecurrentStateSpec
 from kvpool.storage.state import RecurrentStateCache
 
 # a GDN-like spec: layers 0, 1 and 3 recurrent, conv 64 channels x (K - 1 = 3), SSM 4 x 8 x 8

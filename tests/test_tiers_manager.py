@@ -34,6 +34,9 @@ from kvpool.tiers.host import HostTier
 from kvpool.tiers.manager import OffloadManager
 
 redis = pytest.importorskip("redis")
+
+#: These tests drive the manager through its single-group API (deprecated, still working: see the last test).
+pytestmark = pytest.mark.filterwarnings("ignore:OffloadManager.* single-group tier API:DeprecationWarning")
 from kvpool.tiers.redis import RedisTier  # noqa: E402
 
 # ---- the model ---------------------------------------------------------------------------------------
@@ -520,3 +523,17 @@ def test_a_stalling_redis_under_the_worker_is_only_misses(tmp_path: Path, redis_
     assert m.stats()["writer_errors"] == 0 and m.pool.num_used_blocks == 0
     m.check_integrity()
     m.close()
+
+
+def test_the_single_group_api_warns_and_still_works(tmp_path: Path) -> None:
+    """lookup, num_blocks_to_allocate and acquire are no part of kvpool's request path (issue 31): each
+    warns, naming the path to use, at the caller's line, and still gives what it gave."""
+    m = build([("host", 8)], tmp_path, None, device=4, write_through=True)
+    with pytest.warns(DeprecationWarning, match="KVCacheManager.attach_tiers") as caught:
+        run_request(m, [1, 2, 3], 0)  # published, then evicted into the host tier by the next request
+        run_request(m, [4, 5, 6, 7], 0)
+        hit = m.lookup([1, 2, 3])
+        assert hit.where == [1, 1, 1]  # all three in tier 0, the host
+        assert m.num_blocks_to_allocate(hit, 3) == 3
+        assert len(m.acquire(hit)) == 3
+    assert {w.filename for w in caught} == {__file__}

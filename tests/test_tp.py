@@ -95,8 +95,7 @@ def test_replayed_log_keeps_a_second_pool_in_lock_step() -> None:
     # with KV events on, the coordinator publishes with parent hashes and token ids: those calls replay too
     engine = LLMEngine(helpers.build_model("tiny-llama"), num_blocks=14, block_size=helpers.BLOCK,
                        max_num_batched_tokens=6, kv_events=QueueEventPublisher())
-    recorder = RecordingPool(engine.kv.pool, on_check=lambda: None)
-    engine.kv.pool = engine.pool = recorder
+    recorder = engine.kv_manager.wrap_pool(lambda pool: RecordingPool(pool, on_check=lambda: None))
     mirror = BlockPool(14)
     for prompt in helpers.PROMPTS:
         engine.add_request(prompt, SamplingParams(max_new_tokens=helpers.NEW))

@@ -30,11 +30,11 @@ order; when that block's hash goes (evicted, ``evict_blocks``), the next one tak
 ``BlockHashToBlockMap``). Every method validates its whole argument before it changes anything, so a call
 that raises leaves the pool as it was.
 
-**KV events.** A pool given an ``event_sink`` (:class:`kvpool.events.KVEventSink`) tells it every change of
-the prefix index, block by block as vLLM does: each block ``cache_blocks`` publishes (``BlockStored``; a
-second block of a hash too), each block whose hash eviction or ``evict_blocks`` drops (``BlockRemoved``), a
-``reset_prefix_cache`` (``AllBlocksCleared``); so a consumer counts each hash's holders, and a hash is
-cached while it counts more ``BlockStored`` than ``BlockRemoved``. The sink checks a
+**KV events.** A pool given an ``event_sink`` (:class:`kvpool.events.sink.KVEventSink`) tells it every
+change of the prefix index, block by block as vLLM does: each block ``cache_blocks`` publishes
+(``BlockStored``; a second block of a hash too), each block whose hash eviction or ``evict_blocks`` drops
+(``BlockRemoved``), a ``reset_prefix_cache`` (``AllBlocksCleared``); so a consumer counts each hash's
+holders, and a hash is cached while it counts more ``BlockStored`` than ``BlockRemoved``. The sink checks a
 call's hashes before anything changes. A pool without a sink records nothing and pays one ``is None`` test
 per ``cache_blocks``, eviction, ``evict_blocks`` or reset; ``allocate`` from the free stack and ``free``
 pay nothing.
@@ -57,7 +57,7 @@ from kvpool.errors import (
     OutOfBlocksError,
     PinLimitError,
 )
-from kvpool.event_buffer import EventRecorder
+from kvpool.events.buffer import EventRecorder
 from kvpool.numeric import IntArg, RealArg, as_id_list, as_int, as_real
 from kvpool.units import plural
 
@@ -69,7 +69,7 @@ BLOCK_STATES = ("free", "in use", "cached", "pinned", "null")
 FREE, IN_USE, CACHED, PINNED, NULL = range(5)
 
 if TYPE_CHECKING:
-    from kvpool.events import KVEventSink
+    from kvpool.events.sink import KVEventSink
 
 
 @dataclass(frozen=True)
@@ -1079,8 +1079,8 @@ class BlockPool:
 
 
 def _recorder(sink: object) -> EventRecorder | None:
-    """The recorder of ``sink`` (a :class:`kvpool.events.KVEventSink`) that plain calls go through, or None
-    (no sink, or one of another kind: every call goes to the sink)."""
+    """The recorder of ``sink`` (a :class:`kvpool.events.sink.KVEventSink`) that plain calls go through, or
+    None (no sink, or one of another kind: every call goes to the sink)."""
     rec = getattr(sink, "recorder", None)
     return rec if isinstance(rec, EventRecorder) else None
 

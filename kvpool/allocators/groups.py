@@ -31,11 +31,12 @@ from typing import TYPE_CHECKING, Any
 from kvpool.allocators.block_pool import BlockPool, BlockPoolStats
 from kvpool.errors import IntegrityError, InvalidArgumentError, InvalidIdError, OutOfBlocksError
 from kvpool.numeric import IntArg, RealArg, as_int, as_optional_int
-from kvpool.spec import KVCacheGroup, LayerKind, cdiv
+from kvpool.spec.kinds import MemoryKind, cdiv
+from kvpool.spec.kv import KVCacheGroup, needs_null_block
 from kvpool.units import plural
 
 if TYPE_CHECKING:
-    from kvpool.events import KVEventSink
+    from kvpool.events.sink import KVEventSink
 
 
 def group_key(group: int, block_hash: Hashable) -> Hashable:
@@ -89,7 +90,7 @@ class KVCacheCoordinator:
         groups: the model's groups (``KVCacheSpec.groups``), indexed 0, 1, ... with one block size.
         num_blocks: pool blocks, the null block included (reserved when a group has a window).
         enable_caching: prefix caching (as ``BlockPool``).
-        event_sink: KV events of the pool (:class:`kvpool.events.KVEventSink`): told how to read group
+        event_sink: KV events of the pool (:class:`kvpool.events.sink.KVEventSink`): told how to read group
             keys, so each event names its group, its kind and its window.
         policy: the pool's eviction policy (a name or a fresh
             :class:`~kvpool.allocators.policies.EvictionPolicy`), as :class:`BlockPool` takes it. One policy
@@ -117,22 +118,23 @@ class KVCacheCoordinator:
             raise InvalidArgumentError("every KV cache group must have the same block size")
         self.groups = groups
         self.block_size = groups[0].block_size
-        windowed = any(g.kind is not LayerKind.FULL for g in groups)
+        windowed = needs_null_block(groups)
         if pool is not None:
             self._check_pool(pool, num_blocks, windowed, event_sink)
             event_sink = pool.event_sink
         if event_sink is not None:
-            event_sink.use_groups(split_group_key, {g.index: (g.kind.value, g.window) for g in groups})
+            kinds = [(g.index, g.memory_kind) for g in groups]  # each event names its group's kind and window
+            event_sink.use_groups(split_group_key, {i: (k.event_name, k.event_window) for i, k in kinds})
         self.pool: Any = pool if pool is not None else BlockPool(
             num_blocks, enable_caching=enable_caching, reserve_null_block=windowed,  # type: ignore[arg-type]
             event_sink=event_sink, policy=policy, pin_cap=pin_cap, admission=admission)
         self.null_block: int = self.pool.null_block if windowed else -1  # type: ignore[assignment]
-        # full groups first: their hit is a prefix scan, and it bounds the windowed groups' scans
-        self._hit_order = sorted(groups, key=lambda g: g.kind is not LayerKind.FULL)
-        self._one_full_group = len(groups) == 1 and groups[0].kind is LayerKind.FULL
-        self._windowed = [g for g in groups if g.kind is not LayerKind.FULL]
-        # each windowed group as (index, sliding (else chunked), window): its skipped blocks in arithmetic
-        self._windows = [(g.index, g.kind is LayerKind.SLIDING, g.window or 0) for g in self._windowed]
+        # groups needing a whole prefix first: their hit is a prefix scan, and it bounds the others' scans
+        self._hit_order = sorted(groups, key=lambda g: not g.memory_kind.needs_whole_prefix)
+        self._one_full_group = len(groups) == 1 and groups[0].memory_kind.needs_whole_prefix
+        self._windowed = [g for g in groups if g.memory_kind.frees_blocks]
+        # each group that frees blocks, with its kind: the kind's rules, called natively
+        self._windows: list[tuple[int, MemoryKind]] = [(g.index, g.memory_kind) for g in self._windowed]
         self._reqs: dict[Hashable, _Request] = {}
         self._hits = self._misses = 0
 
@@ -201,24 +203,16 @@ class KVCacheCoordinator:
     def _group_hit(self, group: KVCacheGroup, hashes: Sequence[Hashable], bound: int,
                    memo: dict[int, int | None],
                    probe: Callable[[int, Sequence[Hashable], int], int | None] | None) -> int:
-        """The longest k <= bound whose blocks ``skipped_blocks(k * B) .. k - 1`` are cached in ``group``."""
-        if group.kind is LayerKind.FULL:
-            k = 0
-            while k < bound and self._probe(group, hashes, k, memo, probe) is not None:
-                k += 1
-            return k
-        k, i = bound, bound - 1
-        while k > 0:
-            start = group.skipped_blocks(k * self.block_size)
-            while i >= start and self._probe(group, hashes, i, memo, probe) is not None:
-                i -= 1
-            if i < start:
-                return k
-            k, i = i, i - 1  # block i is missing: no prefix longer than i can be restored
-        return 0
+        """The longest k <= bound that ``group`` can restore: its kind's
+        :meth:`~kvpool.spec.kinds.MemoryKind.longest_hit` over the blocks cached in it."""
+
+        def cached(i: int) -> bool:
+            return self._probe(group, hashes, i, memo, probe) is not None
+
+        return group.memory_kind.longest_hit(bound, self.block_size, cached)
 
     def _hit_table(self, group: KVCacheGroup, k: int, memo: dict[int, int | None]) -> list[int]:
-        start = group.skipped_blocks(k * self.block_size) if k else 0
+        start = group.memory_kind.hit_start(k, self.block_size) if k else 0
         return [self.null_block] * start + [memo[i] for i in range(start, k)]  # type: ignore[misc]
 
     # ---- allocation -------------------------------------------------------------------------------------
@@ -398,9 +392,9 @@ class KVCacheCoordinator:
     def _remove_skipped(self, req: _Request, num_computed_tokens: int) -> int:
         tables, skipped, freed, next_skip = req.tables, req.skipped, 0, 2**62
         pool, null, bs = self.pool, self.null_block, self.block_size
-        for g, sliding, window in self._windows:
+        for g, kind in self._windows:
             table = tables[g]
-            dead = _skipped_blocks(sliding, window, bs, num_computed_tokens)
+            dead = kind.skipped_blocks(num_computed_tokens, bs)
             end, first = min(dead, len(table)), skipped[g]
             if end > first:
                 ids = table[first:end]
@@ -411,7 +405,7 @@ class KVCacheCoordinator:
                 table[first:end] = [null] * (end - first)
                 freed += end - first
                 skipped[g] = end
-            next_skip = min(next_skip, _skip_moves_at(sliding, window, bs, dead) if end == dead else 0)
+            next_skip = min(next_skip, kind.skip_moves_at(dead, bs) if end == dead else 0)
         req.next_skip = next_skip
         return freed
 
@@ -602,8 +596,9 @@ class KVCacheCoordinator:
                 skipped = req.skipped[g]
                 _require(all(b == null for b in table[:skipped]) and null not in table[skipped:],
                          f"request {request_id!r} group {g}: null entries are not exactly its skipped prefix")
-                _require(skipped == 0 or self.groups[g].kind is not LayerKind.FULL,
-                         f"request {request_id!r}: full group {g} holds the null block")
+                _require(skipped == 0 or self.groups[g].memory_kind.frees_blocks,
+                         f"request {request_id!r}: group {g}, of a kind that frees no block, holds the null "
+                         f"block")
                 for b in table[skipped:]:
                     _require(owners.setdefault(b, g) == g, f"block {b} is in the tables of two groups")
                     counts[b] = counts.get(b, 0) + 1
@@ -620,26 +615,6 @@ class KVCacheCoordinator:
     def __repr__(self) -> str:
         return (f"KVCacheCoordinator(groups={len(self.groups)}, requests={len(self._reqs)}, "
                 f"pool={self.pool!r})")
-
-
-def _skipped_blocks(sliding: bool, window: int, block_size: int, num_tokens: int) -> int:
-    """:meth:`KVCacheGroup.skipped_blocks` of a windowed group (``window`` 0: none), in arithmetic."""
-    if not window:
-        return 0
-    if sliding:
-        return max(0, (num_tokens - window + 1) // block_size)
-    return window * (num_tokens // window) // block_size
-
-
-def _skip_moves_at(sliding: bool, window: int, block_size: int, dead: int) -> int:
-    """The fewest computed tokens at which :func:`_skipped_blocks` exceeds ``dead`` (never, 2**62, for no
-    window)."""
-    if not window:
-        return 2**62
-    first_live = (dead + 1) * block_size  # the first token of block ``dead``, plus one block
-    if sliding:  # (n - W + 1) // B > dead  <=>  n >= (dead + 1) B + W - 1
-        return first_live + window - 1
-    return window * cdiv(first_live, window)
 
 
 def _tokens(num_tokens: IntArg) -> int:

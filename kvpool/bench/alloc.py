@@ -37,8 +37,8 @@ from kvpool.allocators.hashing import (
 )
 from kvpool.allocators.policies import POLICIES
 from kvpool.bench.timing import alternated_ns, median_ns, print_table, require_at_least
+from kvpool.cli.options import CommaList, positive_int
 from kvpool.errors import ConfigError, OutOfBlocksError
-from kvpool.options import CommaList, positive_int
 
 PEERS = [  # (peer, op, ns) measured earlier (DESIGN.md), compared with kvpool's row (op, pool size)
     ("vLLM 0.33 BlockPool", "allocate(1)+free", 1550.0, ("allocate(1)+free", 32768)),
@@ -323,7 +323,8 @@ def _event_rows(size: int, ops: int, repeat: int) -> list[dict[str, Any]]:
     what is left), not a transport's cost per batch. Issue 24's target: on / off <= 1.3 for
     ``cache_blocks`` with token ids and for an evicting allocation."""
     try:
-        from kvpool.events import KVEventSink, NullEventPublisher
+        from kvpool.events.publishers import NullEventPublisher
+        from kvpool.events.sink import KVEventSink
     except ImportError as exc:
         return [{"op": "events on", "skipped": f"kvpool.events not importable: {exc}"}]
 

@@ -28,8 +28,8 @@ from pathlib import Path
 from kvpool.allocators.block_pool import BlockPool
 from kvpool.allocators.groups import KVCacheCoordinator
 from kvpool.bench.timing import alternated_ns, print_table, require_at_least
-from kvpool.planner import MemoryReadings, plan_pool
-from kvpool.spec import KVCacheSpec, LayerKind, kv_cache_groups
+from kvpool.spec import KVCacheGroup, KVCacheSpec
+from kvpool.spec.planner import MemoryReadings, plan_pool
 from kvpool.trace.loaders import load_trace
 from kvpool.trace.replay import ReplayConfig, compare_all_full, run_replay
 
@@ -110,9 +110,7 @@ def step_rows(requests: int, steps: int, repeat: int) -> list[dict]:
     from kvpool import _native
 
     ops = requests * steps
-    layouts = {"1 full group": kv_cache_groups([LayerKind.FULL], {}, B),
-               "gpt-oss: sliding 128 + full": kv_cache_groups([LayerKind.SLIDING, LayerKind.FULL],
-                                                              {LayerKind.SLIDING: 128}, B)}
+    layouts = {"1 full group": (KVCacheGroup.full(B),), "gpt-oss: sliding 128 + full": GPT_OSS_20B.groups}
     cases: dict[str, tuple] = {"plain": (lambda: _plain_steps(requests, steps), None)}
     for name, groups in layouts.items():
         cases[name] = (lambda g=groups: _coordinator_steps(g, requests, steps), None)

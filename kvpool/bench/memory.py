@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from kvpool.bench.timing import print_table, require_at_least
-from kvpool.options import CommaList, non_negative_int, positive_int
+from kvpool.cli.options import CommaList, non_negative_int, positive_int
 from kvpool.spec import KVCacheSpec
 from kvpool.storage.arena import DEFAULT_PAGE_SIZE, ElasticConfig, PageArena
 from kvpool.storage.paged import PagedKVCache

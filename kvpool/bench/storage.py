@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from kvpool.bench.timing import median_ns, print_table, require_at_least
+from kvpool.cli.options import CommaList, positive_int
 from kvpool.errors import ConfigError
 from kvpool.numeric import as_seed
-from kvpool.options import CommaList, positive_int
 from kvpool.spec import KVCacheSpec, parse_kv_dtype
 from kvpool.storage.paged import PagedKVCache
 

@@ -27,8 +27,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool.bench.timing import print_table
+from kvpool.cli.options import CommaList
 from kvpool.errors import ConfigError
-from kvpool.options import CommaList
 
 REPLAY_OPS_PER_S = 10_000_000  # issue 24, target 1
 TIER_REPLAY_OPS_PER_S = 360_000  # issue 24, target 2: 10x the first tier replay's 36k block ops/s

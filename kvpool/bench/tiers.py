@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from kvpool.bench.timing import print_table, require_at_least
-from kvpool.options import CommaList, add_deprecated_alias, non_negative_int, positive_int
+from kvpool.cli.options import CommaList, add_deprecated_alias, non_negative_int, positive_int
 from kvpool.spec import KVCacheSpec
 from kvpool.storage.paged import PagedKVCache
 

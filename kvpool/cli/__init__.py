@@ -15,7 +15,6 @@ import os
 import sys
 
 from kvpool import __version__, _native
-from kvpool.cli._args import OneLineErrorParser
 from kvpool.errors import KVPoolError
 
 SUBCOMMANDS = ("plan", "generate", "replay", "events", "bench")
@@ -24,6 +23,8 @@ BROKEN_PIPE_STATUS = 141
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvpool.cli._args import OneLineErrorParser  # (importing kvpool.cli imports only the ground)
+
     parser = OneLineErrorParser(prog="kvpool", description="The KV cache memory pool for LLM inference.")
     parser.add_argument("--version", action=_Version, help="show the version and the hot path, and exit")
     parser.set_defaults(func=lambda _args: _usage(parser))

@@ -1,4 +1,4 @@
-"""Argument types shared by the subcommands (the conventions of their flags: :mod:`kvpool.options`)."""
+"""Argument types shared by the subcommands (the conventions of their flags: :mod:`kvpool.cli.options`)."""
 
 from __future__ import annotations
 
@@ -13,17 +13,17 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from kvpool import units
-from kvpool.numeric import SEED_MAX
-from kvpool.options import (  # noqa: F401 - the vocabulary, re-exported for the subcommands
+from kvpool.cli.options import (  # noqa: F401 - the vocabulary, re-exported for the subcommands
     JSON_HELP,
     CommaList,
     DeprecatedAlias,
-    _integer,
     add_deprecated_alias,
     add_json_argument,
+    bounded_int,
     non_negative_int,
     positive_int,
 )
+from kvpool.numeric import SEED_MAX
 
 
 def parse_bytes(text: str) -> int:
@@ -61,7 +61,7 @@ def memory_bytes(text: str) -> int:
 
 def seed(text: str) -> int:
     """A seed: an integer in [0, 2**64 - 1] (what ``torch.manual_seed`` takes)."""
-    return _integer(text, 0, SEED_MAX)
+    return bounded_int(text, 0, SEED_MAX)
 
 
 def positive_int_list(text: str) -> list[int]:
@@ -236,7 +236,7 @@ DEFAULT_THREADS = 1
 def threads(text: str) -> int:
     """A torch thread count: 0 (torch's own) up to 4 x this machine's CPUs (``torch.set_num_threads`` of a
     huge count starts that many OpenMP threads at the first parallel op: the machine runs out of memory)."""
-    return _integer(text, 0, 4 * (os.cpu_count() or 1))
+    return bounded_int(text, 0, 4 * (os.cpu_count() or 1))
 
 
 def add_threads_argument(parser: argparse.ArgumentParser) -> None:

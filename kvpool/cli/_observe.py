@@ -40,7 +40,7 @@ class Observers:
             raise ConfigError("--kv-events-replay needs --kv-events")
         try:
             if args.kv_events is not None:
-                from kvpool.events import ZmqEventPublisher
+                from kvpool.events.transport import ZmqEventPublisher
 
                 self.publisher = ZmqEventPublisher(args.kv_events, replay_endpoint=replay)
             if getattr(args, "metrics_port", None) is not None:
@@ -56,7 +56,7 @@ class Observers:
         """A sink for a pool of ``block_size``-token blocks that publishes to ``publisher``, or None."""
         if self.publisher is None:
             return None
-        from kvpool.events import KVEventSink
+        from kvpool.events.sink import KVEventSink
 
         return KVEventSink(self.publisher, block_size=block_size)
 

@@ -14,13 +14,14 @@ they are refused (exit 2).
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from kvpool.allocators.hashing import hashes_leave_process
 from kvpool.cli._args import parse_bytes, positive_int
 from kvpool.errors import ConfigError
 from kvpool.tiers.auth import redact_url
-from kvpool.tiers.from_url import check_chain, check_folder, disk_url, host_url, tiers_from_urls
+from kvpool.tiers.from_url import TierURL, check_chain, disk_tier, host_url, tiers_from_urls
 
 _ORDER = {"host": 0, "disk": 1, "remote": 2}
 
@@ -51,25 +52,37 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
                             "queue, sieve's visited, lineage's reused)")
 
 
-def tier_urls(args: argparse.Namespace) -> list[str]:
-    """The chain the options ask for, as URLs, fastest first. Raises ConfigError for half a disk tier, a
-    disk tier given two sizes, or a malformed chain (:func:`kvpool.tiers.from_url.check_chain`)."""
-    urls = list(args.tier)
+def tier_chain(args: argparse.Namespace) -> list[TierURL]:
+    """The chain the options ask for, checked, fastest first: read once per command and kept in
+    ``args.tier_chain``, so each URL is parsed, and a disk tier's folder probed, once however often the
+    command asks. Raises ConfigError for half a disk tier, a disk tier given two sizes, or a malformed chain
+    (:func:`kvpool.tiers.from_url.check_chain`: the ``--tier`` URLs in their order, then the whole chain)."""
+    chain = getattr(args, "tier_chain", None)
+    if chain is None:
+        chain = args.tier_chain = _read_chain(args)
+    return chain
+
+
+def _read_chain(args: argparse.Namespace) -> list[TierURL]:
+    chain = check_chain(args.tier)
     if args.host_blocks:
-        urls.append(host_url(args.host_blocks))
+        chain.append(TierURL("host", host_url(args.host_blocks), blocks=args.host_blocks))
     sizes = [s for s in (args.disk_bytes, args.disk_blocks) if s is not None]
     if (args.disk_dir is None) != (not sizes) or len(sizes) > 1:
         raise ConfigError("a disk tier needs --disk-dir and one size: --disk-bytes or --disk-blocks")
     if args.disk_dir:
-        check_folder(args.disk_dir, f"--disk-dir {args.disk_dir!r}")
-        urls.append(disk_url(args.disk_dir, bytes=args.disk_bytes, blocks=args.disk_blocks))
+        chain.append(disk_tier(str(Path(args.disk_dir).absolute()), bytes=args.disk_bytes,
+                               blocks=args.disk_blocks, what=f"--disk-dir {args.disk_dir!r}"))
     if args.remote:
         from kvpool.tiers.redis import check_url  # its messages name a Redis URL
 
-        urls.append(check_url(args.remote))
-    chain = check_chain(urls)
-    order = sorted(range(len(urls)), key=lambda i: _ORDER[chain[i].medium])
-    return [urls[i] for i in order]
+        chain.append(TierURL("remote", check_url(args.remote)))
+    return check_chain(sorted(chain, key=lambda t: _ORDER[t.medium]))
+
+
+def tier_urls(args: argparse.Namespace) -> list[str]:
+    """The URLs of :func:`tier_chain`, fastest first."""
+    return [t.url for t in tier_chain(args)]
 
 
 def wants_tiers(args: argparse.Namespace) -> bool:
@@ -117,7 +130,7 @@ def hashes_leave(args: argparse.Namespace) -> bool:
 
 
 def _media(args: argparse.Namespace) -> list[str]:
-    return [t.medium for t in check_chain(tier_urls(args))]
+    return [t.medium for t in tier_chain(args)]
 
 
 # ---- the tier secret and the hash root (what a shared store's operator could otherwise do) ---------------
@@ -155,7 +168,8 @@ def public_root_hint(args: argparse.Namespace, hasher: Any) -> str | None:
 def _leaving(args: argparse.Namespace) -> str:
     """The options asking for tiers that keep blocks outside the process."""
     named = [name for name, on in (("--disk-dir", args.disk_dir), ("--remote", args.remote)) if on]
-    named += [f"--tier {redact_url(t.url)}" for t in check_chain(args.tier) if t.medium != "host"]
+    named += [f"--tier {redact_url(t.url)}" for t in tier_chain(args)
+              if t.url in args.tier and t.medium != "host"]
     return " and ".join(named)
 
 
@@ -165,4 +179,4 @@ def build_tiers(args: argparse.Namespace, namespace: Any, *, block_bytes: int, l
     tier copies (None: hash-only); ``auth_key``: the disk and Redis tiers'
     :class:`~kvpool.tiers.auth.TierKey` (None: :func:`tier_auth_key`, the environment's)."""
     key = auth_key if auth_key is not None else tier_auth_key(args)
-    return tiers_from_urls(tier_urls(args), namespace, block_bytes=block_bytes, like=like, auth_key=key)
+    return tiers_from_urls(tier_chain(args), namespace, block_bytes=block_bytes, like=like, auth_key=key)

@@ -32,8 +32,9 @@ def torchrun_world() -> int | None:
     return None
 
 
-def tp_size_of(args: argparse.Namespace, model: str) -> int:
-    """The TP size asked for, checked against ``model``'s config before any process starts.
+def tp_size_of(args: argparse.Namespace, model: str, config: dict[str, Any] | None = None) -> int:
+    """The TP size asked for, checked against ``model``'s config (``config`` where the caller has read it)
+    before any process starts.
 
     Raises:
         ConfigError: ``--tp-size`` differs from torchrun's WORLD_SIZE, or the model cannot be sharded over
@@ -47,7 +48,7 @@ def tp_size_of(args: argparse.Namespace, model: str) -> int:
         from kvpool.engine.models import config_before_load, load_config
         from kvpool.engine.sharding import check_shardable
 
-        check_shardable(config_before_load(model) or load_config(model), tp_size)
+        check_shardable(config or config_before_load(model) or load_config(model), tp_size)
     return tp_size
 
 

@@ -37,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpool.events_subscriber import KVEventSubscriber
+    from kvpool.events.subscriber import KVEventSubscriber
 
     with KVEventSubscriber(args.endpoint, replay_endpoint=args.replay, topic=args.topic) as sub:
         printed = 0

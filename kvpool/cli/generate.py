@@ -1,9 +1,9 @@
 """``kvpool generate``: run a real model with its KV in kvpool (continuous batching, prefix caching).
 
-Pool size: ``--num-blocks N``, or ``--kv-memory BYTES`` sized by :func:`kvpool.planner.plan_pool`; by default
-the live CUDA profile on a GPU and :data:`DEFAULT_KV_MEMORY` on CPU. ``--kv-memory auto``: an elastic pool
-sized after the model is loaded and warmed up, from the free memory measured then less a margin
-(:func:`kvpool.planner.measure_free_memory`, vLLM 0.34's rule), committing pages only as blocks are used.
+Pool size: ``--num-blocks N``, or ``--kv-memory BYTES`` sized by :func:`kvpool.spec.planner.plan_pool`; by
+default the live CUDA profile on a GPU and :data:`DEFAULT_KV_MEMORY` on CPU. ``--kv-memory auto``: an elastic
+pool sized after the model is loaded and warmed up, from the free memory measured then less a margin
+(:func:`kvpool.spec.planner.measure_free_memory`, vLLM 0.34's rule), committing pages only as blocks are used.
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ from kvpool.cli._tiers import (
     public_root_hint,
     tier_admission,
     tier_auth_key,
-    tier_urls,
+    tier_chain,
     wants_tiers,
 )
 from kvpool.cli._tp import add_tp_argument, report_rank_failure, run_ranks, tp_size_of
-from kvpool.engine.models import TINY_HYBRID_MODELS, TINY_MODELS, model_errors
+from kvpool.engine.models import TINY_HYBRID_MODELS, TINY_MODELS, config_before_load, model_errors
 from kvpool.engine.paged_attention import ATTENTION_CHOICES
 from kvpool.errors import ConfigError, ModelError, OutOfBlocksError, RankFailedError
 from kvpool.units import human_bytes, plural
@@ -123,16 +123,17 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts or list(DEFAULT_PROMPTS)
 
 
-def pool_blocks(loaded: Any, args: argparse.Namespace, tp_size: int = 1) -> int:
-    """Blocks for the pool (per TP rank): --num-blocks, else a plan from --kv-memory (CPU default 256 MiB)
-    or the CUDA profile taken after a warmup forward of ``--max-batched-tokens`` tokens; with
-    ``--kv-memory auto``, from the memory measured after that warmup (``args.measured`` keeps it)."""
+def pool_blocks(loaded: Any, args: argparse.Namespace, memory: Any) -> int:
+    """Blocks for the pool (per TP rank): --num-blocks, else a plan of ``memory`` (the loaded model's
+    :class:`~kvpool.spec.memory.ModelMemory`) from --kv-memory (CPU default 256 MiB) or the CUDA profile
+    taken after a warmup forward of ``--max-batched-tokens`` tokens; with ``--kv-memory auto``, from the
+    memory measured after that warmup (``args.measured`` keeps it)."""
     if args.num_blocks is not None:
         return args.num_blocks
-    from kvpool.engine.recurrent import model_kv_spec
-    from kvpool.planner import MemoryReadings, measure_free_memory, plan_pool, profile_cuda_memory
+    from kvpool.engine.recurrent import engine_kv_spec
+    from kvpool.spec.planner import MemoryReadings, measure_free_memory, plan_pool, profile_cuda_memory
 
-    spec = model_kv_spec(loaded.model, block_size=args.block_size, tp_size=tp_size)
+    spec = engine_kv_spec(memory, loaded.model)
 
     @torch.inference_mode()
     def warmup() -> None:  # the largest step: --max-batched-tokens tokens
@@ -151,30 +152,28 @@ def pool_blocks(loaded: Any, args: argparse.Namespace, tp_size: int = 1) -> int:
     return plan_pool(spec, readings, gpu_memory_utilization=1.0).num_blocks
 
 
-def check_before_load(args: argparse.Namespace, tp_size: int) -> None:
+def check_before_load(args: argparse.Namespace, tp_size: int, config: dict[str, Any] | None) -> None:
     """What the model's config can tell before its weights load (README: bad input fails in seconds): a
     model the engine refuses (a recurrent hybrid), a block size or ``--tp-size`` its spec refuses, a
-    ``--kv-memory`` (or the CPU default) that holds no block of it. The config comes from
-    :func:`kvpool.engine.models.config_before_load` (nothing to check for Gemma 3 270M before its first
-    conversion). Raises ConfigError / InsufficientMemoryError."""
-    from kvpool.engine.models import config_before_load, config_spec
-    from kvpool.state_spec import is_recurrent_config
+    ``--kv-memory`` (or the CPU default) that holds no block of it. ``config``: what
+    :func:`kvpool.engine.models.config_before_load` read (None, nothing to check, for Gemma 3 270M before its
+    first conversion), made into one :class:`~kvpool.spec.memory.ModelMemory`. Raises ConfigError /
+    InsufficientMemoryError."""
+    from kvpool.spec.memory import ModelMemory
 
-    config = config_before_load(args.model)
     if config is None:
         return
-    if is_recurrent_config(config):  # its attention layers' spec needs the loaded model
-        if tp_size != 1:
-            raise ConfigError("a recurrent hybrid runs on one rank here (tp_size 1)")
-        return
-    spec = config_spec(config, block_size=args.block_size, kv_dtype="float32", tp_size=tp_size)  # as loaded
+    memory = ModelMemory.from_config(config, block_size=args.block_size, tp_size=tp_size,
+                                     kv_cache_dtype="float32", shard_state=False)  # float32: as loaded
     if args.kv_memory == AUTO:
         return  # measured after loading
-    if args.num_blocks is None and (args.kv_memory is not None or not torch.cuda.is_available()):
-        from kvpool.planner import MemoryReadings, plan_pool
+    if memory.hybrid is None and args.num_blocks is None and (args.kv_memory is not None
+                                                             or not torch.cuda.is_available()):
+        from kvpool.spec.planner import MemoryReadings, plan_pool
 
         budget = args.kv_memory if args.kv_memory is not None else DEFAULT_KV_MEMORY
-        plan_pool(spec, MemoryReadings(total_bytes=budget, non_kv_bytes=0), gpu_memory_utilization=1.0)
+        plan_pool(memory.require_kv(), MemoryReadings(total_bytes=budget, non_kv_bytes=0),
+                  gpu_memory_utilization=1.0)  # a hybrid's attention layers' spec needs the loaded model
 
 
 def run(args: argparse.Namespace) -> int:
@@ -192,10 +191,11 @@ def run(args: argparse.Namespace) -> int:
     SavePolicy.parse(args.state_save, "--state-save")  # bad input fails before loading
     params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              seed=args.seed + i) for i in range(len(texts))]  # bad input fails before loading
-    tp_size = tp_size_of(args, args.model)
+    config = config_before_load(args.model)  # read once, before the weights
+    tp_size = tp_size_of(args, args.model, config)
     if args.kv_memory == AUTO and tp_size > 1:
         raise ConfigError("--kv-memory auto sizes an elastic pool, which runs with --tp-size 1")
-    check_before_load(args, tp_size)
+    check_before_load(args, tp_size, config)
     try:
         with model_errors(args.model):
             out = run_ranks(generate_on_rank, tp_size, args, texts, params, hasher, command="generate")
@@ -224,6 +224,7 @@ def generate_on_rank(tp: Any, args: argparse.Namespace, texts: list[str], params
     from kvpool.engine.distributed import run_engine
     from kvpool.engine.engine import LLMEngine
     from kvpool.engine.models import load_model
+    from kvpool.engine.recurrent import model_memory
     from kvpool.engine.sharding import shard_model
 
     apply_threads(args)
@@ -234,12 +235,13 @@ def generate_on_rank(tp: Any, args: argparse.Namespace, texts: list[str], params
         loaded = load_model(args.model, device=device)
         if tp is not None:
             shard_model(loaded.model, tp.rank, tp.size, tp.all_reduce)
-        num_blocks = pool_blocks(loaded, args, tp_size)
+        memory = model_memory(loaded.model, block_size=args.block_size, tp_size=tp_size)  # its config, once
+        num_blocks = pool_blocks(loaded, args, memory)
         engine = LLMEngine(loaded.model, num_blocks=num_blocks if tp is None else tp.min_int(num_blocks),
                            block_size=args.block_size, max_num_batched_tokens=args.max_batched_tokens,
                            eos_token_ids=loaded.eos_token_ids, hasher=hasher, tp_size=tp_size,
                            kv_events=observers.publisher, policy=args.policy, state_save=args.state_save,
-                           attention=args.attention, elastic=args.kv_memory == AUTO)
+                           attention=args.attention, elastic=args.kv_memory == AUTO, memory=memory)
         prompts = [loaded.encode(text) for text in texts]
         if args.pin_prefix and (tp is None or tp.rank == 0):  # rank 0 decides; its pins reach the followers
             engine.pin_prefix(loaded.encode(args.pin_prefix))
@@ -281,7 +283,7 @@ def _enable_tiers(engine: Any, args: argparse.Namespace) -> Any:
     """The tiers the options ask for, under the engine's pool, in the engine's namespace: the model by its
     weights (this rank's shard) and its config, and the tensor-parallel rank (so two processes share
     blocks exactly when they compute the same KV shard)."""
-    return engine.enable_offload(tier_urls(args), write_through=args.write_through,
+    return engine.enable_offload(tier_chain(args), write_through=args.write_through,
                                  admission=tier_admission(args), namespace=engine.tier_namespace(args.model),
                                  auth_key=tier_auth_key(args))
 

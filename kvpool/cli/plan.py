@@ -1,17 +1,17 @@
 """``kvpool plan CONFIG``: how much KV cache a model gets on a GPU (per tensor-parallel rank).
 
 CONFIG is a ``config.json``, a folder holding one, or a built-in name
-(:data:`kvpool.hf_config.BUILTIN_CONFIGS`).
+(:data:`kvpool.spec.hf_config.BUILTIN_CONFIGS`).
 Without ``--gpu-memory`` it reads the local CUDA device (its total, free and already-used memory) and adds
 ``--non-kv-memory`` (the model's weights and activations) to what is already in use. Each assumption that
 changes the answer (no non-KV memory, the KV dtype ``auto`` picked, the step size of a windowed model) is
 said in a ``note:`` line (``notes`` in ``--json``). A ``vs measured`` line (``measured_instead``) says how the
 estimate differs from the pool ``kvpool generate --kv-memory auto`` sizes after the model's warm-up.
 
-An attention / recurrent hybrid (Qwen3-Next, Nemotron-H, ...: :func:`kvpool.state_spec.is_recurrent_config`)
+An attention / recurrent hybrid (Qwen3-Next, Nemotron-H, ...: :func:`kvpool.spec.state.is_recurrent_config`)
 is planned over its attention layers only, and a ``recurrent state`` part follows: the state per request and
 its KV-token equivalent and, with ``--max-model-len``, both ways the engines size state beside KV
-(:mod:`kvpool.state_planner`: vLLM's one pool, SGLang's two pools) in the same KV memory.
+(:mod:`kvpool.spec.state_planner`: vLLM's one pool, SGLang's two pools) in the same KV memory.
 """
 
 from __future__ import annotations
@@ -32,17 +32,18 @@ from kvpool.cli._args import (
     positive_int,
 )
 from kvpool.errors import ConfigError
-from kvpool.hf_config import BUILTIN_CONFIGS, load_config, model_dtype, model_type
-from kvpool.planner import (
+from kvpool.spec import KVCacheSpec, auto_kv_dtype, parse_kv_dtype
+from kvpool.spec.hf_config import BUILTIN_CONFIGS, model_dtype, model_type
+from kvpool.spec.memory import ModelMemory
+from kvpool.spec.planner import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     MemoryReadings,
     PoolPlan,
     plan_pool,
     profile_cuda_memory,
 )
-from kvpool.spec import KVCacheSpec, auto_kv_dtype, parse_kv_dtype
-from kvpool.state_planner import plan_state_memory
-from kvpool.state_spec import HybridSpec, is_recurrent_config
+from kvpool.spec.state import HybridSpec
+from kvpool.spec.state_planner import plan_state_memory
 from kvpool.units import human_bytes, plural
 
 
@@ -86,47 +87,31 @@ def add_memory_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
                              "uncounted, said in a note)")
 
 
-def plan_from_args(config: str | dict[str, Any], args: argparse.Namespace, *, max_model_len: int | None = None
+def memory_from_args(config: str | dict[str, Any], args: argparse.Namespace) -> ModelMemory:
+    """The :class:`ModelMemory` of ``config`` at --tp-size, --kv-cache-dtype and --block-size: the one
+    reading of the config a command makes."""
+    return ModelMemory.from_config(config, tp_size=args.tp_size, kv_cache_dtype=args.kv_cache_dtype,
+                                   block_size=args.block_size)
+
+
+def plan_from_args(memory: ModelMemory, args: argparse.Namespace, *, max_model_len: int | None = None
                    ) -> tuple[KVCacheSpec, PoolPlan]:
-    """The spec of ``config`` and its plan from the :func:`add_memory_arguments` options, --block-size and
-    (where the command has it) --max-num-batched-tokens; a recurrent hybrid's spec is its attention layers'
-    (:func:`kv_spec_from_args`)."""
-    spec = kv_spec_from_args(config, args)
+    """The KV spec of ``memory`` (a recurrent hybrid's attention layers; ConfigError for a model without
+    any) and its plan from the :func:`add_memory_arguments` options and (where the command has it)
+    --max-num-batched-tokens."""
+    spec = memory.require_kv()
     plan = plan_pool(spec, _readings(args), gpu_memory_utilization=args.gpu_memory_utilization,
                      max_model_len=max_model_len, max_num_batched_tokens=_step_tokens(args))
     return spec, plan
 
 
-def hybrid_from_args(config: str | dict[str, Any], args: argparse.Namespace) -> HybridSpec | None:
-    """A recurrent hybrid's :class:`HybridSpec` (--tp-size, --kv-cache-dtype, --block-size), else None."""
-    config = load_config(config)
-    if not is_recurrent_config(config):
-        return None
-    return HybridSpec.from_hf_config(config, tp_size=args.tp_size, kv_cache_dtype=args.kv_cache_dtype,
-                                     block_size=args.block_size)
-
-
-def kv_spec_from_args(config: str | dict[str, Any], args: argparse.Namespace) -> KVCacheSpec:
-    """The KV cache spec of ``config``: of its attention layers only for a recurrent hybrid (ConfigError for
-    one without attention layers: its memory is state only)."""
-    config = load_config(config)
-    hybrid = hybrid_from_args(config, args)
-    if hybrid is None:
-        return KVCacheSpec.from_hf_config(config, tp_size=args.tp_size, kv_cache_dtype=args.kv_cache_dtype,
-                                          block_size=args.block_size)
-    if hybrid.attention is None:
-        raise ConfigError(f"{hybrid.model_type} has no attention layers: no KV cache to plan")
-    return hybrid.attention
-
-
 def run(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
-    spec, plan = plan_from_args(config, args, max_model_len=args.max_model_len)
-    rule, dtype_note = kv_dtype_rule(config, args.kv_cache_dtype)
+    memory = memory_from_args(args.config, args)
+    spec, plan = plan_from_args(memory, args, max_model_len=args.max_model_len)
+    rule, dtype_note = kv_dtype_rule(memory.config, args.kv_cache_dtype)
     report = {**plan_report(spec, plan), "kv_dtype_rule": rule, "hashing": hasher_from_args(args).describe()}
-    hybrid = hybrid_from_args(config, args)
-    if hybrid is not None:
-        report["recurrent_state"] = state_report(hybrid, plan.available_kv_bytes, args.max_model_len)
+    if memory.hybrid is not None:
+        report["recurrent_state"] = state_report(memory.hybrid, plan.available_kv_bytes, args.max_model_len)
     report["measured_instead"] = measured_instead(plan)
     report["notes"] = [note for note in (dtype_note, *_memory_notes(args, plan), _step_note(args, spec),
                                          _shape_note(report)) if note]

@@ -33,13 +33,13 @@ from kvpool.cli._args import (
     word_list,
 )
 from kvpool.cli._observe import Observers, add_event_arguments
-from kvpool.cli._tiers import add_tier_arguments, build_tiers, check_tier_targets, tier_urls, wants_tiers
-from kvpool.cli.plan import add_memory_arguments, hybrid_from_args, kv_spec_from_args, plan_from_args
+from kvpool.cli._tiers import add_tier_arguments, build_tiers, check_tier_targets, tier_chain, wants_tiers
+from kvpool.cli.plan import add_memory_arguments, memory_from_args, plan_from_args
 from kvpool.errors import ConfigError, TraceFormatError
-from kvpool.planner import PoolPlan
 from kvpool.spec import KVCacheSpec
+from kvpool.spec.memory import ModelMemory
+from kvpool.spec.planner import PoolPlan
 from kvpool.tiers.auth import redact_url
-from kvpool.tiers.from_url import check_chain
 from kvpool.trace.loaders import FORMATS, load_trace
 from kvpool.trace.replay import HIT_RATIO_BASIS, REPLAY_POLICIES, TIMINGS, ReplayConfig, compare_all_full
 from kvpool.trace.sweep import SweepRun, hit_ratio_table, rejected_table, run_sweep
@@ -224,9 +224,11 @@ def _plan_runs(args: argparse.Namespace
     if args.sweep:  # pool sizes in blocks; --model-config then gives the KV cache groups only
         _refuse_unused_memory_options(args, allowed=("--tp-size", "--kv-cache-dtype"))
         num_blocks, pool_plan = None, None
-        spec = None if args.model_config is None else kv_spec_from_args(args.model_config, args)
+        memory = None if args.model_config is None else memory_from_args(args.model_config, args)
+        spec = None if memory is None else memory.require_kv()
     else:
-        num_blocks, spec, pool_plan = sizing_from_args(args)
+        num_blocks, memory, pool_plan = sizing_from_args(args)
+        spec = None if memory is None else memory.require_kv()
     sizes: list[int | None] = [*args.sweep] if args.sweep else [num_blocks]
     hybrid = spec is not None and (spec.has_windows or len(spec.groups) > 1)
     policies: list[str] = args.policies or [args.policy]
@@ -236,7 +238,7 @@ def _plan_runs(args: argparse.Namespace
         raise ConfigError("--kv-events follows one run: drop --sweep / --policies")
     for policy in policies:  # every name now, not after the first runs
         ReplayConfig(policy=policy)
-    state_save = _state_save(args)
+    state_save = _state_save(args, memory)
     config = ReplayConfig(
         block_size=args.block_size, num_blocks=sizes[0], timing=args.timing,
         max_batched_tokens=args.max_batched_tokens, max_running=args.max_running, step_s=args.step_s,
@@ -256,10 +258,10 @@ def _elastic_block_bytes(args: argparse.Namespace, spec: KVCacheSpec | None) -> 
     return spec.bytes_per_block
 
 
-def _state_save(args: argparse.Namespace) -> str | None:
-    """``--state-save`` (``tail`` for a recurrent ``--model-config`` without it); ConfigError when given
-    for a model without recurrent state."""
-    recurrent = args.model_config is not None and hybrid_from_args(args.model_config, args) is not None
+def _state_save(args: argparse.Namespace, memory: ModelMemory | None) -> str | None:
+    """``--state-save`` (``tail`` for a recurrent ``--model-config`` without it: ``memory``, the config's
+    :class:`ModelMemory`, has a state); ConfigError when given for a model without recurrent state."""
+    recurrent = memory is not None and memory.hybrid is not None
     if not recurrent and (args.state_save is not None or args.state_checkpoints is not None):
         option = "--state-save" if args.state_save is not None else "--state-checkpoints"
         raise ConfigError(f"{option} needs --model-config of a recurrent hybrid (Qwen3-Next, Nemotron-H...)")
@@ -311,7 +313,7 @@ def tier_descriptions(args: argparse.Namespace) -> list[str]:
     """The tiers below the pool, fastest first: ``host 100,000 blocks``, ``disk 4,294,967,296 B in DIR``,
     ``remote redis://HOST:PORT``."""
     out = []
-    for tier in check_chain(tier_urls(args)):
+    for tier in tier_chain(args):
         size = f"{tier.blocks:,} blocks" if tier.blocks is not None else \
             f"{tier.bytes:,} B" if tier.bytes is not None else ""
         remote = f" {redact_url(tier.url)}" if tier.medium == "remote" else ""
@@ -338,9 +340,10 @@ def _sweep_report(head: dict[str, Any], config: ReplayConfig, runs: list[SweepRu
                                for policy, row in table.items()} if "belady" in table else {}}
 
 
-def sizing_from_args(args: argparse.Namespace) -> tuple[int | None, KVCacheSpec | None, PoolPlan | None]:
+def sizing_from_args(args: argparse.Namespace) -> tuple[int | None, ModelMemory | None, PoolPlan | None]:
     """The pool size: ``--num-blocks``; or, with ``--model-config`` and ``--gpu-memory``, the planner's
-    num_blocks with the spec and plan (a hybrid spec is replayed per KV cache group); or None (unbounded)."""
+    num_blocks with the config's :class:`ModelMemory` and the plan (a hybrid spec is replayed per KV cache
+    group); or None (unbounded)."""
     if args.model_config is None:
         _refuse_unused_memory_options(args)
         return args.num_blocks, None, None
@@ -348,8 +351,9 @@ def sizing_from_args(args: argparse.Namespace) -> tuple[int | None, KVCacheSpec 
         raise ConfigError("give either --num-blocks or --model-config, not both")
     if args.gpu_memory is None:
         raise ConfigError("--model-config needs --gpu-memory BYTES (the device memory per rank)")
-    spec, plan = plan_from_args(args.model_config, args)
-    return plan.num_blocks, spec, plan
+    memory = memory_from_args(args.model_config, args)
+    _, plan = plan_from_args(memory, args)
+    return plan.num_blocks, memory, plan
 
 
 def _refuse_unused_memory_options(args: argparse.Namespace, allowed: tuple[str, ...] = ()) -> None:

@@ -23,7 +23,8 @@ from kvpool.engine.paged_attention import PagedBatch, check_softcap, new_token_s
 from kvpool.engine.paged_attention import paged_attention as paged_kernel_attention
 from kvpool.errors import InvalidArgumentError
 from kvpool.numeric import as_real
-from kvpool.spec import KVCacheGroup, LayerKind
+from kvpool.spec import KVCacheGroup
+from kvpool.spec.kinds import MemoryKind
 from kvpool.storage.paged import block_slots
 
 ATTENTION_NAME = "kvpool_paged"
@@ -86,30 +87,19 @@ class StepMetadata:
     kv_layers: dict[int, int] | None = None
 
 
-def window_start(group: KVCacheGroup, start: int) -> int:
-    """The first token a query at position ``>= start`` reads in ``group``: 0 (full), ``start - W + 1``
-    (sliding, at least 0) or the start of ``start``'s chunk (chunked)."""
-    if group.kind is LayerKind.SLIDING:
-        return max(0, start - group.window + 1)  # type: ignore[operator]
-    if group.kind is LayerKind.CHUNKED:
-        return group.window * (start // group.window)  # type: ignore[operator]
-    return 0
-
-
-def attention_mask(group: KVCacheGroup, lo: int, start: int, end: int, device: torch.device | str = "cpu"
+def attention_mask(kind: MemoryKind, lo: int, start: int, end: int, device: torch.device | str = "cpu"
                    ) -> torch.Tensor | None:
     """``[end - start, end - lo]`` bool: query at position p (``start .. end - 1``) reads key t (``lo .. end
-    - 1``) when ``t <= p`` and, sliding, ``t > p - W`` (transformers' ``sliding_window_overlay``), chunked,
-    ``t >= C * (p // C)`` (``chunked_overlay``). None when that is every key for every query."""
-    if end - start == 1 and lo == window_start(group, start):
+    - 1``) when ``kind.window_start(p) <= t <= p`` (sliding: ``t > p - W``, transformers'
+    ``sliding_window_overlay``; chunked: ``t >= C * (p // C)``, ``chunked_overlay``). None when that is every
+    key for every query."""
+    if end - start == 1 and lo == kind.window_start(start):
         return None
     keys = torch.arange(lo, end, device=device)[None, :]
     queries = torch.arange(start, end, device=device)[:, None]
     mask = keys <= queries
-    if group.kind is LayerKind.SLIDING:
-        mask &= keys > queries - group.window  # type: ignore[operator]
-    elif group.kind is LayerKind.CHUNKED:
-        mask &= keys >= torch.div(queries, group.window, rounding_mode="floor") * group.window
+    if kind.frees_blocks:  # a window: each query's first key
+        mask &= keys >= torch.tensor(kind.window_starts(start, end), device=device)[:, None]
     return mask
 
 
@@ -128,13 +118,13 @@ def build_step_metadata(cache: Any, groups: Sequence[KVCacheGroup],
         batches = [paged_batch(group, spans, cache.num_blocks, cache.block_size, device) for group in groups]
         return StepMetadata(cache, starts, [GroupStep(new_token_slots(b, cache.block_size), [], [], paged=b)
                                             for b in batches], kv_layers)
-    shapes: dict[tuple[LayerKind, int | None], list[tuple[int, torch.Tensor | None]]] = {}
+    shapes: dict[MemoryKind, list[tuple[int, torch.Tensor | None]]] = {}
     steps = []
     for group in groups:
-        key = (group.kind, group.window)
+        key = group.memory_kind
         if key not in shapes:
-            los = [window_start(group, start) for _, start, _ in spans]
-            shapes[key] = [(lo, attention_mask(group, lo, start, end, device))
+            los = [key.window_start(start) for _, start, _ in spans]
+            shapes[key] = [(lo, attention_mask(key, lo, start, end, device))
                            for lo, (_, start, end) in zip(los, spans, strict=True)]
         contexts, new = [], []
         for (lo, _), (tables, start, end) in zip(shapes[key], spans, strict=True):
@@ -254,7 +244,7 @@ def _layer_sinks(group: KVCacheGroup, kwargs: dict[str, Any]) -> torch.Tensor | 
     """The layer's attention sinks (gpt-oss's ``s_aux``, one logit per query head) or None, after checking
     the ``sliding_window`` the model passes against the layer's KV cache group."""
     window = kwargs.get("sliding_window")
-    expected = group.window if group.kind is LayerKind.SLIDING else None
+    expected = group.memory_kind.model_sliding_window
     if window is not None and window != expected:
         raise InvalidArgumentError(f"the model's layer slides over {window} tokens, its KV cache group "
                                    f"{group.index} is {group.describe()}")

@@ -300,7 +300,8 @@ class ShipStats:
 
 
 class _ShippingRunner:
-    """Rank 0's runner: ships each batch (with the pool log) before executing it on rank 0's shard."""
+    """Rank 0's runner (a :class:`~kvpool.engine.runner.StepRunner` in front of its own): ships each batch
+    (with the pool log) before executing it on rank 0's shard."""
 
     def __init__(self, leader: Leader, runner: Any) -> None:
         self.leader, self.runner = leader, runner
@@ -315,15 +316,15 @@ class _ShippingRunner:
 
 
 class Leader:
-    """Rank 0: takes over ``engine``'s ``BlockPool`` (now a :class:`RecordingPool`, under the engine's KV
-    cache groups coordinator too) and its runner (ships each batch, then executes it)."""
+    """Rank 0: takes over ``engine`` through its declared seams: a :class:`RecordingPool` in front of its
+    ``BlockPool`` (:meth:`~kvpool.requests.kv_manager.KVCacheManager.wrap_pool`) and a runner that ships each
+    batch, then executes it (:meth:`~kvpool.engine.engine.LLMEngine.wrap_runner`)."""
 
     def __init__(self, tp: TPGroup, engine: Any) -> None:
         self.tp, self.engine, self.channel = tp, engine, Channel(tp)
         self.stats, self.in_forward, self.last_batch = ShipStats(), False, None
-        self.pool = RecordingPool(engine.kv.pool, self.check)
-        engine.kv.pool = self.pool  # the KV cache groups coordinator allocates through it
-        engine.runner = _ShippingRunner(self, engine.runner)
+        self.pool = engine.kv_manager.wrap_pool(lambda pool: RecordingPool(pool, self.check))
+        engine.wrap_runner(lambda runner: _ShippingRunner(self, runner))
         tiers = getattr(engine, "offload", None)
         if tiers is not None:  # every rank restores from its own tiers, in step with rank 0
             restore = tiers.restore

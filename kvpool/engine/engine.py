@@ -33,8 +33,8 @@ import torch
 from kvpool.allocators.groups import KVCacheCoordinator
 from kvpool.allocators.hashing import BlockHasher, hasher_for
 from kvpool.allocators.state_pool import StatePool
-from kvpool.engine.recurrent import hybrid_spec, model_kv_spec
-from kvpool.engine.runner import ModelRunner, StepBatch
+from kvpool.engine.recurrent import engine_kv_spec, model_memory
+from kvpool.engine.runner import ModelRunner, StepBatch, StepRunner
 from kvpool.engine.sampling import SamplingParams, sample
 from kvpool.errors import (
     AsleepError,
@@ -51,13 +51,15 @@ from kvpool.requests.request import Request, RequestStatus
 from kvpool.requests.scheduler import Scheduler, SchedulerOutput
 from kvpool.requests.state_checkpoints import RequestStates, SavePolicy, StateCheckpoints
 from kvpool.spec import KVCacheSpec
-from kvpool.state_spec import is_recurrent_config
+from kvpool.spec.memory import ModelMemory
 from kvpool.storage.arena import ElasticConfig
 
 if TYPE_CHECKING:  # the tiers and events need their extras: imported when they are enabled
     from kvpool.allocators.policies import FrequencyAdmission
-    from kvpool.events import EventPublisher, KVEventSink
+    from kvpool.events.publishers import EventPublisher
+    from kvpool.events.sink import KVEventSink
     from kvpool.tiers.backend import TierBackend
+    from kvpool.tiers.from_url import TierURL
     from kvpool.tiers.manager import OffloadManager
 
 __all__ = ["EngineStats", "LLMEngine", "Request", "RequestStatus"]
@@ -93,7 +95,7 @@ class LLMEngine:
     Args:
         model: a Hugging Face causal LM in eval mode; each step switches its attention to
             :func:`paged_attention` if something else (a reference ``generate``) set another one.
-        num_blocks: KV blocks in the pool (size it with :func:`kvpool.planner.plan_pool`).
+        num_blocks: KV blocks in the pool (size it with :func:`kvpool.spec.planner.plan_pool`).
         max_num_batched_tokens: token budget of one step (decode tokens + prefill chunks).
         max_num_seqs: running requests at most.
         eos_token_ids: tokens that end a request (unless its ``ignore_eos``).
@@ -112,7 +114,8 @@ class LLMEngine:
         policy: the eviction policy of cached free blocks, a name of
             :data:`~kvpool.allocators.policies.POLICIES` or a fresh
             :class:`~kvpool.allocators.policies.EvictionPolicy` (default ``"lru"``); the ``priority``
-            policy keeps the blocks of requests added with a higher ``priority`` longer.
+            policy keeps the blocks of requests added with a higher ``priority`` longer. A recurrent
+            hybrid's state checkpoints are evicted by a fresh policy of the same name.
         pin_cap: the largest fraction of the pool that :meth:`pin_prefix` may pin.
         admission: a :class:`~kvpool.allocators.policies.FrequencyAdmission` the pool asks before it
             publishes a new block hash (None: publish every full block).
@@ -129,6 +132,9 @@ class LLMEngine:
             a block's pages as it is handed out and releases them once it holds no KV:
             :mod:`kvpool.requests.block_memory`), and :meth:`sleep` / :meth:`wake` give every KV and state
             page back and take them again. ConfigError with ``tp_size`` > 1.
+        memory: the model's :class:`~kvpool.spec.memory.ModelMemory` at ``block_size``, ``kv_dtype`` and
+            ``tp_size``, where the caller has made it (its config read once per command); default
+            :func:`kvpool.engine.recurrent.model_memory`'s.
 
     Attributes: ``kv_manager`` (the :class:`~kvpool.requests.kv_manager.KVCacheManager`), ``scheduler``,
     ``kv`` (its :class:`KVCacheCoordinator`), ``pool`` (its :class:`BlockPool`), ``cache`` (the KV tensors),
@@ -142,7 +148,7 @@ class LLMEngine:
                  kv_events: EventPublisher | None = None, policy: Any = "lru", pin_cap: float = 0.5,
                  admission: FrequencyAdmission | None = None, state_save: str | SavePolicy = "tail",
                  state_checkpoints: int | None = None, attention: str = "gather",
-                 elastic: bool | ElasticConfig = False) -> None:
+                 elastic: bool | ElasticConfig = False, memory: ModelMemory | None = None) -> None:
         max_num_batched_tokens = as_int(max_num_batched_tokens, "max_num_batched_tokens", minimum=1)
         max_num_seqs = as_int(max_num_seqs, "max_num_seqs", minimum=1)
         self.model, self.block_size, self.device = model, block_size, model.device
@@ -150,8 +156,10 @@ class LLMEngine:
         if elastic is not False and tp_size > 1:
             raise ConfigError("an elastic KV cache runs with tp_size 1 (the other ranks would not commit)")
         self._elastic = elastic
-        spec = self._build_runner(model, num_blocks, block_size, kv_dtype, tp_size, max_num_seqs,
-                                  enable_prefix_caching, state_save, state_checkpoints)
+        if memory is None:
+            memory = model_memory(model, block_size=block_size, dtype=kv_dtype, tp_size=tp_size)
+        spec = self._build_runner(model, memory, num_blocks, max_num_seqs, enable_prefix_caching, state_save,
+                                  state_checkpoints, policy if isinstance(policy, str) else policy.name)
         self.cache = self.runner.cache
         sink = self._event_sink(kv_events)
         self.hasher = hasher_for(hasher, events=sink is not None)
@@ -171,13 +179,14 @@ class LLMEngine:
         self.max_model_len: int | None = getattr(model.config, "max_position_embeddings", None)
         self.vocab_size: int = model.get_input_embeddings().num_embeddings
 
-    def _build_runner(self, model: Any, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None,
-                      tp_size: int, max_num_seqs: int, caching: bool, state_save: str | SavePolicy,
-                      state_checkpoints: int | None) -> KVCacheSpec:
-        """The runner (and, for a recurrent hybrid, :attr:`states`); returns the KV spec."""
-        self.hybrid, self.states = None, None
-        spec = model_kv_spec(model, block_size=block_size, dtype=kv_dtype, tp_size=tp_size)
-        if not is_recurrent_config(model.config.to_dict()):
+    def _build_runner(self, model: Any, memory: ModelMemory, num_blocks: int, max_num_seqs: int,
+                      caching: bool, state_save: str | SavePolicy, state_checkpoints: int | None,
+                      eviction: str) -> KVCacheSpec:
+        """The runner (and, for a recurrent hybrid, :attr:`states`, its checkpoints evicted by a fresh
+        policy named ``eviction``); returns the KV spec."""
+        self.hybrid, self.states = memory.hybrid, None
+        spec = engine_kv_spec(memory, model)
+        if self.hybrid is None:
             self.runner = ModelRunner(model, spec, num_blocks, attention=self.attention,
                                       elastic=self._elastic)
             return spec
@@ -185,12 +194,12 @@ class LLMEngine:
         default = max_num_seqs if caching else 0
         capacity = as_int(default if state_checkpoints is None else state_checkpoints, "state_checkpoints",
                           minimum=0, error=ConfigError)
-        self.hybrid = hybrid_spec(model, block_size=block_size, dtype=kv_dtype)
         self.runner = ModelRunner(model, spec, num_blocks, hybrid=self.hybrid, elastic=self._elastic,
                                   num_state_slots=max_num_seqs + capacity, attention=self.attention)
         pool = StatePool(max_num_seqs + capacity)
-        checkpoints = StateCheckpoints(capacity, pool=pool) if capacity else StateCheckpoints(0)
-        self.states = RequestStates(policy, block_size, pool, checkpoints=checkpoints,
+        checkpoints = StateCheckpoints(capacity, pool=pool, policy=eviction) if capacity else \
+            StateCheckpoints(0)
+        self.states = RequestStates(policy, self.block_size, pool, checkpoints=checkpoints,
                                     mover=self.runner.recurrent.cache)
         return spec
 
@@ -210,6 +219,14 @@ class LLMEngine:
     def pool(self, pool: Any) -> None:
         self.kv_manager.coordinator.pool = pool
 
+    def wrap_runner(self, wrap: Callable[[ModelRunner], StepRunner]) -> StepRunner:
+        """Run every step through ``wrap(runner)`` (a :class:`~kvpool.engine.runner.StepRunner`: a
+        tensor-parallel leader ships each batch to its followers before executing it); returns it. With
+        :meth:`~kvpool.requests.kv_manager.KVCacheManager.wrap_pool`, the declared seam
+        :mod:`kvpool.engine.distributed` takes an engine over through."""
+        self.runner = wrapper = wrap(self.runner)
+        return wrapper
+
     @property
     def offload(self) -> OffloadManager | None:
         """The tier chain of :meth:`enable_offload`, or None."""
@@ -223,11 +240,12 @@ class LLMEngine:
     def running(self) -> list[Request]:
         return self.scheduler.running
 
-    def enable_offload(self, tiers: Sequence[TierBackend | str], *, write_through: bool = False,
+    def enable_offload(self, tiers: Sequence[TierBackend | str | TierURL], *, write_through: bool = False,
                        asynchronous: bool = True, admission: FrequencyAdmission | None = None,
                        namespace: Any = None, auth_key: Any = None) -> OffloadManager:
         """Chain ``tiers`` (a :class:`~kvpool.tiers.host.HostTier` built ``like=self.cache`` first, then
-        disk / remote tiers; or their URLs, :mod:`kvpool.tiers.from_url`, built in ``namespace``, by default
+        disk / remote tiers; or their URLs or checked :class:`~kvpool.tiers.from_url.TierURL` s,
+        :mod:`kvpool.tiers.from_url`, built in ``namespace``, by default
         :meth:`tier_namespace`, with the fleet secret ``auth_key``, by default the environment's) under this
         engine's pool, for every KV cache group: evicted (or, with
         ``write_through``, published) blocks go down, and admission finds prefixes in every tier and loads
@@ -244,10 +262,10 @@ class LLMEngine:
                 blocks already announces them on the event stream first.)
             InvalidArgumentError: as :class:`~kvpool.tiers.manager.OffloadManager`.
         """
-        if any(isinstance(t, str) for t in tiers):
-            from kvpool.tiers.from_url import tiers_from_urls
+        from kvpool.tiers.from_url import TierURL, tiers_from_urls
 
-            urls = [t for t in tiers if isinstance(t, str)]
+        if any(isinstance(t, str | TierURL) for t in tiers):
+            urls = [t for t in tiers if isinstance(t, str | TierURL)]
             if len(urls) != len(tiers):
                 raise ConfigError("give enable_offload tiers or tier URLs, not both")
             space = namespace if namespace is not None else self.tier_namespace()
@@ -288,7 +306,8 @@ class LLMEngine:
     def _event_sink(self, publisher: EventPublisher | None) -> KVEventSink | None:
         if publisher is None or not publisher.enabled:
             return None
-        from kvpool.events import MEDIUM_GPU, KVEventSink
+        from kvpool.events.sink import KVEventSink
+        from kvpool.events.wire import MEDIUM_GPU
 
         return KVEventSink(publisher, block_size=self.block_size, medium=MEDIUM_GPU, group_idx=0)
 

@@ -23,7 +23,7 @@ import torch
 
 from kvpool.errors import ConfigError, KVPoolError, ModelError
 from kvpool.spec import KVCacheSpec
-from kvpool.state_spec import is_recurrent_config
+from kvpool.spec.state import is_recurrent_config
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -31,7 +31,7 @@ GEMMA3 = "gemma3-270m"  # Gemma 3 270M (15 sliding layers, window 512, 3 full) f
 TINY_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-gpt2", "tiny-mistral", "tiny-gemma2", "tiny-gemma3",
                "tiny-gpt-oss", "tiny-gemma4", "tiny-mimo", "tiny-llama4")
 #: Tiny attention / recurrent hybrids (random weights, byte vocabulary): one per family of
-#: :mod:`kvpool.state_spec`, run by the engine with their state in state slots
+#: :mod:`kvpool.spec.state`, run by the engine with their state in state slots
 #: (:mod:`kvpool.engine.recurrent`; :func:`kv_spec` refuses them: see
 #: :func:`kvpool.engine.recurrent.model_kv_spec`).
 TINY_HYBRID_MODELS = ("tiny-qwen3-next", "tiny-qwen3.5", "tiny-nemotron-h", "tiny-granite-4.0-h",
@@ -132,7 +132,7 @@ def kv_spec(model: Any, *, block_size: int, dtype: torch.dtype | None = None, tp
     """The model's :class:`KVCacheSpec` (one rank's share of ``tp_size``) from its config; KV dtype = the
     model's own dtype unless given.
 
-    Raises ConfigError for an attention / recurrent hybrid (:func:`kvpool.state_spec.is_recurrent_config`):
+    Raises ConfigError for an attention / recurrent hybrid (:func:`kvpool.spec.state.is_recurrent_config`):
     read as a plain KV spec, its recurrent layers would pass as attention (or hold no state at all), so
     its spec is :func:`kvpool.engine.recurrent.model_kv_spec` (the attention layers) beside its state."""
     kv_dtype = str(dtype or model.dtype).removeprefix("torch.")
@@ -157,8 +157,8 @@ def config_before_load(name: str = DEFAULT_MODEL) -> dict[str, Any] | None:
     (the config comes out of the conversion, :func:`gemma3_folder`). Raises ConfigError as
     :func:`load_config`."""
     if name == DEFAULT_MODEL:
-        from kvpool.hf_config import BUILTIN_DIR
-        from kvpool.hf_config import load_config as load_hf_config
+        from kvpool.spec.hf_config import BUILTIN_DIR
+        from kvpool.spec.hf_config import load_config as load_hf_config
 
         return load_hf_config(BUILTIN_DIR / "smollm2-135m.json")
     if name == GEMMA3 and not (_gemma3_cache() / "config.json").is_file():

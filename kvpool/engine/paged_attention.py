@@ -9,16 +9,18 @@ group, prefill chunks and decode tokens mixed.
 
 For the query at position ``p`` of request ``r`` (head ``h``, KV head ``h // (Hq / Hkv)``: GQA by index,
 KV heads never repeated), the keys are positions ``lo .. p`` of that request, read from slot
-``tables[r, t // B] * B + t % B``, where ``lo`` is :func:`kvpool.engine.attention.window_start`'s: 0
-(full), ``max(0, p - W + 1)`` (sliding window W: transformers' ``sliding_window_overlay``, key t when
-``t > p - W``) or ``C * (p // C)`` (chunked C: ``chunked_overlay``). Scores are ``s = scale * q.k``, with
-soft-capping ``s = softcap * tanh(s / softcap)`` (Gemma 2's ``attn_logit_softcapping``, as transformers'
-eager attention; None: off, and a softcap of 0 or below is refused, on both engine paths:
-:func:`check_softcap`), then a float32 softmax computed online block by block (the running max and sum of
-FlashAttention), and ``out = sum_t softmax(s)_t v_t``. With gpt-oss's sinks (one logit ``sink[h]`` per query
-head), the sink joins the softmax's denominator and is dropped after it: ``out = sum_t e^(s_t - m) v_t /
-(sum_t e^(s_t - m) + e^(sink - m))``, as transformers' gpt-oss eager attention computes. Accumulation is in
-float32 for every storage dtype (float32, float16, bfloat16); the output has the query's dtype.
+``tables[r, t // B] * B + t % B``, where ``lo`` is the group's kind's
+:meth:`~kvpool.spec.kinds.MemoryKind.window_start`: 0 (full), ``max(0, p - W + 1)`` (sliding window W:
+transformers' ``sliding_window_overlay``, key t when ``t > p - W``) or ``C * (p // C)`` (chunked C:
+``chunked_overlay``); the kernel takes W and C as the kind's ``kernel_bounds()``. Scores are
+``s = scale * q.k``, with soft-capping ``s = softcap * tanh(s / softcap)`` (Gemma 2's
+``attn_logit_softcapping``, as transformers' eager attention; None: off, and a softcap of 0 or below is
+refused, on both engine paths: :func:`check_softcap`), then a float32 softmax computed online block by block
+(the running max and sum of FlashAttention), and ``out = sum_t softmax(s)_t v_t``. With gpt-oss's sinks (one
+logit ``sink[h]`` per query head), the sink joins the softmax's denominator and is dropped after it:
+``out = sum_t e^(s_t - m) v_t / (sum_t e^(s_t - m) + e^(sink - m))``, as transformers' gpt-oss eager
+attention computes. Accumulation is in float32 for every storage dtype (float32, float16, bfloat16); the
+output has the query's dtype.
 
 Not here: fp8 KV (it needs the gather path's scale and conversion) and CUDA tensors (the kernel is a CPU
 loop; on a GPU use ``attention="gather"``, or a FlexAttention / FlashInfer kernel over the same views):
@@ -37,7 +39,7 @@ import torch
 
 from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError
 from kvpool.numeric import as_int, as_real
-from kvpool.spec import KVCacheGroup, LayerKind
+from kvpool.spec import KVCacheGroup
 
 #: the engine's ``attention`` choices: the gather + SDPA reference, or this module's in-place path
 ATTENTION_CHOICES = ("gather", "paged")
@@ -105,11 +107,9 @@ def paged_batch(group: KVCacheGroup, spans: Spans, num_blocks: int, block_size: 
     if int(tables_t.min()) < 0 or int(tables_t.max()) >= num_blocks:
         raise InvalidIdError(f"block ids must be in [0, {num_blocks}), got {int(tables_t.min())} .. "
                              f"{int(tables_t.max())}")
-    window = group.window if group.kind is LayerKind.SLIDING else 0
-    chunk = group.window if group.kind is LayerKind.CHUNKED else 0
+    window, chunk = group.memory_kind.kernel_bounds()
     index = functools.partial(torch.tensor, dtype=torch.int32, device=device)
-    return PagedBatch(tables_t.to(device, torch.int32), index(starts), index(positions), window or 0,
-                      chunk or 0)
+    return PagedBatch(tables_t.to(device, torch.int32), index(starts), index(positions), window, chunk)
 
 
 def new_token_slots(batch: PagedBatch, block_size: int) -> torch.Tensor:

@@ -31,7 +31,8 @@ import torch
 
 from kvpool.errors import ConfigError, InvalidArgumentError
 from kvpool.spec import AttentionKind, KVCacheSpec
-from kvpool.state_spec import HybridSpec, RecurrentStateSpec
+from kvpool.spec.memory import ModelMemory
+from kvpool.spec.state import HybridSpec, RecurrentStateSpec
 from kvpool.storage.arena import ElasticConfig
 from kvpool.storage.state import RecurrentStateCache
 
@@ -45,7 +46,7 @@ class RecurrentStates:
     """The recurrent half of a runner: the state buffers and the per-span mixers of one model.
 
     Args:
-        model: a Hugging Face causal LM of a family of :data:`kvpool.state_spec.FAMILIES`.
+        model: a Hugging Face causal LM of a family of :data:`kvpool.spec.state.FAMILIES`.
         spec: its :class:`RecurrentStateSpec` (on this rank).
         num_slots: state slots of the buffers.
         device: where the buffers live.
@@ -156,26 +157,39 @@ def _mixers(model: Any, spec: RecurrentStateSpec) -> dict[int, torch.nn.Module]:
 
 
 def hybrid_spec(model: Any, *, block_size: int, dtype: torch.dtype | None = None) -> HybridSpec:
-    """The model's :class:`HybridSpec` from its config, every dtype the model's own unless given, except the
-    SSM state: float32, as transformers keeps it (its fallbacks compute the state in float32 whatever the
-    model dtype), so the engine's tokens equal transformers' own."""
+    """The model's :class:`HybridSpec`: :func:`model_memory`'s (ConfigError for a model without recurrent
+    state)."""
+    hybrid = model_memory(model, block_size=block_size, dtype=dtype).hybrid
+    if hybrid is None:
+        raise ConfigError(f"{model.config.model_type} keeps no recurrent state")
+    return hybrid
+
+
+def model_memory(model: Any, *, block_size: int, dtype: torch.dtype | None = None, tp_size: int = 1
+                 ) -> ModelMemory:
+    """The model's :class:`~kvpool.spec.memory.ModelMemory`, its config read once: every dtype the model's
+    own unless given, except the SSM state: float32, as transformers keeps it (its fallbacks compute the
+    state in float32 whatever the model dtype), so the engine's tokens equal transformers' own. ConfigError
+    for a recurrent hybrid at ``tp_size`` > 1."""
     name = str(dtype or model.dtype).removeprefix("torch.")
-    return HybridSpec.from_hf_config(model.config.to_dict(), block_size=block_size, kv_cache_dtype=name,
-                                     conv_dtype=name, ssm_dtype="float32")
+    return ModelMemory.from_config(model.config.to_dict(), block_size=block_size, tp_size=tp_size,
+                                   kv_cache_dtype=name, conv_dtype=name, ssm_dtype="float32",
+                                   shard_state=False)
 
 
 def model_kv_spec(model: Any, *, block_size: int, dtype: torch.dtype | None = None, tp_size: int = 1
                   ) -> KVCacheSpec:
-    """The KV spec the engine's paged cache holds for ``model``: :func:`kvpool.engine.models.kv_spec`, or for
-    a recurrent hybrid its attention layers' (:func:`execution_kv_spec`; ConfigError for ``tp_size`` > 1)."""
-    from kvpool.engine.models import kv_spec
-    from kvpool.state_spec import is_recurrent_config
+    """The KV spec the engine's paged cache holds for ``model``: :func:`engine_kv_spec` of its
+    :func:`model_memory`."""
+    return engine_kv_spec(model_memory(model, block_size=block_size, dtype=dtype, tp_size=tp_size), model)
 
-    if not is_recurrent_config(model.config.to_dict()):
-        return kv_spec(model, block_size=block_size, dtype=dtype, tp_size=tp_size)
-    if tp_size != 1:
-        raise ConfigError("a recurrent hybrid runs on one rank here (tp_size 1)")
-    return execution_kv_spec(hybrid_spec(model, block_size=block_size, dtype=dtype), model)
+
+def engine_kv_spec(memory: ModelMemory, model: Any) -> KVCacheSpec:
+    """The KV spec the engine's paged cache holds: ``memory.kv``, or for a recurrent hybrid its attention
+    layers' as transformers calls them (:func:`execution_kv_spec`)."""
+    if memory.hybrid is None:
+        return memory.require_kv()
+    return execution_kv_spec(memory.hybrid, model)
 
 
 def execution_kv_spec(spec: HybridSpec, model: Any) -> KVCacheSpec:

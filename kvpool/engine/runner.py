@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -20,7 +20,7 @@ from kvpool.engine.paged_attention import ATTENTION_CHOICES, check_paged_cache, 
 from kvpool.engine.recurrent import RecurrentStates
 from kvpool.errors import ConfigError, InvalidArgumentError
 from kvpool.spec import KVCacheSpec
-from kvpool.state_spec import HybridSpec
+from kvpool.spec.state import HybridSpec
 from kvpool.storage.arena import ElasticConfig
 from kvpool.storage.paged import PagedKVCache
 
@@ -51,6 +51,19 @@ class StepBatch:
     state_saves: list[list[tuple[int, int]]] | None = None
 
 
+class StepRunner(Protocol):
+    """What the engine asks of the runner it executes its steps with: a :class:`ModelRunner`, or a wrapper
+    put in front of one with :meth:`~kvpool.engine.engine.LLMEngine.wrap_runner` (a tensor-parallel leader's,
+    which ships each batch to its followers first): the KV cache and spec it runs over, and ``execute``."""
+
+    cache: Any
+    spec: Any
+
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """As :meth:`ModelRunner.execute`: the logits ``[S, V]`` of ``batch.sample_rows``."""
+        ...
+
+
 class ModelRunner:
     """A causal LM (or one tensor-parallel rank's shard of it) with its KV in a :class:`PagedKVCache`.
 
@@ -60,7 +73,7 @@ class ModelRunner:
             set another one.
         spec: the KV cache of this rank (``spec.num_kv_heads_per_rank`` heads per layer).
         num_blocks: blocks in the cache (the same on every rank).
-        hybrid: for an attention / recurrent hybrid, its :class:`~kvpool.state_spec.HybridSpec`: ``spec``
+        hybrid: for an attention / recurrent hybrid, its :class:`~kvpool.spec.state.HybridSpec`: ``spec``
             then covers the attention layers only (``hybrid.attention_layers``, in order) and the runner
             keeps ``num_state_slots`` state slots (:class:`~kvpool.engine.recurrent.RecurrentStates`) that
             each batch names in ``state_slots``.

@@ -14,7 +14,8 @@ an event (:attr:`JobDone.released`) the worker sets when its I/O can no longer w
 job ended, or was skipped before it began). Until then the engine must not reuse those rows: a late write
 would land in them.
 
-:func:`open_tier` builds the tier an engine's configuration names (``disk`` or ``redis``).
+:func:`open_tier` builds the tier an engine's configuration names (``disk`` or ``redis``), with
+:func:`kvpool.tiers.from_url.build_tier`, where every tier is made.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from kvpool.errors import ConfigError
 from kvpool.numeric import as_int, as_real
 from kvpool.tiers.auth import TierKey
 from kvpool.tiers.backend import Namespace, TierBackend
+from kvpool.tiers.from_url import TierURL, build_tier, disk_url, resolve_auth_key
 
 logger = logging.getLogger(__name__)
 
@@ -57,25 +59,18 @@ def open_tier(kind: str, namespace: Namespace, block_bytes: int, *,
         ConfigError: an unknown kind, a missing option, no secret given or in the environment; the tier's
             own errors (a directory another process holds, a malformed URL).
     """
-    if auth_key == "public":
-        auth_key = TierKey.public()
-    elif auth_key is None:
-        auth_key = TierKey.from_env()
     if kind == "disk":
         if directory is None or capacity_bytes is None:
             raise ConfigError("a disk tier needs 'directory' and 'capacity_bytes'")
-        from kvpool.tiers.file import FileTier
-
         capacity = as_int(capacity_bytes, "capacity_bytes", minimum=0, error=ConfigError)
-        return FileTier(directory, namespace, capacity_bytes=capacity, block_bytes=block_bytes,
-                        auth_key=auth_key)
+        tier = TierURL("disk", disk_url(str(directory), bytes=capacity), bytes=capacity, path=str(directory))
+        return build_tier(tier, namespace, block_bytes=block_bytes, auth_key=resolve_auth_key(auth_key))
     if kind == "redis":
         if url is None:
             raise ConfigError("a redis tier needs 'url' (redis://HOST:PORT[/DB])")
-        from kvpool.tiers.redis import RedisTier
-
-        return RedisTier(url, namespace, block_bytes=block_bytes, prefix=prefix, timeout_s=timeout_s,
-                         retry_s=retry_s, ttl_s=ttl_s, auth_key=auth_key)
+        return build_tier(TierURL("remote", url), namespace, block_bytes=block_bytes,
+                          auth_key=resolve_auth_key(auth_key), prefix=prefix, timeout_s=timeout_s,
+                          retry_s=retry_s, ttl_s=ttl_s)
     raise ConfigError(f"tier must be one of {', '.join(TIER_KINDS)}, got {kind!r}")
 
 

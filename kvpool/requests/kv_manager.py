@@ -41,14 +41,15 @@ from typing import TYPE_CHECKING, Any
 from kvpool.allocators.block_pool import BlockPool, BlockPoolStats
 from kvpool.allocators.groups import CacheHit, KVCacheCoordinator, group_key
 from kvpool.allocators.hashing import BlockHasher, hasher_for
-from kvpool.errors import ConfigError, InvalidIdError
+from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError
 from kvpool.requests.block_memory import BlockMemory, PoolMemory
 from kvpool.requests.request import Request
-from kvpool.spec import KVCacheGroup, LayerKind
+from kvpool.spec import KVCacheGroup
+from kvpool.spec.kv import needs_null_block
 
 if TYPE_CHECKING:
     from kvpool.allocators.policies import FrequencyAdmission
-    from kvpool.events import KVEventSink
+    from kvpool.events.sink import KVEventSink
     from kvpool.requests.state_checkpoints import RequestStates
     from kvpool.storage.paged import BlockStore
     from kvpool.tiers.backend import TierBackend
@@ -83,7 +84,7 @@ def blocks_needed(groups: Sequence[KVCacheGroup], num_tokens: int, chunk_tokens:
     null block a pool reserves when a group has a window. A request needing more than the pool never runs."""
     chunk = max(1, min(chunk_tokens, num_tokens))
     need = sum(g.max_blocks(num_tokens, chunk) for g in groups)
-    return need + any(g.kind is not LayerKind.FULL for g in groups)
+    return need + needs_null_block(groups)
 
 
 class KVCacheManager:
@@ -99,8 +100,8 @@ class KVCacheManager:
         pin_cap: the pool's pin cap (see :class:`BlockPool`).
         admission: the pool's publish-step :class:`~kvpool.allocators.policies.FrequencyAdmission` (see
             :class:`BlockPool`).
-        event_sink: the pool's KV events (:class:`kvpool.events.KVEventSink`); :meth:`flush_events` once per
-            step publishes them.
+        event_sink: the pool's KV events (:class:`kvpool.events.sink.KVEventSink`); :meth:`flush_events`
+            once per step publishes them.
         pool: an all-free :class:`BlockPool` to use (see :class:`KVCacheCoordinator`).
         states: a recurrent hybrid's :class:`~kvpool.requests.state_checkpoints.RequestStates` (state slots
             and checkpoints, with the attention groups' block size), or None.
@@ -123,6 +124,7 @@ class KVCacheManager:
                                               event_sink=event_sink, policy=policy, pin_cap=pin_cap,
                                               admission=admission, pool=pool)
         self.groups, self.block_size = self.coordinator.groups, self.coordinator.block_size
+        self._block_pool: BlockPool = self.coordinator.pool
         self.caching = enable_caching
         self.hasher = None if hasher is None else hasher_for(hasher, events=event_sink is not None)
         if states is not None and states.block_size != self.block_size:
@@ -136,7 +138,7 @@ class KVCacheManager:
         #: step: a step that comes up empty then waits instead of raising (another pool under the same
         #: budget may give memory back).
         self.memory_refused = False
-        self._windowed = any(g.kind is not LayerKind.FULL for g in self.groups)
+        self._windowed = needs_null_block(self.groups)
         self.tiers: OffloadManager | None = None
         self.stats, self.first_stats = PrefixCacheStats(), PrefixCacheStats()
         self.ops = 0  # block ids and hashes handled by pool calls (a replay reports block ops per second)
@@ -151,8 +153,30 @@ class KVCacheManager:
 
     @property
     def pool(self) -> Any:
-        """The coordinator's :class:`BlockPool` (a tensor-parallel leader may have wrapped it)."""
+        """What the request path calls: the coordinator's :class:`BlockPool`, or the wrapper
+        :meth:`wrap_pool` put in front of it."""
         return self.coordinator.pool
+
+    @property
+    def block_pool(self) -> BlockPool:
+        """The :class:`BlockPool` itself, under any wrapper :meth:`wrap_pool` put in front of it (the tiers
+        attach to it)."""
+        return self._block_pool
+
+    def wrap_pool(self, wrap: Callable[[BlockPool], Any]) -> Any:
+        """Put ``wrap(pool)`` in front of the :class:`BlockPool`: every later call of the request path (the
+        coordinator's allocate, free, cache and lookup) goes through it, and it is :attr:`pool`; returns it.
+        The seam a tensor-parallel leader records the pool's calls through, to replay them on its followers
+        (:class:`kvpool.engine.distributed.RecordingPool`): the wrapper takes every call a BlockPool takes
+        and must pass each on to it. Once per manager.
+
+        Raises:
+            InvalidArgumentError: a wrapper is in front already.
+        """
+        if self.coordinator.pool is not self._block_pool:
+            raise InvalidArgumentError("the pool has a wrapper in front of it already")
+        self.coordinator.pool = wrapper = wrap(self._block_pool)
+        return wrapper
 
     @property
     def null_block(self) -> int:
@@ -203,8 +227,7 @@ class KVCacheManager:
         hosts = [t for t in tiers if isinstance(t, HostTier)] if sink is not None else []
         if any(t.pool.event_sink is not None for t in hosts):
             raise ConfigError("with KV events, the host tier must not publish events elsewhere already")
-        raw = getattr(self.pool, "pool", self.pool)  # the BlockPool itself, under a recording wrapper
-        self.tiers = OffloadManager(raw, tiers, cache=cache, write_through=write_through,
+        self.tiers = OffloadManager(self.block_pool, tiers, cache=cache, write_through=write_through,
                                     asynchronous=asynchronous, admission=admission,
                                     staging_blocks=staging_blocks)
         for host in hosts:  # its stores and evictions go out in the same batches, medium CPU
@@ -441,7 +464,7 @@ class KVCacheManager:
         steps). False, nothing changed, where that is not so. The caller counts the steps' tokens."""
         coord, computed = self.coordinator, req.num_computed_tokens
         if steps <= 0 or self.states is not None or self._wanted_pins or len(self.groups) != 1 or \
-                self.groups[0].kind is not LayerKind.FULL or \
+                self.groups[0].memory_kind.frees_blocks or \
                 (self.caching and len(req.block_hashes) * self.block_size > computed):
             return False
         pool = self.pool

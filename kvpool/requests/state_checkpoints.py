@@ -20,7 +20,9 @@ so a cached prefix of KV is reusable for a hybrid only where the state *at its e
   is reserved then, so the forward can write the state into it as it passes the boundary) and becomes a
   visible checkpoint when the step's KV is published (:meth:`RequestStates.commit`), never before.
 * **Checkpoint slots** (:class:`StateCheckpoints`): at most ``capacity`` checkpoints (pending saves
-  included), least recently used evicted first (a restore touches one); with a
+  included), evicted in the order of an eviction policy of :mod:`kvpool.allocators.policies` (``make_policy``:
+  the KV pool's, so ``--policy`` applies to states too; ``lru`` by default: least recently used first, a
+  restore touching one); with a
   :class:`~kvpool.allocators.state_pool.StatePool` each holds a slot of the state buffers, without one it is
   counted only (a replay). A save that finds no slot (every one pending) is skipped and counted.
 * **Request slots.** A running request owns one state slot from admission to its end or preemption; at
@@ -34,11 +36,11 @@ Bookkeeping only (slot ids and hashes), like the allocators below; O(1) per save
 from __future__ import annotations
 
 import re
-from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvpool.allocators.policies import EvictionPolicy, make_policy
 from kvpool.allocators.state_pool import StatePool
 from kvpool.errors import ConfigError, IntegrityError, InvalidIdError, OutOfBlocksError
 from kvpool.numeric import as_int, as_optional_int
@@ -117,23 +119,41 @@ class CheckpointStats:
 
 
 class StateCheckpoints:
-    """Saved states keyed by block hash, at most ``capacity`` (None: unbounded), evicted least recently used.
+    """Saved states keyed by block hash, at most ``capacity`` (None: unbounded), evicted in the order of an
+    eviction policy.
+
+    Each checkpoint has an entry id in ``[0, capacity)``, the "block" its policy orders: a commit is a new
+    block's ``missed(hash)``, ``published(id, hash)`` and ``insert(id, 0)`` (a checkpoint is evictable at
+    once: nothing references it between restores), a restore ``hit(id)``, ``remove(id)`` and ``insert(id,
+    0)``, an eviction ``pop()``, a clear ``dropped(id)``: the calls a :class:`~kvpool.allocators.block_pool.
+    BlockPool` makes of a block that a request stores, later hits, and frees at once.
 
     Args:
         capacity: checkpoints held at most, pending saves included (None: no bound, needs ``pool`` None; 0:
             none, every save skipped).
         pool: the :class:`StatePool` checkpoint slots come from (None: counted only, slot :data:`NO_SLOT`).
+        policy: the eviction order, a name of :data:`~kvpool.allocators.policies.POLICIES` or a fresh
+            :class:`~kvpool.allocators.policies.EvictionPolicy` (default ``"lru"``; unused when unbounded,
+            where nothing is evicted).
 
     Raises:
         ConfigError: a capacity that is not an integer >= 0, or a pool with no capacity.
+        InvalidArgumentError: an unknown policy name, or a policy that serves a pool already.
     """
 
-    def __init__(self, capacity: int | None = None, *, pool: StatePool | None = None) -> None:
+    def __init__(self, capacity: int | None = None, *, pool: StatePool | None = None,
+                 policy: str | EvictionPolicy = "lru") -> None:
         self.capacity = as_optional_int(capacity, "state checkpoints", minimum=0, error=ConfigError)
         if pool is not None and self.capacity is None:
             raise ConfigError("checkpoints in state slots need a capacity (the slots set aside for them)")
         self.pool = pool
-        self._entries: OrderedDict[Hashable, int] = OrderedDict()  # least recently used first
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        if self.capacity:
+            self.policy.bind(self.capacity)
+        self._entries: dict[Hashable, int] = {}  # block hash -> entry id
+        self._slots: list[int] = []  # entry id -> state slot
+        self._hashes: list[Hashable] = []  # entry id -> block hash
+        self._free_ids: list[int] = []
         self._pending: set[int] = set()
         self._num_pending = 0
         self.stats = CheckpointStats()
@@ -152,13 +172,17 @@ class StateCheckpoints:
         return k
 
     def touch(self, block_hash: Hashable) -> int:
-        """Mark the checkpoint of ``block_hash`` most recently used and return its slot (a restore).
-        Raises InvalidIdError when there is none."""
-        slot = self._entries.get(block_hash)
-        if slot is None:
+        """Tell the policy the checkpoint of ``block_hash`` was used (a restore: LRU's most recently used)
+        and return its slot. Raises InvalidIdError when there is none."""
+        entry = self._entries.get(block_hash)
+        if entry is None:
             raise InvalidIdError(f"no state checkpoint at block hash {block_hash!r}")
-        self._entries.move_to_end(block_hash)
-        return slot
+        if self.capacity:
+            policy = self.policy
+            policy.hit(entry)
+            policy.remove(entry)
+            policy.insert(entry, 0)
+        return self._slots[entry]
 
     def reserve(self) -> int | None:
         """A slot for a pending save (:data:`NO_SLOT` without a pool), evicting the least recently used
@@ -180,10 +204,21 @@ class StateCheckpoints:
         is held already, it is touched and ``slot`` released."""
         self._unpend(slot)
         if block_hash in self._entries:
-            self._entries.move_to_end(block_hash)
+            self.touch(block_hash)
             self._free_slot(slot)
             return
-        self._entries[block_hash] = slot
+        entry = self._free_ids.pop() if self._free_ids else len(self._slots)
+        if entry == len(self._slots):
+            self._slots.append(slot)
+            self._hashes.append(block_hash)
+        else:
+            self._slots[entry], self._hashes[entry] = slot, block_hash
+        self._entries[block_hash] = entry
+        if self.capacity:
+            policy = self.policy
+            policy.missed(block_hash)
+            policy.published(entry, block_hash)
+            policy.insert(entry, 0)
         self.stats.saved += 1
         self.stats.peak_checkpoints = max(self.stats.peak_checkpoints, len(self._entries))
 
@@ -194,14 +229,24 @@ class StateCheckpoints:
 
     def clear(self) -> None:
         """Drop every checkpoint (pending saves stay pending)."""
-        for slot in self._entries.values():
-            self._free_slot(slot)
-        self._entries.clear()
+        for entry in list(self._entries.values()):
+            if self.capacity:
+                self.policy.dropped(entry)
+            self._drop(entry)
 
     def _evict(self) -> None:
-        _, slot = self._entries.popitem(last=False)
-        self._free_slot(slot)
+        self._drop(self.policy.pop())
         self.stats.evicted += 1
+
+    def _drop(self, entry: int) -> None:
+        del self._entries[self._hashes[entry]]
+        self._free_slot(self._slots[entry])
+        self._hashes[entry] = None
+        self._free_ids.append(entry)
+
+    def slots(self) -> list[int]:
+        """The state slots of the checkpoints held (:data:`NO_SLOT` for each without a pool)."""
+        return [self._slots[entry] for entry in self._entries.values()]
 
     def _unpend(self, slot: int) -> None:
         if self._num_pending < 1 or (slot != NO_SLOT and slot not in self._pending):
@@ -221,7 +266,7 @@ class StateCheckpoints:
             raise IntegrityError(f"{held} state checkpoints and pending saves exceed {self.capacity}")
         if self.pool is None:
             return
-        slots = [*self._entries.values(), *self._pending]
+        slots = [*self.slots(), *self._pending]
         if len(set(slots)) != len(slots) or len(self._pending) != self._num_pending:
             raise IntegrityError("a state checkpoint slot is held twice")
         if any(self.pool.ref_count(s) < 1 for s in slots):
@@ -375,5 +420,5 @@ class RequestStates:
         slots = list(self._slots.values())
         if len(set(slots)) != len(slots) or any(self.pool.ref_count(s) < 1 for s in slots):
             raise IntegrityError("request state slots are not distinct allocated slots")
-        if self.checkpoints.pool is self.pool and set(slots) & set(self.checkpoints._entries.values()):
+        if self.checkpoints.pool is self.pool and set(slots) & set(self.checkpoints.slots()):
             raise IntegrityError("a request's state slot is also a checkpoint's")

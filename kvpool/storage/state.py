@@ -22,7 +22,7 @@ import torch
 
 from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError
 from kvpool.numeric import as_int, index_or_none
-from kvpool.state_spec import RecurrentStateSpec
+from kvpool.spec.state import RecurrentStateSpec
 from kvpool.storage.arena import ElasticConfig, elastic_config
 from kvpool.storage.block_copy import check_block_ids, copy_pairs, copy_within
 from kvpool.storage.elastic import ElasticMemory
@@ -32,7 +32,7 @@ class RecurrentStateCache(ElasticMemory):
     """The conv and SSM state of every recurrent layer for ``num_slots`` requests.
 
     Args:
-        spec: the :class:`~kvpool.state_spec.RecurrentStateSpec` (shapes and dtypes per layer per request).
+        spec: the :class:`~kvpool.spec.state.RecurrentStateSpec` (shapes and dtypes per layer per request).
         num_slots: state slots N (what the state pool hands out, padding slot included).
         device: where the buffers live.
         elastic: True or an :class:`~kvpool.storage.arena.ElasticConfig`: both buffers sit on one page

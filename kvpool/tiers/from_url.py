@@ -10,9 +10,12 @@ enable_offload`, a user's own engine) describes its chain as URLs, fastest first
 - ``redis://HOST:PORT[/DB]`` or ``rediss://...``: a Redis server or Redis Cluster node shared by processes
   (:class:`~kvpool.tiers.redis.RedisTier`).
 
-:func:`parse_tier_url` checks one URL without touching anything (so a command fails before it loads a
-model); :func:`check_chain` checks a chain's order (at most one host tier, first); :func:`tiers_from_urls`
-builds the tiers. Every malformed URL is a :class:`~kvpool.errors.ConfigError` naming what is wrong.
+:func:`parse_tier_url` checks one URL without touching anything but a disk tier's folder, which it probes
+(so a command fails before it loads a model), into a :class:`TierURL`; :func:`check_chain` checks a chain's
+order (at most one host tier, first); :func:`tiers_from_urls` builds the tiers. Both take a
+:class:`TierURL` as it is, so a command that reads its chain once parses each URL once. :func:`build_tier`
+is the one place a tier is made from its description (the vLLM and SGLang plug-ins' ``open_tier`` too).
+Every malformed URL is a :class:`~kvpool.errors.ConfigError` naming what is wrong.
 """
 
 from __future__ import annotations
@@ -79,16 +82,32 @@ def parse_tier_url(url: str) -> TierURL:
     if len(options) != 1 or not set(options) <= {"bytes", "blocks"}:
         raise _bad_url(url, "a disk tier takes one size, bytes=SIZE or blocks=N")
     path = urllib.parse.unquote(parts.path)
-    check_folder(path, f"bad tier URL {redact_url(url)!r}")
     if "blocks" in options:
-        return TierURL(medium, url, blocks=_positive(url, options["blocks"]), path=path)
+        return disk_tier(path, blocks=_positive(url, options["blocks"]), url=url)
     try:
         size = parse_bytes(options["bytes"])
     except ValueError as exc:
         raise _bad_url(url, str(exc)) from None
-    if size < 1:
-        raise _bad_url(url, "the disk tier needs bytes > 0")
-    return TierURL(medium, url, bytes=size, path=path)
+    return disk_tier(path, bytes=size, url=url)
+
+
+def disk_tier(folder: str, *, bytes: int | None = None, blocks: int | None = None, url: str | None = None,
+              what: str | None = None) -> TierURL:
+    """The checked :class:`TierURL` of a disk tier in ``folder`` bounded in ``bytes`` or in ``blocks`` (one
+    of them): the folder is probed once (:func:`check_folder`). ``url``: the tier's URL as written (default:
+    :func:`disk_url` of the folder); ``what``: how an error names the tier (default: by its URL).
+
+    Raises:
+        ConfigError: a folder that cannot be created or written, no size or two, a size below 1.
+    """
+    url = url if url is not None else disk_url(folder, bytes=bytes, blocks=blocks)
+    check_folder(folder, what if what is not None else f"bad tier URL {redact_url(url)!r}")
+    if (bytes is None) == (blocks is None):
+        raise _bad_url(url, "a disk tier takes one size, bytes=SIZE or blocks=N")
+    size, unit = (bytes, "bytes") if bytes is not None else (blocks, "blocks")
+    if size is None or size < 1:
+        raise _bad_url(url, f"the disk tier needs {unit} > 0")
+    return TierURL("disk", url, blocks=blocks, bytes=bytes, path=folder)
 
 
 def _options(url: str, query: str) -> dict[str, str]:
@@ -132,51 +151,73 @@ def _can_create_in(folder: Path) -> bool:
     return True
 
 
-def check_chain(urls: Sequence[str]) -> list[TierURL]:
-    """Every URL of a chain checked, and the chain's order: at most one host tier, and it comes first.
-    Raises ConfigError."""
-    parsed = [parse_tier_url(u) for u in urls]
+def check_chain(urls: Sequence[str | TierURL]) -> list[TierURL]:
+    """Every URL of a chain checked, and the chain's order: at most one host tier, and it comes first. A
+    :class:`TierURL` was checked when it was made: it is taken as it is (a URL is parsed once per
+    command). Raises ConfigError."""
+    parsed = [u if isinstance(u, TierURL) else parse_tier_url(u) for u in urls]
     hosts = [i for i, t in enumerate(parsed) if t.medium == "host"]
     if len(hosts) > 1 or hosts and hosts[0] != 0:
         raise ConfigError("a tier chain has at most one host tier, and it comes first (fastest first)")
     return parsed
 
 
-def tiers_from_urls(urls: Sequence[str], namespace: Any, *, block_bytes: int, like: Any = None,
+def tiers_from_urls(urls: Sequence[str | TierURL], namespace: Any, *, block_bytes: int, like: Any = None,
                     auth_key: Any = None) -> list[Any]:
-    """The tiers ``urls`` describe, fastest first, in ``namespace`` (a
-    :class:`~kvpool.tiers.backend.Namespace`), storing ``block_bytes`` per block (0: hash-only, a replay);
-    ``like``: the device cache a host tier copies (None: hash-only). A disk tier bounded in blocks holds
-    that many values with their 64-byte headers. ``auth_key``: the fleet secret that authenticates the disk
-    and Redis tiers' values (a :class:`~kvpool.tiers.auth.TierKey`, or the secret as str/bytes; None: the
-    environment's, :meth:`~kvpool.tiers.auth.TierKey.from_env`).
+    """The tiers ``urls`` (URLs, or :class:`TierURL` s checked already) describe, fastest first, each
+    :func:`build_tier`'s. ``auth_key``: as :func:`resolve_auth_key` reads it, for the disk and Redis tiers.
 
     Raises:
-        ConfigError: as :func:`check_chain`, a disk or Redis tier without a secret, or a tier that cannot
-            be built (a disk folder another process holds, a host buffer too large).
+        ConfigError: as :func:`check_chain` and :func:`build_tier`.
     """
-    from kvpool.tiers.backend import HEADER_BYTES
-    from kvpool.tiers.file import FileTier
-    from kvpool.tiers.host import HostTier
-
     chain = check_chain(urls)
-    if auth_key is None and any(t.medium != "host" for t in chain):
-        from kvpool.tiers.auth import TierKey
+    key = resolve_auth_key(auth_key) if any(t.medium != "host" for t in chain) else None
+    return [build_tier(tier, namespace, block_bytes=block_bytes, like=like, auth_key=key) for tier in chain]
 
-        auth_key = TierKey.from_env()
-    tiers: list[Any] = []
-    for tier in chain:
-        if tier.medium == "host":
-            tiers.append(HostTier(tier.blocks, namespace, like=like))
-        elif tier.medium == "disk":
-            capacity = tier.bytes if tier.bytes is not None else tier.blocks * (HEADER_BYTES + block_bytes)
-            tiers.append(FileTier(tier.path, namespace, capacity_bytes=capacity, block_bytes=block_bytes,
-                                  auth_key=auth_key))
-        else:
-            from kvpool.tiers.redis import RedisTier
 
-            tiers.append(RedisTier(tier.url, namespace, block_bytes=block_bytes, auth_key=auth_key))
-    return tiers
+def resolve_auth_key(auth_key: Any = None) -> Any:
+    """The :class:`~kvpool.tiers.auth.TierKey` a disk or Redis tier authenticates its values with: a key, or
+    a secret (str or bytes: the tier makes the key), as it is; ``"public"``: :meth:`~kvpool.tiers.auth.
+    TierKey.public` (an explicit opt-out); None: the environment's (:meth:`~kvpool.tiers.auth.TierKey.
+    from_env`, None when it holds none: the tier then refuses to open)."""
+    from kvpool.tiers.auth import TierKey
+
+    if auth_key is None:
+        return TierKey.from_env()
+    return TierKey.public() if isinstance(auth_key, str) and auth_key == "public" else auth_key
+
+
+def build_tier(tier: TierURL, namespace: Any, *, block_bytes: int, like: Any = None, auth_key: Any = None,
+               **redis_options: Any) -> Any:
+    """The one place a tier is made from its description: ``tier`` in ``namespace`` (a
+    :class:`~kvpool.tiers.backend.Namespace`), storing ``block_bytes`` per block (0: hash-only, a replay).
+    A host tier copies ``like``, the device cache (None: hash-only); a disk tier bounded in blocks holds
+    that many values with their 64-byte headers; a Redis tier takes ``redis_options`` (``prefix``,
+    ``timeout_s``, ``retry_s``, ``ttl_s``: see :class:`~kvpool.tiers.redis.RedisTier`). ``auth_key``: the
+    disk and Redis tiers' :class:`~kvpool.tiers.auth.TierKey` (or a secret), used as it is (see
+    :func:`resolve_auth_key`).
+
+    Raises:
+        ConfigError: a disk or Redis tier without a key, Redis options for another tier, or a tier that
+            cannot be built (a disk folder another process holds, a host buffer too large).
+    """
+    if redis_options and tier.medium != "remote":
+        raise ConfigError(f"options {', '.join(sorted(redis_options))} are for a Redis tier, not a "
+                          f"{tier.medium} tier")
+    if tier.medium == "host":
+        from kvpool.tiers.host import HostTier
+
+        return HostTier(tier.blocks, namespace, like=like)
+    if tier.medium == "disk":
+        from kvpool.tiers.backend import HEADER_BYTES
+        from kvpool.tiers.file import FileTier
+
+        capacity = tier.bytes if tier.bytes is not None else tier.blocks * (HEADER_BYTES + block_bytes)
+        return FileTier(tier.path, namespace, capacity_bytes=capacity, block_bytes=block_bytes,
+                        auth_key=auth_key)
+    from kvpool.tiers.redis import RedisTier
+
+    return RedisTier(tier.url, namespace, block_bytes=block_bytes, auth_key=auth_key, **redis_options)
 
 
 def host_url(blocks: int) -> str:

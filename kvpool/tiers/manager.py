@@ -74,10 +74,23 @@ def tier_of(code: int) -> int:
     return -2 - code
 
 
+#: Why :meth:`OffloadManager.lookup`, :meth:`~OffloadManager.num_blocks_to_allocate` and
+#: :meth:`~OffloadManager.acquire` warn: kvpool's request path (every KV cache group) does not use them.
+SINGLE_GROUP_DEPRECATED = ("OffloadManager.{name} (the single-group tier API: lookup, "
+                           "num_blocks_to_allocate, acquire, PrefixHit) is deprecated: attach tiers with "
+                           "KVCacheManager.attach_tiers and admit requests with KVCacheManager.admit, which "
+                           "restore a hit from the tiers for every KV cache group")
+
+
+def _single_group_deprecated(name: str) -> None:
+    warnings.warn(SINGLE_GROUP_DEPRECATED.format(name=name), DeprecationWarning, stacklevel=3)
+
+
 @dataclass
 class PrefixHit:
-    """The longest prefix of ``hashes`` held somewhere: ``where[i]`` is 0 for the device (block
-    ``device_ids[i]``) or ``t + 1`` for ``manager.tiers[t]`` (``device_ids[i]`` None)."""
+    """Deprecated with :meth:`OffloadManager.lookup`, which returns it. The longest prefix of ``hashes``
+    held somewhere: ``where[i]`` is 0 for the device (block ``device_ids[i]``) or ``t + 1`` for
+    ``manager.tiers[t]`` (``device_ids[i]`` None)."""
 
     hashes: list[Hashable]
     where: list[int] = field(default_factory=list)
@@ -378,11 +391,13 @@ class OffloadManager:
             if n:
                 tier.count_hits(n)
 
-    # ---- one sequence of hashes (a single KV cache group) --------------------------------------------
+    # ---- one sequence of hashes (a single KV cache group): deprecated ---------------------------------
 
     def lookup(self, hashes: Sequence[Hashable]) -> PrefixHit:
-        """The longest prefix of ``hashes`` (group 0's keys: the hashes themselves) held on the device or
-        in any tier. Counts the device pool's lookup stats; changes nothing else."""
+        """Deprecated (:data:`SINGLE_GROUP_DEPRECATED`). The longest prefix of ``hashes`` (group 0's keys:
+        the hashes themselves) held on the device or in any tier. Counts the device pool's lookup stats;
+        changes nothing else."""
+        _single_group_deprecated("lookup")
         hashes = list(hashes)
         device = self.pool.lookup(hashes)
         hit = PrefixHit(hashes, [DEVICE] * len(device), list(device), len(device))
@@ -397,19 +412,23 @@ class OffloadManager:
         return hit
 
     def num_blocks_to_allocate(self, hit: PrefixHit, num_blocks: int) -> int:
-        """Free device blocks taking ``hit`` plus ``num_blocks - len(hit)`` new blocks consumes: all but
-        the device hits that are in use already (as :meth:`BlockPool.num_blocks_to_allocate`)."""
+        """Deprecated (:data:`SINGLE_GROUP_DEPRECATED`). Free device blocks taking ``hit`` plus ``num_blocks
+        - len(hit)`` new blocks consumes: all but the device hits that are in use already (as
+        :meth:`BlockPool.num_blocks_to_allocate`)."""
+        _single_group_deprecated("num_blocks_to_allocate")
         ref = self.pool.ref_count
         return num_blocks - sum(1 for b in hit.device_ids if b is not None and ref(b) > 0)
 
     def acquire(self, hit: PrefixHit) -> list[int]:
-        """Device blocks for ``hit``'s prefix, each with a reference held for the caller: the blocks found
-        below are restored (:meth:`restore`), then the prefix on the device is touched. Returns the block
+        """Deprecated (:data:`SINGLE_GROUP_DEPRECATED`). Device blocks for ``hit``'s prefix, each with a
+        reference held for the caller: the blocks found below are restored (:meth:`restore`), then the
+        prefix on the device is touched. Returns the block
         ids of the prefix actually available (shorter than ``hit`` when a load failed). Raises
         :class:`OutOfBlocksError` (nothing changed) when the pool cannot give the new blocks: check
         :meth:`num_blocks_to_allocate` first; :class:`InvalidArgumentError` (nothing changed) for a stale
         hit, a device block of which no longer holds its hash (evicted, maybe handed to another request,
         since the lookup: look up again)."""
+        _single_group_deprecated("acquire")
         cached = self.pool.get_cached_block
         for i, b in enumerate(hit.device_ids):
             if b is not None and cached(hit.hashes[i]) != b:

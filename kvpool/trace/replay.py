@@ -30,7 +30,7 @@ from kvpool.trace.replayer import (
 )
 
 if TYPE_CHECKING:
-    from kvpool.events import KVEventSink
+    from kvpool.events.sink import KVEventSink
     from kvpool.tiers.backend import TierBackend
 
 __all__ = ["HIT_RATIO_BASIS", "REPLAY_POLICIES", "TIMINGS", "ReplayConfig", "ReplayResult", "admission_order",

@@ -59,14 +59,15 @@ from kvpool.requests.kv_manager import KVCacheManager, blocks_needed
 from kvpool.requests.request import Request
 from kvpool.requests.scheduler import Scheduler, SchedulerOutput
 from kvpool.requests.state_checkpoints import RequestStates, SavePolicy, StateCheckpoints
-from kvpool.spec import KVCacheGroup, LayerKind
+from kvpool.spec import KVCacheGroup
+from kvpool.spec.kv import needs_null_block
 from kvpool.storage.arena import DEFAULT_PAGE_SIZE
 from kvpool.storage.elastic import PageModel
 from kvpool.trace.belady import BeladyPolicy, TraceFuture
 from kvpool.trace.loaders import MOONCAKE_BLOCK_SIZE, TraceRequest
 
 if TYPE_CHECKING:
-    from kvpool.events import KVEventSink
+    from kvpool.events.sink import KVEventSink
     from kvpool.tiers.backend import TierBackend
 
 TIMINGS = ("instant", "trace")
@@ -163,7 +164,7 @@ class ReplayConfig:
     @property
     def kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
         """:attr:`groups`, or one full-attention group when none are given."""
-        return self.groups or (KVCacheGroup(0, LayerKind.FULL, None, (0,), 1, self.block_size),)
+        return self.groups or (KVCacheGroup.full(self.block_size),)
 
     @property
     def step_tokens(self) -> int:
@@ -271,7 +272,7 @@ def unbounded_num_blocks(requests: Sequence[TraceRequest], config: ReplayConfig 
     """Blocks to hold every request of the trace at once: the sum of :func:`request_blocks` (the null
     block counted once). ``config`` may be a block size (one full-attention group)."""
     config = ReplayConfig(block_size=config) if isinstance(config, int) else config
-    null = 1 if any(g.kind is not LayerKind.FULL for g in config.kv_cache_groups) else 0
+    null = 1 if needs_null_block(config.kv_cache_groups) else 0
     return max(1 + null, sum(request_blocks(r, config) - null for r in requests) + null)
 
 
@@ -357,12 +358,14 @@ class Replayer:
         self.kv.attach_tiers(tiers, write_through=write_through, asynchronous=False, admission=admission)
 
     def _states(self) -> RequestStates | None:
-        """A recurrent hybrid's state slots (one per request that may run) and counted checkpoints."""
+        """A recurrent hybrid's state slots (one per request that may run) and counted checkpoints, evicted
+        by a policy of the pool's name (``lru`` under ``belady``, whose future is the KV blocks')."""
         cfg = self.cfg
         if cfg.state_save is None:
             return None
+        policy = make_policy("lru" if cfg.policy == "belady" else cfg.policy, clock=lambda: self.now)
         return RequestStates(cfg.state_save, cfg.block_size, StatePool(cfg.max_num_seqs),
-                             checkpoints=StateCheckpoints(cfg.state_checkpoints))
+                             checkpoints=StateCheckpoints(cfg.state_checkpoints, policy=policy))
 
     def _policy(self, num_blocks: int) -> EvictionPolicy:
         cfg = self.cfg

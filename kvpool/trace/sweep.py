@@ -18,7 +18,7 @@ from kvpool.trace.replay import ReplayConfig, run_replay
 from kvpool.trace.report import PoolHeatmap, SweepRun
 
 if TYPE_CHECKING:
-    from kvpool.events import KVEventSink
+    from kvpool.events.sink import KVEventSink
     from kvpool.tiers.backend import TierBackend
 
 

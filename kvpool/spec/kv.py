@@ -25,6 +25,7 @@ bytes: a group of smaller layers gets more layer slots per block (:func:`kv_cach
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Sequence
@@ -35,8 +36,9 @@ from typing import Any
 import torch
 
 from kvpool.errors import ConfigError
-from kvpool.hf_config import MAX_LAYERS, too_many_layers
 from kvpool.numeric import as_int, as_optional_int
+from kvpool.spec.hf_config import MAX_LAYERS, too_many_layers
+from kvpool.spec.kinds import ATTENTION_KINDS, MemoryKind, attention_kind
 
 #: KV cache dtype names accepted everywhere (CLI, ``from_hf_config``, ``parse_kv_dtype``).
 KV_DTYPES: dict[str, torch.dtype] = {
@@ -162,6 +164,10 @@ class KVCacheGroup:
         block_size: tokens per block.
         shape: the layers' :class:`LayerShape` on one rank, or None where the caller gave no shapes.
         layer_bytes_per_token: bytes one token takes in one of the layers on one rank (0: not given).
+        memory_kind: the rules of the layers' kind (:mod:`kvpool.spec.kinds`), from ``kind`` and ``window``.
+
+    Raises:
+        ConfigError: a kind that is not a :class:`LayerKind`, a sliding or chunked kind without a window.
     """
 
     index: int
@@ -172,6 +178,16 @@ class KVCacheGroup:
     block_size: int
     shape: LayerShape | None = None
     layer_bytes_per_token: int = 0
+    memory_kind: MemoryKind = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", LayerKind(self.kind))
+        object.__setattr__(self, "memory_kind", attention_kind(self.kind.value, self.window))
+
+    @classmethod
+    def full(cls, block_size: int) -> KVCacheGroup:
+        """The one group of a model whose layers all attend fully (a trace's, which names no layers)."""
+        return cls(0, LayerKind.FULL, None, (0,), 1, block_size)
 
     @property
     def num_padding_layers(self) -> int:
@@ -191,42 +207,24 @@ class KVCacheGroup:
         return self.num_padding_layers * self.layer_bytes_per_token * self.block_size
 
     def skipped_blocks(self, num_tokens: int) -> int:
-        """Leading blocks that no query at position ``>= num_tokens`` reads again (they can be freed).
-
-        Full: 0. Sliding: the blocks wholly before token ``num_tokens - W + 1``, i.e.
-        ``max(0, (num_tokens - W + 1) // B)`` (vLLM's ``remove_skipped_blocks``). Chunked: the blocks before
-        the start of the chunk holding token ``num_tokens``, ``(C * (num_tokens // C)) // B``.
-        """
-        if self.kind is LayerKind.FULL or self.window is None:
-            return 0
-        if self.kind is LayerKind.SLIDING:
-            return max(0, (num_tokens - self.window + 1) // self.block_size)
-        return self.window * (num_tokens // self.window) // self.block_size
+        """Leading blocks that no query at position ``>= num_tokens`` reads again (they can be freed): its
+        :attr:`memory_kind`'s :meth:`~kvpool.spec.kinds.MemoryKind.skipped_blocks` (full: 0; sliding:
+        ``max(0, (num_tokens - W + 1) // B)``, vLLM's ``remove_skipped_blocks``; chunked: ``(C * (num_tokens
+        // C)) // B``)."""
+        return self.memory_kind.skipped_blocks(num_tokens, self.block_size)
 
     def max_blocks(self, num_tokens: int, chunk_tokens: int = 1) -> int:
         """Most blocks a request of ``num_tokens`` tokens holds in this group at once, when it computes
-        ``chunk_tokens`` tokens per step and frees :meth:`skipped_blocks` before each step.
-
-        Full: ``cdiv(n, B)``. Sliding: ``min(cdiv(n, B), cdiv(W + c - 2, B) + 1)`` (the keys of c queries
-        span W - 1 + c tokens at any offset in a block; c = 1 gives vLLM's SlidingWindowSpec bound
-        ``cdiv(W - 1, B) + 1``). Chunked (C a multiple of B): ``min(cdiv(n, B), cdiv(C - 1 + c, B))``
-        (c = 1: ``C / B``).
-        """
-        full = cdiv(num_tokens, self.block_size)
-        if self.kind is LayerKind.FULL or self.window is None:
-            return full
-        if self.kind is LayerKind.SLIDING:
-            return min(full, cdiv(self.window + chunk_tokens - 2, self.block_size) + 1)
-        return min(full, cdiv(self.window - 1 + chunk_tokens, self.block_size))
+        ``chunk_tokens`` tokens per step and frees :meth:`skipped_blocks` before each step: its
+        :attr:`memory_kind`'s :meth:`~kvpool.spec.kinds.MemoryKind.max_blocks` (full: ``cdiv(n, B)``;
+        sliding: ``min(cdiv(n, B), cdiv(W + c - 2, B) + 1)``, c = 1 giving vLLM's SlidingWindowSpec bound
+        ``cdiv(W - 1, B) + 1``; chunked: ``min(cdiv(n, B), cdiv(C - 1 + c, B))``)."""
+        return self.memory_kind.max_blocks(num_tokens, self.block_size, chunk_tokens)
 
     def describe(self) -> str:
         """``"sliding_attention (window 1024)"``, ``"chunked_attention (chunk 8192)"`` or
         ``"full_attention"``."""
-        if self.kind is LayerKind.SLIDING:
-            return f"{self.kind.value} (window {self.window})"
-        if self.kind is LayerKind.CHUNKED:
-            return f"{self.kind.value} (chunk {self.window})"
-        return self.kind.value
+        return self.memory_kind.describe()
 
 
 def kv_cache_groups(layer_kinds: Sequence[LayerKind],
@@ -269,7 +267,8 @@ def kv_cache_groups(layer_kinds: Sequence[LayerKind],
         if shapes is not None and shape is None:
             continue  # reads another layer's KV: no slot of its own
         window = windows[layer] if per_layer else windows.get(kind)  # type: ignore[index, union-attr]
-        by_key.setdefault((kind, None if kind is LayerKind.FULL else window, shape), []).append(layer)
+        rules = attention_kind(LayerKind(kind).value, window)
+        by_key.setdefault((LayerKind(kind), rules.window or None, shape), []).append(layer)
     per_key = [1 if layer_bytes is None else layer_bytes[layers[0]] for layers in by_key.values()]
     weights = [len(layers) * b for layers, b in zip(by_key.values(), per_key, strict=True)]
     base = max(weights) if max(weights) < 1.5 * min(weights) else min(weights)
@@ -285,12 +284,18 @@ def kv_cache_groups(layer_kinds: Sequence[LayerKind],
     return tuple(groups)
 
 
+def needs_null_block(groups: Sequence[KVCacheGroup]) -> bool:
+    """Whether a pool serving ``groups`` reserves a null block: when any group's kind frees a request's
+    leading blocks (a window), its table holds the null block in their place."""
+    return any(g.memory_kind.frees_blocks for g in groups)
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     """The KV cache of one model on one tensor-parallel rank.
 
     Args:
-        num_layers: attention layers that keep KV (at most :data:`kvpool.hf_config.MAX_LAYERS`).
+        num_layers: attention layers that keep KV (at most :data:`kvpool.spec.hf_config.MAX_LAYERS`).
         num_kv_heads: KV heads of the whole model, before tensor parallelism (not query heads).
         head_dim: elements per head.
         dtype: KV storage dtype (a torch dtype or a name from :data:`KV_DTYPES`).
@@ -405,20 +410,22 @@ class KVCacheSpec:
                 check(v, f"{field}[{i}]", minimum=low, error=ConfigError) for i, v in enumerate(values)))
 
     def _checked_windows(self) -> tuple[int | None, ...]:
-        """Each layer's window: its ``layer_windows`` entry, else its kind's (None for full layers)."""
-        default = {LayerKind.SLIDING: self.sliding_window, LayerKind.CHUNKED: self.attention_chunk_size}
+        """Each layer's window: its ``layer_windows`` entry, else the spec field its kind names
+        (:meth:`~kvpool.spec.kinds.MemoryKind.window_field`: ``sliding_window``, ``attention_chunk_size``;
+        None for a kind without a window), checked by the kind."""
         given = self.layer_windows or (None,) * self.num_layers
-        kinds: tuple[LayerKind, ...] = self.layer_types or ()
-        windows = tuple(None if kind is LayerKind.FULL else w if w is not None else default[kind]
-                        for kind, w in zip(kinds, given, strict=True))
-        for layer, (kind, window) in enumerate(zip(kinds, windows, strict=True)):
-            if kind is not LayerKind.FULL and window is None:
+        windows: list[int | None] = []
+        for layer, (kind, w) in enumerate(zip(self.layer_types or (), given, strict=True)):
+            rules = ATTENTION_KINDS[kind.value]
+            field_name = rules.window_field()
+            window = None if not field_name else w if w is not None else getattr(self, field_name)
+            if field_name and window is None:
                 raise ConfigError(f"layer {layer} is {kind.value} but has no window (layer_windows[{layer}], "
                                   f"sliding_window or attention_chunk_size)")
-            if kind is LayerKind.CHUNKED and window is not None and window % self.block_size:
-                raise ConfigError(f"the chunk of layer {layer}, {window}, must be a multiple of block_size "
-                                  f"{self.block_size} (a chunk's blocks are freed whole)")
-        return windows
+            if window is not None:
+                rules.check_window(window, self.block_size, f"the chunk of layer {layer}, {window},")
+            windows.append(window)
+        return tuple(windows)
 
     def _check_kv_sources(self) -> None:
         for layer, source in enumerate(self.kv_source_layers or ()):
@@ -490,18 +497,15 @@ class KVCacheSpec:
         kinds = tuple(LayerKind(k) for k in self.layer_types)
         if self.layer_windows is not None:  # windows checked per layer (_checked_windows)
             return kinds
-        if LayerKind.SLIDING in kinds and self.sliding_window is None:
-            raise ConfigError("layer_types has sliding_attention layers but sliding_window is not set")
-        if LayerKind.CHUNKED in kinds:
-            self._check_chunk()
+        for kind in dict.fromkeys(kinds):  # each kind's spec-wide window, named as the config names it
+            rules = ATTENTION_KINDS[kind.value]
+            field_name = rules.window_field()
+            window = getattr(self, field_name) if field_name else None
+            if field_name and window is None:
+                raise ConfigError(f"layer_types has {kind.value} layers but {field_name} is not set")
+            if window is not None:
+                rules.check_window(window, self.block_size, f"{field_name} {window}")
         return kinds
-
-    def _check_chunk(self) -> None:
-        if self.attention_chunk_size is None:
-            raise ConfigError("layer_types has chunked_attention layers but attention_chunk_size is not set")
-        if self.attention_chunk_size % self.block_size:
-            raise ConfigError(f"attention_chunk_size {self.attention_chunk_size} must be a multiple of "
-                              f"block_size {self.block_size} (a chunk's blocks are freed whole)")
 
     def _set_ints(self, check: Any, minimum: int, *fields: str) -> None:
         """Each field checked by ``check`` (``as_int`` or ``as_optional_int``) and stored as an int."""
@@ -574,7 +578,7 @@ class KVCacheSpec:
     @property
     def has_windows(self) -> bool:
         """Whether any layer slides or attends in chunks (blocks can be freed before a request ends)."""
-        return any(g.kind is not LayerKind.FULL for g in self.groups)
+        return needs_null_block(self.groups)
 
     @property
     def bytes_per_block(self) -> int:
@@ -593,13 +597,13 @@ class KVCacheSpec:
         block_size: int = 16,
     ) -> KVCacheSpec:
         """Build the spec from a Hugging Face ``config.json`` (a file, a folder holding one, a dict, or the
-        name of a built-in config: :data:`kvpool.hf_config.BUILTIN_CONFIGS`).
+        name of a built-in config: :data:`kvpool.spec.hf_config.BUILTIN_CONFIGS`).
 
-        See :func:`kvpool.hf_config.read_kv_fields` for the model types understood and how missing fields
+        See :func:`kvpool.spec.hf_config.read_kv_fields` for the model types understood and how missing fields
         are filled; ``kv_cache_dtype="auto"`` follows vLLM (:func:`auto_kv_dtype`). Raises
         :class:`ConfigError` for an unreadable config, a missing field or a bad dtype.
         """
-        from kvpool.hf_config import read_kv_fields
+        from kvpool.spec.hf_config import read_kv_fields
 
         fields = read_kv_fields(path_or_dict)
         model_dtype, model_type = fields.pop("model_dtype"), fields.pop("model_type")
