@@ -38,6 +38,10 @@ name                                    type     what
 ``kvpool_state_checkpoint_hits``        counter  admissions restored from a checkpoint
 ``kvpool_state_checkpoints_evicted``    counter  checkpoints evicted (least recently used)
 ``kvpool_kv_tokens_without_state``      counter  tokens whose KV was cached but past the last checkpoint
+``kvpool_kv_memory_bytes``              gauge    the KV cache's bytes by ``state``: ``reserved`` (the whole
+                                                 cache), ``committed`` (physical memory held: an elastic
+                                                 cache's pages), ``used`` (blocks in use), ``cached`` (cached
+                                                 free blocks); given by the consumer
 ======================================  =======  ==========================================================
 
 (Counters are exposed with the ``_total`` suffix, e.g. ``kvpool_evicted_blocks_total``.)
@@ -59,6 +63,7 @@ if TYPE_CHECKING:
     from kvpool.events.publishers import EventPublisher
 
 POOL_LABELS = ("tier", "group")
+MEMORY_STATES = ("reserved", "committed", "used", "cached")
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,7 @@ class KVPoolCollector:
         self._sources: list[_Source] = []
         self.preemptions, self._publisher = preemptions, publisher
         self._states: Any = None
+        self._memory: Callable[[], dict[str, Any]] | None = None
 
     def add_states(self, states: Any) -> KVPoolCollector:
         """Export a recurrent hybrid's state slots and checkpoints (a
@@ -93,6 +99,15 @@ class KVPoolCollector:
         if self._states is not None:
             raise InvalidArgumentError("recurrent states are already added")
         self._states = states
+        return self
+
+    def add_memory(self, stats: Callable[[], dict[str, Any]]) -> KVPoolCollector:
+        """Export the KV cache's memory: ``stats()`` returns bytes under ``reserved``, ``committed``,
+        ``used`` and ``cached`` (:meth:`kvpool.engine.engine.LLMEngine.memory_stats`), read at each scrape;
+        returns self. Raises InvalidArgumentError when memory is added already."""
+        if self._memory is not None:
+            raise InvalidArgumentError("the KV memory is already added")
+        self._memory = stats
         return self
 
     def add_pool(self, pool: BlockPool, *, block_size: int, tier: str = "device", group: int | str = 0,
@@ -137,6 +152,10 @@ class KVPoolCollector:
             put("kvpool_kv_events_dropped", (), pub.dropped_events)
         if self._states is not None:
             self._collect_states(self._states, put)
+        if self._memory is not None:
+            memory = self._memory()
+            for state in MEMORY_STATES:
+                put("kvpool_kv_memory_bytes", (state,), memory[state])
         yield from families.values()
 
     @staticmethod
@@ -212,6 +231,9 @@ class KVPoolCollector:
                     c("kvpool_state_checkpoints_evicted", "State checkpoints evicted", labels=[]),
                     c("kvpool_kv_tokens_without_state", "Tokens whose KV was cached but lay past the last "
                       "state checkpoint", labels=[])]
+        if self._memory is not None:
+            out.append(g("kvpool_kv_memory_bytes", "KV cache bytes by state: reserved, committed (physical "
+                         "memory held), used (blocks in use), cached (cached free blocks)", labels=["state"]))
         return out
 
 

@@ -295,6 +295,7 @@ def test_every_option_keeps_the_vocabulary(path: tuple[str, ...]) -> None:
     from kvpool.cli._args import (
         JSON_HELP,
         CommaList,
+        bytes_or_auto,
         id_list,
         memory_bytes,
         parse_bytes,
@@ -324,7 +325,7 @@ def test_every_option_keeps_the_vocabulary(path: tuple[str, ...]) -> None:
         assert is_list == bool(action.metavar and action.metavar.endswith(",...")), \
             f"{where}: a list is one comma-separated value, metavar X,..."
         if action.metavar == "BYTES":
-            assert action.type in (parse_bytes, memory_bytes), where
+            assert action.type in (parse_bytes, memory_bytes, bytes_or_auto), where
         if action.option_strings[0].endswith("-blocks"):
             assert action.metavar == "N", where
 

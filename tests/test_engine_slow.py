@@ -51,3 +51,23 @@ def test_gemma3_270m_matches_transformers_past_the_window(capsys: pytest.Capture
     # the full group cdiv(n + 15, 16) per prompt of n tokens; all full: 6 groups x that
     full = sum(-(-(n + 15) // 16) for n in tokens)
     assert result["stats"]["peak_blocks_used"] <= full + 2 * 5 * 37 < 6 * full
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["smollm2", "gemma3-270m"])
+def test_a_pool_sized_after_warm_up_matches_transformers(capsys: pytest.CaptureFixture, model: str) -> None:
+    """``--kv-memory auto``: an elastic pool sized from the memory measured after loading and a warm-up,
+    token-identical to transformers; the pool is what the measured bytes hold."""
+    from kvpool.cli import main
+    from kvpool.engine.models import gemma3_folder, smollm2_folder
+
+    (smollm2_folder if model == "smollm2" else gemma3_folder)()  # a clear error without the package
+    code = main(["generate", "--model", model, "--kv-memory", "auto", "--max-new-tokens", "8", "--check",
+                 "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and all(r["matches_reference"] for r in result["requests"])
+    memory = result["stats"]["kv_memory"]
+    m = memory["measured"]
+    margin = max(2**30, -(-3 * m["transient_peak_bytes"] // 4))  # max(1 GiB, 0.75 x peak), rounded up
+    assert memory["elastic"] and m["kv_bytes"] == m["free_bytes"] - margin
+    assert memory["reserved"] <= m["kv_bytes"] and memory["peak_committed"] < memory["reserved"]

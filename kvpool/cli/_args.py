@@ -34,6 +34,15 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+#: A size option's value that asks for a measurement instead (``--kv-memory auto``).
+AUTO = "auto"
+
+
+def bytes_or_auto(text: str) -> int | str:
+    """:func:`parse_bytes`, or :data:`AUTO` as written (a size measured at run time)."""
+    return AUTO if text == AUTO else parse_bytes(text)
+
+
 #: A device memory size written as a bare number below this many bytes is refused (1 MiB: no GPU, and no
 #: model's weights, is that small, so ``--gpu-memory 80`` means 80 GiB, not the 80 bytes it says).
 UNITLESS_MEMORY_MIN = 2**20

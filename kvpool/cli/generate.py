@@ -1,7 +1,9 @@
 """``kvpool generate``: run a real model with its KV in kvpool (continuous batching, prefix caching).
 
 Pool size: ``--num-blocks N``, or ``--kv-memory BYTES`` sized by :func:`kvpool.spec.planner.plan_pool`; by
-default the live CUDA profile on a GPU and :data:`DEFAULT_KV_MEMORY` on CPU.
+default the live CUDA profile on a GPU and :data:`DEFAULT_KV_MEMORY` on CPU. ``--kv-memory auto``: an elastic
+pool sized after the model is loaded and warmed up, from the free memory measured then less a margin
+(:func:`kvpool.spec.planner.measure_free_memory`, vLLM 0.34's rule), committing pages only as blocks are used.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import argparse
 import json
 import sys
 import threading
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +20,15 @@ import torch
 
 from kvpool.allocators.policies import POLICIES
 from kvpool.cli._args import (
+    AUTO,
     add_hash_arguments,
     add_json_argument,
     add_threads_argument,
     apply_threads,
+    bytes_or_auto,
     describe_hasher,
     hasher_from_args,
     non_negative_float,
-    parse_bytes,
     positive_int,
     seed,
 )
@@ -43,7 +47,7 @@ from kvpool.cli._tp import add_tp_argument, report_rank_failure, run_ranks, tp_s
 from kvpool.engine.models import TINY_HYBRID_MODELS, TINY_MODELS, config_before_load, model_errors
 from kvpool.engine.paged_attention import ATTENTION_CHOICES
 from kvpool.errors import ConfigError, ModelError, OutOfBlocksError, RankFailedError
-from kvpool.units import plural
+from kvpool.units import human_bytes, plural
 
 DEFAULT_KV_MEMORY = 256 * 2**20  # CPU: 256 MiB of KV (SmolLM2 in float32: 364 blocks of 16 tokens)
 
@@ -65,8 +69,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--num-blocks", type=positive_int, metavar="N",
                       help="KV blocks in the pool (default: sized from --kv-memory)")
-    size.add_argument("--kv-memory", type=parse_bytes, metavar="BYTES",
-                      help="KV memory budget, e.g. 64MiB (default: 256MiB on CPU, the GPU profile on CUDA)")
+    size.add_argument("--kv-memory", type=bytes_or_auto, metavar="BYTES",
+                      help="KV memory budget, e.g. 64MiB (default: 256MiB on CPU, the GPU profile on CUDA); "
+                           "auto: an elastic pool sized after the model's warm-up from the free memory "
+                           "measured then, less max(1 GiB, 0.75 x the warm-up's transient peak)")
     parser.add_argument("--max-batched-tokens", type=positive_int, default=256, metavar="N",
                         help="token budget per step")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T",
@@ -120,19 +126,26 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 def pool_blocks(loaded: Any, args: argparse.Namespace, memory: Any) -> int:
     """Blocks for the pool (per TP rank): --num-blocks, else a plan of ``memory`` (the loaded model's
     :class:`~kvpool.spec.memory.ModelMemory`) from --kv-memory (CPU default 256 MiB) or the CUDA profile
-    taken after a warmup forward of ``--max-batched-tokens`` tokens."""
+    taken after a warmup forward of ``--max-batched-tokens`` tokens; with ``--kv-memory auto``, from the
+    memory measured after that warmup (``args.measured`` keeps it)."""
     if args.num_blocks is not None:
         return args.num_blocks
     from kvpool.engine.recurrent import engine_kv_spec
-    from kvpool.spec.planner import MemoryReadings, plan_pool, profile_cuda_memory
+    from kvpool.spec.planner import MemoryReadings, measure_free_memory, plan_pool, profile_cuda_memory
 
     spec = engine_kv_spec(memory, loaded.model)
-    if args.kv_memory is None and loaded.model.device.type == "cuda":
-        @torch.inference_mode()
-        def warmup() -> None:  # the largest step: --max-batched-tokens tokens
-            ids = torch.zeros(1, args.max_batched_tokens, dtype=torch.int64, device=loaded.model.device)
-            loaded.model(ids, use_cache=False)
 
+    @torch.inference_mode()
+    def warmup() -> None:  # the largest step: --max-batched-tokens tokens
+        ids = torch.zeros(1, args.max_batched_tokens, dtype=torch.int64, device=loaded.model.device)
+        loaded.model(ids, use_cache=False)
+
+    if args.kv_memory == AUTO:
+        args.measured = measure_free_memory(loaded.model.device, warmup)
+        budget = args.measured.kv_bytes
+        return plan_pool(spec, MemoryReadings(total_bytes=budget, non_kv_bytes=0),
+                         gpu_memory_utilization=1.0).num_blocks
+    if args.kv_memory is None and loaded.model.device.type == "cuda":
         return plan_pool(spec, profile_cuda_memory(loaded.model.device, warmup=warmup)).num_blocks
     budget = args.kv_memory if args.kv_memory is not None else DEFAULT_KV_MEMORY
     readings = MemoryReadings(total_bytes=budget, non_kv_bytes=0)
@@ -152,6 +165,8 @@ def check_before_load(args: argparse.Namespace, tp_size: int, config: dict[str, 
         return
     memory = ModelMemory.from_config(config, block_size=args.block_size, tp_size=tp_size,
                                      kv_cache_dtype="float32", shard_state=False)  # float32: as loaded
+    if args.kv_memory == AUTO:
+        return  # measured after loading
     if memory.hybrid is None and args.num_blocks is None and (args.kv_memory is not None
                                                              or not torch.cuda.is_available()):
         from kvpool.spec.planner import MemoryReadings, plan_pool
@@ -178,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
                              seed=args.seed + i) for i in range(len(texts))]  # bad input fails before loading
     config = config_before_load(args.model)  # read once, before the weights
     tp_size = tp_size_of(args, args.model, config)
+    if args.kv_memory == AUTO and tp_size > 1:
+        raise ConfigError("--kv-memory auto sizes an elastic pool, which runs with --tp-size 1")
     check_before_load(args, tp_size, config)
     try:
         with model_errors(args.model):
@@ -224,7 +241,7 @@ def generate_on_rank(tp: Any, args: argparse.Namespace, texts: list[str], params
                            block_size=args.block_size, max_num_batched_tokens=args.max_batched_tokens,
                            eos_token_ids=loaded.eos_token_ids, hasher=hasher, tp_size=tp_size,
                            kv_events=observers.publisher, policy=args.policy, state_save=args.state_save,
-                           attention=args.attention, memory=memory)
+                           attention=args.attention, elastic=args.kv_memory == AUTO, memory=memory)
         prompts = [loaded.encode(text) for text in texts]
         if args.pin_prefix and (tp is None or tp.rank == 0):  # rank 0 decides; its pins reach the followers
             engine.pin_prefix(loaded.encode(args.pin_prefix))
@@ -250,7 +267,8 @@ def generate_on_rank(tp: Any, args: argparse.Namespace, texts: list[str], params
     if args.check:  # transformers' generate on the whole model (a rank holds only its shard)
         model = loaded.model if tp is None else load_model(args.model, device=device).model
         _check(model, prompts, results, args.max_new_tokens)
-    return {"model": args.model, "requests": results, "stats": _stats(engine, tp, ship)}
+    stats = _stats(engine, tp, ship, getattr(args, "measured", None))
+    return {"model": args.model, "requests": results, "stats": stats}
 
 
 def _check(model: Any, prompts: list[list[int]], results: list[dict[str, Any]], max_new_tokens: int) -> None:
@@ -306,7 +324,7 @@ def finish_bar(bar: Any) -> None:
         bar.refresh()
 
 
-def _stats(engine: Any, tp: Any = None, ship: Any = None) -> dict[str, Any]:
+def _stats(engine: Any, tp: Any = None, ship: Any = None, measured: Any = None) -> dict[str, Any]:
     s = engine.stats
     stats = {"num_blocks": s.num_blocks, "block_size": engine.block_size, "policy": engine.pool.policy.name,
              "pinned_blocks": sum(map(len, engine.kv_manager.pins)),
@@ -315,7 +333,10 @@ def _stats(engine: Any, tp: Any = None, ship: Any = None) -> dict[str, Any]:
              "generated_tokens": s.generated_tokens, "steps": s.steps, "elapsed_s": round(s.elapsed_s, 3),
              "tokens_per_s": round(s.tokens_per_s, 2), "pool_bytes": engine.cache.nbytes,
              "hashing": engine.hasher.describe(), "kv_cache_groups": [g.describe() for g in engine.kv.groups],
-             "tp_size": 1 if tp is None else tp.size}
+             "tp_size": 1 if tp is None else tp.size,
+             "kv_memory": {**engine.memory_stats(), "peak_committed": s.peak_committed_bytes}}
+    if measured is not None:  # what --kv-memory auto measured
+        stats["kv_memory"]["measured"] = asdict(measured)
     if engine.offload is not None:
         stats["tier_hits"], stats["tiers"] = engine.kv_manager.hits_by_place(), engine.offload.stats()
     if engine.states is not None:
@@ -337,6 +358,16 @@ def _print_human(results: list[dict[str, Any]], stats: dict[str, Any]) -> None:
           f"({stats['pool_bytes']:,} bytes{ranks}), "
           f"peak used {stats['peak_blocks_used']}")
     print(f"prefix-hit tokens: {stats['prefix_hit_tokens']}, preemptions: {stats['preemptions']}")
+    memory = stats["kv_memory"]
+    if memory["elastic"]:
+        print(f"KV memory (elastic): peak {human_bytes(memory['peak_committed'])} committed, "
+              f"{human_bytes(memory['committed'])} at the end ({human_bytes(memory['cached'])} cached) of "
+              f"{human_bytes(memory['reserved'])} reserved")
+    if "measured" in memory:
+        m = memory["measured"]
+        print(f"sized after warm-up ({m['device']}): {human_bytes(m['free_bytes'])} free - margin "
+              f"{human_bytes(m['margin_bytes'])} (max(1 GiB, 0.75 x transient peak "
+              f"{human_bytes(m['transient_peak_bytes'])})) = {human_bytes(m['kv_bytes'])} of KV")
     print(f"block hashes: {describe_hasher(stats['hashing'])}")
     if "recurrent_state" in stats:
         r = stats["recurrent_state"]

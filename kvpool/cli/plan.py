@@ -5,7 +5,8 @@ CONFIG is a ``config.json``, a folder holding one, or a built-in name
 Without ``--gpu-memory`` it reads the local CUDA device (its total, free and already-used memory) and adds
 ``--non-kv-memory`` (the model's weights and activations) to what is already in use. Each assumption that
 changes the answer (no non-KV memory, the KV dtype ``auto`` picked, the step size of a windowed model) is
-said in a ``note:`` line (``notes`` in ``--json``).
+said in a ``note:`` line (``notes`` in ``--json``). A ``vs measured`` line (``measured_instead``) says how the
+estimate differs from the pool ``kvpool generate --kv-memory auto`` sizes after the model's warm-up.
 
 An attention / recurrent hybrid (Qwen3-Next, Nemotron-H, ...: :func:`kvpool.spec.state.is_recurrent_config`)
 is planned over its attention layers only, and a ``recurrent state`` part follows: the state per request and
@@ -111,10 +112,19 @@ def run(args: argparse.Namespace) -> int:
     report = {**plan_report(spec, plan), "kv_dtype_rule": rule, "hashing": hasher_from_args(args).describe()}
     if memory.hybrid is not None:
         report["recurrent_state"] = state_report(memory.hybrid, plan.available_kv_bytes, args.max_model_len)
+    report["measured_instead"] = measured_instead(plan)
     report["notes"] = [note for note in (dtype_note, *_memory_notes(args, plan), _step_note(args, spec),
                                          _shape_note(report)) if note]
     print(json.dumps(report) if args.json else _human(report))
     return 0
+
+
+def measured_instead(plan: PoolPlan) -> str:
+    """How this estimate differs from what ``kvpool generate --kv-memory auto`` measures."""
+    return (f"this estimate is total x utilization - non-KV ({human_bytes(plan.non_kv_bytes)}), every "
+            "block held from the start; kvpool generate --kv-memory auto instead sizes an elastic pool after "
+            "loading and warming up the model: the free memory measured then - max(1 GiB, 0.75 x the "
+            "warm-up's transient peak), pages committed only as blocks are used")
 
 
 def state_report(hybrid: HybridSpec, kv_bytes: int, max_model_len: int | None) -> dict[str, Any]:
@@ -278,6 +288,7 @@ def _human(r: dict[str, Any]) -> str:
         + (", block 0 the null block (no KV)" if r["num_null_blocks"] else ""),
         *_token_lines(r),
         f"block hashes     {describe_hasher(r['hashing'])}",
+        f"vs measured      {r['measured_instead']}",
     ]
     if r["free_bytes"] is not None:
         lines.insert(7, f"  free now       {r['free_bytes']:,} B")

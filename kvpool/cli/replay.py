@@ -86,6 +86,9 @@ def _capacity_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--num-blocks", type=positive_int, metavar="N", help="pool size in blocks")
     group.add_argument("--model-config", metavar="PATH", help="size the pool as `kvpool plan` does")
     add_memory_arguments(group, gpu_memory_default="none; required with --model-config")
+    group.add_argument("--elastic", action="store_true",
+                       help="with --model-config: replay on a model of an elastic pool (2 MiB pages "
+                            "committed as blocks are used and cached) and report the bytes it committed")
 
 
 def _policy_arguments(group: argparse._ArgumentGroup) -> None:
@@ -241,8 +244,18 @@ def _plan_runs(args: argparse.Namespace
         max_batched_tokens=args.max_batched_tokens, max_running=args.max_running, step_s=args.step_s,
         prefill_token_s=args.prefill_token_s, decode_token_s=args.decode_token_s, policy=policies[0],
         pin_prefix=tuple(args.pin_prefix), groups=spec.groups if spec is not None and hybrid else (),
-        state_save=state_save, state_checkpoints=args.state_checkpoints)
+        state_save=state_save, state_checkpoints=args.state_checkpoints,
+        elastic_block_bytes=_elastic_block_bytes(args, spec))
     return config, sizes, policies, spec, pool_plan
+
+
+def _elastic_block_bytes(args: argparse.Namespace, spec: KVCacheSpec | None) -> int | None:
+    """``--elastic``: the model's bytes per block; ConfigError without ``--model-config``."""
+    if not args.elastic:
+        return None
+    if spec is None:
+        raise ConfigError("--elastic needs --model-config (the bytes of a block)")
+    return spec.bytes_per_block
 
 
 def _state_save(args: argparse.Namespace, memory: ModelMemory | None) -> str | None:
@@ -383,17 +396,21 @@ _FORMATS = {
     "kv_cache_groups": ",", "bytes_per_block": ",", "peak_bytes_used": ",", "mean_bytes_used": ",",
     "mean_memory_saving": ".4f", "memory_compared_requests": ",", "state_save": "", "state_slots_peak": ",",
     "checkpoints_saved": ",", "checkpoints_peak": ",", "checkpoint_hits": ",", "checkpoint_evictions": ",",
-    "kv_only_tokens": ",",
+    "kv_only_tokens": ",", "peak_committed_bytes": ",", "final_committed_bytes": ",",
+    "trimmed_committed_bytes": ",",
 }
+#: Report fields of an elastic pool's model, printed only for one (--elastic).
+_ELASTIC_FIELDS = ("peak_committed_bytes", "final_committed_bytes", "trimmed_committed_bytes")
 #: Report fields of a recurrent hybrid's state, printed only for one.
 _STATE_FIELDS = ("state_save", "state_slots_peak", "checkpoints_saved", "checkpoints_peak", "checkpoint_hits",
                  "checkpoint_evictions", "kv_only_tokens")
 
 
 def _human(report: dict[str, Any]) -> str:
-    state = report.get("state_save") is not None
+    state, elastic = report.get("state_save") is not None, bool(report.get("peak_committed_bytes"))
     lines = [f"{name:<20} {report[name]:{spec}}" for name, spec in _FORMATS.items()
-             if name in report and (state or name not in _STATE_FIELDS)]
+             if name in report and (state or name not in _STATE_FIELDS) and
+             (elastic or name not in _ELASTIC_FIELDS)]
     if report.get("tiers"):
         hits = ", ".join(f"{where} {n:,}" for where, n in report["tier_hits"].items())
         at = next(i for i, line in enumerate(lines) if line.startswith("hit_blocks ")) + 1

@@ -36,7 +36,15 @@ from kvpool.allocators.state_pool import StatePool
 from kvpool.engine.recurrent import engine_kv_spec, model_memory
 from kvpool.engine.runner import ModelRunner, StepBatch, StepRunner
 from kvpool.engine.sampling import SamplingParams, sample
-from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError, KVPoolError
+from kvpool.errors import (
+    AsleepError,
+    ConfigError,
+    IntegrityError,
+    InvalidArgumentError,
+    InvalidIdError,
+    KVPoolError,
+    MemoryLimitError,
+)
 from kvpool.numeric import as_id_list, as_int, index_or_none
 from kvpool.requests.kv_manager import KVCacheManager
 from kvpool.requests.request import Request, RequestStatus
@@ -44,6 +52,7 @@ from kvpool.requests.scheduler import Scheduler, SchedulerOutput
 from kvpool.requests.state_checkpoints import RequestStates, SavePolicy, StateCheckpoints
 from kvpool.spec import KVCacheSpec
 from kvpool.spec.memory import ModelMemory
+from kvpool.storage.arena import ElasticConfig
 
 if TYPE_CHECKING:  # the tiers and events need their extras: imported when they are enabled
     from kvpool.allocators.policies import FrequencyAdmission
@@ -60,10 +69,13 @@ __all__ = ["EngineStats", "LLMEngine", "Request", "RequestStatus"]
 class EngineStats:
     """Counters over the engine's life. ``peak_blocks_used``: most blocks in use after any step's scheduling;
     ``prefix_hit_tokens``: tokens found in the prefix cache (device or tiers) on admission (a re-admission
-    after preemption counts again); ``elapsed_s``: wall time inside :meth:`LLMEngine.generate`."""
+    after preemption counts again); ``elapsed_s``: wall time inside :meth:`LLMEngine.generate`;
+    ``peak_committed_bytes``: most KV bytes committed after any step's scheduling (an elastic cache; a
+    fixed one counts its whole buffer)."""
 
     num_blocks: int
     peak_blocks_used: int = 0
+    peak_committed_bytes: int = 0
     prefix_hit_tokens: int = 0
     preemptions: int = 0
     generated_tokens: int = 0
@@ -114,6 +126,12 @@ class LLMEngine:
         attention: ``"gather"`` (default: gather each context, then SDPA) or ``"paged"`` (a CPU kernel that
             reads the pool in place by block table: :mod:`kvpool.engine.paged_attention`; ConfigError where
             it cannot run).
+        elastic: False (default), True or an :class:`~kvpool.storage.arena.ElasticConfig` (a memory limit,
+            a :class:`~kvpool.storage.arena.MemoryBudget` shared with other engines): the KV cache sits on a
+            page arena whose committed memory follows the used and cached blocks (the request path commits
+            a block's pages as it is handed out and releases them once it holds no KV:
+            :mod:`kvpool.requests.block_memory`), and :meth:`sleep` / :meth:`wake` give every KV and state
+            page back and take them again. ConfigError with ``tp_size`` > 1.
         memory: the model's :class:`~kvpool.spec.memory.ModelMemory` at ``block_size``, ``kv_dtype`` and
             ``tp_size``, where the caller has made it (its config read once per command); default
             :func:`kvpool.engine.recurrent.model_memory`'s.
@@ -130,11 +148,14 @@ class LLMEngine:
                  kv_events: EventPublisher | None = None, policy: Any = "lru", pin_cap: float = 0.5,
                  admission: FrequencyAdmission | None = None, state_save: str | SavePolicy = "tail",
                  state_checkpoints: int | None = None, attention: str = "gather",
-                 memory: ModelMemory | None = None) -> None:
+                 elastic: bool | ElasticConfig = False, memory: ModelMemory | None = None) -> None:
         max_num_batched_tokens = as_int(max_num_batched_tokens, "max_num_batched_tokens", minimum=1)
         max_num_seqs = as_int(max_num_seqs, "max_num_seqs", minimum=1)
         self.model, self.block_size, self.device = model, block_size, model.device
         self.attention = attention
+        if elastic is not False and tp_size > 1:
+            raise ConfigError("an elastic KV cache runs with tp_size 1 (the other ranks would not commit)")
+        self._elastic = elastic
         if memory is None:
             memory = model_memory(model, block_size=block_size, dtype=kv_dtype, tp_size=tp_size)
         spec = self._build_runner(model, memory, num_blocks, max_num_seqs, enable_prefix_caching, state_save,
@@ -144,7 +165,8 @@ class LLMEngine:
         self.hasher = hasher_for(hasher, events=sink is not None)
         self.kv_manager = KVCacheManager(spec.groups, num_blocks, enable_caching=enable_prefix_caching,
                                          hasher=self.hasher, policy=policy, pin_cap=pin_cap,
-                                         admission=admission, event_sink=sink, states=self.states)
+                                         admission=admission, event_sink=sink, states=self.states,
+                                         memory=self.cache if self.cache.elastic else None)
         self.tp_size = tp_size
         self.scheduler = Scheduler(self.kv_manager, max_num_batched_tokens=max_num_batched_tokens,
                                    max_num_seqs=max_num_seqs)
@@ -153,6 +175,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[int, Request] = {}
         self.stats = EngineStats(num_blocks)
+        self.asleep = False
         self.max_model_len: int | None = getattr(model.config, "max_position_embeddings", None)
         self.vocab_size: int = model.get_input_embeddings().num_embeddings
 
@@ -164,13 +187,14 @@ class LLMEngine:
         self.hybrid, self.states = memory.hybrid, None
         spec = engine_kv_spec(memory, model)
         if self.hybrid is None:
-            self.runner = ModelRunner(model, spec, num_blocks, attention=self.attention)
+            self.runner = ModelRunner(model, spec, num_blocks, attention=self.attention,
+                                      elastic=self._elastic)
             return spec
         policy = state_save if isinstance(state_save, SavePolicy) else SavePolicy.parse(state_save)
         default = max_num_seqs if caching else 0
         capacity = as_int(default if state_checkpoints is None else state_checkpoints, "state_checkpoints",
                           minimum=0, error=ConfigError)
-        self.runner = ModelRunner(model, spec, num_blocks, hybrid=self.hybrid,
+        self.runner = ModelRunner(model, spec, num_blocks, hybrid=self.hybrid, elastic=self._elastic,
                                   num_state_slots=max_num_seqs + capacity, attention=self.attention)
         pool = StatePool(max_num_seqs + capacity)
         checkpoints = StateCheckpoints(capacity, pool=pool, policy=eviction) if capacity else \
@@ -348,11 +372,78 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ---- sleep and wake
+    def sleep(self) -> int:
+        """Give back every page of the KV cache and of a hybrid's state cache while the weights stay
+        (vLLM's sleep level 1 for the KV cache, SGLang's memory saver). Running requests are preempted
+        (their tokens so far kept, their KV recomputed after :meth:`wake`, tokens identical), pinned
+        prefixes wait to be pinned again once cached, the prefix index is emptied (an
+        ``AllBlocksCleared`` KV event, published now), the state checkpoints dropped; the tiers keep what
+        they hold (swaps in flight finish first). Until :meth:`wake`, :meth:`step` and :meth:`generate`
+        raise AsleepError; :meth:`add_request` queues. Returns the bytes given back; 0 when asleep already.
+
+        Raises:
+            ConfigError: the engine was built without ``elastic``.
+        """
+        if not self.cache.elastic:
+            raise ConfigError("sleep needs an elastic KV cache: build the engine with elastic=True")
+        if self.asleep:
+            return 0
+        if self.offload is not None:
+            self.offload.synchronize()
+        before = self.cache.committed_bytes + self._state_bytes()
+        self.stats.preemptions += len(self.scheduler.preempt_all())
+        if not self.kv_manager.empty():
+            raise IntegrityError("a block is still in use after every request was preempted")
+        self.kv_manager.flush_events()
+        self.cache.sleep()
+        if self.runner.recurrent is not None:
+            self.runner.recurrent.cache.sleep()
+        self.asleep = True
+        return before
+
+    def wake(self) -> int:
+        """Take memory again after :meth:`sleep`: the pages the KV cache kept for no block (the null block,
+        the reserve) and every state slot, reading 0; the KV cache's blocks are committed again as they are
+        handed out. Returns the bytes committed; 0 when awake. Raises MemoryLimitError /
+        InsufficientMemoryError (still asleep) when they cannot be committed."""
+        if not self.asleep:
+            return 0
+        taken = self.cache.wake()
+        if self.runner.recurrent is not None:
+            try:
+                taken += self.runner.recurrent.cache.wake()
+            except BaseException:
+                self.cache.sleep()
+                raise
+        self.asleep = False
+        return taken
+
+    def trim(self) -> int:
+        """Give back the pages of the cached free blocks (an idle engine under a budget shared with a busy
+        one): they are evicted from the prefix index (``BlockRemoved`` events), then every committed page
+        with no block holding KV is released, the reserve too. Returns the bytes given back. ConfigError
+        without ``elastic``."""
+        if self.kv_manager.memory is None:
+            raise ConfigError("trim needs an elastic KV cache: build the engine with elastic=True")
+        given = self.kv_manager.memory.shrink()
+        self.kv_manager.flush_events()
+        return given + self.cache.trim()
+
+    def _state_bytes(self) -> int:
+        recurrent = self.runner.recurrent
+        return 0 if recurrent is None else recurrent.cache.committed_bytes or 0
+
+    def _check_awake(self) -> None:
+        if self.asleep:
+            raise AsleepError("the engine is asleep (sleep() gave its KV memory back): call wake() first")
+
     # ---- one step
     @torch.inference_mode()
     def step(self) -> list[Request]:
         """Decide (schedule, block operations), execute one forward, sample; returns the requests that
-        finished in this step."""
+        finished in this step. Raises AsleepError between :meth:`sleep` and :meth:`wake`."""
+        self._check_awake()
         if self.offload is not None:
             self.offload.poll()
         out = self.scheduler.schedule()
@@ -361,6 +452,7 @@ class LLMEngine:
             return []
         self.stats.steps += 1
         self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, self.pool.num_used_blocks)
+        self.stats.peak_committed_bytes = max(self.stats.peak_committed_bytes, self._committed_bytes())
         self.stats.prefix_hit_tokens += sum(req.num_computed_tokens for req in out.admitted)
         logits = self.runner.execute(self._prepare(out))
         sampling = [req for (req, _), samples in zip(out.scheduled, out.sampled, strict=True) if samples]
@@ -390,6 +482,22 @@ class LLMEngine:
         return StepBatch(ids, positions, rows, spans, [self.states.slot(r) for r in reqs],
                          [self.states.pending(r) for r in reqs])
 
+    def _committed_bytes(self) -> int:
+        committed = self.cache.committed_bytes
+        return self.cache.nbytes if committed is None else committed
+
+    def memory_stats(self) -> dict[str, Any]:
+        """The KV cache's memory in bytes: ``reserved`` (the whole cache: its address space when elastic),
+        ``committed`` (physical memory held now: the whole buffer for a fixed cache), ``used`` (blocks in
+        use x bytes per block), ``cached`` (cached free blocks x bytes per block: the prefix cache), and
+        ``elastic`` (whether committed memory follows the blocks). With an elastic cache, ``committed`` is
+        ``used + cached`` rounded up to whole pages per run of blocks, plus the arena's reserve of pages.
+        O(1); safe to call from another thread between steps."""
+        per_block, pool = self.cache.bytes_per_block, self.pool
+        return {"reserved": self.cache.nbytes, "committed": self._committed_bytes(),
+                "used": pool.num_used_blocks * per_block, "cached": pool.num_evictable_blocks * per_block,
+                "elastic": self.cache.elastic}
+
     def num_token_slots_used(self) -> int:
         """Token slots holding KV now: the tokens written in each block in use, a block that requests share
         counted once (for the ``kvpool_token_slots_used`` metric; a partly filled block counts its tokens).
@@ -406,7 +514,11 @@ class LLMEngine:
         Raises:
             InvalidArgumentError, OutOfBlocksError: as :meth:`add_request`, or a ``params`` sequence whose
                 length differs from ``prompts``; checked for every prompt before any is queued.
+            AsleepError: the engine is asleep (nothing queued).
+            MemoryLimitError: nothing runs and the memory limit leaves no room for the first waiting request
+                (an elastic cache under a limit too small for it, or under a budget another engine holds).
         """
+        self._check_awake()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise InvalidArgumentError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
@@ -415,8 +527,12 @@ class LLMEngine:
         ids = [self._enqueue(req) for req in checked]
         start = time.perf_counter()
         while self.has_unfinished():
-            before = self.stats.generated_tokens
+            before, moved = self.stats.generated_tokens, (self.stats.steps, self.stats.preemptions)
             self.step()
+            if moved == (self.stats.steps, self.stats.preemptions) and self.kv_manager.memory_refused:
+                raise MemoryLimitError(f"request {self.waiting[0].request_id} cannot be admitted although "
+                                       "nothing runs: the memory limit leaves no room for its blocks (with "
+                                       "a budget shared with another engine, step both engines instead)")
             if on_step is not None:
                 on_step(self.stats.generated_tokens - before)
         self.stats.elapsed_s += time.perf_counter() - start

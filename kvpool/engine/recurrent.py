@@ -33,6 +33,7 @@ from kvpool.errors import ConfigError, InvalidArgumentError
 from kvpool.spec import AttentionKind, KVCacheSpec
 from kvpool.spec.memory import ModelMemory
 from kvpool.spec.state import HybridSpec, RecurrentStateSpec
+from kvpool.storage.arena import ElasticConfig
 from kvpool.storage.state import RecurrentStateCache
 
 #: Keyword arguments of the decoder layer's call that a per-request mixer call must not receive: the
@@ -56,11 +57,13 @@ class RecurrentStates:
     """
 
     def __init__(self, model: Any, spec: RecurrentStateSpec, num_slots: int,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", *, elastic: bool | ElasticConfig = False) -> None:
         from kvpool.engine.state_cache import SlotStateCache  # imports transformers
 
         self.spec, self._slot_cache = spec, SlotStateCache
-        self.cache = RecurrentStateCache(spec, num_slots, device=device)
+        self.cache = RecurrentStateCache(spec, num_slots, device=device, elastic=elastic)
+        if self.cache.elastic:  # every slot committed (reading 0): sleep gives them back, wake commits again
+            self.cache.commit_blocks(range(num_slots))
         # (row start, row end, token start, slot, saves)
         self._spans: list[tuple[int, int, int, int, Sequence[tuple[int, int]]]] | None = None
         for layer, module in _mixers(model, spec).items():

@@ -21,6 +21,7 @@ from kvpool.engine.recurrent import RecurrentStates
 from kvpool.errors import ConfigError, InvalidArgumentError
 from kvpool.spec import KVCacheSpec
 from kvpool.spec.state import HybridSpec
+from kvpool.storage.arena import ElasticConfig
 from kvpool.storage.paged import PagedKVCache
 
 
@@ -78,6 +79,9 @@ class ModelRunner:
             each batch names in ``state_slots``.
         attention: ``"gather"`` (gather + SDPA, :mod:`kvpool.engine.attention`) or ``"paged"`` (the
             in-place kernel of :mod:`kvpool.engine.paged_attention`, built or loaded here).
+        elastic: False, True or an :class:`~kvpool.storage.arena.ElasticConfig`: the KV cache (and the
+            recurrent states) sit on a page arena (:mod:`kvpool.storage.arena`); nothing of the KV cache is
+            committed until its blocks are (the request path does it), every state slot is committed here.
 
     Raises:
         ConfigError: an unknown ``attention``, or ``"paged"`` where its kernel cannot run (a CUDA or fp8
@@ -85,11 +89,12 @@ class ModelRunner:
     """
 
     def __init__(self, model: Any, spec: KVCacheSpec, num_blocks: int, *, hybrid: HybridSpec | None = None,
-                 num_state_slots: int = 0, attention: str = "gather") -> None:
+                 num_state_slots: int = 0, attention: str = "gather", elastic: bool | ElasticConfig = False
+                 ) -> None:
         if attention not in ATTENTION_CHOICES:
             raise ConfigError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got {attention!r}")
         self.model, self.spec, self.device, self.attention = model, spec, model.device, attention
-        self.cache = PagedKVCache(spec, num_blocks, device=self.device, dtype=spec.dtype)
+        self.cache = PagedKVCache(spec, num_blocks, device=self.device, dtype=spec.dtype, elastic=elastic)
         if attention == "paged":
             for layer in range(self.cache.num_layers):
                 check_paged_cache(self.cache.k_cache(layer), self.cache.v_cache(layer), model.dtype)
@@ -97,7 +102,7 @@ class ModelRunner:
         self.attn_name = register_paged_attention()
         self.kv_layers = None if hybrid is None else {m: i for i, m in enumerate(hybrid.attention_layers)}
         self.recurrent = None if hybrid is None else RecurrentStates(model, hybrid.state, num_state_slots,
-                                                                     self.device)
+                                                                     self.device, elastic=elastic)
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Write the batch's K/V into the cache and return the logits ``[S, V]`` of ``batch.sample_rows``."""

@@ -18,6 +18,11 @@ KV events, a tier chain below the device, tensor parallelism. The life of a requ
 4. **The end** (:meth:`free`) or a **preemption** (:meth:`preempt`): every block is freed tail first, so
    the prefix's head is evicted last; a preempted request is recomputed from scratch later.
 
+**Memory that follows the blocks.** Built with ``memory=`` (a store on a page arena), the manager commits
+the pages under each block as it is handed out and releases a block once it holds no KV, through one
+:class:`~kvpool.requests.block_memory.PoolMemory` (see :mod:`kvpool.requests.block_memory`): a refused commit
+makes admission wait and a running request be preempted, as a short pool does.
+
 A recurrent hybrid's manager also holds :attr:`KVCacheManager.states`
 (:class:`~kvpool.requests.state_checkpoints.RequestStates`): a state slot per running request (taken at
 admission, zeroed or restored from a checkpoint, freed with the blocks), a hit cut back to the longest prefix
@@ -37,6 +42,7 @@ from kvpool.allocators.block_pool import BlockPool, BlockPoolStats
 from kvpool.allocators.groups import CacheHit, KVCacheCoordinator, group_key
 from kvpool.allocators.hashing import BlockHasher, hasher_for
 from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError
+from kvpool.requests.block_memory import BlockMemory, PoolMemory
 from kvpool.requests.request import Request
 from kvpool.spec import KVCacheGroup
 from kvpool.spec.kv import needs_null_block
@@ -99,6 +105,9 @@ class KVCacheManager:
         pool: an all-free :class:`BlockPool` to use (see :class:`KVCacheCoordinator`).
         states: a recurrent hybrid's :class:`~kvpool.requests.state_checkpoints.RequestStates` (state slots
             and checkpoints, with the attention groups' block size), or None.
+        memory: the KV store whose pages follow the blocks
+            (:class:`~kvpool.requests.block_memory.BlockMemory`, e.g. an elastic
+            :class:`~kvpool.storage.paged.PagedKVCache` with every block free), or None.
 
     Raises:
         InvalidArgumentError: as :class:`KVCacheCoordinator`.
@@ -109,7 +118,8 @@ class KVCacheManager:
     def __init__(self, groups: Sequence[KVCacheGroup], num_blocks: int, *, enable_caching: bool = True,
                  hasher: BlockHasher | None = None, policy: Any = "lru", pin_cap: float = 0.5,
                  admission: FrequencyAdmission | None = None, event_sink: KVEventSink | None = None,
-                 pool: BlockPool | None = None, states: RequestStates | None = None) -> None:
+                 pool: BlockPool | None = None, states: RequestStates | None = None,
+                 memory: BlockMemory | None = None) -> None:
         self.coordinator = KVCacheCoordinator(groups, num_blocks, enable_caching=enable_caching,
                                               event_sink=event_sink, policy=policy, pin_cap=pin_cap,
                                               admission=admission, pool=pool)
@@ -121,6 +131,14 @@ class KVCacheManager:
             raise ConfigError(f"the state checkpoints' block size {states.block_size} is not the KV cache "
                               f"groups' {self.block_size}")
         self.states = states
+        #: The hook that keeps ``memory``'s committed blocks equal to the used and cached ones (None: none).
+        self.memory = None if memory is None else PoolMemory(memory, lambda: self.pool, self.null_block)
+        self._uncommitted: set[Hashable] = set()  # requests holding blocks a refused commit left uncommitted
+        #: Whether a commit was refused by a memory limit since the scheduler cleared it at the start of its
+        #: step: a step that comes up empty then waits instead of raising (another pool under the same
+        #: budget may give memory back).
+        self.memory_refused = False
+        self._windowed = needs_null_block(self.groups)
         self.tiers: OffloadManager | None = None
         self.stats, self.first_stats = PrefixCacheStats(), PrefixCacheStats()
         self.ops = 0  # block ids and hashes handled by pool calls (a replay reports block ops per second)
@@ -214,6 +232,7 @@ class KVCacheManager:
                                     staging_blocks=staging_blocks)
         for host in hosts:  # its stores and evictions go out in the same batches, medium CPU
             host.pool.attach_event_sink(sink.for_medium("CPU"))
+        self.tiers.memory = self.memory  # restores commit the blocks they load into
         return self.tiers
 
     def detach_tiers(self) -> None:
@@ -288,6 +307,10 @@ class KVCacheManager:
         computed = hit.num_blocks * bs
         chunk = min(req.num_tokens - computed, budget)
         coord.allocate(req.request_id, computed + chunk, hit)
+        if self.memory is not None and not self._committed(req):
+            self._free_blocks(req)  # the memory is short: as with a short pool, nothing stays allocated
+            self.memory_refused = True
+            return None
         self.ops += min(hit.num_blocks + 1, limit) + coord.num_blocks_held(req.request_id)
         req.num_computed_tokens = computed
         places = self._places(hit, loaded)
@@ -358,15 +381,25 @@ class KVCacheManager:
 
     def reserve(self, req: Request, num_new_tokens: int) -> bool:
         """Blocks for ``num_new_tokens`` more tokens of running ``req`` (after freeing what its windows left
-        behind); False, nothing allocated, when the pool is short."""
-        coord, rid, computed = self.coordinator, req.request_id, req.num_computed_tokens
+        behind); False, nothing allocated, when the pool is short. With ``memory``, also False when their
+        commit is refused: the blocks allocated then stay with ``req``, not committed, until a later
+        ``reserve`` commits them (or ``free`` gives them back)."""
+        coord, rid, computed, memory = self.coordinator, req.request_id, req.num_computed_tokens, self.memory
+        before = coord.block_tables(rid) if memory is not None and self._windowed else None
         freed = coord.remove_skipped_blocks(rid, computed)
+        if freed and before is not None:
+            memory.emptied(b for table in before for b in table)  # type: ignore[union-attr]
         need = coord.num_blocks_to_allocate(rid, computed + num_new_tokens)
         if need > coord.num_free_blocks:
             self.ops += freed
             return False
         if need:
             coord.allocate(rid, computed + num_new_tokens)
+        if memory is not None and (need or rid in self._uncommitted) and not self._committed(req):
+            self._uncommitted.add(rid)  # allocated but not committed: the next reserve (or a free) sees to it
+            self.memory_refused = True
+            self.ops += freed + need
+            return False
         self.ops += freed + need
         if self.states is not None and self.caching:
             self.states.plan(req, computed, computed + num_new_tokens)
@@ -391,12 +424,29 @@ class KVCacheManager:
         if self._wanted_pins:
             self._pin_what_is_cached()
 
+    def _committed(self, req: Request) -> bool:
+        """Commit the blocks ``req`` holds (:meth:`PoolMemory.handed_out`); False when that is refused."""
+        if self.memory.handed_out(self.coordinator.block_tables(req.request_id)):  # type: ignore[union-attr]
+            self._uncommitted.discard(req.request_id)
+            return True
+        return False
+
     def free(self, req: Request) -> None:
-        """Free every block of ``req``, tail first (a no-op for a request that holds none)."""
+        """Free every block of ``req``, tail first (a no-op for a request that holds none); with ``memory``,
+        the blocks left holding no KV are released."""
         self.ops += self.coordinator.num_blocks_held(req.request_id)
-        self.coordinator.free(req.request_id, req.priority)
+        self._free_blocks(req)
         if self.states is not None:
             self.states.free(req)
+
+    def _free_blocks(self, req: Request) -> None:
+        """The coordinator's free of ``req``, then (with ``memory``) the release of what holds no KV now."""
+        coord, rid = self.coordinator, req.request_id
+        tables = coord.block_tables(rid) if self.memory is not None and coord.num_blocks_held(rid) else ()
+        coord.free(rid, req.priority)
+        if tables:
+            self.memory.emptied(b for table in tables for b in table)  # type: ignore[union-attr]
+        self._uncommitted.discard(rid)
 
     def preempt(self, req: Request) -> None:
         """Free ``req``'s blocks (its published blocks stay cached) so it is recomputed from scratch."""
@@ -470,6 +520,25 @@ class KVCacheManager:
         self.pins, self._wanted_pins = [], []
         return unpinned
 
+    def empty(self) -> bool:
+        """Empty the device cache while no request holds blocks (an engine going to sleep): every pinned
+        prefix is unpinned and waits to be pinned again once cached (:meth:`pin_when_cached`), the prefix
+        index is dropped (``BlockPool.reset_prefix_cache``: an ``AllBlocksCleared`` event), so are a
+        hybrid's state checkpoints, and with ``memory`` every block is released. The tiers keep what they
+        hold. Returns False, changing nothing, while a request holds blocks."""
+        if self.coordinator.requests:
+            return False
+        pool = self.pool
+        waiting = [[pool.block_hash(b) for b in ids] for ids in self.pins] + self._wanted_pins
+        self.unpin_all()
+        pool.reset_prefix_cache()
+        self._wanted_pins = waiting
+        if self.states is not None:
+            self.states.checkpoints.clear()
+        if self.memory is not None:
+            self.memory.release_all()
+        return True
+
     # ---- state --------------------------------------------------------------------------------------
 
     def hits_by_place(self, *, first_admissions: bool = False) -> dict[str, int]:
@@ -507,6 +576,8 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         """The coordinator's and the pool's invariants, and every tier's (IntegrityError)."""
         self.coordinator.check_integrity()
+        if self.memory is not None:
+            self.memory.check()
         if self.tiers is not None:
             self.tiers.check_integrity()
         if self.states is not None:

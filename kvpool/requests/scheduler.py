@@ -117,6 +117,17 @@ class Scheduler:
             return
         req.status = RequestStatus.ABORTED
 
+    def preempt_all(self) -> list[Request]:
+        """Preempt every running request, newest first (each requeued at the front, so they run again in
+        their order, before the waiting ones); returns them. Their tokens so far are kept; their KV is
+        recomputed."""
+        gone = []
+        while self.running:
+            req = self.running.pop()
+            self._preempt(req)
+            gone.append(req)
+        return gone
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -129,13 +140,15 @@ class Scheduler:
             OutOfBlocksError: nothing runs and the first waiting request still cannot be admitted: it never
                 will (the blocks it lacks are pinned, or held by the tiers' restores); it stays queued
                 (``abort`` it, or unpin). Every request fits the pool alone, so without pins this never
-                happens.
+                happens. (Not when the head was refused for memory, a limit that pools share: the step is
+                then empty, and a later one admits it once memory is given back.)
         """
         out = SchedulerOutput()
+        self.kv.memory_refused = False  # set again by any commit a memory limit refuses in this step
         budget = self._schedule_running(out)
         if not out.preempted:
             self._schedule_waiting(out, budget)
-        if not out.scheduled and self.waiting:
+        if not out.scheduled and self.waiting and not self.kv.memory_refused:
             head = self.waiting[0]
             pinned = plural(self.kv.pool.num_pinned_blocks, "block")
             raise OutOfBlocksError(f"request {head.request_id!r} cannot be admitted although nothing runs: "

@@ -407,6 +407,32 @@ def runs(pages: list[int]) -> Iterator[tuple[int, int]]:
         i = j
 
 
+class CountingBackend:
+    """A back end that holds no memory and only counts: a model of what an arena of that layout would
+    commit (a trace replay's elastic pool). Its tensor is on the ``meta`` device (no bytes); granularity 1."""
+
+    device = torch.device("meta")
+    granularity = 1
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self._nbytes = 0
+
+    def reserve(self, nbytes: int, page_size: int) -> None:
+        self._nbytes = nbytes
+
+    def commit(self, first: int, count: int) -> None:
+        pass
+
+    def release(self, first: int, count: int) -> None:
+        pass
+
+    def tensor(self) -> torch.Tensor:
+        return torch.empty(self._nbytes, dtype=torch.uint8, device="meta")
+
+    def close(self) -> None:
+        pass
+
+
 def default_backend(device: torch.device) -> ArenaBackend:
     """The back end of ``device``: :class:`~kvpool.storage.arena_cpu.CPUBackend` on the CPU,
     :class:`~kvpool.storage.arena_cuda.CUDABackend` on CUDA (it imports ``cuda-python``). ConfigError

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from kvpool.errors import ConfigError
-from kvpool.storage.arena import ElasticConfig
-from kvpool.storage.page_map import BlockPages, PageMap
+from kvpool.numeric import as_int
+from kvpool.storage.arena import DEFAULT_PAGE_SIZE, CountingBackend, ElasticConfig, PageArena
+from kvpool.storage.page_map import BlockPages, PageMap, Strip
 
 
 class ElasticMemory:
@@ -68,6 +69,14 @@ class ElasticMemory:
         (:meth:`BlockPages.release_blocks`). Return the bytes released. Their KV is gone."""
         return self._elastic().release_blocks(block_ids)
 
+    def is_live(self, block: int) -> bool:
+        """Whether ``block`` is live (committed and not released since: :meth:`BlockPages.is_live`)."""
+        return self._elastic().is_live(block)
+
+    def live_blocks(self) -> list[int]:
+        """The live blocks, ascending."""
+        return self._elastic().live_blocks()
+
     def trim(self) -> int:
         """Give back every committed page with no live block; return the bytes."""
         return self._elastic().trim()
@@ -90,6 +99,22 @@ class ElasticMemory:
             raise ConfigError(f"this {type(self).__name__} has a fixed buffer: build it with elastic=True to "
                               "commit and release its memory by pages")
         return self.pages
+
+
+class PageModel(ElasticMemory):
+    """The pages an elastic block-major KV cache of ``num_blocks`` blocks of ``bytes_per_block`` bytes would
+    commit (block ``b`` at byte ``b * bytes_per_block``, as an elastic
+    :class:`~kvpool.storage.paged.PagedKVCache` lays them out), counted without any memory
+    (:class:`~kvpool.storage.arena.CountingBackend`): what a trace replay's elastic pool commits.
+    Raises ConfigError for sizes below 1."""
+
+    def __init__(self, num_blocks: int, bytes_per_block: int, *, page_size: int = DEFAULT_PAGE_SIZE,
+                 reserve_pages: int = 0) -> None:
+        num_blocks = as_int(num_blocks, "num_blocks", minimum=1, error=ConfigError)
+        bytes_per_block = as_int(bytes_per_block, "bytes_per_block", minimum=1, error=ConfigError)
+        arena = PageArena(num_blocks * bytes_per_block, page_size=page_size, backend=CountingBackend)
+        page_map = PageMap([Strip(0, bytes_per_block, bytes_per_block)], num_blocks, arena.page_size)
+        self.pages = BlockPages(arena, page_map, reserve_pages=reserve_pages)
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:

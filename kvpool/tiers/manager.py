@@ -144,6 +144,10 @@ class OffloadManager:
         self._load_buf = torch.empty(0, dtype=torch.uint8)
         self.device_hits = self.load_failures = self.not_admitted = self._ops = 0
         self._restoring = False
+        #: The request path's :class:`~kvpool.requests.block_memory.PoolMemory` when the device store's
+        #: memory follows its blocks (set by the manager): a restore commits the blocks it loads into, and
+        #: releases those it did not load (a refused commit loads none: a miss).
+        self.memory: Any = None
         pool.set_eviction_listener(self._device_evicted)
         if write_through:
             pool.set_publish_listener(self._device_published)
@@ -249,7 +253,9 @@ class OffloadManager:
         held = self._hold_below(below)
         fresh = self.pool.allocate(len(below))
         keys, where = [k for k, _ in below], [w for _, w in below]
-        loaded = self.agree(self._load(keys, where, fresh))
+        memory = self.memory
+        committed = memory is None or memory.handed_out([fresh])
+        loaded = self.agree(self._load(keys, where, fresh) if committed else 0)
         if loaded:
             self._restoring = True  # blocks that came from the tiers are not offered to them again
             try:
@@ -260,6 +266,8 @@ class OffloadManager:
             self._count_loaded(where[:loaded])
         self._release_host(held)
         self.pool.free(fresh[::-1] + device[::-1])
+        if memory is not None:
+            memory.emptied(fresh[loaded:])
         self._ops += len(plan) + 2 * len(below)
         return {key: tier_of(w) for key, w in zip(keys[:loaded], where[:loaded], strict=True)}
 

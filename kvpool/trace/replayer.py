@@ -61,6 +61,8 @@ from kvpool.requests.scheduler import Scheduler, SchedulerOutput
 from kvpool.requests.state_checkpoints import RequestStates, SavePolicy, StateCheckpoints
 from kvpool.spec import KVCacheGroup
 from kvpool.spec.kv import needs_null_block
+from kvpool.storage.arena import DEFAULT_PAGE_SIZE
+from kvpool.storage.elastic import PageModel
 from kvpool.trace.belady import BeladyPolicy, TraceFuture
 from kvpool.trace.loaders import MOONCAKE_BLOCK_SIZE, TraceRequest
 
@@ -108,6 +110,11 @@ class ReplayConfig:
             ``tail+junction``: :mod:`kvpool.requests.state_checkpoints`): each running request holds a state
             slot and a prefix is a hit only up to a state checkpoint. None: no recurrent state.
         state_checkpoints: checkpoints held at most (least recently used evicted); None: unbounded.
+        elastic_block_bytes: bytes of one pool block: the replay then runs on a model of an elastic pool
+            (:class:`~kvpool.storage.elastic.PageModel`, no memory) whose committed pages follow the used
+            and cached blocks as in the engine (:mod:`kvpool.requests.block_memory`), and reports them.
+            None (default): no such model.
+        elastic_page_size: that model's page size in bytes (2 MiB by default).
 
     Raises:
         ConfigError: a value out of range.
@@ -126,6 +133,8 @@ class ReplayConfig:
     pin_prefix: tuple[int, ...] = ()
     state_save: str | None = None
     state_checkpoints: int | None = None
+    elastic_block_bytes: int | None = None
+    elastic_page_size: int = DEFAULT_PAGE_SIZE
 
     def __post_init__(self) -> None:
         if any(g.block_size != self.block_size for g in self.groups):
@@ -144,8 +153,9 @@ class ReplayConfig:
             raise ConfigError("state_checkpoints needs a state_save policy (a recurrent hybrid)")
         object.__setattr__(self, "state_checkpoints", as_optional_int(
             self.state_checkpoints, "state_checkpoints", minimum=1, error=ConfigError))
-        for name in ("block_size", "num_blocks", "max_batched_tokens", "max_running"):
-            check = as_optional_int if name == "num_blocks" else as_int
+        for name in ("block_size", "num_blocks", "max_batched_tokens", "max_running", "elastic_block_bytes",
+                     "elastic_page_size"):
+            check = as_optional_int if name in ("num_blocks", "elastic_block_bytes") else as_int
             object.__setattr__(self, name, check(getattr(self, name), name, minimum=1, error=ConfigError))
         for name in ("step_s", "prefill_token_s", "decode_token_s"):  # seconds
             object.__setattr__(self, name, as_real(getattr(self, name), name, minimum=0, finite=True,
@@ -195,6 +205,11 @@ class ReplayResult:
     ``checkpoint_hits`` (admissions restored from one), ``checkpoint_evictions``; ``kv_only_tokens``, at
     first admissions, the tokens whose KV every group had cached but that lay past the last checkpoint (not
     reused: ``hit_blocks`` excludes them). All 0 (``state_save`` None) otherwise.
+
+    With ``config.elastic_block_bytes`` (a model of an elastic pool): ``peak_committed_bytes`` (the most its
+    pages held, taken each step), ``final_committed_bytes`` (at the end: the cached blocks' pages) and
+    ``trimmed_committed_bytes`` (after evicting the cached blocks and giving their pages back). All 0
+    otherwise.
     """
 
     requests_completed: int
@@ -227,6 +242,9 @@ class ReplayResult:
     checkpoint_hits: int = 0
     checkpoint_evictions: int = 0
     kv_only_tokens: int = 0
+    peak_committed_bytes: int = 0
+    final_committed_bytes: int = 0
+    trimmed_committed_bytes: int = 0
 
     def to_dict(self) -> dict[str, object]:
         """Every field but the timeline, JSON-ready."""
@@ -302,9 +320,11 @@ class Replayer:
         num_blocks = config.num_blocks or (pool.num_blocks if pool is not None else
                                            unbounded_num_blocks(self.requests, config))
         try:
+            memory = None if config.elastic_block_bytes is None else PageModel(
+                num_blocks, config.elastic_block_bytes, page_size=config.elastic_page_size)
             self.kv = KVCacheManager(config.kv_cache_groups, num_blocks, event_sink=event_sink, hasher=hasher,
                                      policy=self._policy(num_blocks) if pool is None else "lru", pool=pool,
-                                     states=self._states())
+                                     states=self._states(), memory=memory)
         except (MemoryError, InvalidArgumentError) as exc:  # too large for memory
             raise ConfigError(f"a pool of {num_blocks:,} blocks cannot be built ({exc}): give a smaller "
                               "num_blocks (--num-blocks)") from None
@@ -326,6 +346,7 @@ class Replayer:
         self.prompt_blocks = self.prompt_tokens = self.rejected_blocks = 0
         self.area = 0.0
         self.peak = 0
+        self.peak_committed = 0
 
     def chain(self, tiers: Sequence[TierBackend], write_through: bool, tier_admission: int | str = 1) -> None:
         """Put ``tiers`` under the pool (an inline :class:`~kvpool.tiers.manager.OffloadManager`, with a
@@ -396,7 +417,7 @@ class Replayer:
             self.peak, _ratio(self.area, self.now), self.sched.num_preemptions, ops, _ratio(ops, wall), wall,
             self.pool.stats.evictions, self.now, self.pool.num_blocks, bs, self.cfg.timing, self.cfg.policy,
             pinned, self.rejected_blocks, tier_hits, tiers, timeline=self.timeline or [],
-            **self._state_report())
+            **self._state_report(), **self._elastic_report())
 
     def _state_report(self) -> dict[str, Any]:
         states = self.kv.states
@@ -527,6 +548,7 @@ class Replayer:
             steps -= 1
             k = min(bs - 1, steps)
         self.now, self.area, self.peak = now, area, peak
+        self._count_committed()
         return True
 
     # ---- clock and usage ----------------------------------------------------------------------------
@@ -535,11 +557,29 @@ class Replayer:
         """Run ``dt`` seconds with the blocks now in use; sample at the start; flush the step's events."""
         used = self.pool.num_used_blocks
         self.peak = max(self.peak, used)
+        self._count_committed()
         self._sample()
         self.area += used * dt
         self.now += dt
         if self._sink is not None:
             self._sink.flush()
+
+    def _count_committed(self) -> None:
+        memory = self.kv.memory
+        if memory is not None:
+            self.peak_committed = max(self.peak_committed, memory.store.committed_bytes)
+
+    def _elastic_report(self) -> dict[str, int]:
+        """Peak and final committed bytes of the elastic model, and what stays committed after the cached
+        blocks are evicted and their pages given back (as ``LLMEngine.trim``); {} without the model."""
+        memory = self.kv.memory
+        if memory is None:
+            return {}
+        final = memory.store.committed_bytes
+        memory.shrink()
+        memory.store.trim()
+        return {"peak_committed_bytes": max(self.peak_committed, final), "final_committed_bytes": final,
+                "trimmed_committed_bytes": memory.store.committed_bytes}
 
     def _sample(self, force: bool = False) -> None:
         """Record the pool state from now on (thinned in ``trace`` timing unless ``force``)."""
