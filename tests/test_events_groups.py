@@ -16,6 +16,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
+# the feature matrix's prompts: a shared 40-token document that unrelated prompts push out of a small pool
+from _matrix_helpers import BLOCK, NEW, PROMPTS  # noqa: E402
+
 from kvpool.allocators.groups import split_group_key  # noqa: E402
 from kvpool.allocators.hashing import BlockHasher  # noqa: E402
 from kvpool.engine.engine import LLMEngine  # noqa: E402
@@ -24,16 +27,6 @@ from kvpool.engine.sampling import SamplingParams  # noqa: E402
 from kvpool.events import SPEC_KINDS, AllBlocksCleared, BlockRemoved, BlockStored, QueueEventPublisher  # noqa: E402
 from kvpool.spec import LayerKind  # noqa: E402
 
-BLOCK = 4
-NEW = 6
-SHARED = list(range(30, 70))  # 40 tokens: 10 full blocks shared by three prompts
-PROMPTS = [
-    SHARED + [1, 2, 3],
-    [200 - i for i in range(51)],  # unrelated: pushes the shared blocks out of the device
-    SHARED + [9, 8, 7, 6, 5],
-    [150 + i % 40 for i in range(51)],
-    SHARED[:33] + [4],
-]
 #: Every tiny model with more than one KV cache group (checked against the models' own specs below).
 MULTI_GROUP = ("tiny-gemma2", "tiny-gemma3", "tiny-gpt-oss", "tiny-gemma4", "tiny-mimo", "tiny-llama4")
 TIERS = ("none", "host", "host+disk")
