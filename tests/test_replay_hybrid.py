@@ -111,8 +111,8 @@ def test_cli_hybrid_takes_policies_pins_tiers_sweeps_and_the_report(tmp_path, re
     assert code == 0 and one["policy"] == "arc" and one["pinned_blocks"] > 0 and one["kv_cache_groups"] == 2
     assert set(one["tier_hits"]) == {"device", "host", "disk", "remote"} and one["tier_hits"]["host"] > 0
     report = tmp_path / "r.html"
-    code = main(["replay", *base, "--sweep", "1000,3000", "--policies", "lru,lfu", "--host-blocks", "20000",
-                 "--report", str(report)])
+    code = main(["replay", *base, "--sweep", "1000,3000", "--policies", "lru,lfu", "--no-bound",
+                 "--host-blocks", "20000", "--report", str(report)])
     sweep = json.loads(capsys.readouterr().out)
     assert code == 0 and len(sweep["runs"]) == 4 and report.stat().st_size > 10_000
     assert {r["num_blocks"] for r in sweep["runs"]} == {1000, 3000}
@@ -143,3 +143,15 @@ def test_cli_hybrid_compares_memory_over_the_requests_both_pools_serve(capsys):
     assert report["mean_memory_saving"] > 0
     assert report["prompt_blocks"] == sum(r.input_tokens // 16 for r in requests)
     assert report["all_full"]["requests_rejected"] == served[1].count(False)
+
+
+def test_a_hybrid_sweep_prints_its_groups_as_json(capsys) -> None:
+    """A sweep's --json names each group by kind and window (gpt-oss-20b's config: sliding_window 128 on the
+    even layers, full attention on the odd ones); the kind's rule object is not part of the output."""
+    gpt_oss = str(CONFIGS / "gpt-oss-20b.json")
+    assert main(["replay", "--max-requests", "20", "--model-config", gpt_oss, "--json", "--no-progress",
+                 "--sweep", "1000,3000", "--no-bound"]) == 0
+    groups = json.loads(capsys.readouterr().out)["groups"]
+    assert [(g["kind"], g["window"], g["layers"][:2]) for g in groups] == [
+        ("sliding_attention", 128, [0, 2]), ("full_attention", None, [1, 3])]
+    assert all("memory_kind" not in g for g in groups)
