@@ -323,13 +323,8 @@ def tier_descriptions(args: argparse.Namespace) -> list[str]:
 
 
 def _shared_settings(config: ReplayConfig) -> dict[str, object]:
-    """The settings every run of a sweep shares (all but the pool size and the policy). A group's
-    ``memory_kind`` (its rules, an object) is left out: ``kind`` and ``window`` name it."""
-    settings = {k: v for k, v in asdict(config).items() if k not in ("num_blocks", "policy")}
-    if settings.get("groups"):
-        settings["groups"] = [{k: v for k, v in group.items() if k != "memory_kind"}
-                              for group in settings["groups"]]
-    return settings
+    """The settings every run of a sweep shares (all but the pool size and the policy)."""
+    return {k: v for k, v in asdict(config).items() if k not in ("num_blocks", "policy")}
 
 
 def _sweep_report(head: dict[str, Any], config: ReplayConfig, runs: list[SweepRun]) -> dict[str, Any]:

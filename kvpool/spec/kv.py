@@ -25,8 +25,8 @@ bytes: a group of smaller layers gets more layer slots per block (:func:`kv_cach
 
 from __future__ import annotations
 
-import dataclasses
 import enum
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -178,11 +178,16 @@ class KVCacheGroup:
     block_size: int
     shape: LayerShape | None = None
     layer_bytes_per_token: int = 0
-    memory_kind: MemoryKind = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", LayerKind(self.kind))
-        object.__setattr__(self, "memory_kind", attention_kind(self.kind.value, self.window))
+        _ = self.memory_kind  # made (and checked: ConfigError) once, here
+
+    @functools.cached_property
+    def memory_kind(self) -> MemoryKind:
+        """The rules of the layers' kind (:mod:`kvpool.spec.kinds`), from ``kind`` and ``window``: derived,
+        so not a field (``dataclasses.asdict`` and the JSON made from it carry ``kind`` and ``window``)."""
+        return attention_kind(self.kind.value, self.window)
 
     @classmethod
     def full(cls, block_size: int) -> KVCacheGroup:
