@@ -1,0 +1,163 @@
+"""Prefix hits finer than a block (copy-on-partial-reuse): the request path, the replay and the engine.
+
+Expected hit counts are worked out by hand in the comments; the engine's tokens and logits come from
+transformers' own greedy ``generate`` (no kvpool code); the replay is checked against a brute force over
+the requests' unit sequences (no index, no pool).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvpool.allocators.hashing import BlockHasher
+from kvpool.allocators.partial_index import PartialIndex, check_match_unit
+from kvpool.errors import ConfigError
+from kvpool.requests.kv_manager import KVCacheManager
+from kvpool.requests.request import Request
+from kvpool.spec import KVCacheGroup
+from kvpool.trace.loaders import TraceRequest
+from kvpool.trace.replay import ReplayConfig, run_replay
+
+BASE = list(range(7, 47))  # 40 tokens
+SEED = "partial-hits-test-seed"
+
+
+@pytest.mark.parametrize("unit", [0, -4, 3, 5, 16, True, 2.0, "2"])
+def test_a_bad_match_unit_is_a_config_error(unit: object) -> None:
+    with pytest.raises(ConfigError, match="match_unit"):
+        check_match_unit(unit, 8)
+    with pytest.raises(ConfigError, match="match_unit"):
+        KVCacheManager([KVCacheGroup.full(8)], 16, match_unit=unit)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="match_unit"):
+        ReplayConfig(block_size=8, match_unit=unit)  # type: ignore[arg-type]
+
+
+def test_a_match_unit_needs_caching() -> None:
+    with pytest.raises(ConfigError, match="prefix caching"):
+        KVCacheManager([KVCacheGroup.full(8)], 16, enable_caching=False, match_unit=2)
+
+
+def _prefill(kv: KVCacheManager, req: Request) -> None:
+    """Admit ``req`` and compute its whole prompt in one step, then publish and free it."""
+    assert kv.admit(req, 10_000) is not None
+    kv.hash_blocks(req)
+    req.num_computed_tokens = req.num_tokens
+    kv.publish(req)
+    kv.free(req)
+
+
+def test_a_hit_ending_inside_a_block_copies_its_units() -> None:
+    kv = KVCacheManager([KVCacheGroup.full(8)], 32, hasher=BlockHasher(seed=SEED), match_unit=2)
+    copies: list[tuple[list[tuple[int, int]], int]] = []
+    kv.partial.copy = lambda pairs, n: copies.append((pairs, n))  # type: ignore[union-attr]
+    first = Request("a", BASE, 1)
+    kv.hash_blocks(first)
+    _prefill(kv, first)  # 40 tokens: 5 full blocks of 8 published, units of 2 indexed
+    source = kv.pool.get_cached_block(first.block_hashes[2])
+    other = Request("b", BASE[:21] + [200, 201, 202], 1)  # shares 21 tokens: 2 full blocks + 5 tokens
+    kv.hash_blocks(other)
+    assert kv.admit(other, 10_000) is not None
+    # full blocks 0-1 (16 tokens), then 2 whole units of block 2 (4 tokens: 5 // 2): 20 tokens
+    assert other.num_computed_tokens == other.num_cached_tokens == 20
+    assert copies == [([(source, kv.block_tables(other)[0][2])], 4)]
+    stats = kv.partial.first_stats  # type: ignore[union-attr]
+    assert (stats.hits, stats.tokens, stats.copied_blocks, stats.copied_tokens) == (1, 4, 1, 4)
+    assert kv.pool.ref_count(source) == 0  # the source was held for the copy only
+    kv.free(other)
+    kv.check_integrity()
+
+
+def test_the_last_prompt_token_is_never_a_partial_hit() -> None:
+    kv = KVCacheManager([KVCacheGroup.full(8)], 32, hasher=BlockHasher(seed=SEED), match_unit=2)
+    first = Request("a", BASE, 1)
+    kv.hash_blocks(first)
+    _prefill(kv, first)
+    again = Request("b", BASE[:21], 1)  # 21 tokens: at most 20 hit, the 21st computed
+    kv.hash_blocks(again)
+    kv.admit(again, 10_000)
+    assert again.num_computed_tokens == 20
+    kv.free(again)
+    short = Request("c", BASE[:20], 1)  # 20 tokens: at most 19 -> 16 + 1 unit of 2 = 18
+    kv.hash_blocks(short)
+    kv.admit(short, 10_000)
+    assert short.num_computed_tokens == 18
+
+
+def test_the_index_drops_entries_whose_block_left_the_pool() -> None:
+    index = PartialIndex(4, 0)
+    cached = {"B1"}
+    index.register(["u0", "u1", "u2", "u3", "v0", "v1", "v2", "v3"], ["B1", "B2"], 0, cached.__contains__)
+    assert len(index) == 6  # 3 units of each block (the 4th ends the block: a full hit)
+    assert index.longest(["u0", "u1", "u2", "x"], 0, 3, cached.__contains__) == (3, "B1")
+    assert index.longest(["u0", "u1", "u2", "u3", "v0", "v1", "v2"], 1, 3, cached.__contains__) == (0, None)
+    assert len(index) == 3  # B2's entries found stale on the way
+    assert index.sweep(lambda h: False) == 3 and len(index) == 0
+
+
+# ---- the replay -------------------------------------------------------------------------------------
+
+
+def _random_trace(seed: int, n: int = 60) -> list[TraceRequest]:
+    """Requests that reuse a prefix of an earlier one's hash ids (tail ids included, with other lengths)."""
+    rng, out, next_id = random.Random(seed), [], 0
+    for _ in range(n):
+        if out and rng.random() < 0.8:
+            parent = rng.choice(out)
+            ids = list(parent.hash_ids[:rng.randint(1, len(parent.hash_ids))])
+        else:
+            ids = []
+        for _ in range(rng.randint(0 if ids else 1, 2)):
+            ids.append(next_id)
+            next_id += 1
+        tokens = (len(ids) - 1) * 512 + rng.randint(1, 512)
+        out.append(TraceRequest(0.0, tokens, rng.randint(1, 4), tuple(ids)))
+    return out
+
+
+def _units(req: TraceRequest, unit: int) -> list[tuple[int, int]]:
+    """The request's full units as (hash id, unit within the 512-token hash block)."""
+    per = 512 // unit
+    return [(req.hash_ids[i // per], i % per) for i in range(req.input_tokens // unit)]
+
+
+def _brute_force_hit_tokens(requests: list[TraceRequest], block: int, unit: int) -> int:
+    """Unbounded pool, one request at a time: a request hits, from each earlier request, the common prefix
+    of their units, no further than that one's published full blocks nor its own first input - 1 tokens."""
+    total = 0
+    for i, req in enumerate(requests):
+        mine, limit = _units(req, unit), (req.input_tokens - 1) // unit * unit
+        best = 0
+        for earlier in requests[:i]:
+            theirs = _units(earlier, unit)
+            shared = min(len(mine), len(theirs))
+            common = next((j for j in range(shared) if mine[j] != theirs[j]), shared)
+            best = max(best, min(common * unit, earlier.input_tokens // block * block, limit))
+        total += best
+    return total
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_unbounded_replay_hits_what_a_brute_force_finds(seed: int) -> None:
+    requests = _random_trace(seed)
+    whole = run_replay(requests, ReplayConfig(block_size=64))
+    finer = run_replay(requests, ReplayConfig(block_size=64, match_unit=16))
+    hit_tokens = finer.hit_blocks * 64 + finer.partial_tokens
+    assert hit_tokens == _brute_force_hit_tokens(requests, 64, 16)
+    assert whole.hit_blocks * 64 == _brute_force_hit_tokens(requests, 64, 64)
+    assert finer.partial_hits > 0 and hit_tokens > whole.hit_blocks * 64  # the seeds do share tails
+    assert finer.partial_copied_tokens == finer.partial_tokens  # one group: one copy per partial hit
+    assert finer.token_hit_ratio == hit_tokens / sum(r.input_tokens for r in requests)
+
+
+def test_a_bounded_replay_with_partial_hits_ends_clean() -> None:
+    requests = _random_trace(4, n=150)
+    result = run_replay(requests, ReplayConfig(block_size=64, num_blocks=80, match_unit=16, timing="trace"))
+    assert result.requests_completed + result.requests_rejected == 150 and result.evictions > 0
+
+
+def test_a_recurrent_state_refuses_a_match_unit() -> None:
+    with pytest.raises(ConfigError, match="recurrent state"):
+        run_replay([TraceRequest(0.0, 100, 1, (1,))],
+                   ReplayConfig(block_size=16, match_unit=4, state_save="tail"))
