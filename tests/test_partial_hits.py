@@ -87,13 +87,15 @@ def test_the_last_prompt_token_is_never_a_partial_hit() -> None:
 
 def test_the_index_drops_entries_whose_block_left_the_pool() -> None:
     index = PartialIndex(4, 0)
-    cached = {"B1"}
-    index.register(["u0", "u1", "u2", "u3", "v0", "v1", "v2", "v3"], ["B1", "B2"], 0, cached.__contains__)
+    cached = {"B1": 7}.get  # the pool's get_cached_block: B1 is block 7, B2 left
+    index.register(["u0", "u1", "u2", "u3", "v0", "v1", "v2", "v3"], ["B1", "B2"], 0, cached)
     assert len(index) == 6  # 3 units of each block (the 4th ends the block: a full hit)
-    assert index.longest(["u0", "u1", "u2", "x"], 0, 3, cached.__contains__) == (3, "B1")
-    assert index.longest(["u0", "u1", "u2", "u3", "v0", "v1", "v2"], 1, 3, cached.__contains__) == (0, None)
+    assert index.longest(["u0", "u1", "u2", "x"], 0, 3, cached) == (3, "B1")
+    assert index.longest(["u0", "u1", "x"], 0, 3, cached) == (2, "B1")
+    assert index.longest(["u0", "u1", "u2", "u3", "v0", "v1", "v2"], 1, 3, cached) == (0, None)
     assert len(index) == 3  # B2's entries found stale on the way
-    assert index.sweep(lambda h: False) == 3 and len(index) == 0
+    assert index.sweep(cached) == 1 and len(index) == 3  # B2 forgotten
+    assert index.sweep(lambda h: None) == 1 and len(index) == 0  # B1 too
 
 
 # ---- the replay -------------------------------------------------------------------------------------
@@ -161,3 +163,45 @@ def test_a_recurrent_state_refuses_a_match_unit() -> None:
     with pytest.raises(ConfigError, match="recurrent state"):
         run_replay([TraceRequest(0.0, 100, 1, (1,))],
                    ReplayConfig(block_size=16, match_unit=4, state_save="tail"))
+
+
+def test_tier_hits_and_events_are_unchanged_by_a_match_unit() -> None:
+    """The tiers and the KV events stay per full block: under an unbounded host tier a small device pool
+    still hits the unbounded pool's full blocks (the partial hits come on top, from the device), and the
+    stored events name the trace's full blocks, every one of them, with or without a match unit."""
+    from kvpool.events.publishers import QueueEventPublisher
+    from kvpool.events.sink import KVEventSink
+    from kvpool.tiers.backend import Namespace
+    from kvpool.tiers.host import HostTier
+    from kvpool.trace.replay import request_blocks, unbounded_num_blocks
+
+    requests = _random_trace(5, n=80)
+    device = max(request_blocks(r, 64) for r in requests) + 4
+    runs = {}
+    for unit in (None, 16):
+        host = HostTier(unbounded_num_blocks(requests, 64), Namespace("t", "none", "hash-only"))
+        publisher = QueueEventPublisher()
+        sink = KVEventSink(publisher, block_size=64)
+        runs[unit] = (run_replay(requests, ReplayConfig(block_size=64, num_blocks=device, match_unit=unit),
+                                 tiers=[host], event_sink=sink), publisher.drain())
+    (whole, whole_events), (finer, finer_events) = runs[None], runs[16]
+    oracle = run_replay(requests, ReplayConfig(block_size=64))
+    assert whole.hit_blocks == finer.hit_blocks == oracle.hit_blocks and finer.tier_hits["host"] > 0
+    assert finer.partial_hits > 0
+
+    def stored(batches: list) -> set:
+        return {h for b in batches for e in b.events if type(e).__name__ == "BlockStored"
+                for h in e.block_hashes}
+
+    # the same full blocks are stored (the eviction order may differ: a source block is touched to copy it)
+    full_blocks = {h for r in requests for h in r.block_hashes(64)}
+    assert stored(finer_events) == stored(whole_events) == full_blocks
+
+
+def test_the_index_sweeps_blocks_that_left_the_pool_as_it_grows() -> None:
+    index = PartialIndex(2, 0)  # capacity 1,024 blocks at least: a sweep past 4 x 1,024 tracked
+    for b in range(5000):
+        live = {b - 1: 0, b: 1}  # two blocks cached at a time
+        index.register([("u", b), ("end", b)], [b], 0, live.get)
+    # one sweep at the 4,097th block kept the 2 live ones; 903 registered since
+    assert index.sweeps == 1 and len(index) == 2 + 903

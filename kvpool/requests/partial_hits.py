@@ -95,7 +95,7 @@ class PartialHits:
         self.unit = check_match_unit(match_unit, block_size)
         self.block_size, self.num_groups, self.hasher = block_size, num_groups, hasher
         m = block_size // self.unit
-        self.index = PartialIndex(m, num_blocks * (m - 1))
+        self.index = PartialIndex(m, num_blocks)
         #: The engine's KV copy (None: counted only, a replay).
         self.copy: TokenCopy | None = None
         self.stats, self.first_stats = PartialHitStats(), PartialHitStats()
@@ -118,7 +118,7 @@ class PartialHits:
         max_units = (req.num_tokens - 1 - n * self.block_size) // self.unit
         if max_units <= 0:
             return None
-        k, block_hash = self.index.longest(self.units(req), n, max_units, _cached(pool))
+        k, block_hash = self.index.longest(self.units(req), n, max_units, pool.get_cached_block)
         if not k:
             return None
         sources = [pool.get_cached_block(group_key(g, block_hash)) for g in range(self.num_groups)]
@@ -149,17 +149,12 @@ class PartialHits:
     def published(self, req: Request, start: int, end: int, pool: Any) -> None:
         """Index the units of ``req``'s full blocks ``start .. end - 1``, just published."""
         if end > start:
-            self.index.register(self.units(req), req.block_hashes[start:end], start, _cached(pool))
+            self.index.register(self.units(req), req.block_hashes[start:end], start, pool.get_cached_block)
 
     def report(self) -> dict[str, int]:
         """The replay's fields: ``match_unit`` and the first admissions' :class:`PartialHitStats`, prefixed
         ``partial_``."""
         return {"match_unit": self.unit, **{f"partial_{k}": v for k, v in asdict(self.first_stats).items()}}
-
-
-def _cached(pool: Any) -> Callable[[Hashable], bool]:
-    get = pool.get_cached_block
-    return lambda block_hash: get(block_hash) is not None
 
 
 def partial_hits(match_unit: object, manager: Any, num_blocks: int) -> PartialHits:
