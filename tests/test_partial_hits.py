@@ -205,3 +205,19 @@ def test_the_index_sweeps_blocks_that_left_the_pool_as_it_grows() -> None:
         index.register([("u", b), ("end", b)], [b], 0, live.get)
     # one sweep at the 4,097th block kept the 2 live ones; 903 registered since
     assert index.sweeps == 1 and len(index) == 2 + 903
+
+
+def test_cli_match_unit(capsys: pytest.CaptureFixture) -> None:
+    import json
+
+    from kvpool.cli import main
+
+    for bad in ("3", "0", "-16"):  # 3 does not divide 64; 0 and negatives are not units
+        assert main(["replay", "--block-size", "64", "--match-unit", bad, "--max-requests", "5"]) == 2
+        err = capsys.readouterr().err
+        assert "match" in err and "Traceback" not in err
+    assert main(["replay", "--block-size", "64", "--match-unit", "16", "--max-requests", "50", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["match_unit"] == 16 and report["partial_copied_tokens"] == report["partial_tokens"]
+    assert main(["replay", "--block-size", "64", "--match-unit", "16", "--max-requests", "50"]) == 0
+    assert "partial_copied_blocks" in capsys.readouterr().out
