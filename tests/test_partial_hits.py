@@ -221,3 +221,47 @@ def test_cli_match_unit(capsys: pytest.CaptureFixture) -> None:
     assert report["match_unit"] == 16 and report["partial_copied_tokens"] == report["partial_tokens"]
     assert main(["replay", "--block-size", "64", "--match-unit", "16", "--max-requests", "50"]) == 0
     assert "partial_copied_blocks" in capsys.readouterr().out
+
+
+# ---- the storage copy ---------------------------------------------------------------------------------
+
+
+def _views(cache) -> list:
+    """Every layer's K and V (or latent) ``[N, B, ...]`` views, read independently of the copy."""
+    if hasattr(cache, "v_cache"):
+        return [v for layer in range(cache.num_layers) for v in (cache.k_cache(layer), cache.v_cache(layer))]
+    return [cache.kv_cache(layer) for layer in range(cache.num_layers)]
+
+
+@pytest.mark.parametrize("store", ["NHD", "HND", "packed", "mla"])
+def test_copy_token_prefix_copies_the_first_slots_of_every_layer(store: str) -> None:
+    import torch
+
+    from kvpool.errors import InvalidArgumentError, InvalidIdError
+    from kvpool.spec import AttentionKind, KVCacheSpec
+    from kvpool.storage.block_copy import copy_token_prefix
+    from kvpool.storage.mla import MLAKVCache
+    from kvpool.storage.paged import PagedKVCache
+
+    if store == "mla":
+        spec = KVCacheSpec(num_layers=3, num_kv_heads=1, head_dim=12, dtype=torch.float32, block_size=8,
+                           attention=AttentionKind.MLA, kv_lora_rank=8, qk_rope_head_dim=4)
+        cache = MLAKVCache(spec, 6)
+    else:
+        spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float32, block_size=8)
+        cache = PagedKVCache(spec, 6, layout="NHD" if store == "packed" else store, packed=store == "packed")
+    torch.manual_seed(0)
+    for view in _views(cache):
+        view.copy_(torch.randn(view.shape))
+    before = [view.clone() for view in _views(cache)]
+    copy_token_prefix(cache, [(1, 4), (2, 5)], 5)
+    for old, new in zip(before, _views(cache), strict=True):
+        expected = old.clone()
+        expected[4, :5], expected[5, :5] = old[1, :5], old[2, :5]  # the first 5 slots of blocks 1 and 2
+        assert torch.equal(new, expected)
+    copied = [view.clone() for view in _views(cache)]
+    with pytest.raises(InvalidArgumentError, match="num_tokens"):
+        copy_token_prefix(cache, [(1, 4)], 9)  # more than a block
+    with pytest.raises(InvalidIdError):
+        copy_token_prefix(cache, [(0, 3), (1, 6)], 2)  # no block 6: nothing copied, block 3 included
+    assert all(torch.equal(a, b) for a, b in zip(copied, _views(cache), strict=True))
