@@ -59,6 +59,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--format", choices=FORMATS, help="trace format (default: from the file suffix)")
     parser.add_argument("--block-size", type=positive_int, default=16, metavar="B",
                         help="tokens per block; must divide 512 for Mooncake (default: 16)")
+    parser.add_argument("--match-unit", type=positive_int, metavar="U",
+                        help="prefix-match unit in tokens, dividing the block size: a hit may end inside a "
+                             "block, its units copied from a cached block (default: whole blocks)")
     parser.add_argument("--timing", choices=TIMINGS, default="instant",
                         help="instant: one at a time; trace: arrivals at timestamps (default: instant)")
     parser.add_argument("--max-requests", type=positive_int, metavar="N", help="replay the first N requests")
@@ -245,7 +248,7 @@ def _plan_runs(args: argparse.Namespace
         prefill_token_s=args.prefill_token_s, decode_token_s=args.decode_token_s, policy=policies[0],
         pin_prefix=tuple(args.pin_prefix), groups=spec.groups if spec is not None and hybrid else (),
         state_save=state_save, state_checkpoints=args.state_checkpoints,
-        elastic_block_bytes=_elastic_block_bytes(args, spec))
+        elastic_block_bytes=_elastic_block_bytes(args, spec), match_unit=args.match_unit)
     return config, sizes, policies, spec, pool_plan
 
 
@@ -397,8 +400,12 @@ _FORMATS = {
     "mean_memory_saving": ".4f", "memory_compared_requests": ",", "state_save": "", "state_slots_peak": ",",
     "checkpoints_saved": ",", "checkpoints_peak": ",", "checkpoint_hits": ",", "checkpoint_evictions": ",",
     "kv_only_tokens": ",", "peak_committed_bytes": ",", "final_committed_bytes": ",",
-    "trimmed_committed_bytes": ",",
+    "trimmed_committed_bytes": ",", "match_unit": ",", "partial_hits": ",", "partial_tokens": ",",
+    "partial_copied_blocks": ",", "partial_copied_tokens": ",",
 }
+#: Report fields of a finer match unit (hits inside a block), printed only with one (--match-unit).
+_PARTIAL_FIELDS = ("match_unit", "partial_hits", "partial_tokens", "partial_copied_blocks",
+                   "partial_copied_tokens")
 #: Report fields of an elastic pool's model, printed only for one (--elastic).
 _ELASTIC_FIELDS = ("peak_committed_bytes", "final_committed_bytes", "trimmed_committed_bytes")
 #: Report fields of a recurrent hybrid's state, printed only for one.
@@ -408,9 +415,10 @@ _STATE_FIELDS = ("state_save", "state_slots_peak", "checkpoints_saved", "checkpo
 
 def _human(report: dict[str, Any]) -> str:
     state, elastic = report.get("state_save") is not None, bool(report.get("peak_committed_bytes"))
+    partial = report.get("match_unit") is not None
     lines = [f"{name:<20} {report[name]:{spec}}" for name, spec in _FORMATS.items()
              if name in report and (state or name not in _STATE_FIELDS) and
-             (elastic or name not in _ELASTIC_FIELDS)]
+             (elastic or name not in _ELASTIC_FIELDS) and (partial or name not in _PARTIAL_FIELDS)]
     if report.get("tiers"):
         hits = ", ".join(f"{where} {n:,}" for where, n in report["tier_hits"].items())
         at = next(i for i, line in enumerate(lines) if line.startswith("hit_blocks ")) + 1

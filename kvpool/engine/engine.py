@@ -23,6 +23,7 @@ checkpoint slots as the forward passes them.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ from kvpool.requests.state_checkpoints import RequestStates, SavePolicy, StateCh
 from kvpool.spec import KVCacheSpec
 from kvpool.spec.memory import ModelMemory
 from kvpool.storage.arena import ElasticConfig
+from kvpool.storage.block_copy import copy_token_prefix
 
 if TYPE_CHECKING:  # the tiers and events need their extras: imported when they are enabled
     from kvpool.allocators.policies import FrequencyAdmission
@@ -135,6 +137,11 @@ class LLMEngine:
         memory: the model's :class:`~kvpool.spec.memory.ModelMemory` at ``block_size``, ``kv_dtype`` and
             ``tp_size``, where the caller has made it (its config read once per command); default
             :func:`kvpool.engine.recurrent.model_memory`'s.
+        match_unit: tokens per prefix-match unit (a divisor of ``block_size``): a prefix hit may end
+            inside a block, its tokens copied from the cached block into the request's fresh one
+            (:mod:`kvpool.requests.partial_hits`); None (default): whole blocks only. ConfigError for a bad
+            unit, with recurrent state, without prefix caching, or with ``tp_size`` > 1 (the copy is
+            rank 0's).
 
     Attributes: ``kv_manager`` (the :class:`~kvpool.requests.kv_manager.KVCacheManager`), ``scheduler``,
     ``kv`` (its :class:`KVCacheCoordinator`), ``pool`` (its :class:`BlockPool`), ``cache`` (the KV tensors),
@@ -148,13 +155,16 @@ class LLMEngine:
                  kv_events: EventPublisher | None = None, policy: Any = "lru", pin_cap: float = 0.5,
                  admission: FrequencyAdmission | None = None, state_save: str | SavePolicy = "tail",
                  state_checkpoints: int | None = None, attention: str = "gather",
-                 elastic: bool | ElasticConfig = False, memory: ModelMemory | None = None) -> None:
+                 elastic: bool | ElasticConfig = False, memory: ModelMemory | None = None,
+                 match_unit: int | None = None) -> None:
         max_num_batched_tokens = as_int(max_num_batched_tokens, "max_num_batched_tokens", minimum=1)
         max_num_seqs = as_int(max_num_seqs, "max_num_seqs", minimum=1)
         self.model, self.block_size, self.device = model, block_size, model.device
         self.attention = attention
         if elastic is not False and tp_size > 1:
             raise ConfigError("an elastic KV cache runs with tp_size 1 (the other ranks would not commit)")
+        if match_unit is not None and tp_size > 1:
+            raise ConfigError("a match unit runs with tp_size 1 (the other ranks would not copy)")
         self._elastic = elastic
         if memory is None:
             memory = model_memory(model, block_size=block_size, dtype=kv_dtype, tp_size=tp_size)
@@ -166,7 +176,10 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(spec.groups, num_blocks, enable_caching=enable_prefix_caching,
                                          hasher=self.hasher, policy=policy, pin_cap=pin_cap,
                                          admission=admission, event_sink=sink, states=self.states,
-                                         memory=self.cache if self.cache.elastic else None)
+                                         memory=self.cache if self.cache.elastic else None,
+                                         match_unit=match_unit)
+        if self.kv_manager.partial is not None:  # partial hits copy their tokens in this KV cache
+            self.kv_manager.partial.copy = functools.partial(copy_token_prefix, self.cache)
         self.tp_size = tp_size
         self.scheduler = Scheduler(self.kv_manager, max_num_batched_tokens=max_num_batched_tokens,
                                    max_num_seqs=max_num_seqs)

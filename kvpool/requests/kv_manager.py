@@ -43,6 +43,7 @@ from kvpool.allocators.groups import CacheHit, KVCacheCoordinator, group_key
 from kvpool.allocators.hashing import BlockHasher, hasher_for
 from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError
 from kvpool.requests.block_memory import BlockMemory, PoolMemory
+from kvpool.requests.partial_hits import PartialHit, partial_hits
 from kvpool.requests.request import Request
 from kvpool.spec import KVCacheGroup
 from kvpool.spec.kv import needs_null_block
@@ -108,18 +109,21 @@ class KVCacheManager:
         memory: the KV store whose pages follow the blocks
             (:class:`~kvpool.requests.block_memory.BlockMemory`, e.g. an elastic
             :class:`~kvpool.storage.paged.PagedKVCache` with every block free), or None.
+        match_unit: tokens per prefix-match unit, a divisor of the block size, for hits that end inside a
+            block (:mod:`kvpool.requests.partial_hits`: :attr:`partial`); None: whole blocks only.
 
     Raises:
         InvalidArgumentError: as :class:`KVCacheCoordinator`.
         ConfigError: a process-local ``hasher`` with an ``event_sink`` (the events carry its hashes out of
-            the process: :func:`~kvpool.allocators.hashing.hasher_for`).
+            the process: :func:`~kvpool.allocators.hashing.hasher_for`); a bad ``match_unit``, or one with
+            recurrent ``states`` or without caching.
     """
 
     def __init__(self, groups: Sequence[KVCacheGroup], num_blocks: int, *, enable_caching: bool = True,
                  hasher: BlockHasher | None = None, policy: Any = "lru", pin_cap: float = 0.5,
                  admission: FrequencyAdmission | None = None, event_sink: KVEventSink | None = None,
                  pool: BlockPool | None = None, states: RequestStates | None = None,
-                 memory: BlockMemory | None = None) -> None:
+                 memory: BlockMemory | None = None, match_unit: int | None = None) -> None:
         self.coordinator = KVCacheCoordinator(groups, num_blocks, enable_caching=enable_caching,
                                               event_sink=event_sink, policy=policy, pin_cap=pin_cap,
                                               admission=admission, pool=pool)
@@ -131,6 +135,7 @@ class KVCacheManager:
             raise ConfigError(f"the state checkpoints' block size {states.block_size} is not the KV cache "
                               f"groups' {self.block_size}")
         self.states = states
+        self.partial = None if match_unit is None else partial_hits(match_unit, self, num_blocks)
         #: The hook that keeps ``memory``'s committed blocks equal to the used and cached ones (None: none).
         self.memory = None if memory is None else PoolMemory(memory, lambda: self.pool, self.null_block)
         self._uncommitted: set[Hashable] = set()  # requests holding blocks a refused commit left uncommitted
@@ -300,17 +305,22 @@ class KVCacheManager:
             hit = coord.find_longest_cache_hit(hashes, hit.num_blocks, count=False)
             if states is not None:
                 hit = self._joint_hit(req, hit, None)
-        if not self._fits(req, hit, budget):
+        part = None if self.partial is None else self.partial.hold(
+            req, hit.num_blocks, self.pool, lambda p: self._fits(req, hit, budget, p))
+        if part is None and not self._fits(req, hit, budget):
             return None
         if self.on_admit is not None:
             self.on_admit(req)
-        computed = hit.num_blocks * bs
+        computed = hit.num_blocks * bs + (part.tokens if part is not None else 0)
         chunk = min(req.num_tokens - computed, budget)
         coord.allocate(req.request_id, computed + chunk, hit)
         if self.memory is not None and not self._committed(req):
             self._free_blocks(req)  # the memory is short: as with a short pool, nothing stays allocated
             self.memory_refused = True
-            return None
+            return None if part is None else self.partial.release(self.pool, part)  # type: ignore[union-attr]
+        if part is not None:
+            self.partial.copy_into(part, coord.block_tables(req.request_id), self.pool,  # type: ignore[union-attr]
+                                   first=req.num_cached_tokens < 0)
         self.ops += min(hit.num_blocks + 1, limit) + coord.num_blocks_held(req.request_id)
         req.num_computed_tokens = computed
         places = self._places(hit, loaded)
@@ -342,9 +352,10 @@ class KVCacheManager:
         computed = limit * self.block_size
         return self.coordinator.num_new_blocks(computed + min(req.num_tokens - computed, budget), limit)
 
-    def _fits(self, req: Request, hit: CacheHit, budget: int) -> bool:
-        """Whether the pool has the blocks to admit ``req`` from ``hit`` with a first chunk of ``budget``."""
-        computed = hit.num_blocks * self.block_size
+    def _fits(self, req: Request, hit: CacheHit, budget: int, part: PartialHit | None = None) -> bool:
+        """Whether the pool has the blocks to admit ``req`` from ``hit`` (and ``part``, a partial hit past
+        it) with a first chunk of ``budget``."""
+        computed = hit.num_blocks * self.block_size + (part.tokens if part is not None else 0)
         chunk = min(req.num_tokens - computed, budget)
         return self.coordinator.can_allocate(req.request_id, computed + chunk, hit)
 
@@ -418,7 +429,10 @@ class KVCacheManager:
             return  # fast path: no block filled since the last publish (a decode step, mid-block)
         tokens = req.token_ids if self.pool.event_sink is not None and req.has_token_ids else None
         coord.cache_blocks(req.request_id, req.block_hashes, written, token_ids=tokens)
-        self.ops += (coord.num_published_blocks(req.request_id) - before) * len(self.groups)
+        after = coord.num_published_blocks(req.request_id)
+        self.ops += (after - before) * len(self.groups)
+        if self.partial is not None:
+            self.partial.published(req, before, after, self.pool)
         if self.states is not None:
             self.states.commit(req)
         if self._wanted_pins:

@@ -43,6 +43,9 @@ class Request:
         num_prompt_tokens: the prompt's length when ``prompt_token_ids`` is None (derived otherwise).
         block_hashes: the chained hashes of its full blocks known so far (the KV cache manager extends
             them as token ids arrive; a trace gives its prompt's).
+        unit_hashes: the chained hashes of its full match units, for hits finer than a block
+            (:mod:`kvpool.requests.partial_hits`: extended from token ids as needed; a trace gives its
+            prompt's); empty without a match unit.
         arrival_s: when it arrived (seconds, the caller's clock).
         priority: its retention priority for the ``priority`` eviction policy (higher = kept longer).
         stop_token_ids: tokens that end it before ``max_tokens`` (the engine's EOS).
@@ -66,6 +69,7 @@ class Request:
     params: Any = None
     generator: Any = None
     keep_logits: bool = False
+    unit_hashes: list[Hashable] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     num_output_tokens: int = 0
     num_computed_tokens: int = 0

@@ -8,6 +8,8 @@
   and dtype (a swap between a device cache and its host copy): on the CPU one strided ``copy_`` per block,
   which moves the bytes once (``index_copy_`` along the block dimension runs at about a quarter of that
   here); elsewhere one gather and one scatter along the block dimension.
+* :func:`copy_token_prefix` copies the first token slots of blocks into other blocks, every layer's K and V
+  (a prefix hit that ends inside a block: copy-on-partial-reuse, :mod:`kvpool.requests.partial_hits`).
 * :func:`gather_rows` and :func:`scatter_rows` copy blocks to and from contiguous byte rows ``uint8 [n,
   bytes_per_block]``, the unit the lower tiers store (:mod:`kvpool.tiers.backend`).
 
@@ -20,12 +22,12 @@ included). The asynchronous device <-> host swaps (streams, pinned staging, even
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from kvpool.errors import InvalidArgumentError, InvalidIdError
-from kvpool.numeric import as_id_tensor
+from kvpool.numeric import as_id_tensor, as_int
 
 
 class BlockStore(Protocol):
@@ -99,6 +101,28 @@ def copy_blocks(src: BlockStore, src_ids: Sequence[int], dst: BlockStore, dst_id
     ids = torch.tensor(list(src_ids), dtype=torch.int64, device=mine.device)
     rows = mine.index_select(0, ids).to(theirs.device)
     theirs.index_copy_(0, torch.tensor(list(dst_ids), dtype=torch.int64, device=theirs.device), rows)
+
+
+def copy_token_prefix(store: Any, pairs: Sequence[tuple[int, int]], num_tokens: int) -> None:
+    """Copy the first ``num_tokens`` token slots of block ``src`` into block ``dst`` for each ``(src, dst)``
+    of ``pairs``, in every layer's K and V (a :class:`~kvpool.storage.paged.PagedKVCache` in any layout:
+    its ``k_cache`` / ``v_cache`` views ``[N, B, ...]``) or latent (an MLA cache's ``kv_cache``). Bit-exact
+    (fp8 included: the scales are per cache); the other slots of ``dst`` are left as they are. Every source
+    is read before any destination is written.
+
+    Raises:
+        InvalidIdError: an id outside ``[0, num_blocks)`` or a destination named twice.
+        InvalidArgumentError: ``num_tokens`` not an integer in ``[0, block_size]``. Nothing is copied then.
+    """
+    ids = copy_pairs(pairs, store.num_blocks, store.device)
+    n = as_int(num_tokens, "num_tokens", minimum=0, maximum=store.block_size)
+    if ids is None or n == 0:
+        return
+    src, dst = ids
+    latent = not hasattr(store, "v_cache")
+    for layer in range(store.num_layers):
+        for view in (store.kv_cache(layer),) if latent else (store.k_cache(layer), store.v_cache(layer)):
+            view[dst, :n] = view[src, :n]
 
 
 def block_rows(store: BlockStore) -> torch.Tensor:

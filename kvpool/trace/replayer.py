@@ -22,12 +22,11 @@ Timing modes:
   ``max_running`` requests, exactly as the engine schedules.
 
 Step-time model (seconds): ``step_s + prefill_token_s * prefill tokens + decode_token_s * decode tokens``
-(prefill tokens: the step's prefill chunks, cached tokens excluded). The defaults are illustrative only;
-set them for a model and device. Stretches of pure decode steps that change nothing in the pool (no block
-to allocate, free or publish, no one finishing, nobody who could be admitted) run in one go, and so do all
-the decode steps but the last of a request running alone with nothing to arrive, block allocations
-included, where its blocks come without an eviction (:meth:`Scheduler.run_lone_decode`); the clock adds
-their times exactly as stepping would.
+(prefill tokens: the step's prefill chunks, cached tokens excluded; the defaults are illustrative only).
+Stretches of pure decode steps that change nothing in the pool (no block to allocate, free or publish, no
+one finishing, nobody who could be admitted) run in one go, and so do all the decode steps but the last of
+a request running alone with nothing to arrive, where its blocks come without an eviction
+(:meth:`Scheduler.run_lone_decode`, :mod:`kvpool.trace.clock`): the clock adds their times as stepping.
 
 Eviction: ``config.policy`` names the pool's eviction policy (:mod:`kvpool.allocators.policies`; the
 ``priority`` policy's retention clock is the simulated one), or ``belady``: the offline farthest-next-use
@@ -45,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.allocators.block_pool import BlockPool
 from kvpool.allocators.hashing import BlockHasher
+from kvpool.allocators.partial_index import check_match_unit
 from kvpool.allocators.policies import (
     POLICIES,
     EvictionPolicy,
@@ -64,6 +64,7 @@ from kvpool.spec.kv import needs_null_block
 from kvpool.storage.arena import DEFAULT_PAGE_SIZE
 from kvpool.storage.elastic import PageModel
 from kvpool.trace.belady import BeladyPolicy, TraceFuture
+from kvpool.trace.clock import lone_decode_clock
 from kvpool.trace.loaders import MOONCAKE_BLOCK_SIZE, TraceRequest
 
 if TYPE_CHECKING:
@@ -115,6 +116,8 @@ class ReplayConfig:
             and cached blocks as in the engine (:mod:`kvpool.requests.block_memory`), and reports them.
             None (default): no such model.
         elastic_page_size: that model's page size in bytes (2 MiB by default).
+        match_unit: tokens per prefix-match unit (a divisor of ``block_size``): hits may end inside a block,
+            copied from a cached block (:mod:`kvpool.requests.partial_hits`); None: whole blocks only.
 
     Raises:
         ConfigError: a value out of range.
@@ -135,8 +138,11 @@ class ReplayConfig:
     state_checkpoints: int | None = None
     elastic_block_bytes: int | None = None
     elastic_page_size: int = DEFAULT_PAGE_SIZE
+    match_unit: int | None = None
 
     def __post_init__(self) -> None:
+        if self.match_unit is not None:
+            object.__setattr__(self, "match_unit", check_match_unit(self.match_unit, self.block_size))
         if any(g.block_size != self.block_size for g in self.groups):
             raise ConfigError(f"the KV cache groups' block size must be block_size {self.block_size}")
         if self.timing not in TIMINGS:
@@ -184,10 +190,9 @@ class ReplayResult:
     ``prompt_blocks`` counts the full prompt blocks of every request of the trace, admitted or rejected,
     and ``hit_blocks`` those found cached at a request's first admission (at most the full blocks of its
     first ``input - 1`` tokens: the engine always computes the last prompt token); ``token_hit_ratio =
-    hit_blocks * block_size / prompt tokens`` (every request's). So the ratios of replays of one trace on
-    pools of any size share one denominator: a rejected request's prompt counts as misses
-    (:data:`HIT_RATIO_BASIS`), ``rejected_prompt_blocks`` of them, and ``requests_rejected`` says how many
-    requests that was.
+    (hit_blocks * block_size + partial_tokens) / prompt tokens`` (every request's). So the ratios of replays
+    of one trace on pools of any size share one denominator: a rejected request's prompt counts as misses
+    (:data:`HIT_RATIO_BASIS`), ``rejected_prompt_blocks`` of them (``requests_rejected`` requests).
     ``peak_blocks_used`` and ``mean_blocks_used`` (time-weighted over the simulated run) count blocks with
     a reference, over every group. ``block_ops`` counts block ids and hashes handled by pool calls (hashes
     a lookup examined, blocks touched, allocated, published and freed); ``block_ops_per_s = block_ops /
@@ -209,7 +214,8 @@ class ReplayResult:
     With ``config.elastic_block_bytes`` (a model of an elastic pool): ``peak_committed_bytes`` (the most its
     pages held, taken each step), ``final_committed_bytes`` (at the end: the cached blocks' pages) and
     ``trimmed_committed_bytes`` (after evicting the cached blocks and giving their pages back). All 0
-    otherwise.
+    otherwise. With ``config.match_unit``, the first admissions' partial hits (``partial_hits``), their hit
+    tokens past the full blocks (``partial_tokens``) and the blocks and token slots copied.
     """
 
     requests_completed: int
@@ -245,6 +251,11 @@ class ReplayResult:
     peak_committed_bytes: int = 0
     final_committed_bytes: int = 0
     trimmed_committed_bytes: int = 0
+    match_unit: int | None = None
+    partial_hits: int = 0
+    partial_tokens: int = 0
+    partial_copied_blocks: int = 0
+    partial_copied_tokens: int = 0
 
     def to_dict(self) -> dict[str, object]:
         """Every field but the timeline, JSON-ready."""
@@ -253,10 +264,12 @@ class ReplayResult:
         return out
 
 
-def trace_request(req: TraceRequest, request_id: int, block_size: int) -> Request:
-    """``req`` as a request of the request path: counts and the prompt's block hashes, no token ids."""
+def trace_request(req: TraceRequest, request_id: int, block_size: int, match_unit: int | None = None
+                  ) -> Request:
+    """``req`` as a request of the request path: counts and the prompt's block (and unit) hashes."""
     return Request(request_id, None, req.output_tokens, num_prompt_tokens=req.input_tokens,
-                   block_hashes=req.block_hashes(block_size), arrival_s=req.arrival_s)
+                   block_hashes=req.block_hashes(block_size), arrival_s=req.arrival_s,
+                   unit_hashes=req.block_hashes(match_unit) if match_unit else [])
 
 
 def request_blocks(req: TraceRequest, config: ReplayConfig | int) -> int:
@@ -324,7 +337,7 @@ class Replayer:
                 num_blocks, config.elastic_block_bytes, page_size=config.elastic_page_size)
             self.kv = KVCacheManager(config.kv_cache_groups, num_blocks, event_sink=event_sink, hasher=hasher,
                                      policy=self._policy(num_blocks) if pool is None else "lru", pool=pool,
-                                     states=self._states(), memory=memory)
+                                     states=self._states(), memory=memory, match_unit=config.match_unit)
         except (MemoryError, InvalidArgumentError) as exc:  # too large for memory
             raise ConfigError(f"a pool of {num_blocks:,} blocks cannot be built ({exc}): give a smaller "
                               "num_blocks (--num-blocks)") from None
@@ -407,17 +420,18 @@ class Replayer:
         tier_hits, tiers = self._tier_report()
         self.kv.check_integrity()
         kv, bs = self.kv, self.bs
-        hits = kv.first_stats.hit_blocks
+        hits, part = kv.first_stats.hit_blocks, kv.partial.report() if kv.partial is not None else {}
+        hit_tokens = hits * bs + part.get("partial_tokens", 0)
         ops = kv.ops + (kv.tiers.ops if kv.tiers is not None else 0)
         if kv.tiers is not None:
             kv.detach_tiers()
         return ReplayResult(
             self.completed, self.rejected, self.prompt_blocks, hits,
-            _ratio(hits, self.prompt_blocks), _ratio(hits * bs, self.prompt_tokens),
+            _ratio(hits, self.prompt_blocks), _ratio(hit_tokens, self.prompt_tokens),
             self.peak, _ratio(self.area, self.now), self.sched.num_preemptions, ops, _ratio(ops, wall), wall,
             self.pool.stats.evictions, self.now, self.pool.num_blocks, bs, self.cfg.timing, self.cfg.policy,
             pinned, self.rejected_blocks, tier_hits, tiers, timeline=self.timeline or [],
-            **self._state_report(), **self._elastic_report())
+            **self._state_report(), **self._elastic_report(), **part)
 
     def _state_report(self) -> dict[str, Any]:
         states = self.kv.states
@@ -447,7 +461,7 @@ class Replayer:
             trace_req = self.requests[i]
             if instant:
                 self.now = max(self.now, trace_req.arrival_s)
-            req = trace_request(trace_req, i, self.bs) if self.given is None else self.given[i]
+            req = self.given[i] if self.given else trace_request(trace_req, i, self.bs, self.cfg.match_unit)
             try:
                 self.sched.add_request(req)
             except OutOfBlocksError:
@@ -527,27 +541,10 @@ class Replayer:
         steps = sched.run_lone_decode()
         if not steps:
             return False
-        cfg, bs, groups = self.cfg, self.bs, len(self.kv.groups)
-        idle_dt = cfg.step_s + cfg.decode_token_s * 1  # as _fast_forward's and _step's for one request
-        step_dt = cfg.step_s + cfg.prefill_token_s * 0 + cfg.decode_token_s * 1
-        now, area, peak = self.now, self.area, self.peak
-        k = min(room, steps)
-        while True:
-            if k > 0:  # pure decode steps in one tick
-                dt = k * idle_dt
-                peak = max(peak, used)
-                area += used * dt
-                now += dt
-                steps -= k
-            if steps <= 0:
-                break
-            used += groups  # the step that allocates the next block
-            peak = max(peak, used)
-            area += used * step_dt
-            now += step_dt
-            steps -= 1
-            k = min(bs - 1, steps)
-        self.now, self.area, self.peak = now, area, peak
+        dt = self.cfg.step_s + self.cfg.decode_token_s  # one decode token: as _fast_forward's and _step's
+        self.now, self.area, self.peak = lone_decode_clock(
+            self.now, self.area, self.peak, used=used, room=room, steps=steps, block_size=self.bs,
+            groups=len(self.kv.groups), dt=dt)
         self._count_committed()
         return True
 
