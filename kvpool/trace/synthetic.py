@@ -8,9 +8,10 @@ exponent 1.1); sessions arrive as a Poisson process (``sessions_per_s``); a sess
 geometric with mean ``chat_turns``, a user message of 50-1,500 tokens and an answer of 50-800 tokens per
 turn, think time exponential with mean 30 s) or, with probability ``agent_share``, an **agent loop** (a task
 of 200-3,000 tokens, then 3-29 steps, each appending a tool result of 100-2,000 tokens and a 20-300 token
-call, 1-8 s apart). Every turn's prompt is the session's previous prompt, its answer and the new text: its
-full 512-token blocks keep their ids, the rest get fresh ones (so a follow-up hits everything the previous
-turn computed, as a prefix cache would see it). Requests are written in arrival order until ``requests``.
+call, 1-8 s apart). Each row names its ``session_id`` (0, 1, ... in the order sessions start). Every turn's
+prompt is the session's previous prompt, its answer and the new text: its full 512-token blocks keep their
+ids, the rest get fresh ones (so a follow-up hits everything the previous turn computed, as a prefix cache
+would see it). Requests are written in arrival order until ``requests``.
 
 ``python -m kvpool.trace.synthetic OUT.jsonl [--seed N] [--requests N]`` writes one; ``kvpool replay
 OUT.jsonl`` replays it.
@@ -48,6 +49,7 @@ class WorkloadShape:
 class _Session:
     """A session's state: its prompt so far as full-block ids plus a partial tail of ``tail`` tokens."""
 
+    sid: int
     blocks: list[int]
     tokens: int
     agent: bool
@@ -72,7 +74,7 @@ def generate(seed: int = 0, shape: WorkloadShape = WorkloadShape()) -> list[dict
     systems = [[next(ids) for _ in range(rng.randrange(1, 9))] for _ in range(shape.system_prompts)]
     weights = [1 / (k + 1) ** 1.1 for k in range(shape.system_prompts)]
     events: list[tuple[float, int, _Session]] = []  # (time s, tie-break, session): the next turn's arrival
-    order = itertools.count()
+    order, sessions = itertools.count(), itertools.count()
     t = 0.0
     rows: list[dict[str, object]] = []
     while len(rows) < shape.requests:
@@ -90,7 +92,7 @@ def generate(seed: int = 0, shape: WorkloadShape = WorkloadShape()) -> list[dict
         agent = rng.random() < shape.agent_share
         extra_turns = rng.expovariate(1 / max(shape.chat_turns - 1, 1e-9))  # geometric-like, mean chat_turns
         turns = rng.randrange(4, 31) if agent else 1 + int(extra_turns)
-        session = _Session(list(system), len(system) * BLOCK, agent, turns, ids)
+        session = _Session(next(sessions), list(system), len(system) * BLOCK, agent, turns, ids)
         heapq.heappush(events, (t, next(order), session))
     return rows
 
@@ -107,7 +109,7 @@ def _turn(rng: random.Random, session: _Session, now: float) -> dict[str, object
     session.left -= 1
     session.tokens += output  # the answer joins the next prompt
     return {"timestamp": round(now * 1000), "input_length": length, "output_length": output,
-            "hash_ids": hash_ids}
+            "hash_ids": hash_ids, "session_id": session.sid}
 
 
 def main(argv: list[str] | None = None) -> int:
