@@ -259,8 +259,8 @@ class KVPoolCollector:
         if self._usage is not None:
             out += [c("kvpool_cache_read_tokens", "Prompt tokens served from the cache, by where the hit was "
                       "found", labels=["tier"]),
-                    c("kvpool_cache_creation_tokens", "Prompt tokens computed and written to the prefix cache",
-                      labels=[]),
+                    c("kvpool_cache_creation_tokens", "Prompt tokens computed and written to the prefix "
+                      "cache", labels=[]),
                     c("kvpool_cache_uncached_tokens", "Prompt tokens computed and not cached", labels=[]),
                     g("kvpool_sessions_open", "Sessions open", labels=[]),
                     g("kvpool_session_kept_blocks", "Blocks kept (pinned) by sessions and retained ranges",

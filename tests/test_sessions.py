@@ -79,17 +79,18 @@ def test_closing_a_session_dereferences_and_never_frees_under_a_request() -> Non
     assert kv.pool.num_used_blocks == 0 and cached(sched, [1, 2, 3]) == 3  # released, still cached
 
 
-@pytest.mark.parametrize("keep, pinned", [(None, [1, 2, 3, 4, 5]), (1, [5]), (2, [3, 4, 5]), (0, [])])
+@pytest.mark.parametrize("keep, pinned", [(None, [1, 2, 3, 4, 5]), (1, [1, 2, 5]), (2, [1, 2, 4, 5]),
+                                          (0, [])])
 def test_keep_the_last_n_turns(keep: int | None, pinned: list[int]) -> None:
     sched = make(num_blocks=16)
     sched.kv.sessions.open("s", keep_turns=keep)
-    # three turns; each one's own blocks are those past the prefix it shares with the previous turn:
-    # turn 1 [1, 2], turn 2 [3, 4], turn 3 [5]
-    run(sched, req(0, [1, 2], session_id="s"), req(1, [1, 2, 3, 4], session_id="s"),
-        req(2, [1, 2, 3, 4, 5], session_id="s"))
+    # an agent rewriting its last block each turn: turn prefixes [1, 2, 3], [1, 2, 4], [1, 2, 5]; a turn
+    # keeps its whole prefix, so the last N turns keep [1, 2] and their own last blocks
+    run(sched, req(0, [1, 2, 3], session_id="s"), req(1, [1, 2, 4], session_id="s"),
+        req(2, [1, 2, 5], session_id="s"))
     pool = sched.kv.pool
     assert sorted(pool.block_hash(b) for b in pool.pinned_blocks()) == pinned
-    sched.kv.sessions.close("s")
+    assert sched.kv.sessions.close("s") == 3 * min(3, 3 if keep is None else keep)  # one pin per block a turn
     assert pool.num_pinned_blocks == 0 and pool.num_used_blocks == 0
     sched.kv.check_integrity()
 
@@ -120,6 +121,21 @@ def test_kept_sessions_give_way_before_a_request_waits() -> None:
     run(sched, big)  # without the session's release, schedule() raised OutOfBlocksError here
     assert big.num_output_tokens == 1
     assert sched.kv.sessions.stats.released == 1 and sched.kv.pool.num_pinned_blocks == 0
+
+
+def test_a_released_turn_in_the_hit_is_counted_as_needed() -> None:
+    sched = make(pin_cap=1.0)
+    sched.kv.sessions.open("s")
+    sched.kv.sessions.open("t")
+    # s keeps [1, 2] (2 blocks), then t keeps [9] (1 block): 5 of the 8 blocks free
+    run(sched, req(0, [1, 2], session_id="s"), req(1, [9], session_id="t"))
+    # s's next turn hits [1, 2] and needs 6 new blocks (31 tokens: 8 blocks). Releasing s's old turn (the
+    # oldest) frees 2 blocks but makes them evictable hit blocks that admission must keep: 8 needed, 7
+    # free; t's turn goes too, and then it fits
+    turn2 = req(2, [1, 2, 3, 4, 5, 6, 7], prompt=31, session_id="s")
+    run(sched, turn2)
+    assert turn2.cache_usage.cache_read_tokens == 2 * B
+    assert sched.kv.sessions.stats.released == 2
 
 
 def test_bad_input_is_a_typed_error_that_changes_nothing() -> None:
@@ -229,3 +245,48 @@ def test_prometheus_exports_the_accounting_and_the_sessions() -> None:
     assert got[("kvpool_sessions_open", ())] == 1 and got[("kvpool_session_kept_blocks", ())] == 3
     with pytest.raises(InvalidArgumentError):
         KVPoolCollector().add_usage(sched.kv).add_usage(sched.kv)
+
+
+# ---- the command line -------------------------------------------------------------------------------------
+
+def _write_trace(tmp_path, **shape) -> str:
+    from kvpool.trace.synthetic import main as synthetic
+
+    path = str(tmp_path / "syn.jsonl")
+    assert synthetic([path, "--seed", "1", "--requests", "60", *(f"--{k.replace('_', '-')}={v}"
+                                                                   for k, v in shape.items())]) == 0
+    return path
+
+
+@pytest.mark.parametrize("bad", ["last=-1", "all", "last="])
+def test_cli_bad_session_policy_prints_one_line_and_exits_2(tmp_path, capsys, bad: str) -> None:
+    from kvpool.cli import main
+
+    path = _write_trace(tmp_path)
+    capsys.readouterr()
+    assert main(["replay", path, "--sessions", bad, "--no-progress"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and "session policy" in err
+
+
+def test_cli_replay_reports_sessions_and_accounting(tmp_path, capsys) -> None:
+    import json
+
+    from kvpool.cli import main
+    from kvpool.trace.loaders import load_trace
+
+    path = _write_trace(tmp_path, one_off_share=0.3)
+    trace = load_trace(path)
+    assert any(r.session_id is None for r in trace.requests) and any(r.session_id for r in trace.requests)
+    capsys.readouterr()
+    argv = ["replay", path, "--num-blocks", "3000", "--no-progress"]
+    assert main([*argv, "--sessions", "last=2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    usage, sessions = report["cache"]["usage"], report["cache"]["sessions"]
+    assert usage["cache_read_tokens"] + usage["cache_creation_tokens"] + usage["uncached_tokens"] == \
+        sum(r.input_tokens for r in trace.requests)
+    assert sessions["opened"] == sessions["closed"] == len({r.session_id for r in trace.requests} - {None})
+    assert report["cache"]["session_policy"] == "last=2"
+    assert main([*argv, "--sessions", "session"]) == 0
+    out = capsys.readouterr().out
+    assert "cache_read_tokens" in out and "sessions             session:" in out

@@ -352,10 +352,11 @@ class KVCacheManager:
         computed = hit.num_blocks * self.block_size
         chunk = min(req.num_tokens - computed, budget)
         coord, rid, tokens = self.coordinator, req.request_id, computed + chunk
-        if coord.can_allocate(rid, tokens, hit):
-            return True
-        return bool(self.sessions.num_holdings) and self.sessions.make_room(  # kept sessions give way first
-            coord.num_blocks_to_allocate(rid, tokens, hit)) and coord.can_allocate(rid, tokens, hit)
+        fits, sessions = coord.can_allocate(rid, tokens, hit), self.sessions
+        while not fits and sessions.num_holdings and \
+                sessions.make_room(coord.num_blocks_to_allocate(rid, tokens, hit)):  # kept ones give way
+            fits = coord.can_allocate(rid, tokens, hit)  # (a released hit block is now needed too)
+        return fits
 
     def _below(self, hit: CacheHit) -> bool:
         """Whether a probed hit names blocks held in a tier (codes below -1)."""

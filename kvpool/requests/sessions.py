@@ -5,14 +5,16 @@ holds, so a pinned block is never evicted and is never freed while pinned):
 
 * **Sessions** (a multi-turn conversation, an agent's loop): a request names its ``session_id``, a session
   opened first (:meth:`SessionCache.open`). When a request of an open session finishes, its **turn** is kept:
-  the full blocks it published past the prefix it shares with the session's previous turn (what this turn
-  added to the conversation) are pinned for the session. So while a session is open its blocks rank above
-  the blocks of no session: those are evicted first, by the pool's policy. ``keep_turns=N`` keeps the last
-  N turns only: an older turn's blocks drop back to normal priority (cached free, the policy decides); a turn
-  released so stays released. :meth:`SessionCache.close` drops every pin the session holds (a dereference:
-  a block another request or session also holds stays in use, and the released blocks stay cached until the
-  policy evicts them), as SGLang's session-scoped radix cache does (``--enable-session-radix-cache``,
-  PR #27058) and TensorRT-LLM's ``per_conversation`` reuse with ``max_num_turns``.
+  the full blocks it published (its whole prefix: a later hit needs it from the first block) are pinned for
+  the session. So while a session is open its blocks rank above the blocks of no session: those are
+  evicted first, by the pool's policy. ``keep_turns=N`` keeps the last N turns only: the blocks that only
+  older turns held (a context an agent rewrote or cut) drop back to normal priority (cached free, the
+  policy decides). In a conversation whose every prompt extends the last, the last turn holds everything,
+  so ``N = 1`` keeps as much as every turn does. :meth:`SessionCache.close` drops every pin the session
+  holds (a dereference: a block another request or session also holds stays in use, and the released blocks
+  stay cached until the policy evicts them), as SGLang's session-scoped radix cache does
+  (``--enable-session-radix-cache``, PR #27058) and TensorRT-LLM's ``per_conversation`` reuse with
+  ``max_num_turns``.
 * **Retention with a duration** (a cache breakpoint with a time to live, like Anthropic's
   ``cache_control`` ttl): a request's ``retain`` (:class:`Retention`) keeps the full blocks of a token
   range of its prompt and outputs, pinned through the ``steps`` scheduler steps that follow the one it
@@ -21,10 +23,11 @@ holds, so a pinned block is never evicted and is never freed while pinned):
   engine and a replay (whatever its clock) keep a range alike.
 
 What is kept is a priority, not a promise: the pins share the pool's pin cap (``pin_cap``), and when the
-pool runs short (a request cannot be admitted or cannot grow) the oldest kept turns and ranges are released
-first, before any request is preempted or left waiting (:meth:`SessionCache.make_room`). A turn that does
-not fit under the pin cap releases the oldest kept ones, or is kept in part (its first blocks). Without
-prefix caching nothing is kept (sessions still open and close).
+pool runs short (a request cannot be admitted or cannot grow) kept turns and ranges are released, before any
+request is preempted or left waiting (:meth:`SessionCache.make_room`): the oldest range, or the turns of
+the session whose last turn ended longest ago, newest turn first (a hit needs the head of the prefix). A
+turn that does not fit under the pin cap releases kept ones so, or is kept in part (its first blocks).
+Without prefix caching nothing is kept (sessions still open and close).
 """
 
 from __future__ import annotations
@@ -106,7 +109,6 @@ class _Holding:
 class _Session:
     keep_turns: int | None
     turns: deque[int] = field(default_factory=deque)  # holding keys, oldest first
-    last: list[Hashable] = field(default_factory=list)  # the previous turn's published block hashes
 
 
 @dataclass
@@ -161,7 +163,8 @@ class SessionCache:
 
     def close(self, session_id: Hashable) -> int:
         """Close ``session_id``: every pin it holds is dropped (its blocks stay cached, at normal priority;
-        a running request of it keeps its own blocks). Returns the blocks unpinned.
+        a running request of it keeps its own blocks). Returns the pins dropped (a block that k kept turns
+        hold counts k times).
 
         Raises:
             InvalidIdError: no such open session (nothing changes).
@@ -210,10 +213,10 @@ class SessionCache:
         hashes = req.block_hashes[:n]
         session = self._sessions.get(req.session_id) if req.session_id is not None else None
         if session is not None:
-            start = _common_prefix(session.last, hashes)
-            session.last = hashes
-            if start < n and session.keep_turns != 0:
-                key = self._hold(hashes, start, n, req.session_id, None)
+            for key in session.turns:  # the session was active last: its turns are released last
+                self._holdings.move_to_end(key)
+            if n and session.keep_turns != 0:
+                key = self._hold(hashes, 0, n, req.session_id, None)
                 if key is not None:
                     session.turns.append(key)
                     self.stats.turns += 1
@@ -279,13 +282,14 @@ class SessionCache:
         return len(ids)
 
     def _release_oldest(self) -> bool:
-        """Release the oldest holding (its session forgets the turn); False when none is left."""
+        """Release the oldest holding: a range, or the newest turn of the session active longest ago (its
+        first turns, the head of its prefix, go last); False when none is left."""
         if not self._holdings:
             return False
         key, holding = next(iter(self._holdings.items()))
         session = self._sessions.get(holding.session) if holding.session is not None else None
-        if session is not None and key in session.turns:
-            session.turns.remove(key)
+        if session is not None and session.turns:
+            key = session.turns.pop()
         self._release(key)
         self.stats.released += 1
         return True
@@ -338,10 +342,3 @@ class SessionCache:
                 "dropped_turns": s.dropped_turns, "kept_blocks": self.num_kept_blocks,
                 "peak_kept_blocks": s.peak_blocks}
 
-
-def _common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

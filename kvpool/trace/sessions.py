@@ -57,3 +57,20 @@ class ReplaySessions:
         if self.policy is not None:
             out["sessions"] = sessions.report()
         return out
+
+
+def usage_lines(cache: dict[str, Any]) -> list[str]:
+    """:meth:`ReplaySessions.end`'s report as lines of ``kvpool replay``'s text report ([] when empty)."""
+    usage = cache.get("usage")
+    if not usage:
+        return []
+    tiers = ", ".join(f"{where} {n:,}" for where, n in usage["cache_read_tokens_by_tier"].items())
+    lines = [f"{'cache_read_tokens':<20} {usage['cache_read_tokens']:,} ({tiers})",
+             f"{'cache_creation_tokens':<20} {usage['cache_creation_tokens']:,}",
+             f"{'uncached_tokens':<20} {usage['uncached_tokens']:,}"]
+    sessions = cache.get("sessions")
+    if sessions:
+        lines.append(f"{'sessions':<20} {cache['session_policy']}: {sessions['opened']:,} opened, "
+                     f"{sessions['turns_kept']:,} turns kept, peak {sessions['peak_kept_blocks']:,} blocks "
+                     f"kept, {sessions['released_for_room']:,} released for room")
+    return lines
