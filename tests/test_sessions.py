@@ -290,3 +290,24 @@ def test_cli_replay_reports_sessions_and_accounting(tmp_path, capsys) -> None:
     assert main([*argv, "--sessions", "session"]) == 0
     out = capsys.readouterr().out
     assert "cache_read_tokens" in out and "sessions             session:" in out
+
+
+def test_replay_accounting_splits_reads_by_tier() -> None:
+    from kvpool.tiers.backend import Namespace
+    from kvpool.tiers.host import HostTier
+    from kvpool.trace.loaders import load_trace
+    from kvpool.trace.replay import ReplayConfig, request_blocks, run_replay, unbounded_num_blocks
+
+    requests = load_trace(None, None, max_requests=200).requests
+    unbounded = ReplayConfig(block_size=16)
+    oracle = run_replay(requests, unbounded)  # nothing evicted: every reusable block is read
+    device = max(request_blocks(r, unbounded) for r in requests)
+    host = HostTier(unbounded_num_blocks(requests, unbounded), Namespace("t", "none", "hash-only"))
+    tiered = run_replay(requests, ReplayConfig(block_size=16, num_blocks=device), tiers=[host])
+    usage = tiered.cache["usage"]
+    # an unbounded host tier under the device loses nothing: the reads are the oracle's, in tokens
+    assert usage["cache_read_tokens"] == oracle.hit_blocks * 16 == oracle.cache["usage"]["cache_read_tokens"]
+    by_tier = usage["cache_read_tokens_by_tier"]
+    assert by_tier["host"] > 0 and by_tier == {p: n * 16 for p, n in tiered.tier_hits.items()}
+    assert usage["cache_read_tokens"] + usage["cache_creation_tokens"] + usage["uncached_tokens"] == \
+        sum(r.input_tokens for r in requests)
