@@ -42,6 +42,13 @@ name                                    type     what
                                                  cache), ``committed`` (physical memory held: an elastic
                                                  cache's pages), ``used`` (blocks in use), ``cached`` (cached
                                                  free blocks); given by the consumer
+``kvpool_cache_read_tokens``            counter  prompt tokens served from the cache, by ``tier`` (where the
+                                                 hit's blocks were found: ``device``, ``host``, ``disk``...)
+``kvpool_cache_creation_tokens``        counter  prompt tokens computed and written to the prefix cache
+``kvpool_cache_uncached_tokens``        counter  prompt tokens computed and not cached (read + creation +
+                                                 uncached = the prompt tokens of the admitted requests)
+``kvpool_sessions_open``                gauge    sessions open (:mod:`kvpool.requests.sessions`)
+``kvpool_session_kept_blocks``          gauge    blocks the sessions and retained ranges keep (pinned)
 ======================================  =======  ==========================================================
 
 (Counters are exposed with the ``_total`` suffix, e.g. ``kvpool_evicted_blocks_total``.)
@@ -91,6 +98,7 @@ class KVPoolCollector:
         self.preemptions, self._publisher = preemptions, publisher
         self._states: Any = None
         self._memory: Callable[[], dict[str, Any]] | None = None
+        self._usage: Any = None
 
     def add_states(self, states: Any) -> KVPoolCollector:
         """Export a recurrent hybrid's state slots and checkpoints (a
@@ -108,6 +116,15 @@ class KVPoolCollector:
         if self._memory is not None:
             raise InvalidArgumentError("the KV memory is already added")
         self._memory = stats
+        return self
+
+    def add_usage(self, kv: Any) -> KVPoolCollector:
+        """Export a :class:`~kvpool.requests.kv_manager.KVCacheManager`'s cached-token sums (its ``usage``)
+        and sessions (its ``sessions``), read at each scrape; returns self. Raises InvalidArgumentError when
+        they are added already."""
+        if self._usage is not None:
+            raise InvalidArgumentError("the cache usage is already added")
+        self._usage = kv
         return self
 
     def add_pool(self, pool: BlockPool, *, block_size: int, tier: str = "device", group: int | str = 0,
@@ -152,6 +169,14 @@ class KVPoolCollector:
             put("kvpool_kv_events_dropped", (), pub.dropped_events)
         if self._states is not None:
             self._collect_states(self._states, put)
+        if self._usage is not None:
+            usage, sessions = self._usage.usage, self._usage.sessions
+            for tier, n in usage.read_tokens.items():
+                put("kvpool_cache_read_tokens", (tier,), n)
+            put("kvpool_cache_creation_tokens", (), usage.creation_tokens)
+            put("kvpool_cache_uncached_tokens", (), usage.uncached_tokens)
+            put("kvpool_sessions_open", (), sessions.num_open)
+            put("kvpool_session_kept_blocks", (), sessions.num_kept_blocks)
         if self._memory is not None:
             memory = self._memory()
             for state in MEMORY_STATES:
@@ -231,6 +256,15 @@ class KVPoolCollector:
                     c("kvpool_state_checkpoints_evicted", "State checkpoints evicted", labels=[]),
                     c("kvpool_kv_tokens_without_state", "Tokens whose KV was cached but lay past the last "
                       "state checkpoint", labels=[])]
+        if self._usage is not None:
+            out += [c("kvpool_cache_read_tokens", "Prompt tokens served from the cache, by where the hit was "
+                      "found", labels=["tier"]),
+                    c("kvpool_cache_creation_tokens", "Prompt tokens computed and written to the prefix "
+                      "cache", labels=[]),
+                    c("kvpool_cache_uncached_tokens", "Prompt tokens computed and not cached", labels=[]),
+                    g("kvpool_sessions_open", "Sessions open", labels=[]),
+                    g("kvpool_session_kept_blocks", "Blocks kept (pinned) by sessions and retained ranges",
+                      labels=[])]
         if self._memory is not None:
             out.append(g("kvpool_kv_memory_bytes", "KV cache bytes by state: reserved, committed (physical "
                          "memory held), used (blocks in use), cached (cached free blocks)", labels=["state"]))

@@ -63,8 +63,9 @@ class Observers:
     def watch_engine(self, engine: Any) -> None:
         """Export ``engine``'s pool, prefix hits (every admission's, wherever the blocks were found: the
         device or a tier), preemptions and KV memory (reserved, committed, used, cached bytes) on the metrics
-        server, if there is one; with tiers attached (call it after them), the host tier's pool too, labelled
-        ``tier="host"``; a recurrent hybrid's state slots and checkpoints."""
+        server, if there is one, and its cached-token accounting and sessions; with tiers attached (call it
+        after them), the host tier's pool too, labelled ``tier="host"``; a recurrent hybrid's state slots and
+        checkpoints."""
         if self.collector is None:
             return
         self.collector.preemptions = lambda: engine.stats.preemptions
@@ -74,6 +75,7 @@ class Observers:
         if getattr(engine, "states", None) is not None:
             self.collector.add_states(engine.states)
         self.collector.add_memory(engine.memory_stats)
+        self.collector.add_usage(engine.kv_manager)
         host = engine.offload.host if engine.offload is not None else None
         if host is not None:
             self.collector.add_pool(host.pool, block_size=engine.block_size, tier="host")

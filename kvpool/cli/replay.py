@@ -42,6 +42,7 @@ from kvpool.spec.planner import PoolPlan
 from kvpool.tiers.auth import redact_url
 from kvpool.trace.loaders import FORMATS, load_trace
 from kvpool.trace.replay import HIT_RATIO_BASIS, REPLAY_POLICIES, TIMINGS, ReplayConfig, compare_all_full
+from kvpool.trace.sessions import usage_lines
 from kvpool.trace.sweep import SweepRun, hit_ratio_table, rejected_table, run_sweep
 from kvpool.units import plural
 
@@ -108,6 +109,8 @@ def _policy_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--pin-prefix", type=id_list, metavar="ID,...", default=[],
                        help="pin the prefix of these trace hash ids (512-token blocks) once it is cached, "
                             "e.g. 0: the system prompt every Mooncake request starts with")
+    group.add_argument("--sessions", metavar="POLICY", help="keep each session's turns (a trace row's "
+                       "session_id) pinned while it is open: session (every turn) or last=N (the last N)")
 
 
 def _state_arguments(group: argparse._ArgumentGroup) -> None:
@@ -248,7 +251,8 @@ def _plan_runs(args: argparse.Namespace
         prefill_token_s=args.prefill_token_s, decode_token_s=args.decode_token_s, policy=policies[0],
         pin_prefix=tuple(args.pin_prefix), groups=spec.groups if spec is not None and hybrid else (),
         state_save=state_save, state_checkpoints=args.state_checkpoints,
-        elastic_block_bytes=_elastic_block_bytes(args, spec), match_unit=args.match_unit)
+        elastic_block_bytes=_elastic_block_bytes(args, spec), match_unit=args.match_unit,
+        sessions=args.sessions)
     return config, sizes, policies, spec, pool_plan
 
 
@@ -423,6 +427,7 @@ def _human(report: dict[str, Any]) -> str:
         hits = ", ".join(f"{where} {n:,}" for where, n in report["tier_hits"].items())
         at = next(i for i, line in enumerate(lines) if line.startswith("hit_blocks ")) + 1
         lines.insert(at, f"{'tier_hits':<20} {hits}")
+    lines += usage_lines(report.get("cache", {}))
     for name, value in report.get("all_full", {}).items():
         lines.append(f"all full: {name:<20} {value:{_FORMATS.get(name, ',')}}")
     return "\n".join(lines)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +50,7 @@ from kvpool.numeric import as_id_list, as_int, index_or_none
 from kvpool.requests.kv_manager import KVCacheManager
 from kvpool.requests.request import Request, RequestStatus
 from kvpool.requests.scheduler import Scheduler, SchedulerOutput
+from kvpool.requests.sessions import Retention, SessionCache
 from kvpool.requests.state_checkpoints import RequestStates, SavePolicy, StateCheckpoints
 from kvpool.spec import KVCacheSpec
 from kvpool.spec.memory import ModelMemory
@@ -219,6 +220,11 @@ class LLMEngine:
     # ---- the request path's parts, by their old names -----------------------------------------------
 
     @property
+    def sessions(self) -> SessionCache:
+        """Open and close sessions (:class:`~kvpool.requests.sessions.SessionCache`)."""
+        return self.kv_manager.sessions
+
+    @property
     def kv(self) -> KVCacheCoordinator:
         """The KV cache groups coordinator (block tables per group) under :attr:`kv_manager`."""
         return self.kv_manager.coordinator
@@ -326,19 +332,24 @@ class LLMEngine:
 
     # ---- requests
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, *,
-                    priority: int = 0) -> int:
+                    priority: int = 0, session_id: Hashable | None = None, retain: Retention | None = None
+                    ) -> int:
         """Queue a request; returns its id. ``priority``: its blocks' retention priority under the
-        ``priority`` eviction policy (higher = kept longer; other policies ignore it).
+        ``priority`` eviction policy (higher = kept longer; other policies ignore it). ``session_id``: an
+        open session (:attr:`sessions`) whose turn it is; ``retain``: a token range kept for some steps
+        after it ends (:mod:`kvpool.requests.sessions`). Once admitted, ``cache_usage`` on the request
+        says its prompt tokens read from the cache by tier, created, and uncached.
 
         Raises:
             InvalidArgumentError: an empty prompt, a token id that is not an integer in ``[0, vocab_size)``
-                (never a bool), params that are not :class:`SamplingParams`, or prompt + max_new_tokens
-                past max_position_embeddings.
+                (never a bool), params that are not :class:`SamplingParams`, prompt + max_new_tokens
+                past max_position_embeddings, or a ``retain`` that is not a Retention.
+            InvalidIdError: ``session_id`` names no open session.
             OutOfBlocksError: the request could never fit: its KV (prompt + max_new_tokens - 1 tokens: the
                 last sampled token is never written) needs more blocks than the pool has over its KV cache
                 groups; its ``blocks_needed`` is the ``num_blocks`` that would hold it.
         """
-        return self._enqueue(self._checked(prompt_token_ids, params, priority))
+        return self._enqueue(self._checked(prompt_token_ids, params, priority, session_id, retain))
 
     def _checked_tokens(self, token_ids: Sequence[int]) -> list[int]:
         tokens = as_id_list(token_ids, "token ids", error=InvalidArgumentError)
@@ -347,8 +358,8 @@ class LLMEngine:
                                        f"{min(tokens)} .. {max(tokens)}")
         return tokens
 
-    def _checked(self, prompt_token_ids: Sequence[int], params: SamplingParams | None, priority: int = 0
-                 ) -> Request:
+    def _checked(self, prompt_token_ids: Sequence[int], params: SamplingParams | None, priority: int = 0,
+                 session_id: Hashable | None = None, retain: Retention | None = None) -> Request:
         """The request, checked as :meth:`add_request` says; nothing queued."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -362,8 +373,9 @@ class LLMEngine:
                                        f"max_position_embeddings {self.max_model_len}")
         stop = frozenset() if params.ignore_eos else self.eos_token_ids
         req = Request(len(self.requests), prompt, params.max_new_tokens, stop_token_ids=stop, params=params,
-                      priority=priority, keep_logits=self.keep_logits)
+                      priority=priority, keep_logits=self.keep_logits, session_id=session_id, retain=retain)
         self.scheduler.check_fits(req)
+        self.sessions.check(req)
         return req
 
     def _enqueue(self, req: Request) -> int:

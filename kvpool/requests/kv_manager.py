@@ -42,9 +42,11 @@ from kvpool.allocators.block_pool import BlockPool, BlockPoolStats
 from kvpool.allocators.groups import CacheHit, KVCacheCoordinator, group_key
 from kvpool.allocators.hashing import BlockHasher, hasher_for
 from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError
+from kvpool.requests.accounting import UsageTotals
 from kvpool.requests.block_memory import BlockMemory, PoolMemory
 from kvpool.requests.partial_hits import PartialHit, partial_hits
 from kvpool.requests.request import Request
+from kvpool.requests.sessions import SessionCache
 from kvpool.spec import KVCacheGroup
 from kvpool.spec.kv import needs_null_block
 
@@ -146,6 +148,8 @@ class KVCacheManager:
         self._windowed = needs_null_block(self.groups)
         self.tiers: OffloadManager | None = None
         self.stats, self.first_stats = PrefixCacheStats(), PrefixCacheStats()
+        #: Sessions and kept ranges (:mod:`kvpool.requests.sessions`); cached-token sums (first admissions).
+        self.sessions, self.usage = SessionCache(self), UsageTotals()
         self.ops = 0  # block ids and hashes handled by pool calls (a replay reports block ops per second)
         self._wanted_pins: list[list[Hashable]] = []
         self._waiting: dict[Hashable, list[Hashable]] = {}  # request id -> the hashes announced waiting
@@ -288,7 +292,7 @@ class KVCacheManager:
         if states is not None and not states.has_free_slot:
             return None
         limit = min(len(hashes), (req.num_tokens - 1) // bs) if self.caching else 0
-        if self._fewest_new_blocks(req, limit, budget) > coord.num_free_blocks:
+        if not self.sessions.make_room(self._fewest_new_blocks(req, limit, budget)):
             return None  # short even with the longest hit it could find: no lookup needed
         probe = self.tiers.probe() if self.tiers is not None else None
         hit = coord.find_longest_cache_hit(hashes, limit, count=False, probe=probe)
@@ -329,6 +333,7 @@ class KVCacheManager:
         if first:
             req.num_cached_tokens = computed
             self.first_stats.record(limit, places)
+            self.usage.account(req, self.block_size, computed, places, self.caching)
         if states is not None:
             states.admit(req, hit.num_blocks, kv_blocks, first=first)
             if self.caching:
@@ -357,7 +362,12 @@ class KVCacheManager:
         it) with a first chunk of ``budget``."""
         computed = hit.num_blocks * self.block_size + (part.tokens if part is not None else 0)
         chunk = min(req.num_tokens - computed, budget)
-        return self.coordinator.can_allocate(req.request_id, computed + chunk, hit)
+        coord, rid, tokens = self.coordinator, req.request_id, computed + chunk
+        fits, sessions = coord.can_allocate(rid, tokens, hit), self.sessions
+        while not fits and sessions.num_holdings and \
+                sessions.make_room(coord.num_blocks_to_allocate(rid, tokens, hit)):  # kept ones give way
+            fits = coord.can_allocate(rid, tokens, hit)  # (a released hit block is now needed too)
+        return fits
 
     def _below(self, hit: CacheHit) -> bool:
         """Whether a probed hit names blocks held in a tier (codes below -1)."""
@@ -401,7 +411,7 @@ class KVCacheManager:
         if freed and before is not None:
             memory.emptied(b for table in before for b in table)  # type: ignore[union-attr]
         need = coord.num_blocks_to_allocate(rid, computed + num_new_tokens)
-        if need > coord.num_free_blocks:
+        if not self.sessions.make_room(need):
             self.ops += freed
             return False
         if need:
@@ -461,6 +471,11 @@ class KVCacheManager:
         if tables:
             self.memory.emptied(b for table in tables for b in table)  # type: ignore[union-attr]
         self._uncommitted.discard(rid)
+
+    def finish(self, req: Request) -> None:
+        """Free finished ``req``'s blocks once its session and retained range kept theirs."""
+        self.sessions.finished(req)
+        self.free(req)
 
     def preempt(self, req: Request) -> None:
         """Free ``req``'s blocks (its published blocks stay cached) so it is recomputed from scratch."""
@@ -543,6 +558,7 @@ class KVCacheManager:
         if self.coordinator.requests:
             return False
         pool = self.pool
+        self.sessions.release_all()  # the sessions stay open, holding nothing
         waiting = [[pool.block_hash(b) for b in ids] for ids in self.pins] + self._wanted_pins
         self.unpin_all()
         pool.reset_prefix_cache()

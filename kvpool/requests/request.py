@@ -20,6 +20,8 @@ from typing import Any
 
 from kvpool.errors import InvalidArgumentError
 from kvpool.numeric import as_id_list, as_int
+from kvpool.requests.accounting import CacheUsage
+from kvpool.requests.sessions import Retention
 
 
 class RequestStatus(enum.Enum):
@@ -52,10 +54,16 @@ class Request:
         params: the engine's sampling parameters (opaque here).
         generator: the engine's random generator (opaque here).
         keep_logits: keep the logits row ``[V]`` of every sampled token in :attr:`logits` (tests).
+        session_id: the open session it belongs to, or None (:mod:`kvpool.requests.sessions`).
+        retain: a :class:`~kvpool.requests.sessions.Retention` (a token range kept for some steps after it
+            finishes), or None.
+
+    After its first admission, :attr:`cache_usage` holds its prompt tokens read from the cache by tier,
+    written to it, and neither (:class:`~kvpool.requests.accounting.CacheUsage`).
 
     Raises:
-        InvalidArgumentError: a count that is not an integer >= 0 (``num_prompt_tokens`` >= 1), or token ids
-            that are not integers.
+        InvalidArgumentError: a count that is not an integer >= 0 (``num_prompt_tokens`` >= 1), token ids
+            that are not integers, an unhashable ``session_id``, or a ``retain`` that is not a Retention.
     """
 
     request_id: Hashable
@@ -70,6 +78,8 @@ class Request:
     generator: Any = None
     keep_logits: bool = False
     unit_hashes: list[Hashable] = field(default_factory=list)
+    session_id: Hashable | None = None
+    retain: Retention | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_output_tokens: int = 0
     num_computed_tokens: int = 0
@@ -77,6 +87,7 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     logits: list[Any] | None = None
+    cache_usage: CacheUsage | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_token_ids is not None:
@@ -85,6 +96,10 @@ class Request:
         self.num_prompt_tokens = as_int(self.num_prompt_tokens, "num_prompt_tokens", minimum=1)
         self.max_tokens = as_int(self.max_tokens, "max_tokens", minimum=0)
         self.priority = as_int(self.priority, "priority")
+        if not isinstance(self.session_id, Hashable):
+            raise InvalidArgumentError(f"a session id must be hashable, got {self.session_id!r}")
+        if self.retain is not None and not isinstance(self.retain, Retention):
+            raise InvalidArgumentError(f"retain must be a Retention, got {self.retain!r}")
         if self.keep_logits and self.logits is None:
             self.logits = []
 

@@ -101,6 +101,7 @@ class Scheduler:
         if req.status is not RequestStatus.WAITING or req.num_computed_tokens:
             raise InvalidArgumentError(f"request {req.request_id!r} is not a new request")
         self.check_fits(req)
+        self.kv.sessions.check(req)
         self.kv.hash_blocks(req)
         self.waiting.append(req)
         self.kv.announce_waiting(req, True)
@@ -144,6 +145,7 @@ class Scheduler:
                 then empty, and a later one admits it once memory is given back.)
         """
         out = SchedulerOutput()
+        self.kv.sessions.tick()
         self.kv.memory_refused = False  # set again by any commit a memory limit refuses in this step
         budget = self._schedule_running(out)
         if not out.preempted:
@@ -220,7 +222,7 @@ class Scheduler:
                 kv.hash_blocks(req)
             if done:
                 self.running.remove(req)
-                kv.free(req)
+                kv.finish(req)
                 req.status = RequestStatus.FINISHED
                 finished.append(req)
         return finished
@@ -252,6 +254,7 @@ class Scheduler:
         for req in self.running:
             req.num_computed_tokens += k
             req.num_output_tokens += k
+        self.kv.sessions.tick(k)
 
     def run_lone_decode(self) -> int:
         """When exactly one request runs, decoding (counts only, no token ids), and none waits: run at once
@@ -268,4 +271,5 @@ class Scheduler:
             return 0
         req.num_computed_tokens += steps
         req.num_output_tokens += steps
+        self.kv.sessions.tick(steps)
         return steps

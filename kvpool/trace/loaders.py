@@ -31,8 +31,8 @@ _AZURE_HEADER = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
 _EPOCH = datetime(1970, 1, 1)
 _chain = chain.from_iterable
 _AZURE_TICKS = 10**7  # TIMESTAMP has 7 fractional digits
-#: A parsed row: (timestamp in the format's ticks, input tokens, output tokens, hash ids or None).
-_Row = tuple[float, int, int, tuple[int, ...] | None]
+#: A parsed row: (timestamp in the format's ticks, input tokens, output tokens, hash ids or None[, session]).
+_Row = tuple[Any, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,13 +40,15 @@ class TraceRequest:
     """One request: arrival time (seconds), prompt and output lengths (tokens), and Mooncake hash ids.
 
     ``hash_ids`` holds one chained prefix-block id per 512-token prompt block (the last usually partial),
-    or None when the trace has no prefix information (Azure).
+    or None when the trace has no prefix information (Azure). ``session_id``: the conversation or agent
+    loop it is a turn of (a Mooncake row's optional ``session_id``, an integer or a string), or None.
     """
 
     arrival_s: float
     input_tokens: int
     output_tokens: int
     hash_ids: tuple[int, ...] | None = None
+    session_id: int | str | None = None
 
     def block_hashes(self, block_size: int) -> list[int]:
         """Hashes of the full ``block_size``-token prompt blocks ([] without hash ids).
@@ -181,7 +183,10 @@ def _mooncake_request(line: str) -> _Row:
         _count(h, "hash id", 0)
     if len(set(hash_ids)) != len(hash_ids):
         raise ValueError("hash_ids repeat an id (a chained prefix id cannot appear twice in one prompt)")
-    return stamp, input_tokens, _count(row["output_length"], "output_length", 0), tuple(hash_ids)
+    session = row.get("session_id")
+    if session is not None and not isinstance(session, str):
+        session = _count(session, "session_id", 0)
+    return stamp, input_tokens, _count(row["output_length"], "output_length", 0), tuple(hash_ids), session
 
 
 def _azure_rows(handle: TextIO) -> Iterator[tuple[int, list[str]]]:

@@ -58,6 +58,7 @@ from kvpool.numeric import as_int, as_optional_int, as_real
 from kvpool.requests.kv_manager import KVCacheManager, blocks_needed
 from kvpool.requests.request import Request
 from kvpool.requests.scheduler import Scheduler, SchedulerOutput
+from kvpool.requests.sessions import SessionPolicy
 from kvpool.requests.state_checkpoints import RequestStates, SavePolicy, StateCheckpoints
 from kvpool.spec import KVCacheGroup
 from kvpool.spec.kv import needs_null_block
@@ -66,6 +67,7 @@ from kvpool.storage.elastic import PageModel
 from kvpool.trace.belady import BeladyPolicy, TraceFuture
 from kvpool.trace.clock import lone_decode_clock
 from kvpool.trace.loaders import MOONCAKE_BLOCK_SIZE, TraceRequest
+from kvpool.trace.sessions import ReplaySessions
 
 if TYPE_CHECKING:
     from kvpool.events.sink import KVEventSink
@@ -118,6 +120,8 @@ class ReplayConfig:
         elastic_page_size: that model's page size in bytes (2 MiB by default).
         match_unit: tokens per prefix-match unit (a divisor of ``block_size``): hits may end inside a block,
             copied from a cached block (:mod:`kvpool.requests.partial_hits`); None: whole blocks only.
+        sessions: ``"session"`` or ``"last=N"``: requests keep their trace's ``session_id`` and a session's
+            turns are kept while it is open (:mod:`kvpool.trace.sessions`); None (default): no sessions.
 
     Raises:
         ConfigError: a value out of range.
@@ -139,6 +143,7 @@ class ReplayConfig:
     elastic_block_bytes: int | None = None
     elastic_page_size: int = DEFAULT_PAGE_SIZE
     match_unit: int | None = None
+    sessions: str | None = None
 
     def __post_init__(self) -> None:
         if self.match_unit is not None:
@@ -153,6 +158,8 @@ class ReplayConfig:
             raise ConfigError(f"pin_prefix must be a tuple of hash ids, got {self.pin_prefix!r}")
         object.__setattr__(self, "pin_prefix", tuple(as_int(h, "pin_prefix hash id", minimum=0,
                                                             error=ConfigError) for h in self.pin_prefix))
+        if self.sessions is not None:
+            object.__setattr__(self, "sessions", str(SessionPolicy.parse(self.sessions)))
         if self.state_save is not None:
             object.__setattr__(self, "state_save", str(SavePolicy.parse(self.state_save, "state_save")))
         elif self.state_checkpoints is not None:
@@ -216,6 +223,9 @@ class ReplayResult:
     ``trimmed_committed_bytes`` (after evicting the cached blocks and giving their pages back). All 0
     otherwise. With ``config.match_unit``, the first admissions' partial hits (``partial_hits``), their hit
     tokens past the full blocks (``partial_tokens``) and the blocks and token slots copied.
+
+    ``cache``: :meth:`ReplaySessions.end` (``usage``: the cached-token sums of the admitted requests by
+    tier, ``sessions``: the session counters under ``config.sessions``).
     """
 
     requests_completed: int
@@ -256,6 +266,7 @@ class ReplayResult:
     partial_tokens: int = 0
     partial_copied_blocks: int = 0
     partial_copied_tokens: int = 0
+    cache: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         """Every field but the timeline, JSON-ready."""
@@ -342,6 +353,7 @@ class Replayer:
             raise ConfigError(f"a pool of {num_blocks:,} blocks cannot be built ({exc}): give a smaller "
                               "num_blocks (--num-blocks)") from None
         self.pool = self.kv.pool
+        self.sessions = ReplaySessions(self.requests, config.sessions, self.kv)
         self._sink = self.pool.event_sink  # flushed once per simulated step (KVCacheManager.flush_events)
         self.sched = Scheduler(self.kv, max_num_batched_tokens=config.step_tokens,
                                max_num_seqs=config.max_num_seqs)
@@ -414,6 +426,7 @@ class Replayer:
                 self.now = max(self.now, self.requests[pending[0]].arrival_s)
         self.kv.flush_events()
         wall = time.perf_counter() - start
+        cache = self.sessions.end()
         pinned = self.kv.unpin_all()
         if self.pool.num_used_blocks:
             raise IntegrityError(f"replay ended with {self.pool.num_used_blocks} blocks still in use")
@@ -430,7 +443,7 @@ class Replayer:
             _ratio(hits, self.prompt_blocks), _ratio(hit_tokens, self.prompt_tokens),
             self.peak, _ratio(self.area, self.now), self.sched.num_preemptions, ops, _ratio(ops, wall), wall,
             self.pool.stats.evictions, self.now, self.pool.num_blocks, bs, self.cfg.timing, self.cfg.policy,
-            pinned, self.rejected_blocks, tier_hits, tiers, timeline=self.timeline or [],
+            pinned, self.rejected_blocks, tier_hits, tiers, timeline=self.timeline or [], cache=cache,
             **self._state_report(), **self._elastic_report(), **part)
 
     def _state_report(self) -> dict[str, Any]:
@@ -461,7 +474,9 @@ class Replayer:
             trace_req = self.requests[i]
             if instant:
                 self.now = max(self.now, trace_req.arrival_s)
-            req = self.given[i] if self.given else trace_request(trace_req, i, self.bs, self.cfg.match_unit)
+            given = self.given
+            req = trace_request(trace_req, i, self.bs, self.cfg.match_unit) if given is None else given[i]
+            self.sessions.arrive(req, trace_req)
             try:
                 self.sched.add_request(req)
             except OutOfBlocksError:
@@ -482,6 +497,7 @@ class Replayer:
         prefill, decode = out.token_counts()
         self._tick(cfg.step_s + cfg.prefill_token_s * prefill + cfg.decode_token_s * decode)
         finished = sched.update(out, self._tokens(out))
+        self.sessions.finished(finished)
         self.completed += len(finished)
         if finished:
             if self.progress is not None:
