@@ -43,7 +43,7 @@ import torch
 from kvpool.errors import ConfigError, IntegrityError
 from kvpool.numeric import as_optional_int, as_real
 from kvpool.tiers._redis_clients import FAULTS, ThreadClients
-from kvpool.tiers._resp import ARRAY_ITEMS, LINE_BYTES, SMALL_VALUE, pack, send_packed
+from kvpool.tiers._resp import ARRAY_ITEMS, LINE_BYTES, SMALL_VALUE, pack, send_packed  # noqa: F401 (re-exported)
 from kvpool.tiers.auth import TierKey, redact_url, require_auth_key
 from kvpool.tiers.backend import HEADER_BYTES, Namespace, TierBackend, block_keys, encode_header, verify_parts
 
@@ -51,7 +51,6 @@ SCHEMES = ("redis", "rediss")
 #: Bytes of values per pipeline at most (a batch of big blocks is split).
 PIPELINE_BYTES = 64 * 2**20
 _FIELDS = (b"h", b"p")
-__all__ = ["ARRAY_ITEMS", "LINE_BYTES", "PIPELINE_BYTES", "SCHEMES", "SMALL_VALUE", "RedisTier", "check_url"]
 
 
 def check_url(url: str) -> str:
