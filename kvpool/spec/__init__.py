@@ -1,6 +1,7 @@
 """The spec package: what memory a model needs, and how much of it a device gives.
 
-Bottom up (a module imports only the ones before it): ``hf_config`` (the KV fields of a Hugging Face
+Bottom up (a module imports only the ones before it): ``config_sizes`` (what a config's size may be),
+``hf_layers`` (each layer's kind and shape in a config), ``hf_config`` (the KV fields of a Hugging Face
 ``config.json``, and the built-in configs), ``kinds`` (one class per kind of memory, the owner of its
 rules: full attention, sliding window, chunked local, recurrent state), ``kv_dtypes`` (the KV cache dtype
 names), ``kv_groups`` (the layer kinds and KV cache groups), ``kv`` (:class:`KVCacheSpec`: the shape and
