@@ -23,9 +23,8 @@ window). :meth:`OffloadManager.restore` then loads those blocks into freshly all
 (one batched copy per run of blocks from the same tier) and publishes them in the device pool, so the
 request runs on them and later requests hit them on the device. Loaded blocks stay in their tier (the
 chain is inclusive). A block whose load fails (a fault below) ends the restore there: the request
-computes the rest, and the failure is counted (a miss, never wrong KV). The loads are
-:class:`~kvpool.tiers.loader.ChainReader`'s; the deprecated single-group API (``lookup``, ``acquire``) is
-:mod:`kvpool.tiers.single_group`'s.
+computes the rest, and the failure is counted (a miss, never wrong KV). Loads: :mod:`kvpool.tiers.loader`;
+the deprecated single-group API (``lookup``, ``acquire``): :mod:`kvpool.tiers.single_group`.
 
 **Copies and references.** Device <-> host copies are one batched swap each (:class:`HostTier`; on CUDA
 on a side stream with events, the device blocks of a write-through store holding a reference until the
