@@ -65,6 +65,7 @@ COMPILED_MODULES = (
     "kvpool.allocators.policy_base",
     "kvpool.allocators.policies",
     "kvpool.allocators.arc",
+    "kvpool.allocators.block_lists",
     "kvpool.allocators.queue_policies",
     "kvpool.allocators.prefix_policies",
     "kvpool.allocators.block_pool",

@@ -49,9 +49,9 @@ def keys(n: int, base: int = 0) -> list[bytes]:
 def reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Who reads the replies: the tier, or (no SocketBuffer, as in another redis-py layout) redis-py."""
     if request.param == "redis-py":
-        import kvpool.tiers.redis as tier_module
+        import kvpool.tiers._resp as resp
 
-        monkeypatch.setattr(tier_module, "SocketBuffer", None)
+        monkeypatch.setattr(resp, "SocketBuffer", None)
     return request.param
 
 

@@ -838,9 +838,9 @@ def test_redis_cluster_spreads_blocks_over_its_nodes(redis_cluster_nodes) -> Non
 
 def test_redis_replies_read_by_redis_py_alone_give_the_same_results(redis_single, monkeypatch) -> None:
     """Where redis-py has no SocketBuffer (another layout), its own parser reads the integer replies too."""
-    import kvpool.tiers.redis as tier_module
+    import kvpool.tiers._resp as resp
 
-    monkeypatch.setattr(tier_module, "SocketBuffer", None)
+    monkeypatch.setattr(resp, "SocketBuffer", None)
     t = RedisTier(redis_single.url, Namespace.for_cache(DEVICE, model="parser-only"), block_bytes=BPB,
                   auth_key=KEY)
     t.clear()

@@ -212,6 +212,10 @@ def release_classes(release: str) -> dict[str, type]:
             "AsyncLookupManager": AsyncLookupManager}
 
 
+#: kvpool's modules that import vLLM (each imported afresh against a fake release).
+ADAPTERS = ("vllm_tier", "vllm")
+
+
 def installed(release: str, monkeypatch) -> types.ModuleType:
     """kvpool.integrations.vllm imported afresh against the fake ``release`` (``monkeypatch`` restores
     ``sys.modules`` afterwards)."""
@@ -233,8 +237,10 @@ def installed(release: str, monkeypatch) -> types.ModuleType:
         module = types.ModuleType(name)
         module.__dict__.update(contents.get(name, {}))
         monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.delitem(sys.modules, "kvpool.integrations.vllm", raising=False)
-    monkeypatch.setattr(importlib.import_module("kvpool.integrations"), "vllm", None, raising=False)
+    for adapter in ADAPTERS:
+        monkeypatch.delitem(sys.modules, f"kvpool.integrations.{adapter}", raising=False)
+        monkeypatch.setattr(importlib.import_module("kvpool.integrations"), adapter, None, raising=False)
     module = importlib.import_module("kvpool.integrations.vllm")
-    monkeypatch.delitem(sys.modules, "kvpool.integrations.vllm")  # the next import sees the real vLLM again
+    for adapter in ADAPTERS:  # the next import sees the real vLLM again
+        monkeypatch.delitem(sys.modules, f"kvpool.integrations.{adapter}")
     return module

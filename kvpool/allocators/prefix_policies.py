@@ -21,8 +21,8 @@ from collections import OrderedDict
 from collections.abc import Hashable
 
 from kvpool.allocators.arrays import extend_flags, extend_to
+from kvpool.allocators.block_lists import BlockLists
 from kvpool.allocators.policy_base import EvictionPolicy, KeyedHeap, LRUPolicy
-from kvpool.allocators.queue_policies import BlockLists
 from kvpool.errors import InvalidArgumentError
 from kvpool.numeric import IntArg, RealArg, as_int, as_real
 

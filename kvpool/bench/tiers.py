@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from kvpool.bench.tier_baselines import FileBaseline, RedisBaseline
 from kvpool.bench.timing import print_table, require_at_least
 from kvpool.cli.options import CommaList, add_deprecated_alias, non_negative_int, positive_int
 from kvpool.spec import KVCacheSpec
@@ -143,13 +144,13 @@ def _block_rows(name: str, spec: KVCacheSpec, args: argparse.Namespace, folder: 
     out += _host_rows(name, host, device, keys, args.repeat)
     key = TierKey(BENCH_TIER_KEY)
     disk = FileTier(folder / "tier", ns, capacity_bytes=2 * n * (bpb + 64), block_bytes=bpb, auth_key=key)
-    raw_files = _FileBaseline(folder / "raw", rows_in, key)
+    raw_files = FileBaseline(folder / "raw", rows_in, key)
     out += _byte_tier_rows(name, disk, rows_in, keys, args.repeat, raw_files)
     disk.clear()
     disk.close()
     if url is not None:
         remote = RedisTier(url, ns, block_bytes=bpb, auth_key=key)
-        out += _byte_tier_rows(name, remote, rows_in, keys, args.repeat, _RedisBaseline(url, rows_in, key))
+        out += _byte_tier_rows(name, remote, rows_in, keys, args.repeat, RedisBaseline(url, rows_in, key))
         remote.clear()
         remote.close()
     return out
@@ -205,92 +206,6 @@ def _byte_tier_rows(name: str, tier: Any, rows_in: torch.Tensor, keys: list[byte
     if not torch.equal(out, rows_in):
         raise AssertionError(f"the {tier.medium} tier returned other bytes than it stored")
     return rows
-
-
-class _Mac:
-    """The integrity check of a raw baseline (``mac=True``): the tiers' keyed BLAKE3 over each payload,
-    the tags kept in memory (computed on store, compared on load)."""
-
-    def __init__(self, key: Any, n: int) -> None:
-        self.key, self.tags = key, [b""] * n
-
-    def sign(self, i: int, payload: Any) -> None:
-        self.tags[i] = self.key.tag(b"", payload)
-
-    def check(self, i: int, payload: Any) -> None:
-        if not self.key.verifies(self.tags[i], b"", payload):
-            raise AssertionError("a raw baseline read back other bytes than it wrote")
-
-
-class _FileBaseline:
-    """One plain file per payload in ``folder``: ``write`` and ``readinto``, nothing else (with
-    ``mac=True``: plus the MAC of each payload)."""
-
-    def __init__(self, folder: Path, rows: torch.Tensor, key: Any) -> None:
-        self.folder, self.rows = folder, rows
-        folder.mkdir(parents=True, exist_ok=True)
-        self.paths = [folder / f"{i:032x}" for i in range(rows.shape[0])]
-        self.out = torch.zeros_like(rows)
-        self.mac = _Mac(key, rows.shape[0])
-
-    def what(self, op: str) -> str:
-        return "file write" if op == "store" else "file read"
-
-    def store(self, mac: bool = False) -> None:
-        for i, (path, row) in enumerate(zip(self.paths, self.rows, strict=True)):
-            payload = memoryview(row.numpy())
-            if mac:
-                self.mac.sign(i, payload)
-            with open(path, "wb", buffering=0) as f:
-                f.write(payload)
-
-    def load(self, mac: bool = False) -> None:
-        for i, (path, row) in enumerate(zip(self.paths, self.out, strict=True)):
-            payload = memoryview(row.numpy())
-            with open(path, "rb", buffering=0) as f:
-                f.readinto(payload)
-            if mac:
-                self.mac.check(i, payload)
-
-    def clear(self) -> None:
-        for path in self.paths:
-            path.unlink(missing_ok=True)
-
-
-class _RedisBaseline:
-    """A raw redis-py pipeline of ``SET`` / ``GET`` of the payloads (as ``bytes``, built once)."""
-
-    def __init__(self, url: str, rows: torch.Tensor, key: Any) -> None:
-        import redis
-
-        self.client = redis.Redis.from_url(url)
-        self.values = [row.numpy().tobytes() for row in rows]
-        self.names = [f"bench-raw:{i}".encode() for i in range(len(self.values))]
-        self.mac = _Mac(key, len(self.values))
-
-    def what(self, op: str) -> str:
-        return "redis SET" if op == "store" else "redis GET"
-
-    def store(self, mac: bool = False) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        for i, (name, value) in enumerate(zip(self.names, self.values, strict=True)):
-            if mac:
-                self.mac.sign(i, value)
-            pipe.set(name, value)
-        pipe.execute()
-
-    def load(self, mac: bool = False) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        for name in self.names:
-            pipe.get(name)
-        values = pipe.execute()
-        assert all(v is not None for v in values)
-        if mac:
-            for i, value in enumerate(values):
-                self.mac.check(i, value)
-
-    def clear(self) -> None:
-        self.client.delete(*self.names)
 
 
 def _pair(name: str, tier: str, op: str, fn: Callable[[], None], bases: list[tuple[str, Callable[[], None]]],

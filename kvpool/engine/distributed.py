@@ -40,241 +40,25 @@ Only rank 0 samples: tokens reach the followers as the next step's ``token_ids``
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import os
 import pickle
 import time
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 
-from kvpool.errors import CollectiveError, IntegrityError, KVPoolError
-from kvpool.spec import cdiv
+from kvpool.engine.pool_log import (  # noqa: F401 (re-exported)
+    RecordingPool,
+    check_across_ranks,
+    check_batch_blocks,
+    pool_digest,
+    replay,
+)
+from kvpool.engine.tp_group import DEFAULT_TIMEOUT_S, FRAME_BYTES, Channel, TPGroup  # noqa: F401 (re-exported)
+from kvpool.errors import CollectiveError, IntegrityError
 
-FRAME_BYTES = 16384  # a step's message is ~0.2-3 KB for a few requests: one broadcast nearly always
-DEFAULT_TIMEOUT_S = 300.0  # a collective waiting longer than this raises (a rank hung)
-_RECORDED = ("allocate", "free", "touch", "cache_blocks", "lookup", "evict_blocks", "reset_prefix_cache",
-             "pin", "pin_prefix", "unpin")
 T = TypeVar("T")
-
-
-@dataclass
-class TPGroup:
-    """This process's place in a tensor-parallel group: ``rank`` of ``size``, its ``device``, the model's
-    collective ``backend`` (``gloo`` or ``nccl``) and ``control``, the gloo group that carries messages."""
-
-    rank: int
-    size: int
-    device: torch.device
-    backend: str
-    control: Any
-
-    @classmethod
-    def init(cls, rank: int, size: int, init_method: str = "env://", *, backend: str | None = None,
-             timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
-        """Join the group (``torch.distributed.init_process_group``). ``backend`` None: NCCL when CUDA is
-        available (device ``cuda:LOCAL_RANK``, or ``cuda:rank``), else gloo on the CPU."""
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        device = torch.device("cpu")
-        if backend == "nccl":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                                timeout=timedelta(seconds=timeout_s))
-        control = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
-        return cls(rank, size, device, backend, control)
-
-    @classmethod
-    def from_env(cls, **kwargs: Any) -> TPGroup:
-        """Join the group ``torchrun`` describes (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``)."""
-        return cls.init(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", **kwargs)
-
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` over the ranks, in place (the row-parallel layers' reduction)."""
-        self._collective(dist.all_reduce, tensor)
-
-    def min_int(self, value: int) -> int:
-        """The smallest ``value`` any rank passes (``all_reduce`` MIN)."""
-        tensor = torch.tensor([value], dtype=torch.int64)
-        self._collective(dist.all_reduce, tensor, op=dist.ReduceOp.MIN, group=self.control)
-        return int(tensor)
-
-    def all_gather_bytes(self, data: bytes) -> list[bytes]:
-        """Every rank's ``data`` (the same length on every rank), in rank order."""
-        mine = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        out = [torch.empty_like(mine) for _ in range(self.size)]
-        self._collective(dist.all_gather, out, mine, group=self.control)
-        return [t.numpy().tobytes() for t in out]
-
-    def broadcast(self, tensor: torch.Tensor) -> None:
-        """Rank 0's ``tensor`` (CPU) into every rank's."""
-        self._collective(dist.broadcast, tensor, src=0, group=self.control)
-
-    def close(self) -> None:
-        """Leave the group: a barrier first, so no rank tears its connections down while another still
-        uses them, then ``destroy_process_group``."""
-        if dist.is_initialized():
-            self._collective(dist.barrier, group=self.control)
-            dist.destroy_process_group()
-
-    def _collective(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        try:
-            fn(*args, **kwargs)
-        except RuntimeError as exc:  # DistBackendError: a peer closed its connections, or a timeout
-            why = " ".join(str(exc).split())[:300]
-            raise CollectiveError(f"rank {self.rank}: {fn.__name__} failed (another rank stopped?): "
-                                  f"{why}") from exc
-
-
-class Channel:
-    """Rank 0 sends bytes, every other rank receives them (broadcast frames on the control group)."""
-
-    def __init__(self, tp: TPGroup) -> None:
-        self.tp = tp
-        self._frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
-        self._view = self._frame.numpy()
-
-    def send(self, data: bytes) -> None:
-        head = len(data).to_bytes(8, "little") + data
-        inline = min(len(head), FRAME_BYTES)
-        self._view[:inline] = memoryview(head)[:inline]
-        self.tp.broadcast(self._frame)
-        if len(head) > FRAME_BYTES:
-            self.tp.broadcast(torch.frombuffer(bytearray(head[FRAME_BYTES:]), dtype=torch.uint8))
-
-    def recv(self) -> bytes:
-        self.tp.broadcast(self._frame)
-        size = int.from_bytes(self._view[:8].tobytes(), "little")
-        data = self._view[8:8 + size].tobytes()
-        if 8 + size > FRAME_BYTES:
-            rest = torch.empty(8 + size - FRAME_BYTES, dtype=torch.uint8)
-            self.tp.broadcast(rest)
-            data += rest.numpy().tobytes()
-        return data
-
-
-class RecordingPool:
-    """Rank 0's ``BlockPool`` with a log of every call that changes it, for the followers to replay.
-
-    The calls of :data:`_RECORDED` go to the pool and, when they return, are logged as ``(name, args,
-    kwargs, result)`` (one that raises changed nothing, so nothing is logged; iterables are logged as
-    lists); everything else (reads, counters) passes straight through. :meth:`check_integrity` is the
-    cross-rank check: it calls ``on_check``.
-    """
-
-    def __init__(self, pool: Any, on_check: Callable[[], None]) -> None:
-        self.pool = pool
-        self.log: list[tuple[str, tuple, dict[str, Any], Any]] = []
-        self._on_check = on_check
-
-    def __getattr__(self, name: str) -> Any:  # reads only: every recorded call is defined below
-        if name == "pool":  # not set yet (unpickling, copying): no recursion
-            raise AttributeError(name)
-        return getattr(self.pool, name)
-
-    def drain(self) -> list[tuple[str, tuple, dict[str, Any], Any]]:
-        log, self.log = self.log, []
-        return log
-
-    def allocate(self, n: int) -> list[int]:
-        return self._call("allocate", n)
-
-    def free(self, block_ids: Iterable[int], *args: Any, **kwargs: Any) -> None:
-        self._call("free", list(block_ids), *args, **kwargs)
-
-    def touch(self, block_ids: Iterable[int]) -> None:
-        self._call("touch", list(block_ids))
-
-    def cache_blocks(self, block_ids: Sequence[int], block_hashes: Sequence[Hashable], **kwargs: Any) -> None:
-        self._call("cache_blocks", list(block_ids), list(block_hashes), **kwargs)
-
-    def lookup(self, block_hashes: Iterable[Hashable]) -> list[int]:
-        return self._call("lookup", list(block_hashes))
-
-    def evict_blocks(self, block_ids: Iterable[int]) -> None:
-        self._call("evict_blocks", list(block_ids))
-
-    def reset_prefix_cache(self) -> bool:
-        return self._call("reset_prefix_cache")
-
-    def pin(self, block_ids: Iterable[int]) -> None:
-        self._call("pin", list(block_ids))
-
-    def pin_prefix(self, block_hashes: Sequence[Hashable]) -> list[int]:
-        return self._call("pin_prefix", list(block_hashes))
-
-    def unpin(self, block_ids: Iterable[int]) -> None:
-        self._call("unpin", list(block_ids))
-
-    def check_integrity(self) -> None:
-        """Check every rank's pool and that all of them hold the same state (a collective)."""
-        self._on_check()
-
-    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        result = getattr(self.pool, name)(*args, **kwargs)
-        self.log.append((name, args, kwargs, result))
-        return result
-
-
-def replay(pool: Any, log: Sequence[tuple[str, tuple, dict[str, Any], Any]], rank: int) -> None:
-    """Apply rank 0's logged pool calls to ``pool``; IntegrityError at the first result that differs."""
-    for name, args, kwargs, expected in log:
-        if name not in _RECORDED:
-            raise IntegrityError(f"rank {rank}: rank 0 shipped an unknown pool call {name!r}")
-        try:
-            result = getattr(pool, name)(*args, **kwargs)
-        except KVPoolError as exc:
-            raise IntegrityError(f"rank {rank}: rank 0's {name} raised here ({exc}): the pools diverged") \
-                from exc
-        if result != expected:
-            raise IntegrityError(f"rank {rank}: {name} returned {result!r} where rank 0's returned "
-                                 f"{expected!r}: the pools diverged")
-
-
-def check_batch_blocks(pool: Any, spans: Iterable[tuple[Sequence[list[int]], int, int]], block_size: int,
-                       rank: int) -> None:
-    """Every block a step writes (tokens ``start .. end - 1`` of each span, in each group's table) is in use
-    in ``pool``."""
-    for tables, start, end in spans:
-        for table in tables:
-            for block in table[start // block_size:cdiv(end, block_size)]:
-                if pool.ref_count(block) == 0:
-                    raise IntegrityError(f"rank {rank}: the step writes KV into block {block}, which this "
-                                         f"rank's pool holds free")
-
-
-def pool_digest(pool: Any) -> bytes:
-    """SHA-256 of a ``BlockPool``'s state as its public reads show it: every block's ref count and hash, the
-    eviction order of the cached free blocks, the pins and the prefix-cache counters. O(num_blocks)."""
-    n = pool.num_blocks
-    state = ([pool.ref_count(b) for b in range(n)], [pool.block_hash(b) for b in range(n)],
-             pool.evictable_blocks(), sorted(pool.pinned_blocks().items()), pool.num_free_blocks,
-             repr(pool.stats))
-    return hashlib.sha256(repr(state).encode()).digest()
-
-
-def check_across_ranks(tp: TPGroup, pool: Any) -> None:
-    """Collective: ``pool.check_integrity()`` on every rank, then the ranks' :func:`pool_digest` compared.
-
-    Raises:
-        IntegrityError: this rank's invariants are broken, or (on every rank) the digests differ.
-    """
-    broken: IntegrityError | None = None
-    try:
-        pool.check_integrity()
-        digest = pool_digest(pool)
-    except IntegrityError as exc:
-        broken, digest = exc, bytes(32)  # still take part, so no rank waits for this one
-    digests = tp.all_gather_bytes(digest)
-    if broken is not None:
-        raise broken
-    if len(set(digests)) > 1:
-        found = ", ".join(f"rank {r}: {d.hex()[:16]}" for r, d in enumerate(digests))
-        raise IntegrityError(f"the pool state differs across tensor-parallel ranks ({found})")
 
 
 @dataclass

@@ -24,6 +24,8 @@ from kvpool.events.wire import (
     FULL_ATTENTION,
     HASH_FORMATS,
     MEDIUM_GPU,
+    TOKEN_MAX,
+    TOKEN_MIN,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -31,18 +33,13 @@ from kvpool.events.wire import (
     WireHash,
     wire_extra_keys,
     wire_hash,
+    wire_hash_or_none,
+    wire_token_ids,
 )
-from kvpool.numeric import as_id_list, as_int, as_optional_int
+from kvpool.numeric import as_int, as_optional_int
 
 KeySplit = Callable[[Hashable], tuple[int, Hashable]]
 """A prefix-index key -> (KV cache group index, block hash) (see :meth:`KVEventSink.use_groups`)."""
-
-
-def _wire_or_none(block_hash: Hashable, hash_format: str) -> WireHash | None:
-    try:
-        return wire_hash(block_hash, hash_format)
-    except InvalidArgumentError:
-        return None
 
 
 def _runs(positions: Sequence[int]) -> list[tuple[int, int]]:
@@ -56,19 +53,7 @@ def _runs(positions: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
-#: Token ids msgpack (and vLLM's ``list[int]``) can carry: an int64 or a uint64.
-_TOKEN_MIN, _TOKEN_MAX = -(1 << 63), (1 << 64) - 1
-_PLAIN, _BYTES = {int}, {bytes}
-
-
-def _int_list(values: Sequence[int]) -> list[int]:
-    """Token ids as a list of Python ints (a numpy int, a 0-d tensor, a tensor or array converted, as
-    :mod:`kvpool.numeric` reads ids); InvalidArgumentError for anything else or one msgpack cannot carry."""
-    out = as_id_list(values, "token_ids", error=InvalidArgumentError)
-    if out and not (min(out) >= _TOKEN_MIN and max(out) <= _TOKEN_MAX):
-        raise InvalidArgumentError(f"token_ids must lie in [-2**63, 2**64), got {min(out)} .. {max(out)}")
-    return out
-
+_PLAIN = {int}
 
 
 # ---- the sink a pool records into -----------------------------------------------------------------------
@@ -181,10 +166,10 @@ class KVEventSink:
         tokens = None
         if token_ids is not None:
             if type(token_ids) is list and len(token_ids) == n * bs and set(map(type, token_ids)) <= _PLAIN \
-                    and (not token_ids or (min(token_ids) >= _TOKEN_MIN and max(token_ids) <= _TOKEN_MAX)):
+                    and (not token_ids or (min(token_ids) >= TOKEN_MIN and max(token_ids) <= TOKEN_MAX)):
                 tokens = token_ids[:]  # the common case, checked in C; a copy: the caller may reuse its list
             else:
-                tokens = _int_list(token_ids)
+                tokens = wire_token_ids(token_ids)
                 if len(tokens) != n * bs:
                     raise InvalidArgumentError(f"token_ids must hold {n} blocks x {bs} = {n * bs} tokens, "
                                                f"got {len(token_ids)}")
@@ -203,7 +188,7 @@ class KVEventSink:
         the hash before ``block_hashes[0]``. A run whose parent is a hash that was not stored and has no
         wire form (a placeholder beside a null block) goes out with parent None."""
         n = len(block_hashes)
-        tokens = None if token_ids is None else _int_list(token_ids)
+        tokens = None if token_ids is None else wire_token_ids(token_ids)
         if tokens is not None and tokens is token_ids:
             tokens = tokens[:]  # the sink's own copy
         self._store(block_hashes, None if len(new) == n else list(new), parent_hash, tokens, extra_keys,
@@ -338,7 +323,7 @@ class KVEventSink:
         n = len(keys)
         for first, last in [(0, n)] if runs is None else runs:
             before = parent_hash if first == 0 else keys[first - 1]
-            parent = None if before is None else _wire_or_none(self._key(before)[1], self.hash_format)
+            parent = None if before is None else wire_hash_or_none(self._key(before)[1], self.hash_format)
             append(self._block_stored(keys, parent, first, last, tokens, extra_keys, lora_name))
 
     def _block_stored(self, keys: Sequence[Hashable], parent: WireHash | None, first: int, last: int,

@@ -18,12 +18,13 @@ The bottom of :mod:`kvpool.events`: of kvpool it imports only the ground. ``msgs
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import msgspec
 
 from kvpool.errors import InvalidArgumentError
+from kvpool.numeric import as_id_list
 
 # ---- the wire types (vLLM 0.33) -------------------------------------------------------------------------
 
@@ -131,3 +132,23 @@ def wire_extra_keys(keys: tuple | None) -> tuple[Any, ...] | None:
         return None
     return tuple(tuple(k[1:]) if k[0] == "mm" else k[1] if k[0] == "lora" else k[-1] for k in keys)
 
+
+def wire_hash_or_none(block_hash: Hashable, hash_format: str) -> WireHash | None:
+    """:func:`wire_hash` of ``block_hash``, or None for a hash it refuses."""
+    try:
+        return wire_hash(block_hash, hash_format)
+    except InvalidArgumentError:
+        return None
+
+
+#: Token ids msgpack (and vLLM's ``list[int]``) can carry: an int64 or a uint64.
+TOKEN_MIN, TOKEN_MAX = -(1 << 63), (1 << 64) - 1
+
+
+def wire_token_ids(values: Sequence[int]) -> list[int]:
+    """Token ids as a list of Python ints (a numpy int, a 0-d tensor, a tensor or array converted, as
+    :mod:`kvpool.numeric` reads ids); InvalidArgumentError for anything else or one msgpack cannot carry."""
+    out = as_id_list(values, "token_ids", error=InvalidArgumentError)
+    if out and not (min(out) >= TOKEN_MIN and max(out) <= TOKEN_MAX):
+        raise InvalidArgumentError(f"token_ids must lie in [-2**63, 2**64), got {min(out)} .. {max(out)}")
+    return out

@@ -1,9 +1,11 @@
 """The spec package: what memory a model needs, and how much of it a device gives.
 
-Bottom up (a module imports only the ones before it): ``hf_config`` (the KV fields of a Hugging Face
+Bottom up (a module imports only the ones before it): ``config_sizes`` (what a config's size may be),
+``hf_layers`` (each layer's kind and shape in a config), ``hf_config`` (the KV fields of a Hugging Face
 ``config.json``, and the built-in configs), ``kinds`` (one class per kind of memory, the owner of its
-rules: full attention, sliding window, chunked local, recurrent state), ``kv`` (:class:`KVCacheSpec`: the
-shape and bytes of one model's KV per rank, its layer kinds and KV cache groups), ``state`` (the
+rules: full attention, sliding window, chunked local, recurrent state), ``kv_dtypes`` (the KV cache dtype
+names), ``kv_groups`` (the layer kinds and KV cache groups), ``kv`` (:class:`KVCacheSpec`: the shape and
+bytes of one model's KV per rank), ``state`` (the
 recurrent state of attention / recurrent hybrids), ``memory`` (:class:`ModelMemory`: all of a model's
 memory, read once from its config), ``planner`` (memory readings in, a :class:`PoolPlan` out) and
 ``state_planner`` (the same for a hybrid's KV and state). The names of the old module ``kvpool.spec``

@@ -22,7 +22,7 @@ _LAZY = {
     "FileTier": "kvpool.tiers.file",
     "RedisTier": "kvpool.tiers.redis",
     "OffloadManager": "kvpool.tiers.manager",
-    "PrefixHit": "kvpool.tiers.manager",
+    "PrefixHit": "kvpool.tiers.single_group",
 }
 
 __all__ = list(_LAZY)

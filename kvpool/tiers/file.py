@@ -29,11 +29,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import errno
-import fcntl
 import itertools
 import os
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -41,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from kvpool.errors import ConfigError
 from kvpool.numeric import as_int
+from kvpool.tiers._disk_folder import claim_folder, key_of, release_folder
 from kvpool.tiers.auth import TierKey, require_auth_key
 from kvpool.tiers.backend import HEADER_BYTES, Namespace, TierBackend, block_key, encode_header, verify_parts
 from kvpool.tiers.segments import Segments, close_all, remove_quietly, require, unlink_quietly, write_all
@@ -88,7 +85,7 @@ class FileTier(TierBackend):
         self._doomed: list[tuple[bytes, int, bool]] = []  # bad files a read found: (key, stamp, unlink)
         self._stamps = itertools.count(1)  # a stamp per indexed write: a reader knows the file it read
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> stamp, least recently used first
-        self._lock_fd, self._held = _claim(self._dir)
+        self._lock_fd, self._held = claim_folder(self._dir)
         self._subdirs: set[str] = set()
         self._cascade: Cascade | None = None
         self._macs: concurrent.futures.ThreadPoolExecutor | None = None  # the MAC thread of big loads
@@ -275,10 +272,8 @@ class FileTier(TierBackend):
             self._macs.shutdown()
             self._macs = None
         if self._lock_fd is not None:
-            os.close(self._lock_fd)
+            release_folder(self._lock_fd, self._held)
             self._lock_fd = None
-            with _HELD_LOCK:
-                _HELD.discard(self._held)
 
     # ---- files ---------------------------------------------------------------------------------------
 
@@ -488,7 +483,7 @@ class FileTier(TierBackend):
             return
         found = []
         for path in self._dir.glob("*/*"):
-            key = _key_of(path)
+            key = key_of(path)
             try:
                 stat = path.stat() if key is not None and path.is_file() else None
             except OSError:
@@ -516,62 +511,6 @@ class FileTier(TierBackend):
             key, _ = self._index.popitem(last=False)
             self._drop_files([(key, True)])
         self._segments.compact(self._capacity)  # type: ignore[union-attr]  (dead slots a smaller capacity left)
-
-
-#: A value file's name: exactly what :meth:`FileTier._file` writes (``bytes.fromhex`` would also take upper
-#: case and spaces, and the file could sit in any subfolder: its value indexed but read elsewhere).
-_VALUE_NAME = re.compile(r"[0-9a-f]{32}")
-
-
-def _key_of(path: Path) -> bytes | None:
-    """The block key a value file at ``path`` holds (``<2 hex digits>/<32 hex digits>``, the subfolder the
-    name's first two), or None: no value file."""
-    name = path.name
-    if not _VALUE_NAME.fullmatch(name) or path.parent.name != name[:2]:
-        return None
-    return bytes.fromhex(name)
-
-
-#: The namespace folders (real paths) the open FileTiers of this process hold. The ``flock`` cannot tell a
-#: second tier of this process from another process's (a second open of ``.lock`` is refused either way),
-#: so this says which it is.
-_HELD: set[str] = set()
-_HELD_LOCK = threading.Lock()
-
-
-def _claim(folder: Path) -> tuple[int, str]:
-    """Create ``folder`` and take an exclusive lock on its ``.lock`` file: one FileTier per namespace folder
-    (two would each index and evict the same files on their own). Returns the lock's descriptor and the
-    folder's real path (held until :meth:`FileTier.close`).
-
-    Raises:
-        ConfigError: the folder cannot be made or written, or another FileTier holds it: one of this
-            process (close it first) or another process.
-    """
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
-        raise ConfigError(f"cannot use {folder.parent} as a disk tier: {exc.strerror or exc}") from None
-    held = os.path.realpath(folder)
-    with _HELD_LOCK:
-        try:
-            if held in _HELD:
-                raise ConfigError(f"cannot use {folder} as a disk tier: another FileTier of this process "
-                                  "holds it (close() that one first, or give each its own folder)")
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                busy = exc.errno in (errno.EAGAIN, errno.EACCES)
-                why = "another process holds it (one process per folder)" if busy else exc.strerror
-                raise ConfigError(f"cannot use {folder} as a disk tier: {why}") from None
-            if not os.access(folder, os.W_OK):
-                raise ConfigError(f"cannot use {folder.parent} as a disk tier: not writable")
-        except ConfigError:
-            os.close(fd)
-            raise
-        _HELD.add(held)
-    return fd, held
 
 
 _write_all = write_all

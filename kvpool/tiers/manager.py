@@ -23,8 +23,8 @@ window). :meth:`OffloadManager.restore` then loads those blocks into freshly all
 (one batched copy per run of blocks from the same tier) and publishes them in the device pool, so the
 request runs on them and later requests hit them on the device. Loaded blocks stay in their tier (the
 chain is inclusive). A block whose load fails (a fault below) ends the restore there: the request
-computes the rest, and the failure is counted (a miss, never wrong KV). :meth:`OffloadManager.lookup` and
-:meth:`OffloadManager.acquire` do the same for one sequence of hashes (a pool of one group).
+computes the rest, and the failure is counted (a miss, never wrong KV). Loads: :mod:`kvpool.tiers.loader`;
+the deprecated single-group API (``lookup``, ``acquire``): :mod:`kvpool.tiers.single_group`.
 
 **Copies and references.** Device <-> host copies are one batched swap each (:class:`HostTier`; on CUDA
 on a side stream with events, the device blocks of a write-through store holding a reference until the
@@ -40,68 +40,39 @@ on every tensor-parallel rank alike (:mod:`kvpool.engine.distributed` runs :meth
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvpool.allocators.block_pool import BlockPool
-from kvpool.allocators.groups import group_key, split_group_key
+from kvpool.allocators.groups import group_key
 from kvpool.allocators.policies import FrequencyAdmission, ValuedAdmission
 from kvpool.errors import IntegrityError, InvalidArgumentError, OutOfBlocksError
-from kvpool.storage.block_copy import gather_rows, scatter_rows
+from kvpool.storage.block_copy import gather_rows
 from kvpool.storage.paged import BlockStore
 from kvpool.tiers.backend import TierBackend
 from kvpool.tiers.host import HostTier
+from kvpool.tiers.loader import (  # noqa: F401 (LOAD_BATCH re-exported)
+    LOAD_BATCH,
+    ChainReader,
+    restored_calls,
+    tier_code,
+    tier_of,
+)
+from kvpool.tiers.single_group import (  # noqa: F401 (the deprecated single-group API's names, re-exported)
+    DEVICE,
+    SINGLE_GROUP_DEPRECATED,
+    PrefixHit,
+    SingleGroupAPI,
+)
 from kvpool.tiers.writer import Writer
 from kvpool.units import plural
 
-DEVICE = 0  # PrefixHit.where value of a device block; tier i of the manager is where == i + 1
-LOAD_BATCH = 64  # blocks per load from a byte tier (the load buffer's rows)
 PROBE_WINDOW = 64  # keys of a probe's first question to a tier (then 4x while the run goes on)
 
 
-def tier_code(t: int) -> int:
-    """The code :meth:`OffloadManager.probe` gives a key held in tier ``t`` (``-2 - t``: below -1, so it
-    never names a device block, nor the null block's -1 of a pool without one)."""
-    return -2 - t
-
-
-def tier_of(code: int) -> int:
-    """The tier index a :func:`tier_code` names."""
-    return -2 - code
-
-
-#: Why :meth:`OffloadManager.lookup`, :meth:`~OffloadManager.num_blocks_to_allocate` and
-#: :meth:`~OffloadManager.acquire` warn: kvpool's request path (every KV cache group) does not use them.
-SINGLE_GROUP_DEPRECATED = ("OffloadManager.{name} (the single-group tier API: lookup, "
-                           "num_blocks_to_allocate, acquire, PrefixHit) is deprecated: attach tiers with "
-                           "KVCacheManager.attach_tiers and admit requests with KVCacheManager.admit, which "
-                           "restore a hit from the tiers for every KV cache group")
-
-
-def _single_group_deprecated(name: str) -> None:
-    warnings.warn(SINGLE_GROUP_DEPRECATED.format(name=name), DeprecationWarning, stacklevel=3)
-
-
-@dataclass
-class PrefixHit:
-    """Deprecated with :meth:`OffloadManager.lookup`, which returns it. The longest prefix of ``hashes``
-    held somewhere: ``where[i]`` is 0 for the device (block ``device_ids[i]``) or ``t + 1`` for
-    ``manager.tiers[t]`` (``device_ids[i]`` None)."""
-
-    hashes: list[Hashable]
-    where: list[int] = field(default_factory=list)
-    device_ids: list[int | None] = field(default_factory=list)
-    device_prefix: int = 0  # the leading blocks all on the device
-
-    def __len__(self) -> int:
-        return len(self.where)
-
-
-class OffloadManager:
+class OffloadManager(SingleGroupAPI):
     """Chains ``tiers`` (a :class:`HostTier` first if any, then byte tiers: disk, remote) under ``pool``.
 
     Args:
@@ -141,8 +112,8 @@ class OffloadManager:
         self.host = self.tiers[0] if self.tiers and isinstance(self.tiers[0], HostTier) else None
         self.lower = self.tiers[1:] if self.host is not None else self.tiers
         self.writer = Writer(self.lower, staging_blocks=staging_blocks, asynchronous=asynchronous)
-        self._load_buf = torch.empty(0, dtype=torch.uint8)
-        self.device_hits = self.load_failures = self.not_admitted = self._ops = 0
+        self._reader = ChainReader(self.tiers, self.host, self.writer, cache)
+        self.device_hits = self.not_admitted = self._ops = 0
         self._restoring = False
         #: The request path's :class:`~kvpool.requests.block_memory.PoolMemory` when the device store's
         #: memory follows its blocks (set by the manager): a restore commits the blocks it loads into, and
@@ -163,6 +134,11 @@ class OffloadManager:
         """Block ids and hashes handled by pool calls of the manager and of the host tier's pool (a trace
         replay adds them to its ``block_ops``)."""
         return self._ops + (self.host.ops if self.host is not None else 0)
+
+    @property
+    def load_failures(self) -> int:
+        """Restores that ended before their plan did: a block no tier gave intact (a miss)."""
+        return self._reader.load_failures
 
     def _check_tiers(self) -> None:
         bytes_per_block = self.cache.bytes_per_block if self.cache is not None else 0
@@ -199,20 +175,13 @@ class OffloadManager:
                 if not start <= i < start + n:
                     window = 4 * window if n and n == window and i == start + n else PROBE_WINDOW
                     part = hashes[i:i + window]
-                    n = self._exists(t, part if g == 0 else [group_key(g, h) for h in part])
+                    n = self._reader.exists(t, part if g == 0 else [group_key(g, h) for h in part])
                     runs[(g, t)] = (i, n, window)
                 if n:
                     return tier_code(t)
             return None
 
         return locate
-
-    def _exists(self, t: int, keys: Sequence[Hashable]) -> int:
-        """How many leading ``keys`` tier ``t`` holds (pending stores included)."""
-        tier = self.tiers[t]
-        if tier is self.host:
-            return tier.exists(keys)
-        return self.writer.exists(t - (self.host is not None), keys)
 
     # ---- restoring from the tiers -------------------------------------------------------------------
 
@@ -255,51 +224,21 @@ class OffloadManager:
         keys, where = [k for k, _ in below], [w for _, w in below]
         memory = self.memory
         committed = memory is None or memory.handed_out([fresh])
-        loaded = self.agree(self._load(keys, where, fresh) if committed else 0)
+        loaded = self.agree(self._reader.load(keys, where, fresh) if committed else 0)
         if loaded:
             self._restoring = True  # blocks that came from the tiers are not offered to them again
             try:
-                for ids, published, parent in self._restored_calls(plan, fresh, loaded, parent_hash):
+                for ids, published, parent in restored_calls(plan, fresh, loaded, parent_hash):
                     self.pool.cache_blocks(ids, published, parent_hash=parent)
             finally:
                 self._restoring = False
-            self._count_loaded(where[:loaded])
+            self._reader.count_loaded(where[:loaded])
         self._release_host(held)
         self.pool.free(fresh[::-1] + device[::-1])
         if memory is not None:
             memory.emptied(fresh[loaded:])
         self._ops += len(plan) + 2 * len(below)
         return {key: tier_of(w) for key, w in zip(keys[:loaded], where[:loaded], strict=True)}
-
-    @staticmethod
-    def _restored_calls(plan: Sequence[tuple[Hashable, int]], fresh: list[int], loaded: int,
-                        parent_hash: Hashable | None) -> list[tuple[list[int], list[Hashable], Any]]:
-        """How a restore publishes: per group (in the order the groups first appear in ``plan``), its
-        blocks in the plan's order up to the last of the ``loaded`` tier blocks (in ``fresh``), the device
-        blocks among them too, with the key of the block before the group's first one as the parent (the
-        plan is position by position, so that is the previous position's hash; ``parent_hash`` before the
-        plan's first position). Publishing the key a block holds is a no-op, so only the loaded blocks
-        enter the index, and a KV event sink gives each run of them its group and, as its parent, the block
-        before it in the request's chain. Returns ``(block ids, keys, parent key)`` per call."""
-        calls: dict[int, tuple[list[int], list[Hashable], Any]] = {}
-        seen: set[int] = set()
-        position, before, n = None, parent_hash, 0
-        for key, where in plan:
-            if where < -1:
-                if n == loaded:
-                    break
-                where, n = fresh[n], n + 1
-            elif where in seen:
-                continue
-            seen.add(where)
-            g, h = split_group_key(key)
-            if h != position:
-                before, position = (before if position is None else position), h
-            if g not in calls:
-                calls[g] = ([], [], None if before is None else group_key(g, before))
-            calls[g][0].append(where)
-            calls[g][1].append(key)
-        return list(calls.values())
 
     def agree(self, loaded: int) -> int:
         """How many leading blocks of a restore every rank loaded: ``loaded`` in one process; tensor
@@ -325,140 +264,7 @@ class OffloadManager:
         if held:
             self.host.pool.free(held[::-1])  # type: ignore[union-attr]
 
-    def _load(self, keys: list[Hashable], where: list[int], fresh: list[int]) -> int:
-        """Load ``keys`` into device blocks ``fresh``, one run of same-tier keys at a time (``where``: the
-        tier codes the probe found); returns how many leading ones loaded. ``where`` is updated to the tier
-        each block finally came from."""
-        done = 0
-        while done < len(keys):
-            t = tier_of(where[done])
-            run = 1
-            while done + run < len(keys) and where[done + run] == where[done]:
-                run += 1
-            got = self._load_run(t, keys[done:done + run], fresh[done:done + run])
-            if got < run:  # the rest may have moved down since the probe (evictions cascading meanwhile)
-                got += self._reload(keys, where, done + got, done + run, t, fresh)
-            done += got
-            if got < run:
-                self.load_failures += 1
-                break
-        return done
-
-    def _reload(self, keys: list[Hashable], where: list[int], start: int, stop: int, first: int,
-                fresh: list[int]) -> int:
-        """The blocks ``start .. stop - 1`` that tier ``first`` no longer gave: look for them again in it and
-        the tiers below, and load them; returns how many leading ones loaded (``where`` updated)."""
-        done = start
-        while done < stop:
-            t = next((t for t in range(first, len(self.tiers)) if self._exists(t, keys[done:stop])), None)
-            if t is None:
-                break
-            run = self._exists(t, keys[done:stop])
-            got = self._load_run(t, keys[done:done + run], fresh[done:done + run])
-            where[done:done + got] = [tier_code(t)] * got
-            done += got
-            if got < run:
-                break
-        return done - start
-
-    def _load_run(self, t: int, keys: list[Hashable], blocks: list[int]) -> int:
-        tier = self.tiers[t]
-        if tier is self.host:
-            return self.host.load_to_device(self.cache, keys, blocks)
-        lower, done = t - (self.host is not None), 0
-        while done < len(keys):
-            n = min(LOAD_BATCH, len(keys) - done)
-            out = self._load_rows(n)
-            got = self.writer.get(lower, keys[done:done + n], out)
-            if got and self.cache is not None:
-                scatter_rows(self.cache, blocks[done:done + got], out)
-            done += got
-            if got < n:
-                break
-        return done
-
-    def _load_rows(self, n: int) -> torch.Tensor | None:
-        if self.cache is None:
-            return None
-        bpb = self.cache.bytes_per_block
-        if self._load_buf.numel() < n * bpb:
-            self._load_buf = torch.empty(n * bpb, dtype=torch.uint8)
-        return self._load_buf[:n * bpb].view(n, bpb)
-
-    def _count_loaded(self, where: list[int]) -> None:
-        for t, tier in enumerate(self.tiers):
-            n = where.count(tier_code(t))
-            if n:
-                tier.count_hits(n)
-
-    # ---- one sequence of hashes (a single KV cache group): deprecated ---------------------------------
-
-    def lookup(self, hashes: Sequence[Hashable]) -> PrefixHit:
-        """Deprecated (:data:`SINGLE_GROUP_DEPRECATED`). The longest prefix of ``hashes`` (group 0's keys:
-        the hashes themselves) held on the device or in any tier. Counts the device pool's lookup stats;
-        changes nothing else."""
-        _single_group_deprecated("lookup")
-        hashes = list(hashes)
-        device = self.pool.lookup(hashes)
-        hit = PrefixHit(hashes, [DEVICE] * len(device), list(device), len(device))
-        locate = self.probe()
-        for i in range(len(device), len(hashes)):
-            where = locate(0, hashes, i)
-            if where is None:
-                break
-            hit.where.append(DEVICE if where >= 0 else tier_of(where) + 1)
-            hit.device_ids.append(where if where >= 0 else None)
-        self._ops += min(len(hit) + 1, len(hashes))
-        return hit
-
-    def num_blocks_to_allocate(self, hit: PrefixHit, num_blocks: int) -> int:
-        """Deprecated (:data:`SINGLE_GROUP_DEPRECATED`). Free device blocks taking ``hit`` plus ``num_blocks
-        - len(hit)`` new blocks consumes: all but the device hits that are in use already (as
-        :meth:`BlockPool.num_blocks_to_allocate`)."""
-        _single_group_deprecated("num_blocks_to_allocate")
-        ref = self.pool.ref_count
-        return num_blocks - sum(1 for b in hit.device_ids if b is not None and ref(b) > 0)
-
-    def acquire(self, hit: PrefixHit) -> list[int]:
-        """Deprecated (:data:`SINGLE_GROUP_DEPRECATED`). Device blocks for ``hit``'s prefix, each with a
-        reference held for the caller: the blocks found below are restored (:meth:`restore`), then the
-        prefix on the device is touched. Returns the block
-        ids of the prefix actually available (shorter than ``hit`` when a load failed). Raises
-        :class:`OutOfBlocksError` (nothing changed) when the pool cannot give the new blocks: check
-        :meth:`num_blocks_to_allocate` first; :class:`InvalidArgumentError` (nothing changed) for a stale
-        hit, a device block of which no longer holds its hash (evicted, maybe handed to another request,
-        since the lookup: look up again)."""
-        _single_group_deprecated("acquire")
-        cached = self.pool.get_cached_block
-        for i, b in enumerate(hit.device_ids):
-            if b is not None and cached(hit.hashes[i]) != b:
-                raise InvalidArgumentError(f"stale prefix hit: device block {b} no longer holds the hash it "
-                                           "was found under; look it up again")
-        plan = [(h, b if b is not None else tier_code(w - 1))
-                for h, b, w in zip(hit.hashes[:len(hit)], hit.device_ids, hit.where, strict=True)]
-        self.restore(plan)
-        ids = self._device_prefix(hit)
-        self.pool.touch(ids)
-        self.device_hits += sum(1 for w in hit.where[:len(ids)] if w == DEVICE)
-        self._ops += len(ids)
-        return ids
-
-    def _device_prefix(self, hit: PrefixHit) -> list[int]:
-        ids, cached = [], self.pool.get_cached_block
-        for h in hit.hashes[:len(hit)]:
-            b = cached(h)
-            if b is None:
-                break
-            ids.append(b)
-        return ids
-
     # ---- stores -------------------------------------------------------------------------------------
-
-    def on_published(self, block_ids: Sequence[int], hashes: Sequence[Hashable]) -> None:
-        """Deprecated and a no-op: with write-through the manager listens to the pool's publishes itself
-        (:meth:`BlockPool.set_publish_listener`), so every published block is stored once."""
-        warnings.warn("OffloadManager.on_published is a no-op: with write_through the manager stores every "
-                      "block the pool publishes", DeprecationWarning, stacklevel=2)
 
     def _device_published(self, block_ids: list[int], keys: list[Hashable]) -> None:
         """The device pool published ``block_ids`` under ``keys`` (their KV written): with write-through,

@@ -1,0 +1,77 @@
+"""KV cache dtypes: the names accepted everywhere (:data:`KV_DTYPES`, :func:`parse_kv_dtype`) and the dtype
+of ``--kv-cache-dtype auto`` as vLLM picks it (:func:`auto_kv_dtype`)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvpool.errors import ConfigError
+
+#: KV cache dtype names accepted everywhere (CLI, ``from_hf_config``, ``parse_kv_dtype``).
+KV_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+
+
+def parse_kv_dtype(name: str | torch.dtype, model_dtype: str | None = None, *,
+                   model_type: str | None = None) -> torch.dtype:
+    """Resolve a KV cache dtype name to a torch dtype.
+
+    ``"auto"`` means the dtype vLLM runs the model in (:func:`auto_kv_dtype` of ``model_dtype``, a config's
+    ``dtype`` / ``torch_dtype``, and ``model_type``): a 16-bit config dtype as it is, float32 or none cast
+    down to bfloat16. Raises :class:`ConfigError` listing the accepted names for an unknown one (or for a
+    torch dtype that is not a KV dtype, such as int8).
+    """
+    if isinstance(name, torch.dtype) and name in KV_DTYPES.values():
+        return name
+    key = str(name).lower().removeprefix("torch.")
+    if key == "auto":
+        return auto_kv_dtype(model_dtype, model_type)[0]
+    if key not in KV_DTYPES:
+        accepted = ", ".join(["auto", *KV_DTYPES])
+        raise ConfigError(f"unknown KV cache dtype {name!r}; accepted: {accepted}")
+    return KV_DTYPES[key]
+
+
+#: Model types vLLM never runs in float16 (``_FLOAT16_NOT_SUPPORTED_MODELS`` in vllm/config/model.py:
+#: numerical instability), so ``auto`` gives them bfloat16 even when their config says float16.
+NO_FLOAT16_MODEL_TYPES = frozenset({"gemma2", "gemma3", "gemma3_text", "plamo2", "glm4"})
+
+
+def auto_kv_dtype(model_dtype: str | None, model_type: str | None = None) -> tuple[torch.dtype, str]:
+    """The KV dtype of ``--kv-cache-dtype auto`` and the rule that chose it, as vLLM picks the model dtype
+    for ``dtype="auto"`` (its KV cache dtype ``auto`` is the model dtype): ``_resolve_auto_dtype`` in
+    vllm/config/model.py on a GPU of compute capability >= 8.0, whose supported dtypes are bfloat16,
+    float16, float32 in that order (``CudaPlatform.supported_dtypes``).
+
+    * a config naming no dtype counts as float32 (vLLM reads the weights' safetensors header first; a
+      config alone has none), and float32 is cast down to the first supported dtype: bfloat16;
+    * bfloat16 and float16 stay, except float16 for :data:`NO_FLOAT16_MODEL_TYPES` (bfloat16);
+    * any other dtype (fp8 weights) is not a model dtype vLLM runs in: bfloat16.
+
+    On older GPUs (compute capability < 8.0, no bfloat16) vLLM picks float16 instead: the same 2 bytes,
+    so every count is the same. Returns ``(dtype, rule)``, ``rule`` a phrase for people (``"the config's
+    float32, cast down to bfloat16 as vLLM does"``). Raises :class:`ConfigError` for a dtype name that is
+    not in :data:`KV_DTYPES`.
+    """
+    if model_dtype in (None, "auto"):
+        return torch.bfloat16, ("the config names no dtype: vLLM takes it as float32 and casts it down to "
+                                "bfloat16")
+    named = parse_kv_dtype(model_dtype)
+    shown = str(named).removeprefix("torch.")
+    if named is torch.float32:
+        return torch.bfloat16, "the config's float32, cast down to bfloat16 as vLLM does"
+    if named is torch.float16 and model_type in NO_FLOAT16_MODEL_TYPES:
+        return torch.bfloat16, f"the config's float16, but vLLM never runs {model_type} in float16: bfloat16"
+    if named in (torch.bfloat16, torch.float16):
+        return named, f"the config's {shown}"
+    return torch.bfloat16, f"the config's {shown} is no dtype vLLM runs a model in: bfloat16"
