@@ -421,8 +421,9 @@ class LLMEngine:
 
     def trim(self) -> int:
         """Give back the pages of the cached free blocks (an idle engine under a budget shared with a busy
-        one): they are evicted from the prefix index (``BlockRemoved`` events), then every committed page
-        with no block holding KV is released, the reserve too. Returns the bytes given back. ConfigError
+        one): those on pages with no used block are evicted from the prefix index (``BlockRemoved`` events;
+        page-aware: :mod:`kvpool.requests.page_aware`), then every committed page with no block holding KV
+        is released, the reserve too. Returns the bytes given back. ConfigError
         without ``elastic``."""
         if self.kv_manager.memory is None:
             raise ConfigError("trim needs an elastic KV cache: build the engine with elastic=True")
