@@ -305,7 +305,7 @@ class _ShippingRunner:
 
     def __init__(self, leader: Leader, runner: Any) -> None:
         self.leader, self.runner = leader, runner
-        self.cache, self.spec = runner.cache, runner.spec
+        self.cache, self.spec, self.recurrent = runner.cache, runner.spec, runner.recurrent
 
     def execute(self, batch: Any) -> torch.Tensor:
         self.leader.send("step", batch)
