@@ -52,6 +52,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from kvpool.engine.tp_memory import REORDER, RecordingMemory, apply_memory_call, is_memory_call, memory_digest
 from kvpool.errors import CollectiveError, IntegrityError, KVPoolError
 from kvpool.spec import cdiv
 
@@ -210,6 +211,10 @@ class RecordingPool:
     def unpin(self, block_ids: Iterable[int]) -> None:
         self._call("unpin", list(block_ids))
 
+    def reorder_free(self, key: Callable[[int], Any]) -> None:  # an elastic pool's page order: tp_memory
+        self.pool.reorder_free(key)
+        self.log.append((REORDER, (), {}, None))
+
     def check_integrity(self) -> None:
         """Check every rank's pool and that all of them hold the same state (a collective)."""
         self._on_check()
@@ -220,9 +225,14 @@ class RecordingPool:
         return result
 
 
-def replay(pool: Any, log: Sequence[tuple[str, tuple, dict[str, Any], Any]], rank: int) -> None:
-    """Apply rank 0's logged pool calls to ``pool``; IntegrityError at the first result that differs."""
+def replay(pool: Any, log: Sequence[tuple[str, tuple, dict[str, Any], Any]], rank: int,
+           cache: Any = None) -> None:
+    """Apply rank 0's logged pool calls to ``pool`` (and its memory calls to this rank's elastic ``cache``:
+    :mod:`kvpool.engine.tp_memory`); IntegrityError at the first result that differs."""
     for name, args, kwargs, expected in log:
+        if is_memory_call(name):
+            apply_memory_call(pool, cache, name, args, expected, rank)
+            continue
         if name not in _RECORDED:
             raise IntegrityError(f"rank {rank}: rank 0 shipped an unknown pool call {name!r}")
         try:
@@ -257,8 +267,9 @@ def pool_digest(pool: Any) -> bytes:
     return hashlib.sha256(repr(state).encode()).digest()
 
 
-def check_across_ranks(tp: TPGroup, pool: Any) -> None:
-    """Collective: ``pool.check_integrity()`` on every rank, then the ranks' :func:`pool_digest` compared.
+def check_across_ranks(tp: TPGroup, pool: Any, cache: Any = None) -> None:
+    """Collective: ``pool.check_integrity()`` on every rank, then the ranks' :func:`pool_digest` compared
+    (with an elastic ``cache``, its pages too: :func:`~kvpool.engine.tp_memory.memory_digest`).
 
     Raises:
         IntegrityError: this rank's invariants are broken, or (on every rank) the digests differ.
@@ -266,14 +277,14 @@ def check_across_ranks(tp: TPGroup, pool: Any) -> None:
     broken: IntegrityError | None = None
     try:
         pool.check_integrity()
-        digest = pool_digest(pool)
+        digest = pool_digest(pool) + memory_digest(cache)
     except IntegrityError as exc:
-        broken, digest = exc, bytes(32)  # still take part, so no rank waits for this one
+        broken, digest = exc, bytes(64)  # still take part, so no rank waits for this one
     digests = tp.all_gather_bytes(digest)
     if broken is not None:
         raise broken
     if len(set(digests)) > 1:
-        found = ", ".join(f"rank {r}: {d.hex()[:16]}" for r, d in enumerate(digests))
+        found = ", ".join(f"rank {r}: {d.hex()[:16]}/{d.hex()[64:80]}" for r, d in enumerate(digests))
         raise IntegrityError(f"the pool state differs across tensor-parallel ranks ({found})")
 
 
@@ -324,6 +335,9 @@ class Leader:
         self.tp, self.engine, self.channel = tp, engine, Channel(tp)
         self.stats, self.in_forward, self.last_batch = ShipStats(), False, None
         self.pool = engine.kv_manager.wrap_pool(lambda pool: RecordingPool(pool, self.check))
+        memory = engine.kv_manager.memory
+        if memory is not None:  # an elastic cache: its commits and releases are shipped too
+            memory.store = RecordingMemory(memory.store, self.pool)
         engine.wrap_runner(lambda runner: _ShippingRunner(self, runner))
         tiers = getattr(engine, "offload", None)
         if tiers is not None:  # every rank restores from its own tiers, in step with rank 0
@@ -360,7 +374,7 @@ class Leader:
 
     def check(self) -> None:
         self.send("check")
-        check_across_ranks(self.tp, self.pool.pool)
+        check_across_ranks(self.tp, self.pool.pool, self.engine.cache)
 
     def stop(self) -> None:
         """Tell the followers to stop (after replaying the last log) and gather their apply time."""
@@ -395,7 +409,7 @@ class Follower:
             kind, log, batch = pickle.loads(data)
             if tiers is not None:  # copies complete at each rank's own pace (CUDA); restores agree anyway
                 tiers.poll()
-            replay(pool, log, rank)
+            replay(pool, log, rank, runner.cache)
             if kind == "restore" and tiers is not None:
                 tiers.restore(batch)
             elif kind == "step":
@@ -403,7 +417,7 @@ class Follower:
                 self.apply_s += time.perf_counter() - start
                 runner.execute(batch)
             elif kind == "check":
-                check_across_ranks(self.tp, pool)
+                check_across_ranks(self.tp, pool, runner.cache)
             elif kind == "sync":  # the end of time_transport's pings
                 self.tp.min_int(0)
             elif kind == "stop":
