@@ -155,3 +155,26 @@ def test_blocks_straddling_pages_free_a_page_only_with_both_neighbours() -> None
     assert [p for p, _ in freeable_pages(pool, pages)] == [0]
     assert memory.shrink() == PAGE and sorted(pages.live_blocks()) == [2, 3]
 
+
+
+
+def test_a_refused_commit_gives_the_reserve_back_before_evicting() -> None:
+    # Limit 4 pages, a reserve of 1. Blocks 0-11 cached (pages 0-2); blocks 12-15 held no hash and were
+    # emptied: page 3 stays committed as the reserve (4 pages). Committing block 16 (page 4) is refused,
+    # then the reserve's page is given back and the commit goes through, nothing evicted. A second block on
+    # page 5 then needs a cached page evicted: page 0 (blocks 0-3, the oldest), pages 1-2 stay cached.
+    pool = BlockPool(64)
+    store = PageModel(64, PAGE // 4, page_size=PAGE, reserve_pages=1)
+    store.pages.arena.set_limit(4 * PAGE)
+    memory = PoolMemory(store, lambda: pool, None)
+    blocks = pool.allocate(16)
+    memory.handed_out([blocks])
+    pool.cache_blocks(blocks[:12], [f"h{b}" for b in blocks[:12]])
+    pool.free(blocks)
+    memory.emptied(blocks[12:])
+    assert store.committed_bytes == 4 * PAGE and store.pages.num_reserve == 1
+    assert memory.handed_out([[16]])
+    assert store.committed_bytes == 4 * PAGE and len(pool.evictable_blocks()) == 12
+    assert memory.handed_out([[20]])
+    assert store.committed_bytes == 4 * PAGE
+    assert sorted(pool.evictable_blocks()) == list(range(4, 12)) and memory.refused == 0

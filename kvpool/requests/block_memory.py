@@ -41,6 +41,8 @@ class BlockMemory(Protocol):
 
     def release_blocks(self, block_ids: Iterable[int]) -> int: ...
 
+    def trim(self) -> int: ...
+
     def is_live(self, block: int) -> bool: ...
 
     def live_blocks(self) -> list[int]: ...
@@ -66,18 +68,21 @@ class PoolMemory:
 
     def handed_out(self, tables: Sequence[Sequence[int]]) -> bool:
         """Commit the blocks of ``tables`` that are not live (a request's block tables after an allocation).
-        On a refused commit, evict page-aware (:meth:`shrink`: as many whole pages as the blocks need,
-        then every page that can be freed) and try again; return False (nothing committed) when it is
-        still refused."""
-        null = self.null_block
+        On a refused commit, give back the reserve's empty pages and evict page-aware (:meth:`shrink`: as
+        many whole pages as the blocks need, then every page that can be freed) and try again; return
+        False (nothing committed) when it is still refused."""
+        null, store = self.null_block, self.store
         blocks = [b for table in tables for b in table if b != null]
-        for wanted in (self._pages_needed(blocks) or None, None, -1):
+        needed = self._pages_needed(blocks) or None
+        for make_room in (store.trim, lambda: self.shrink(needed) + store.trim(),
+                          lambda: self.shrink() + store.trim(), None):
             try:
-                self.store.commit_blocks(blocks)
+                store.commit_blocks(blocks)
                 return True
             except InsufficientMemoryError:
-                if wanted == -1 or not self.shrink(wanted):
+                if make_room is None:
                     break
+                make_room()
         self.refused += 1
         return False
 
