@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from kvpool.storage.arena import ElasticConfig
+
 BLOCK = 4
 NEW = 12
 BASE = list(range(7, 47))  # a 40-token prompt (byte ids)
@@ -21,6 +23,10 @@ SCENARIOS: dict[str, tuple[dict[str, Any], list[list[list[int]]]]] = {
     "batch then prefix hits": ({}, [PROMPTS, [PROMPTS[1], PROMPTS[0]]]),
     # 6 tokens per step (7 chunks for the 40-token prompt), 14 blocks: preemption by recompute
     "chunked prefill and preemption": ({"max_num_batched_tokens": 6, "num_blocks": 14}, [PROMPTS]),
+    # each rank's shard on its own arena of 4 KiB pages, its commits and releases shipped with the pool calls
+    # (every follower checks each one's result against rank 0's); prefix hits and preemptions as above
+    "elastic": ({"elastic": ElasticConfig(page_size=4096), "max_num_batched_tokens": 6, "num_blocks": 14},
+                [PROMPTS, [PROMPTS[1], PROMPTS[0]]]),
 }
 MQA = "tiny-llama-mqa"  # built here: 6 query heads, 1 KV head (replicated on every rank)
 

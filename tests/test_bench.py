@@ -258,3 +258,7 @@ def test_memory_rows_ratios_and_layout_units_by_hand(capsys: pytest.CaptureFixtu
     assert layout["strips_pages_per_block"] == 120 and layout["block_major_pages_per_block"] == 90
     assert layout["strips_unit_bytes"] == 60 * 2 * 4096 and layout["block_major_unit_bytes"] == 360 * 1024
     assert layout["ratio"] == pytest.approx(layout["block_major_step_us"] / layout["strips_step_us"])
+    # kvcached's eviction shape (tests/test_page_aware.py by hand): at stride 8 LRU frees no page, page-aware
+    # frees 28 of 2 MiB
+    last = result["eviction"][-1]
+    assert (last["stride"], last["freed_lru"], last["freed_page_aware"]) == (8, 0, 28 * 2 * 2**20)

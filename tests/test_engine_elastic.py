@@ -129,11 +129,6 @@ def test_sliding_window_blocks_are_released_as_the_window_moves() -> None:
     assert engine.stats.peak_committed_bytes <= PAGE * (engine.stats.peak_blocks_used + 1) < 14 * PAGE
 
 
-def test_tensor_parallel_elastic_is_refused(tiny) -> None:
-    with pytest.raises(ConfigError, match="tp_size 1"):
-        LLMEngine(tiny[0], num_blocks=8, tp_size=2, elastic=True)
-
-
 def test_restores_from_a_host_tier_commit_what_they_load(tiny) -> None:
     # 14 blocks: the 51-token prompt takes the whole device, so the shared prefix of prompts 1 and 2 is
     # evicted to the host tier and restored from it into blocks whose pages the restore commits

@@ -1061,6 +1061,13 @@ class BlockPool:
         """A snapshot of the prefix-cache counters."""
         return BlockPoolStats(self._hits, self._misses, self._evictions)
 
+    def reorder_free(self, key: Callable[[int], Any]) -> None:
+        """Reorder the free stack (freed blocks without a hash, handed out before the ids never handed
+        out) so that ``allocate`` hands out the block with the smallest ``key(block)`` first. Not on the
+        hot path: O(F log F) for F such blocks; an elastic pool's page-aware order
+        (:mod:`kvpool.requests.page_aware`) calls it when blocks are freed."""
+        self._free.sort(key=key, reverse=True)  # pop() takes the end
+
     def evictable_blocks(self) -> list[int]:
         """Cached free block ids in eviction order, next victim first. O(number of cached free blocks)
         for LRU, O(n log n) for the heap-ordered policies."""

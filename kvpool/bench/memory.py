@@ -1,7 +1,7 @@
 """``kvpool bench memory``: what elastic memory costs and what it gives back, against baselines timed in the
 same run.
 
-Three tables:
+Four tables:
 
 * **Per page.** A :class:`~kvpool.storage.arena.PageArena` commits and releases ``--pages`` pages one call
   each (and all in one call). Baselines: the first write of the same bytes of a fresh ``torch.empty`` buffer
@@ -18,6 +18,9 @@ Three tables:
   use), the pages a block touches (page counts updated per block handed out or freed), and one step's
   ``store_kv`` + ``gather_slots`` over every layer (``--tokens`` decode tokens, each in its own block at a
   random offset), timed in turn.
+* **Eviction** (:mod:`kvpool.bench.memory_evict`): the bytes page-aware eviction gives back against LRU
+  eviction of as many blocks, in kvcached's ``bench_evict`` shape (4,096 cached blocks, 128 a page, every
+  stride-th block touched again; 3,584 evicted).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any
 
 import torch
 
+from kvpool.bench.memory_evict import eviction_rows
 from kvpool.bench.timing import print_table, require_at_least
 from kvpool.cli.options import CommaList, non_negative_int, positive_int
 from kvpool.spec import KVCacheSpec
@@ -268,12 +272,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cuda = cuda_page_costs(args.pages, args.page_size)
     rss = rss_table(args.pool_gib, args.used) if args.pool_gib else None
     layout = layout_rows(args.configs, args.tokens, args.page_size, args.repeat, args.layout_blocks)
+    eviction = eviction_rows()
     if not args.json:
         _print(args, per_page, cuda, rss, layout)
+        _print_eviction(eviction)
     return {"suite": "memory", "config": {"pages": args.pages, "page_size": args.page_size,
                                           "repeat": args.repeat, "pool_gib": args.pool_gib, "used": args.used,
                                           "torch_threads": torch.get_num_threads()},
-            "per_page": per_page, "cuda": cuda, "rss": rss, "layout": layout}
+            "per_page": per_page, "cuda": cuda, "rss": rss, "layout": layout, "eviction": eviction}
 
 
 def _print(args: argparse.Namespace, per_page: list[dict[str, Any]], cuda: dict[str, Any] | None,
@@ -305,3 +311,12 @@ def _print(args: argparse.Namespace, per_page: list[dict[str, Any]], cuda: dict[
                   f"{r['block_major_unit_bytes'] / MiB:g} MiB", r["strips_pages_per_block"],
                   r["block_major_pages_per_block"], r["strips_step_us"], r["block_major_step_us"], r["ratio"]]
                  for r in layout])
+
+
+def _print_eviction(rows: list[dict[str, Any]]) -> None:
+    first = rows[0]
+    print_table(f"Eviction, kvcached's shape: 4,096 cached blocks of 16 KiB, {first['blocks_per_page']} a "
+                f"page (2 MiB), every stride-th touched again; {first['evicted']:,} evicted; MiB given back",
+                ["stride", "LRU", "page-aware", "ratio"],
+                [[r["stride"], r["freed_lru"] / MiB, r["freed_page_aware"] / MiB,
+                  "inf (LRU frees 0)" if r["ratio"] == float("inf") else r["ratio"]] for r in rows])

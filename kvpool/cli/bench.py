@@ -23,7 +23,7 @@ SUITES = {
     "groups": "KV cache group coordinator per decode step against one plain pool; replay memory per group",
     "tiers": "host / disk / Redis store and load GB/s against raw copy_, file, redis-py and raw + MAC",
     "memory": "page arena commit / release per page against fresh-tensor faults and frees; RSS of an elastic "
-              "pool against a fixed one; strips against block-major",
+              "pool against a fixed one; strips against block-major; page-aware eviction against LRU",
     "targets": "every speed target's ratio from the suites above, in one run",
 }
 

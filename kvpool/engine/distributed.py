@@ -56,6 +56,7 @@ from kvpool.engine.pool_log import (  # noqa: F401 (re-exported)
     replay,
 )
 from kvpool.engine.tp_group import DEFAULT_TIMEOUT_S, FRAME_BYTES, Channel, TPGroup  # noqa: F401 (re-exported)
+from kvpool.engine.tp_memory import RecordingMemory
 from kvpool.errors import CollectiveError, IntegrityError
 
 T = TypeVar("T")
@@ -89,7 +90,7 @@ class _ShippingRunner:
 
     def __init__(self, leader: Leader, runner: Any) -> None:
         self.leader, self.runner = leader, runner
-        self.cache, self.spec = runner.cache, runner.spec
+        self.cache, self.spec, self.recurrent = runner.cache, runner.spec, runner.recurrent
 
     def execute(self, batch: Any) -> torch.Tensor:
         self.leader.send("step", batch)
@@ -108,6 +109,9 @@ class Leader:
         self.tp, self.engine, self.channel = tp, engine, Channel(tp)
         self.stats, self.in_forward, self.last_batch = ShipStats(), False, None
         self.pool = engine.kv_manager.wrap_pool(lambda pool: RecordingPool(pool, self.check))
+        memory = engine.kv_manager.memory
+        if memory is not None:  # an elastic cache: its commits and releases are shipped too
+            memory.store = RecordingMemory(memory.store, self.pool)
         engine.wrap_runner(lambda runner: _ShippingRunner(self, runner))
         tiers = getattr(engine, "offload", None)
         if tiers is not None:  # every rank restores from its own tiers, in step with rank 0
@@ -144,7 +148,7 @@ class Leader:
 
     def check(self) -> None:
         self.send("check")
-        check_across_ranks(self.tp, self.pool.pool)
+        check_across_ranks(self.tp, self.pool.pool, self.engine.cache)
 
     def stop(self) -> None:
         """Tell the followers to stop (after replaying the last log) and gather their apply time."""
@@ -179,7 +183,7 @@ class Follower:
             kind, log, batch = pickle.loads(data)
             if tiers is not None:  # copies complete at each rank's own pace (CUDA); restores agree anyway
                 tiers.poll()
-            replay(pool, log, rank)
+            replay(pool, log, rank, runner.cache)
             if kind == "restore" and tiers is not None:
                 tiers.restore(batch)
             elif kind == "step":
@@ -187,7 +191,7 @@ class Follower:
                 self.apply_s += time.perf_counter() - start
                 runner.execute(batch)
             elif kind == "check":
-                check_across_ranks(self.tp, pool)
+                check_across_ranks(self.tp, pool, runner.cache)
             elif kind == "sync":  # the end of time_transport's pings
                 self.tp.min_int(0)
             elif kind == "stop":

@@ -134,7 +134,9 @@ class LLMEngine:
             page arena whose committed memory follows the used and cached blocks (the request path commits
             a block's pages as it is handed out and releases them once it holds no KV:
             :mod:`kvpool.requests.block_memory`), and :meth:`sleep` / :meth:`wake` give every KV and state
-            page back and take them again. ConfigError with ``tp_size`` > 1.
+            page back and take them again. With ``tp_size`` > 1 each rank's shard sits on its own arena,
+            committed and released in step with rank 0's (:mod:`kvpool.engine.tp_memory`); there
+            :meth:`sleep` / :meth:`wake` and tiers are refused (ConfigError: not shipped to the ranks).
         memory: the model's :class:`~kvpool.spec.memory.ModelMemory` at ``block_size``, ``kv_dtype`` and
             ``tp_size``, where the caller has made it (its config read once per command); default
             :func:`kvpool.engine.recurrent.model_memory`'s.
@@ -162,8 +164,6 @@ class LLMEngine:
         max_num_seqs = as_int(max_num_seqs, "max_num_seqs", minimum=1)
         self.model, self.block_size, self.device = model, block_size, model.device
         self.attention = attention
-        if elastic is not False and tp_size > 1:
-            raise ConfigError("an elastic KV cache runs with tp_size 1 (the other ranks would not commit)")
         if match_unit is not None and tp_size > 1:
             raise ConfigError("a match unit runs with tp_size 1 (the other ranks would not copy)")
         self._elastic = elastic
@@ -283,6 +283,7 @@ class LLMEngine:
         """
         from kvpool.tiers.from_url import TierURL, tiers_from_urls
 
+        self._single_rank_if_elastic("tiers")
         if any(isinstance(t, str | TierURL) for t in tiers):
             urls = [t for t in tiers if isinstance(t, str | TierURL)]
             if len(urls) != len(tiers):
@@ -412,6 +413,7 @@ class LLMEngine:
         """
         if not self.cache.elastic:
             raise ConfigError("sleep needs an elastic KV cache: build the engine with elastic=True")
+        self._single_rank_if_elastic("sleep")
         if self.asleep:
             return 0
         if self.offload is not None:
@@ -446,14 +448,22 @@ class LLMEngine:
 
     def trim(self) -> int:
         """Give back the pages of the cached free blocks (an idle engine under a budget shared with a busy
-        one): they are evicted from the prefix index (``BlockRemoved`` events), then every committed page
-        with no block holding KV is released, the reserve too. Returns the bytes given back. ConfigError
+        one): those on pages with no used block are evicted from the prefix index (``BlockRemoved`` events;
+        page-aware: :mod:`kvpool.requests.page_aware`), then every committed page with no block holding KV
+        is released, the reserve too. Returns the bytes given back. ConfigError
         without ``elastic``."""
         if self.kv_manager.memory is None:
             raise ConfigError("trim needs an elastic KV cache: build the engine with elastic=True")
-        given = self.kv_manager.memory.shrink()
+        memory = self.kv_manager.memory
+        given = memory.shrink()
         self.kv_manager.flush_events()
-        return given + self.cache.trim()
+        return given + memory.store.trim()  # (through the store: a tensor-parallel leader ships it)
+
+    def _single_rank_if_elastic(self, what: str) -> None:
+        """ConfigError for ``what`` on an elastic cache under tensor parallelism (not shipped to ranks)."""
+        if self.tp_size > 1 and self.cache.elastic:
+            raise ConfigError(f"{what} on an elastic KV cache runs with tp_size 1 (the other ranks' arenas "
+                              "would not follow)")
 
     def _state_bytes(self) -> int:
         recurrent = self.runner.recurrent

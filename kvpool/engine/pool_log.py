@@ -11,6 +11,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 from kvpool.engine.tp_group import TPGroup
+from kvpool.engine.tp_memory import REORDER, apply_memory_call, is_memory_call, memory_digest
 from kvpool.errors import IntegrityError, KVPoolError
 from kvpool.spec import cdiv
 
@@ -71,6 +72,10 @@ class RecordingPool:
     def unpin(self, block_ids: Iterable[int]) -> None:
         self._call("unpin", list(block_ids))
 
+    def reorder_free(self, key: Callable[[int], Any]) -> None:  # an elastic pool's page order: tp_memory
+        self.pool.reorder_free(key)
+        self.log.append((REORDER, (), {}, None))
+
     def check_integrity(self) -> None:
         """Check every rank's pool and that all of them hold the same state (a collective)."""
         self._on_check()
@@ -81,9 +86,14 @@ class RecordingPool:
         return result
 
 
-def replay(pool: Any, log: Sequence[tuple[str, tuple, dict[str, Any], Any]], rank: int) -> None:
-    """Apply rank 0's logged pool calls to ``pool``; IntegrityError at the first result that differs."""
+def replay(pool: Any, log: Sequence[tuple[str, tuple, dict[str, Any], Any]], rank: int,
+           cache: Any = None) -> None:
+    """Apply rank 0's logged pool calls to ``pool`` (and its memory calls to this rank's elastic ``cache``:
+    :mod:`kvpool.engine.tp_memory`); IntegrityError at the first result that differs."""
     for name, args, kwargs, expected in log:
+        if is_memory_call(name):
+            apply_memory_call(pool, cache, name, args, expected, rank)
+            continue
         if name not in _RECORDED:
             raise IntegrityError(f"rank {rank}: rank 0 shipped an unknown pool call {name!r}")
         try:
@@ -118,7 +128,7 @@ def pool_digest(pool: Any) -> bytes:
     return hashlib.sha256(repr(state).encode()).digest()
 
 
-def check_across_ranks(tp: TPGroup, pool: Any) -> None:
+def check_across_ranks(tp: TPGroup, pool: Any, cache: Any = None) -> None:
     """Collective: ``pool.check_integrity()`` on every rank, then the ranks' :func:`pool_digest` compared.
 
     Raises:
@@ -127,12 +137,12 @@ def check_across_ranks(tp: TPGroup, pool: Any) -> None:
     broken: IntegrityError | None = None
     try:
         pool.check_integrity()
-        digest = pool_digest(pool)
+        digest = pool_digest(pool) + memory_digest(cache)
     except IntegrityError as exc:
-        broken, digest = exc, bytes(32)  # still take part, so no rank waits for this one
+        broken, digest = exc, bytes(64)  # still take part, so no rank waits for this one
     digests = tp.all_gather_bytes(digest)
     if broken is not None:
         raise broken
     if len(set(digests)) > 1:
-        found = ", ".join(f"rank {r}: {d.hex()[:16]}" for r, d in enumerate(digests))
+        found = ", ".join(f"rank {r}: {d.hex()[:16]}/{d.hex()[64:80]}" for r, d in enumerate(digests))
         raise IntegrityError(f"the pool state differs across tensor-parallel ranks ({found})")

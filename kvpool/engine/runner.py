@@ -54,10 +54,13 @@ class StepBatch:
 class StepRunner(Protocol):
     """What the engine asks of the runner it executes its steps with: a :class:`ModelRunner`, or a wrapper
     put in front of one with :meth:`~kvpool.engine.engine.LLMEngine.wrap_runner` (a tensor-parallel leader's,
-    which ships each batch to its followers first): the KV cache and spec it runs over, and ``execute``."""
+    which ships each batch to its followers first): the KV cache and spec it runs over, the recurrent states
+    of a hybrid (None for a model without recurrent layers: what ``sleep`` / ``wake`` and the memory stats
+    read), and ``execute``."""
 
     cache: Any
     spec: Any
+    recurrent: RecurrentStates | None
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """As :meth:`ModelRunner.execute`: the logits ``[S, V]`` of ``batch.sample_rows``."""

@@ -28,6 +28,8 @@ from typing import Any, Protocol
 
 from kvpool.allocators.block_pool import CACHED, IN_USE, PINNED
 from kvpool.errors import InsufficientMemoryError, IntegrityError
+from kvpool.requests.page_aware import order_free_blocks, page_aware_victims
+from kvpool.storage.page_map import BlockPages
 
 
 class BlockMemory(Protocol):
@@ -38,6 +40,8 @@ class BlockMemory(Protocol):
     def commit_blocks(self, block_ids: Iterable[int]) -> int: ...
 
     def release_blocks(self, block_ids: Iterable[int]) -> int: ...
+
+    def trim(self) -> int: ...
 
     def is_live(self, block: int) -> bool: ...
 
@@ -64,41 +68,63 @@ class PoolMemory:
 
     def handed_out(self, tables: Sequence[Sequence[int]]) -> bool:
         """Commit the blocks of ``tables`` that are not live (a request's block tables after an allocation).
-        On a refused commit, evict the pool's cached free blocks and try once more; return False (nothing
-        committed) when it is still refused."""
-        null = self.null_block
+        On a refused commit, give back the reserve's empty pages and evict page-aware (:meth:`shrink`: as
+        many whole pages as the blocks need, then every page that can be freed) and try again; return
+        False (nothing committed) when it is still refused."""
+        null, store = self.null_block, self.store
         blocks = [b for table in tables for b in table if b != null]
-        try:
-            self.store.commit_blocks(blocks)
-            return True
-        except InsufficientMemoryError:
-            if not self.shrink():
-                self.refused += 1
-                return False
-        try:
-            self.store.commit_blocks(blocks)
-            return True
-        except InsufficientMemoryError:
-            self.refused += 1
-            return False
+        needed = self._pages_needed(blocks) or None
+        for make_room in (store.trim, lambda: self.shrink(needed) + store.trim(),
+                          lambda: self.shrink() + store.trim(), None):
+            try:
+                store.commit_blocks(blocks)
+                return True
+            except InsufficientMemoryError:
+                if make_room is None:
+                    break
+                make_room()
+        self.refused += 1
+        return False
 
     def emptied(self, blocks: Iterable[int]) -> int:
         """Release those of ``blocks`` that hold no KV now (ref count 0, no hash) and are live; return the
-        bytes given back."""
+        bytes given back. The pool's free blocks are then put in page-aware order
+        (:func:`~kvpool.requests.page_aware.order_free_blocks`)."""
         pool, store, null = self._pool(), self.store, self.null_block
         dead = [b for b in dict.fromkeys(blocks) if b != null and pool.ref_count(b) == 0
                 and pool.block_hash(b) is None and store.is_live(b)]
-        return store.release_blocks(dead) if dead else 0
+        given = store.release_blocks(dead) if dead else 0
+        pages = self.pages
+        if pages is not None:
+            order_free_blocks(pool, pages)
+        return given
 
-    def shrink(self) -> int:
-        """Evict every cached free block of the pool (their hashes leave the prefix index, as
-        ``evict_blocks`` does) and release their pages; return the bytes given back."""
-        pool = self._pool()
-        victims = pool.evictable_blocks()
+    def shrink(self, max_pages: int | None = None) -> int:
+        """Evict page-aware (:func:`~kvpool.requests.page_aware.page_aware_victims`: the cached free blocks
+        of the pages whose every live block is cached free, fewest blocks first; up to ``max_pages`` such
+        pages, None: all of them) and release their pages; their hashes leave the prefix index, as
+        ``evict_blocks`` does. A store without pages evicts every cached free block. Return the bytes given
+        back."""
+        pool, pages = self._pool(), self.pages
+        victims = (pool.evictable_blocks() if pages is None
+                   else page_aware_victims(pool, pages, max_pages=max_pages))
         if not victims:
             return 0
         pool.evict_blocks(victims)
         return self.emptied(victims)
+
+    @property
+    def pages(self) -> BlockPages | None:
+        """The store's :class:`~kvpool.storage.page_map.BlockPages` (None: a store without pages)."""
+        return getattr(self.store, "pages", None)
+
+    def _pages_needed(self, blocks: list[int]) -> int | None:
+        """Pages that committing ``blocks`` would add (None: unknown, a store without pages)."""
+        pages = self.pages
+        if pages is None:
+            return None
+        return len({p for b in blocks if not pages.is_live(b) for p in pages.map.pages_of(b)
+                    if not pages.live_on(p)})
 
     def release_all(self) -> int:
         """Release every live block that holds no KV now (after the prefix cache was emptied and every

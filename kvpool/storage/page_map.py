@@ -171,6 +171,20 @@ class BlockPages:
         """The live blocks, ascending."""
         return [b for b, live in enumerate(self._live) if live]
 
+    def live_on(self, page: int) -> int:
+        """Live blocks on ``page`` now (0 for an empty committed page or an uncommitted one)."""
+        return self._count[page]
+
+    def placement(self, block: int) -> tuple[int, int, int, int]:
+        """How good a place ``block`` (free, not live) is to hand out next, smaller is better: ``(pages it
+        would commit, -(live blocks on its fullest page), its first page, block)``. Sorting free blocks by it
+        hands out blocks on committed pages first, the fullest page first, then fills one fresh page
+        before the next (:mod:`kvpool.requests.page_aware`)."""
+        pages = self.map.pages_of(block)
+        count, empty = self._count, self._empty
+        new = sum(1 for p in pages if count[p] == 0 and p not in empty)  # committed: live or in reserve
+        return new, -max(count[p] for p in pages), pages[0], block
+
     def commit_blocks(self, block_ids: Iterable[int]) -> int:
         """Make ``block_ids`` live, committing the pages they need; return the bytes newly committed.
         Live ids and repeats are allowed (a no-op for them).

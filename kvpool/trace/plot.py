@@ -46,6 +46,22 @@ def draw_timeline(ax: Any, result: ReplayResult, *, max_points: int | None = Non
     ax.legend(loc="upper right", fontsize=8)
 
 
+def draw_memory_timeline(ax: Any, result: ReplayResult) -> None:
+    """Plot an elastic replay's committed bytes against the bytes of the blocks holding KV (in use +
+    cached) over simulated time on ``ax``, in MiB (``result.memory_timeline``: replay with
+    ``elastic_block_bytes`` and ``record_timeline=True``). Raises ValueError without it."""
+    if not result.memory_timeline:
+        raise ValueError("the replay recorded no memory timeline: replay elastic with record_timeline=True")
+    t, committed, used, cached = zip(*result.memory_timeline, strict=True)
+    mib = 2.0**20
+    ax.step(t, [c / mib for c in committed], where="post", label="committed", color="black")
+    ax.stackplot(t, [u / mib for u in used], [c / mib for c in cached], labels=("in use", "cached"),
+                 colors=(COLORS["in use"], COLORS["cached"]), step="post")
+    ax.set_ylabel("KV memory (MiB)")
+    ax.set_xlabel("simulated time (s)")
+    ax.legend(loc="upper right", fontsize=8)
+
+
 def plot_timeline(result: ReplayResult, path: str | Path, *, title: str = "kvpool replay") -> Path:
     """Draw ``result.timeline`` as a stacked area chart (in use / cached / free blocks) into ``path``.
 

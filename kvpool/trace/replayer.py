@@ -66,6 +66,7 @@ from kvpool.storage.arena import DEFAULT_PAGE_SIZE
 from kvpool.storage.elastic import PageModel
 from kvpool.trace.belady import BeladyPolicy, TraceFuture
 from kvpool.trace.clock import lone_decode_clock
+from kvpool.trace.elastic_track import CommittedTrack, MemorySample
 from kvpool.trace.loaders import MOONCAKE_BLOCK_SIZE, TraceRequest
 from kvpool.trace.sessions import ReplaySessions
 
@@ -220,8 +221,9 @@ class ReplayResult:
 
     With ``config.elastic_block_bytes`` (a model of an elastic pool): ``peak_committed_bytes`` (the most its
     pages held, taken each step), ``final_committed_bytes`` (at the end: the cached blocks' pages) and
-    ``trimmed_committed_bytes`` (after evicting the cached blocks and giving their pages back). All 0
-    otherwise. With ``config.match_unit``, the first admissions' partial hits (``partial_hits``), their hit
+    ``trimmed_committed_bytes`` (after evicting the cached blocks and giving their pages back), and with a
+    timeline ``memory_timeline`` (:data:`~kvpool.trace.elastic_track.MemorySample` rows). All 0 otherwise.
+    With ``config.match_unit``, the first admissions' partial hits (``partial_hits``), their hit
     tokens past the full blocks (``partial_tokens``) and the blocks and token slots copied.
 
     ``cache``: :meth:`ReplaySessions.end` (``usage``: the cached-token sums of the admitted requests by
@@ -267,11 +269,12 @@ class ReplayResult:
     partial_copied_blocks: int = 0
     partial_copied_tokens: int = 0
     cache: dict[str, Any] = field(default_factory=dict)
+    memory_timeline: list[MemorySample] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, object]:
-        """Every field but the timeline, JSON-ready."""
+        """Every field but the timelines, JSON-ready."""
         out = asdict(self)
-        del out["timeline"]
+        del out["timeline"], out["memory_timeline"]
         return out
 
 
@@ -371,7 +374,8 @@ class Replayer:
         self.prompt_blocks = self.prompt_tokens = self.rejected_blocks = 0
         self.area = 0.0
         self.peak = 0
-        self.peak_committed = 0
+        self.track = None if memory is None else CommittedTrack(
+            self.kv.memory, config.elastic_block_bytes, record_timeline)  # type: ignore[arg-type]
 
     def chain(self, tiers: Sequence[TierBackend], write_through: bool, tier_admission: int | str = 1) -> None:
         """Put ``tiers`` under the pool (an inline :class:`~kvpool.tiers.manager.OffloadManager`, with a
@@ -444,7 +448,7 @@ class Replayer:
             self.peak, _ratio(self.area, self.now), self.sched.num_preemptions, ops, _ratio(ops, wall), wall,
             self.pool.stats.evictions, self.now, self.pool.num_blocks, bs, self.cfg.timing, self.cfg.policy,
             pinned, self.rejected_blocks, tier_hits, tiers, timeline=self.timeline or [], cache=cache,
-            **self._state_report(), **self._elastic_report(), **part)
+            **self._state_report(), **({} if self.track is None else self.track.report()), **part)
 
     def _state_report(self) -> dict[str, Any]:
         states = self.kv.states
@@ -578,21 +582,8 @@ class Replayer:
             self._sink.flush()
 
     def _count_committed(self) -> None:
-        memory = self.kv.memory
-        if memory is not None:
-            self.peak_committed = max(self.peak_committed, memory.store.committed_bytes)
-
-    def _elastic_report(self) -> dict[str, int]:
-        """Peak and final committed bytes of the elastic model, and what stays committed after the cached
-        blocks are evicted and their pages given back (as ``LLMEngine.trim``); {} without the model."""
-        memory = self.kv.memory
-        if memory is None:
-            return {}
-        final = memory.store.committed_bytes
-        memory.shrink()
-        memory.store.trim()
-        return {"peak_committed_bytes": max(self.peak_committed, final), "final_committed_bytes": final,
-                "trimmed_committed_bytes": memory.store.committed_bytes}
+        if self.track is not None:
+            self.track.count()
 
     def _sample(self, force: bool = False) -> None:
         """Record the pool state from now on (thinned in ``trace`` timing unless ``force``)."""
@@ -603,6 +594,8 @@ class Replayer:
             if self.timeline is not None:
                 cached = pool.num_evictable_blocks
                 self.timeline.append((self.now, pool.num_used_blocks, cached, pool.num_free_blocks - cached))
+                if self.track is not None:
+                    self.track.sample(self.now, pool)
             if self.observer is not None:
                 self.observer(self.now, pool)
 

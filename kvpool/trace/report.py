@@ -8,7 +8,8 @@ prompts count as misses), and each policy's share of the bound; (3) with tiers b
 ratio split by where the blocks were found (the stacked chart ``--plot`` draws) and its table; (4) for
 each run, picked from a list, the blocks in use / cached / free over simulated time above a heat map of
 the pool: block id against time, each cell coloured by the state of its blocks (free, in use, cached,
-pinned); (5) every run's numbers and the parameters of the replay (lists and mappings spelled out).
+pinned), and for an elastic replay its committed bytes against the blocks holding KV; (5) every run's
+numbers and the parameters of the replay (lists and mappings spelled out).
 
 How it is drawn: matplotlib (the ``replay`` extra, which already draws ``--plot``) renders each figure as
 SVG, written into the page; the heat map is a raster image inside its SVG (a PNG data URI). Nothing is
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvpool.allocators.block_pool import BLOCK_STATES, BlockPool
-from kvpool.trace.plot import COLORS, draw_tier_sweep, draw_timeline, rejected_label
+from kvpool.trace.plot import COLORS, draw_memory_timeline, draw_tier_sweep, draw_timeline, rejected_label
 from kvpool.trace.replayer import HIT_RATIO_BASIS
 from kvpool.units import plural
 
@@ -261,10 +262,12 @@ def _run_svg(run: SweepRun) -> str:
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    result, heat = run.result, run.heatmap
-    fig = Figure(figsize=(10, 6.4 if heat else 3.6), dpi=100)
-    axes = fig.subplots(2 if heat else 1, 1, sharex=True, squeeze=False)[:, 0]
+    result, heat, memory = run.result, run.heatmap, bool(run.result.memory_timeline)
+    fig = Figure(figsize=(10, 3.6 + 2.8 * bool(heat) + 2.4 * memory), dpi=100)
+    axes = fig.subplots(1 + bool(heat) + memory, 1, sharex=True, squeeze=False)[:, 0]
     draw_timeline(axes[0], result, max_points=1500)
+    if memory:  # an elastic replay: committed against the blocks holding KV
+        draw_memory_timeline(axes[-1], result)
     axes[0].set_title(f"{result.policy}, {result.num_blocks:,} blocks: block hit ratio "
                       f"{result.block_hit_ratio:.4f} ({rejected_label(result)})", fontsize=10)
     if heat is not None and heat.columns:
@@ -283,7 +286,8 @@ def _run_svg(run: SweepRun) -> str:
         shown = [s for s in BLOCK_STATES if s != "null" or any(null in column for column in heat.columns)]
         ax.legend(handles=[Patch(color=COLORS[s], label=s) for s in shown], fontsize=8, loc="upper right",
                   ncols=len(shown))
-        axes[0].set_xlabel("")
+    for ax in axes[:-1]:
+        ax.set_xlabel("")
     fig.tight_layout()
     return _svg(fig, _run_id(run))
 
