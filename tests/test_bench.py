@@ -4,6 +4,7 @@ timings it reports (the ratios are the suites' own definitions, recomputed here)
 import json
 import logging
 import os
+from pathlib import Path
 
 import pytest
 
@@ -115,6 +116,30 @@ def test_replay_ops_per_second(capsys: pytest.CaptureFixture) -> None:
         run = result["results"][f"block_size_{block_size}"]
         assert run["requests"] == 20
         assert run["block_ops_per_s"] == pytest.approx(run["block_ops"] / run["wall_s"])
+
+
+def test_alloc_against_a_tree_times_both_trees_on_the_same_rows(capsys: pytest.CaptureFixture) -> None:
+    # this checkout against itself: both subprocesses import this tree's kvpool, each row gets both
+    # figures and the ratio is the median of the per-round ratios, recomputed here from the JSON (one
+    # round: that round's this / against, up to the rounding of the two figures)
+    tree = Path(__file__).resolve().parents[1]
+    result = bench(capsys, "alloc", "--against", str(tree), "--sizes", "256", "--ops", "256", "--repeat", "1",
+                   "--rounds", "1")
+    assert result["rounds"] == 1 and str(tree) in result["this"] and str(tree) in result["against"]
+    ops = {row["op"] for row in result["rows"]}
+    # rows `kvpool bench alloc` prints for the pool (n = 1 and 256) and for each eviction policy
+    assert {"allocate(1)+free", "free (n=256)", "evicting allocate(256)", "evicting allocate(1) [fifo]",
+            "touch(1) on a cached free block [lru]"} <= ops
+    for row in result["rows"]:
+        assert row["pool_blocks"] == 256 and row["this_ns"] > 0 and row["against_ns"] > 0
+        assert row["ratio"] == pytest.approx(row["this_ns"] / row["against_ns"], rel=0.01, abs=2e-3)
+
+
+def test_alloc_against_a_folder_that_is_no_kvpool_tree_is_one_line_error(capsys: pytest.CaptureFixture,
+                                                                         tmp_path) -> None:
+    assert main(["bench", "alloc", "--against", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "not a kvpool source tree" in err
 
 
 def test_alloc_sizes_too_small_is_one_line_error(capsys: pytest.CaptureFixture) -> None:

@@ -243,7 +243,7 @@ class BlockPool:
                 self._fresh = block + 1
             elif self._tail:
                 block = self._tail.pop()
-            elif self._lru is not None and len(self._lru):
+            elif self.num_evictable_blocks:
                 block = self._evict(1)[0]
             else:
                 block = -1
@@ -259,8 +259,9 @@ class BlockPool:
         else:
             ids = free[::-1]
             free.clear()
-            ids += self._take_fresh(n - k)
-            if n > len(ids):
+            if self._fresh < self._n:
+                ids += self._take_fresh(n - k)
+            if n > len(ids) and self._tail:
                 ids += self._take_tail(n - len(ids))
             if n > len(ids):
                 ids += self._evict(n - len(ids))
@@ -360,12 +361,16 @@ class BlockPool:
         else:
             pop = self._policy.pop  # bound once: a policy may be an interpreted subclass
             out = [pop() for _ in range(m)]
+        self._evictions += m
+        if self._sink is None and self._on_evict is None:  # nobody to tell: no hash read back
+            for block in out:
+                idx.remove(block)
+            return out
         last = []  # positions of the blocks that held the last copy of their hash
         for i, block in enumerate(out):
             gone.append(idx.hash_of(block))
             if idx.remove(block):
                 last.append(i)
-        self._evictions += m
         if self._sink is not None:
             self._sink.removed(gone)
         if self._on_evict is not None and last:
@@ -392,25 +397,31 @@ class BlockPool:
         """
         ids = block_ids if type(block_ids) is list else as_id_list(block_ids, "block ids")
         ref = self._ref
+        marked = False  # whether the ids' ref counts are complemented (checked, release to restore them)
         if len(ids) != 1 or type(ids[0]) is not int or not 0 <= ids[0] < len(ref) or ref[ids[0]] <= 0:
             ids = _ints(ids)  # general path; a single valid id skips it (the null block never does)
             if self._reserved:
                 ids = _without_null(ids)
-            unreferenced = self._check_ids(ids)
+            unreferenced = self._check_ids(ids, True)
+            marked = unreferenced < 0 and type(priority) is int
+            if not marked:
+                self._restore(ids, len(ids))
             if unreferenced >= 0:
                 raise DoubleFreeError(f"block {ids[unreferenced]} is not allocated (ref count 0)")
         level = priority if type(priority) is int else as_int(priority, "priority")  # the priority policy's:
         # checked before anything changes (a falsy None or 0.0 too)
-        self._release(ids, level)
+        self._release(ids, level, marked)
 
-    def _release(self, ids: list[int], level: int) -> None:
+    def _release(self, ids: list[int], level: int, marked: bool = False) -> None:
         """:meth:`free` of ids known valid: distinct ints in range, each referenced, none the null block
         (what :meth:`free` checks first; a :class:`~kvpool.allocators.groups.KVCacheCoordinator` frees its
-        own tables, which hold such ids, through here)."""
+        own tables, which hold such ids, through here). ``marked``: their ref counts are complemented, as
+        :meth:`_check_ids` left them (restored here, in the same pass)."""
         free, key, ref = self._free, self._idx.key, self._ref
         chunk: list[int] = []  # the call's newly evictable blocks, in order (LRU: one chunk of its queue)
         for block in ids:
-            r = ref[block] - 1
+            r = ref[block]
+            r = (~r if marked else r) - 1
             ref[block] = r
             if r == 0:
                 if key[block] == NO_HASH:
@@ -472,15 +483,17 @@ class BlockPool:
                     raise InvalidIdError(f"block {block} is free and holds no cached hash: allocate it")
         return ids
 
-    def _check_ids(self, ids: list[int]) -> int:
+    def _check_ids(self, ids: list[int], keep_marks: bool = False) -> int:
         """Validate a whole call's ids (Python ints, as :func:`_ints` makes them; in range; none repeated):
         InvalidIdError otherwise. Returns the position of the first id whose ref count is 0, or -1. A repeat
         is found without a set of the ids: each id's ref count is complemented as it is seen (negative:
-        seen in this call), then every one is restored, before anything is raised or returned. Ids past the
-        arrays (never handed out: ref count 0) are few and checked in a set."""
+        seen in this call), then every one is restored, before anything is raised or returned; with
+        ``keep_marks`` a call that returns leaves them complemented, for the caller to restore
+        (:meth:`_restore`, or :meth:`_release` as it frees them). Ids past the arrays (never handed out: ref
+        count 0) are few and checked in a set."""
         ref, n = self._ref, self._n
         capacity = len(ref)
-        if len(ids) == 1 and 0 <= ids[0] < n:
+        if len(ids) == 1 and 0 <= ids[0] < n and not keep_marks:
             return 0 if ids[0] >= capacity or ref[ids[0]] == 0 else -1
         unreferenced = -1
         far: set[int] | None = None
@@ -507,7 +520,8 @@ class BlockPool:
             if problem:
                 self._restore(ids, pos)
                 raise InvalidIdError(problem)
-        self._restore(ids, len(ids))
+        if not keep_marks:
+            self._restore(ids, len(ids))
         return unreferenced
 
     def _restore(self, ids: list[int], end: int) -> None:

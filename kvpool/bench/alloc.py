@@ -37,7 +37,9 @@ from kvpool.allocators.hashing import (
     embedding_digest,
 )
 from kvpool.allocators.policies import POLICIES
+from kvpool.bench.against import run as run_against
 from kvpool.bench.peers import live_rows
+from kvpool.bench.pool_ops import alloc_free_ns, cached_free_ns, evict_case, evict_ns, touch_ns
 from kvpool.bench.timing import alternated_ns, median_ns, print_table, require_at_least
 from kvpool.cli.options import CommaList, non_negative_int, positive_int
 from kvpool.errors import ConfigError, OutOfBlocksError
@@ -85,6 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="blocks per timed repetition (default: 32768)")
     parser.add_argument("--repeat", type=positive_int, default=7, metavar="N",
                         help="timed repetitions (median)")
+    parser.add_argument("--against", metavar="PATH",
+                        help="instead of the table: this tree's BlockPool rows beside those of the kvpool "
+                             "source tree at PATH (another commit, built as it is), in alternated subprocess "
+                             "rounds")
+    parser.add_argument("--rounds", type=positive_int, default=5, metavar="N",
+                        help="with --against: rounds, each tree once per round (median; default: 5)")
     parser.add_argument("--peer-rounds", type=non_negative_int, default=5, metavar="N",
                         help="rounds of the peer rows, each side in turn (median of the per-round ratios; "
                              "0: no peer rows; default: 5)")
@@ -93,6 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Time every row; print the table unless ``args.json``; return the JSON-ready result."""
     require_at_least(args, {"sizes": 256, "ops": 256, "repeat": 1})  # allocate(256) needs 256 blocks
+    if args.against:
+        return run_against(args, POLICIES)
     gc.collect()
     gc.disable()  # as the peer scripts do: no cycle collection inside timed regions
     try:
@@ -129,45 +139,19 @@ def _pool_rows(size: int, ops: int, repeat: int) -> list[dict[str, Any]]:
     rows, naive_alloc = [], {}
     for n in (1, 256):
         k = min(size, ops) // n * n
-        ours = _alloc_free_ns(lambda: BlockPool(size), n, k, repeat)
-        naive = _alloc_free_ns(lambda: NaiveAllocator(size), n, k, repeat)
+        ours = alloc_free_ns(lambda: BlockPool(size), n, k, repeat)
+        naive = alloc_free_ns(lambda: NaiveAllocator(size), n, k, repeat)
         naive_alloc[n] = naive["allocate"]
         for phase in ("allocate", "free", "allocate+free"):
             op = f"allocate({n})+free" if phase == "allocate+free" else f"{phase} (n={n})"
             rows.append(_row(op, size, ours[phase], naive[phase]))
     k = min(size, ops)
-    rows.append(_row("touch(1) on a cached free block", size, _touch_ns(size, k, repeat),
+    rows.append(_row("touch(1) on a cached free block", size, touch_ns(BlockPool, size, k, repeat),
                      _naive_touch_ns(size, k, repeat), "naive touch of an in-use block"))
     for n in (1, 256):
-        rows.append(_row(f"evicting allocate({n})", size, _evict_ns(size, n, k // n * n, repeat),
+        rows.append(_row(f"evicting allocate({n})", size, evict_ns(BlockPool, size, n, k // n * n, repeat),
                          naive_alloc[n], f"naive allocate({n}), nothing to evict"))
     return rows
-
-
-def _alloc_free_ns(factory: Callable[[], Any], n: int, k: int, repeat: int) -> dict[str, float]:
-    """Median ns per block of allocate(n) x k/n, then of freeing every chunk tail first."""
-    state: dict[str, Any] = {}
-
-    def fresh() -> None:
-        state["pool"], state["chunks"] = factory(), []
-
-    def allocate() -> None:
-        alloc = state["pool"].allocate
-        state["chunks"] = [alloc(n) for _ in range(k // n)]
-
-    def filled() -> None:
-        fresh()
-        allocate()
-        state["chunks"] = [chunk[::-1] for chunk in state["chunks"]]
-
-    def free() -> None:
-        release = state["pool"].free
-        for chunk in state["chunks"]:
-            release(chunk)
-
-    a = median_ns(allocate, ops=k, repeat=repeat, setup=fresh)
-    f = median_ns(free, ops=k, repeat=repeat, setup=filled)
-    return {"allocate": a, "free": f, "allocate+free": a + f}
 
 
 def _policy_rows(size: int, ops: int, repeat: int) -> list[dict[str, Any]]:
@@ -175,52 +159,16 @@ def _policy_rows(size: int, ops: int, repeat: int) -> list[dict[str, Any]]:
     (it joins the eviction order), touch(1) of a cached free block (a hit takes it out), and an evicting
     allocate(1) (the policy picks the victim)."""
     k = min(size, ops)
-    timers = {"free(1) of a cached block": _cached_free_ns, "touch(1) on a cached free block": _touch_ns,
-              "evicting allocate(1)": lambda size, k, repeat, policy: _evict_ns(size, 1, k, repeat,
-                                                                                 policy=policy)}
-    lru = {op: timer(size, k, repeat, "lru") for op, timer in timers.items()}
+    timers = {"free(1) of a cached block": cached_free_ns, "touch(1) on a cached free block": touch_ns,
+              "evicting allocate(1)": lambda cls, size, k, repeat, policy: evict_ns(cls, size, 1, k, repeat,
+                                                                                    policy)}
+    lru = {op: timer(BlockPool, size, k, repeat, "lru") for op, timer in timers.items()}
     rows = [_row(f"{op} [lru]", size, ns, ns, "lru, same op") for op, ns in lru.items()]
     for policy in POLICIES[1:]:
-        rows += [_row(f"{op} [{policy}]", size, timer(size, k, repeat, policy), lru[op], "lru, same op")
+        rows += [_row(f"{op} [{policy}]", size, timer(BlockPool, size, k, repeat, policy), lru[op],
+                      "lru, same op")
                  for op, timer in timers.items()]
     return rows
-
-
-def _cached_free_ns(size: int, k: int, repeat: int, policy: str = "lru") -> float:
-    """free([b]) of k published blocks, one per call (each becomes cached free: evictable)."""
-    state: dict[str, Any] = {}
-
-    def fill() -> None:
-        pool = state["pool"] = BlockPool(size, policy=policy)
-        blocks = pool.allocate(k)
-        pool.cache_blocks(blocks, range(k))
-        state["singles"] = [[b] for b in blocks]
-
-    def free() -> None:
-        release = state["pool"].free
-        for ids in state["singles"]:
-            release(ids)
-
-    return median_ns(free, ops=k, repeat=repeat, setup=fill)
-
-
-def _touch_ns(size: int, k: int, repeat: int, policy: str = "lru") -> float:
-    """touch([b]) of k cached free blocks, one per call (a 1-block prefix hit revived from the LRU)."""
-    pool = BlockPool(size, policy=policy)
-    blocks = pool.allocate(k)
-    pool.cache_blocks(blocks, range(k))
-    singles = [[b] for b in blocks]
-
-    def reset() -> None:
-        if pool.num_evictable_blocks < k:
-            pool.free(blocks)
-
-    def touch() -> None:
-        for ids in singles:
-            pool.touch(ids)
-
-    pool.free(blocks)
-    return median_ns(touch, ops=k, repeat=repeat, setup=reset)
 
 
 def _naive_touch_ns(size: int, k: int, repeat: int) -> float:
@@ -234,41 +182,11 @@ def _naive_touch_ns(size: int, k: int, repeat: int) -> float:
     return median_ns(touch, ops=k, repeat=repeat)
 
 
-def _evict_ns(size: int, n: int, k: int, repeat: int, sink: Any = None, policy: str = "lru") -> float:
-    """allocate(n) x k/n when the only free blocks are k cached ones (the rest of the pool is held)."""
-    timed, setup = _evict_case(size, n, k, sink, policy)
-    return median_ns(timed, ops=k, repeat=repeat, setup=setup)
-
-
-def _evict_case(size: int, n: int, k: int, sink: Any = None, policy: str = "lru"
-                ) -> tuple[Callable[[], None], Callable[[], None]]:
-    """(timed, setup) of :func:`_evict_ns`."""
-    pool = BlockPool(size, event_sink=sink, policy=policy)
-    pool.allocate(size - k)
-    state: dict[str, list[list[int]]] = {"chunks": []}
-
-    def fill_lru() -> None:
-        for chunk in state["chunks"]:
-            pool.free(chunk)
-        blocks = pool.allocate(k)
-        pool.cache_blocks(blocks, range(k))
-        pool.free(blocks[::-1])
-        if sink is not None:
-            sink.take_events()  # the fill's events are not the timed loop's
-
-    def allocate() -> None:
-        state["chunks"] = [pool.allocate(n) for _ in range(k // n)]
-        if sink is not None:
-            sink.take_events()  # the loop's events, converted: part of what it costs
-
-    return allocate, fill_lru
-
-
 def _tensor_rows(size: int, ops: int, repeat: int) -> list[dict[str, Any]]:
     """allocate_tensor(256) (int32) and free of those tensors, against the list API in the same run."""
     k = min(size, ops) // 256 * 256
-    lists = _alloc_free_ns(lambda: BlockPool(size), 256, k, repeat)["allocate+free"]
-    tensors = _alloc_free_ns(lambda: _TensorPool(size), 256, k, repeat)["allocate+free"]
+    lists = alloc_free_ns(lambda: BlockPool(size), 256, k, repeat)["allocate+free"]
+    tensors = alloc_free_ns(lambda: _TensorPool(size), 256, k, repeat)["allocate+free"]
     return [_row("allocate_tensor(256)+free, int32", size, tensors, lists, "list API, same op")]
 
 
@@ -304,8 +222,8 @@ def _interpreted_rows(size: int, ops: int, repeat: int) -> list[dict[str, Any]]:
     rows = []
     for n in (1, 256):
         k = min(size, ops) // n * n
-        compiled = _alloc_free_ns(lambda: BlockPool(size), n, k, repeat)["allocate+free"]
-        interp = _alloc_free_ns(lambda: slow(size), n, k, repeat)["allocate+free"]
+        compiled = alloc_free_ns(lambda: BlockPool(size), n, k, repeat)["allocate+free"]
+        interp = alloc_free_ns(lambda: slow(size), n, k, repeat)["allocate+free"]
         rows.append(_row(f"allocate({n})+free, interpreted", size, interp, compiled, "compiled, same op"))
     return rows
 
@@ -330,11 +248,13 @@ def _event_rows(size: int, ops: int, repeat: int) -> list[dict[str, Any]]:
         return KVEventSink(NullEventPublisher(), block_size=16)
 
     k, base = min(size, ops), "same op, no event sink"
-    on = _alloc_free_ns(lambda: BlockPool(size, event_sink=sink()), 1, k, repeat)["allocate+free"]
-    off = _alloc_free_ns(lambda: BlockPool(size), 1, k, repeat)["allocate+free"]
+    on = alloc_free_ns(lambda: BlockPool(size, event_sink=sink()), 1, k, repeat)["allocate+free"]
+    off = alloc_free_ns(lambda: BlockPool(size), 1, k, repeat)["allocate+free"]
     rows = [_row("allocate(1)+free, events on", size, on, off, base)]
+    evicting_sink = sink()
     for op, on_case, off_case in (
-            ("evicting allocate(1), events on", _evict_case(size, 1, k, sink()), _evict_case(size, 1, k)),
+            ("evicting allocate(1), events on", evict_case(BlockPool(size, event_sink=evicting_sink), 1, k,
+                                                           evicting_sink), evict_case(BlockPool(size), 1, k)),
             ("cache_blocks(1) + 16 token ids, events on", _publish_case(size, k, sink),
              _publish_case(size, k, None))):
         ns = alternated_ns({"on": on_case, "off": off_case}, ops=k, repeat=repeat)

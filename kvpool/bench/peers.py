@@ -62,22 +62,26 @@ class Side:
     """One side's script, started once, timing a round per request (see the module docstring)."""
 
     def __init__(self, name: str, python: Path, script: str, repeat: int, env: dict[str, str] | None = None,
-                 start: bool = True) -> None:
+                 start: bool = True, argv: list[str] | None = None) -> None:
+        """``argv``: the interpreter's arguments in place of ``script``'s path (whose folder, then, is not put
+        on ``PYTHONPATH``; ``env`` may set it)."""
         self.name, self.error, self.version = name, "", ""
         self.rounds: list[dict[str, float]] = []
         self._proc: subprocess.Popen[str] | None = None
         if not python.exists():
             self.error = f"peer not installed (no {python}; benchmarks/peers/setup.sh builds it)"
             return
-        if not (SCRIPTS / script).exists():
+        if argv is None and not (SCRIPTS / script).exists():
             self.error = f"peer scripts not found ({SCRIPTS}: a source checkout's benchmarks/peers/)"
             return
         if not start:
             return
-        run_env = {**os.environ, **(env or {}), "PEER_REPEAT": str(repeat),
-                   "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])}
-        self._proc = subprocess.Popen([str(python), str(SCRIPTS / script)], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=run_env)
+        path = os.environ.get("PYTHONPATH", "") if argv else os.pathsep.join(
+            [str(SCRIPTS), os.environ.get("PYTHONPATH", "")])
+        run_env = {**os.environ, "PEER_REPEAT": str(repeat), "PYTHONPATH": path, **(env or {})}
+        command = [str(python), *(argv or [str(SCRIPTS / script)])]
+        self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, env=run_env)
 
     @property
     def live(self) -> bool:
