@@ -55,9 +55,11 @@ from kvpool.allocators.policies import (
 from kvpool.allocators.state_pool import StatePool
 from kvpool.errors import ConfigError, IntegrityError, InvalidArgumentError, OutOfBlocksError
 from kvpool.numeric import as_int, as_optional_int, as_real
+from kvpool.requests.budget import BudgetConfig
 from kvpool.requests.kv_manager import KVCacheManager, blocks_needed
 from kvpool.requests.request import Request
 from kvpool.requests.scheduler import Scheduler, SchedulerOutput
+from kvpool.requests.state_budget import StateBudget
 from kvpool.requests.state_checkpoints import RequestStates, SavePolicy, StateCheckpoints
 from kvpool.spec import KVCacheGroup
 from kvpool.spec.kv import needs_null_block
@@ -115,6 +117,8 @@ class ReplayConfig:
             and cached blocks as in the engine (:mod:`kvpool.requests.block_memory`), and reports them.
             None (default): no such model.
         elastic_page_size: that model's page size in bytes (2 MiB by default).
+        state_budget: one budget for a recurrent hybrid's KV blocks and state slots, and its split
+            (:mod:`kvpool.requests.budget`; ``num_blocks``: the budget all as KV). None: KV only.
 
     Raises:
         ConfigError: a value out of range.
@@ -135,8 +139,11 @@ class ReplayConfig:
     state_checkpoints: int | None = None
     elastic_block_bytes: int | None = None
     elastic_page_size: int = DEFAULT_PAGE_SIZE
+    state_budget: BudgetConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.state_budget is not None and (self.state_save is None or self.state_checkpoints is not None):
+            raise ConfigError("state_budget needs a state_save policy and sizes the state_checkpoints itself")
         if any(g.block_size != self.block_size for g in self.groups):
             raise ConfigError(f"the KV cache groups' block size must be block_size {self.block_size}")
         if self.timing not in TIMINGS:
@@ -210,6 +217,8 @@ class ReplayResult:
     pages held, taken each step), ``final_committed_bytes`` (at the end: the cached blocks' pages) and
     ``trimmed_committed_bytes`` (after evicting the cached blocks and giving their pages back). All 0
     otherwise.
+    ``state_budget`` (with ``config.state_budget``, else None): :meth:`StateBudget.report`; the blocks it
+    holds for state slots are not in ``peak_blocks_used`` / ``mean_blocks_used``.
     """
 
     requests_completed: int
@@ -245,6 +254,7 @@ class ReplayResult:
     peak_committed_bytes: int = 0
     final_committed_bytes: int = 0
     trimmed_committed_bytes: int = 0
+    state_budget: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, object]:
         """Every field but the timeline, JSON-ready."""
@@ -317,6 +327,7 @@ class Replayer:
         self.next_token = next_token
         self.bs = config.block_size
         self.now = 0.0
+        self.budget: StateBudget | None = None
         num_blocks = config.num_blocks or (pool.num_blocks if pool is not None else
                                            unbounded_num_blocks(self.requests, config))
         try:
@@ -332,6 +343,8 @@ class Replayer:
         self._sink = self.pool.event_sink  # flushed once per simulated step (KVCacheManager.flush_events)
         self.sched = Scheduler(self.kv, max_num_batched_tokens=config.step_tokens,
                                max_num_seqs=config.max_num_seqs)
+        if self.budget is not None:
+            self.budget.attach(self.kv, self.sched)
         self.belady = self.pool.policy if isinstance(self.pool.policy, BeladyPolicy) else None
         if self.belady is not None:
             self.kv.on_admit = self._announce
@@ -364,6 +377,9 @@ class Replayer:
         if cfg.state_save is None:
             return None
         policy = make_policy("lru" if cfg.policy == "belady" else cfg.policy, clock=lambda: self.now)
+        if cfg.state_budget is not None:
+            self.budget = StateBudget(cfg.state_budget, cfg.state_save, cfg.block_size, eviction=policy)
+            return self.budget.states
         return RequestStates(cfg.state_save, cfg.block_size, StatePool(cfg.max_num_seqs),
                              checkpoints=StateCheckpoints(cfg.state_checkpoints, policy=policy))
 
@@ -401,6 +417,8 @@ class Replayer:
                 self.now = max(self.now, self.requests[pending[0]].arrival_s)
         self.kv.flush_events()
         wall = time.perf_counter() - start
+        if self.budget is not None:
+            self.budget.release()
         pinned = self.kv.unpin_all()
         if self.pool.num_used_blocks:
             raise IntegrityError(f"replay ended with {self.pool.num_used_blocks} blocks still in use")
@@ -417,7 +435,8 @@ class Replayer:
             self.peak, _ratio(self.area, self.now), self.sched.num_preemptions, ops, _ratio(ops, wall), wall,
             self.pool.stats.evictions, self.now, self.pool.num_blocks, bs, self.cfg.timing, self.cfg.policy,
             pinned, self.rejected_blocks, tier_hits, tiers, timeline=self.timeline or [],
-            **self._state_report(), **self._elastic_report())
+            **self._state_report(), **self._elastic_report(),
+            state_budget=None if self.budget is None else self.budget.report())
 
     def _state_report(self) -> dict[str, Any]:
         states = self.kv.states
@@ -449,7 +468,7 @@ class Replayer:
                 self.now = max(self.now, trace_req.arrival_s)
             req = trace_request(trace_req, i, self.bs) if self.given is None else self.given[i]
             try:
-                self.sched.add_request(req)
+                self.sched.add_request(req) if self.budget is None else self.budget.add_request(req)
             except OutOfBlocksError:
                 self.rejected += 1
                 self.rejected_blocks += req.num_prompt_tokens // self.bs
@@ -460,7 +479,7 @@ class Replayer:
     def _step(self, pending: deque[int]) -> None:
         """One engine step with the clock for a model, then the decode steps that change nothing."""
         sched, cfg = self.sched, self.cfg
-        out = sched.schedule()
+        out = sched.schedule() if self.budget is None else self.budget.schedule()
         if not out.scheduled:
             raise IntegrityError("a step scheduled nothing")
         if out.admitted:
@@ -555,7 +574,7 @@ class Replayer:
 
     def _tick(self, dt: float) -> None:
         """Run ``dt`` seconds with the blocks now in use; sample at the start; flush the step's events."""
-        used = self.pool.num_used_blocks
+        used = self.pool.num_used_blocks - (0 if self.budget is None else self.budget.tick(dt))
         self.peak = max(self.peak, used)
         self._count_committed()
         self._sample()
