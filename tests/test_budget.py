@@ -189,6 +189,8 @@ def test_cli_state_split_all(capsys):
       "--rebalance-threshold", "2"], "rebalance threshold"),
     (["--model-config", "qwen3-next-80b-a3b", "--gpu-memory", "80GiB", "--state-split", "rebalanced",
       "--rebalance-cooldown", "-1"], "rebalance cooldown"),
+    (["--model-config", "qwen3-next-80b-a3b", "--gpu-memory", "80GiB", "--state-split", "rebalanced",
+      "--rebalance-cache", "1.5"], "rebalance cache"),
 ])
 def test_cli_bad_split_options(capsys, argv, message):
     assert main(["replay", "--max-requests", "5", *argv]) == 2

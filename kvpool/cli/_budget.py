@@ -43,6 +43,9 @@ def add_budget_arguments(group: argparse._ArgumentGroup) -> None:
                        help=f"steps between two moves (default: {defaults.cooldown})")
     group.add_argument("--rebalance-window", type=positive_int, default=defaults.window, metavar="N",
                        help=f"steps of demand averaged (default: {defaults.window})")
+    group.add_argument("--rebalance-cache", type=float, default=defaults.cache, metavar="F",
+                       help="the least share of the budget split between the caches (cached KV, checkpoints) "
+                            f"by their reuse, however many requests run (default: {defaults.cache})")
 
 
 def check_budget_arguments(args: argparse.Namespace, config: ReplayConfig, pool_plan: Any
@@ -55,7 +58,8 @@ def check_budget_arguments(args: argparse.Namespace, config: ReplayConfig, pool_
     if args.state_checkpoints is not None or args.sweep or args.policies:
         raise ConfigError("--state-split sizes the checkpoints itself and replays one pool size and policy: "
                           "drop --state-checkpoints, --sweep and --policies")
-    return RebalanceRule(args.rebalance_threshold, args.rebalance_cooldown, args.rebalance_window)
+    return RebalanceRule(args.rebalance_threshold, args.rebalance_cooldown, args.rebalance_window,
+                         cache=args.rebalance_cache)
 
 
 def budget_configs(args: argparse.Namespace, config: ReplayConfig, memory: Any, pool_plan: Any,

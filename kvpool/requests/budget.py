@@ -73,7 +73,7 @@ class RebalanceRule:
     cooldown: int = 16
     window: int = 64
     max_step: float = 0.02
-    cache: float = 0.25
+    cache: float = 0.5
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cache", as_real(self.cache, "rebalance cache", minimum=0.0, maximum=1.0,
