@@ -12,7 +12,9 @@ hashes; ``tier_hits`` says where the hits were found, and ``--sweep`` with ``--p
 A recurrent hybrid's ``--model-config`` (Qwen3-Next, Nemotron-H, ...) replays its attention layers' KV and
 a state slot per running request; a prefix is a hit only up to a state checkpoint, saved by
 ``--state-save`` (``tail``, the default for such a model, ``dense``, ``interval=N``, ``tail+junction``) into
-at most ``--state-checkpoints N`` checkpoints (least recently used evicted; default unbounded).
+at most ``--state-checkpoints N`` checkpoints (least recently used evicted; default unbounded);
+``--state-split`` puts KV blocks and state slots in one budget, split statically or rebalanced
+(:mod:`kvpool.cli._budget`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ from kvpool.cli._args import (
     positive_int,
     positive_int_list,
     word_list,
+)
+from kvpool.cli._budget import (
+    add_budget_arguments,
+    budget_configs,
+    check_budget_arguments,
+    run_splits,
+    split_table,
 )
 from kvpool.cli._observe import Observers, add_event_arguments
 from kvpool.cli._tiers import add_tier_arguments, build_tiers, check_tier_targets, tier_chain, wants_tiers
@@ -122,6 +131,7 @@ def _state_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--state-checkpoints", type=positive_int, metavar="N",
                        help="state checkpoints held at most, least recently used evicted "
                             "(default: unbounded)")
+    add_budget_arguments(group)
 
 
 def _engine_arguments(group: argparse._ArgumentGroup) -> None:
@@ -142,9 +152,13 @@ def _engine_arguments(group: argparse._ArgumentGroup) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config, sizes, policies, spec, pool_plan = _plan_runs(args)  # bad input fails before the replay
+    rule = check_budget_arguments(args, config, pool_plan)
     if wants_tiers(args):
         check_tier_targets(args)  # a bad URL or folder, or no tier secret: before the trace loads
     trace = _load(args)
+    if rule is not None:
+        return _run_splits(args, trace, budget_configs(args, config, args.model_memory, pool_plan,
+                                                       trace.requests, rule))
     policies = with_bound(policies, sizes, args, trace)
     with Observers(args) as observers:
         total = len(trace.requests) * len(sizes) * len(policies)
@@ -186,6 +200,18 @@ def run(args: argparse.Namespace) -> int:
         print(_human(report) if len(runs) == 1 else _sweep_text(runs, report))
         if "note" in report:
             print(f"note: {report['note']}")
+    return 0
+
+
+def _run_splits(args: argparse.Namespace, trace: Any, configs: list[ReplayConfig]) -> int:
+    """``--state-split``: each split replayed on the trace's requests, printed as one table (or JSON)."""
+    rows = run_splits(trace.requests, configs)
+    if args.json:
+        print(json.dumps({"trace": trace.path, "hit_ratio_basis": HIT_RATIO_BASIS, "runs": rows}))
+    else:
+        print(f"trace {trace.path}, {len(trace.requests):,} requests, {configs[0].timing} timing, budget "
+              f"{rows[0]['budget_bytes']:,} B ({rows[0]['block_bytes']:,} B a KV block, "
+              f"{rows[0]['state_bytes']:,} B a state)\n" + split_table(rows))
     return 0
 
 
@@ -235,6 +261,7 @@ def _plan_runs(args: argparse.Namespace
     else:
         num_blocks, memory, pool_plan = sizing_from_args(args)
         spec = None if memory is None else memory.require_kv()
+    args.model_memory = memory
     sizes: list[int | None] = [*args.sweep] if args.sweep else [num_blocks]
     hybrid = spec is not None and (spec.has_windows or len(spec.groups) > 1)
     policies: list[str] = args.policies or [args.policy]

@@ -135,6 +135,7 @@ class StateCheckpoints:
         policy: the eviction order, a name of :data:`~kvpool.allocators.policies.POLICIES` or a fresh
             :class:`~kvpool.allocators.policies.EvictionPolicy` (default ``"lru"``; unused when unbounded,
             where nothing is evicted).
+        max_capacity: the most :meth:`resize` may ever set (the policy is bound to it); None: ``capacity``.
 
     Raises:
         ConfigError: a capacity that is not an integer >= 0, or a pool with no capacity.
@@ -142,14 +143,18 @@ class StateCheckpoints:
     """
 
     def __init__(self, capacity: int | None = None, *, pool: StatePool | None = None,
-                 policy: str | EvictionPolicy = "lru") -> None:
+                 policy: str | EvictionPolicy = "lru", max_capacity: int | None = None) -> None:
         self.capacity = as_optional_int(capacity, "state checkpoints", minimum=0, error=ConfigError)
         if pool is not None and self.capacity is None:
             raise ConfigError("checkpoints in state slots need a capacity (the slots set aside for them)")
         self.pool = pool
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
-        if self.capacity:
-            self.policy.bind(self.capacity)
+        bound = self.capacity if max_capacity is None or self.capacity is None else \
+            as_int(max_capacity, "max_capacity", minimum=self.capacity, error=ConfigError)
+        #: The most checkpoints :meth:`resize` may allow; whether the policy orders them (bounded and > 0).
+        self.max_capacity, self._ordered = bound, bool(bound)
+        if bound:
+            self.policy.bind(bound)
         self._entries: dict[Hashable, int] = {}  # block hash -> entry id
         self._slots: list[int] = []  # entry id -> state slot
         self._hashes: list[Hashable] = []  # entry id -> block hash
@@ -177,7 +182,7 @@ class StateCheckpoints:
         entry = self._entries.get(block_hash)
         if entry is None:
             raise InvalidIdError(f"no state checkpoint at block hash {block_hash!r}")
-        if self.capacity:
+        if self._ordered:
             policy = self.policy
             policy.hit(entry)
             policy.remove(entry)
@@ -214,7 +219,7 @@ class StateCheckpoints:
         else:
             self._slots[entry], self._hashes[entry] = slot, block_hash
         self._entries[block_hash] = entry
-        if self.capacity:
+        if self._ordered:
             policy = self.policy
             policy.missed(block_hash)
             policy.published(entry, block_hash)
@@ -230,9 +235,29 @@ class StateCheckpoints:
     def clear(self) -> None:
         """Drop every checkpoint (pending saves stay pending)."""
         for entry in list(self._entries.values()):
-            if self.capacity:
+            if self._ordered:
                 self.policy.dropped(entry)
             self._drop(entry)
+
+    def resize(self, capacity: int) -> int:
+        """Hold at most ``capacity`` (at most :attr:`max_capacity`) checkpoints and pending saves from now
+        on, evicting committed checkpoints in the policy's order until they fit (pending saves are never
+        taken, so ``capacity`` must be at least :attr:`num_pending`); returns how many were evicted.
+        Raises ConfigError for an unbounded set or a capacity out of range."""
+        if not self._ordered:
+            raise ConfigError("only bounded checkpoints (max_capacity >= 1) can be resized")
+        self.capacity = as_int(capacity, "state checkpoints", minimum=self._num_pending,
+                               maximum=self.max_capacity, error=ConfigError)
+        evicted = 0
+        while self._entries and len(self._entries) + self._num_pending > self.capacity:
+            self._evict()
+            evicted += 1
+        return evicted
+
+    @property
+    def num_pending(self) -> int:
+        """Saves reserved and not yet committed or released."""
+        return self._num_pending
 
     def _evict(self) -> None:
         self._drop(self.policy.pop())

@@ -55,10 +55,12 @@ from kvpool.allocators.policies import (
 from kvpool.allocators.state_pool import StatePool
 from kvpool.errors import ConfigError, IntegrityError, InvalidArgumentError, OutOfBlocksError
 from kvpool.numeric import as_int, as_optional_int, as_real
+from kvpool.requests.budget import BudgetConfig
 from kvpool.requests.kv_manager import KVCacheManager, blocks_needed
 from kvpool.requests.request import Request
 from kvpool.requests.scheduler import Scheduler, SchedulerOutput
 from kvpool.requests.sessions import SessionPolicy
+from kvpool.requests.state_budget import StateBudget
 from kvpool.requests.state_checkpoints import RequestStates, SavePolicy, StateCheckpoints
 from kvpool.spec import KVCacheGroup
 from kvpool.spec.kv import needs_null_block
@@ -66,7 +68,7 @@ from kvpool.storage.arena import DEFAULT_PAGE_SIZE
 from kvpool.storage.elastic import PageModel
 from kvpool.trace.belady import BeladyPolicy, TraceFuture
 from kvpool.trace.clock import lone_decode_clock
-from kvpool.trace.elastic_track import CommittedTrack, MemorySample
+from kvpool.trace.elastic_track import CommittedTrack
 from kvpool.trace.loaders import MOONCAKE_BLOCK_SIZE, TraceRequest
 from kvpool.trace.sessions import ReplaySessions
 
@@ -123,6 +125,8 @@ class ReplayConfig:
             copied from a cached block (:mod:`kvpool.requests.partial_hits`); None: whole blocks only.
         sessions: ``"session"`` or ``"last=N"``: requests keep their trace's ``session_id`` and a session's
             turns are kept while it is open (:mod:`kvpool.trace.sessions`); None (default): no sessions.
+        state_budget: one budget for a recurrent hybrid's KV blocks and state slots, and its split
+            (:mod:`kvpool.requests.budget`; ``num_blocks``: the budget all as KV). None: KV only.
 
     Raises:
         ConfigError: a value out of range.
@@ -145,10 +149,13 @@ class ReplayConfig:
     elastic_page_size: int = DEFAULT_PAGE_SIZE
     match_unit: int | None = None
     sessions: str | None = None
+    state_budget: BudgetConfig | None = None
 
     def __post_init__(self) -> None:
         if self.match_unit is not None:
             object.__setattr__(self, "match_unit", check_match_unit(self.match_unit, self.block_size))
+        if self.state_budget is not None and (self.state_save is None or self.state_checkpoints is not None):
+            raise ConfigError("state_budget needs a state_save policy and sizes the state_checkpoints itself")
         if any(g.block_size != self.block_size for g in self.groups):
             raise ConfigError(f"the KV cache groups' block size must be block_size {self.block_size}")
         if self.timing not in TIMINGS:
@@ -228,6 +235,8 @@ class ReplayResult:
 
     ``cache``: :meth:`ReplaySessions.end` (``usage``: the cached-token sums of the admitted requests by
     tier, ``sessions``: the session counters under ``config.sessions``).
+    ``state_budget`` (with ``config.state_budget``, else None): :meth:`StateBudget.report`; the blocks it
+    holds for state slots are not in ``peak_blocks_used`` / ``mean_blocks_used``.
     """
 
     requests_completed: int
@@ -264,12 +273,14 @@ class ReplayResult:
     final_committed_bytes: int = 0
     trimmed_committed_bytes: int = 0
     match_unit: int | None = None
-    partial_hits: int = 0
-    partial_tokens: int = 0
-    partial_copied_blocks: int = 0
-    partial_copied_tokens: int = 0
-    cache: dict[str, Any] = field(default_factory=dict)
-    memory_timeline: list[MemorySample] = field(default_factory=list, repr=False)
+    sessions: str | None = None
+    state_budget: BudgetConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.match_unit is not None:
+            object.__setattr__(self, "match_unit", check_match_unit(self.match_unit, self.block_size))
+        if self.state_budget is not None and (self.state_save is None or self.state_checkpoints is not None):
+            raise ConfigError("state_budget needs a state_save policy and sizes the state_checkpoints itself")
 
     def to_dict(self) -> dict[str, object]:
         """Every field but the timelines, JSON-ready."""
@@ -344,6 +355,7 @@ class Replayer:
         self.next_token = next_token
         self.bs = config.block_size
         self.now = 0.0
+        self.budget: StateBudget | None = None
         num_blocks = config.num_blocks or (pool.num_blocks if pool is not None else
                                            unbounded_num_blocks(self.requests, config))
         try:
@@ -360,6 +372,8 @@ class Replayer:
         self._sink = self.pool.event_sink  # flushed once per simulated step (KVCacheManager.flush_events)
         self.sched = Scheduler(self.kv, max_num_batched_tokens=config.step_tokens,
                                max_num_seqs=config.max_num_seqs)
+        if self.budget is not None:
+            self.budget.attach(self.kv, self.sched)
         self.belady = self.pool.policy if isinstance(self.pool.policy, BeladyPolicy) else None
         if self.belady is not None:
             self.kv.on_admit = self._announce
@@ -393,6 +407,9 @@ class Replayer:
         if cfg.state_save is None:
             return None
         policy = make_policy("lru" if cfg.policy == "belady" else cfg.policy, clock=lambda: self.now)
+        if cfg.state_budget is not None:
+            self.budget = StateBudget(cfg.state_budget, cfg.state_save, cfg.block_size, eviction=policy)
+            return self.budget.states
         return RequestStates(cfg.state_save, cfg.block_size, StatePool(cfg.max_num_seqs),
                              checkpoints=StateCheckpoints(cfg.state_checkpoints, policy=policy))
 
@@ -431,6 +448,8 @@ class Replayer:
         self.kv.flush_events()
         wall = time.perf_counter() - start
         cache = self.sessions.end()
+        if self.budget is not None:
+            self.budget.release()
         pinned = self.kv.unpin_all()
         if self.pool.num_used_blocks:
             raise IntegrityError(f"replay ended with {self.pool.num_used_blocks} blocks still in use")
@@ -448,7 +467,8 @@ class Replayer:
             self.peak, _ratio(self.area, self.now), self.sched.num_preemptions, ops, _ratio(ops, wall), wall,
             self.pool.stats.evictions, self.now, self.pool.num_blocks, bs, self.cfg.timing, self.cfg.policy,
             pinned, self.rejected_blocks, tier_hits, tiers, timeline=self.timeline or [], cache=cache,
-            **self._state_report(), **({} if self.track is None else self.track.report()), **part)
+            **self._state_report(), **({} if self.track is None else self.track.report()), **part,
+            state_budget=None if self.budget is None else self.budget.report())
 
     def _state_report(self) -> dict[str, Any]:
         states = self.kv.states
@@ -482,7 +502,7 @@ class Replayer:
             req = trace_request(trace_req, i, self.bs, self.cfg.match_unit) if given is None else given[i]
             self.sessions.arrive(req, trace_req)
             try:
-                self.sched.add_request(req)
+                self.sched.add_request(req) if self.budget is None else self.budget.add_request(req)
             except OutOfBlocksError:
                 self.rejected += 1
                 self.rejected_blocks += req.num_prompt_tokens // self.bs
@@ -493,7 +513,7 @@ class Replayer:
     def _step(self, pending: deque[int]) -> None:
         """One engine step with the clock for a model, then the decode steps that change nothing."""
         sched, cfg = self.sched, self.cfg
-        out = sched.schedule()
+        out = sched.schedule() if self.budget is None else self.budget.schedule()
         if not out.scheduled:
             raise IntegrityError("a step scheduled nothing")
         if out.admitted:
@@ -572,7 +592,7 @@ class Replayer:
 
     def _tick(self, dt: float) -> None:
         """Run ``dt`` seconds with the blocks now in use; sample at the start; flush the step's events."""
-        used = self.pool.num_used_blocks
+        used = self.pool.num_used_blocks - (0 if self.budget is None else self.budget.tick(dt))
         self.peak = max(self.peak, used)
         self._count_committed()
         self._sample()
