@@ -68,7 +68,7 @@ from kvpool.storage.arena import DEFAULT_PAGE_SIZE
 from kvpool.storage.elastic import PageModel
 from kvpool.trace.belady import BeladyPolicy, TraceFuture
 from kvpool.trace.clock import lone_decode_clock
-from kvpool.trace.elastic_track import CommittedTrack
+from kvpool.trace.elastic_track import CommittedTrack, MemorySample
 from kvpool.trace.loaders import MOONCAKE_BLOCK_SIZE, TraceRequest
 from kvpool.trace.sessions import ReplaySessions
 
@@ -273,14 +273,13 @@ class ReplayResult:
     final_committed_bytes: int = 0
     trimmed_committed_bytes: int = 0
     match_unit: int | None = None
-    sessions: str | None = None
-    state_budget: BudgetConfig | None = None
-
-    def __post_init__(self) -> None:
-        if self.match_unit is not None:
-            object.__setattr__(self, "match_unit", check_match_unit(self.match_unit, self.block_size))
-        if self.state_budget is not None and (self.state_save is None or self.state_checkpoints is not None):
-            raise ConfigError("state_budget needs a state_save policy and sizes the state_checkpoints itself")
+    partial_hits: int = 0
+    partial_tokens: int = 0
+    partial_copied_blocks: int = 0
+    partial_copied_tokens: int = 0
+    cache: dict[str, Any] = field(default_factory=dict)
+    memory_timeline: list[MemorySample] = field(default_factory=list, repr=False)
+    state_budget: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, object]:
         """Every field but the timelines, JSON-ready."""
