@@ -48,9 +48,11 @@ it has been offered ``min_count`` times (Dynamo's frequency-based admission; Tin
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from typing import Any
 
 from kvpool.allocators.arc import ARC_VARIANTS, ARCPolicy
 from kvpool.allocators.arrays import extend_flags, extend_to
@@ -301,18 +303,23 @@ def make_policy(name: object, *, retention_s: RealArg = 60.0, clock: Callable[[]
     if name in ("arc", "arc-vllm"):
         return ARCPolicy("vllm" if name == "arc-vllm" else "paper")
     if name in ("s3fifo", "sieve"):
-        from kvpool.allocators.queue_policies import S3FIFOPolicy, SievePolicy
-
-        return S3FIFOPolicy() if name == "s3fifo" else SievePolicy()
+        queues = _policies_module("queue_policies")
+        return queues.S3FIFOPolicy() if name == "s3fifo" else queues.SievePolicy()
     if name in ("tlru", "lineage", "queue-lru", "queue-lineage"):
-        from kvpool.allocators.prefix_policies import prefix_policy
-
-        return prefix_policy(str(name))
+        return _policies_module("prefix_policies").prefix_policy(str(name))
     if name == "belady":
         raise InvalidArgumentError("policy 'belady' evicts by the future of a trace, which only the replay "
                                    "knows: use it through kvpool.trace (run_replay, kvpool replay --policy "
                                    "belady)")
     raise InvalidArgumentError(f"unknown eviction policy {name!r}: choose one of {', '.join(POLICIES)}")
+
+
+def _policies_module(name: str) -> Any:
+    """``kvpool.allocators.<name>`` (which imports this module, hence imported here at first use). Through
+    ``importlib``, not an import statement: compiled code's own imports of a module of its build pass the
+    import system's finders, and :mod:`kvpool._native`'s finder gives a compiled module its sources'
+    docstrings and signatures as it is imported."""
+    return importlib.import_module(f"kvpool.allocators.{name}")
 
 
 # ---- admission ------------------------------------------------------------------------------------------
