@@ -68,7 +68,7 @@ class KVCacheSpec:
         num_layers: attention layers that keep KV (at most :data:`kvpool.spec.hf_config.MAX_LAYERS`).
         num_kv_heads: KV heads of the whole model, before tensor parallelism (not query heads).
         head_dim: elements per head.
-        dtype: KV storage dtype (a torch dtype or a name from :data:`KV_DTYPES`; default bfloat16).
+        dtype: KV storage dtype (a torch dtype or a name from ``KV_DTYPES``; default bfloat16).
         block_size: tokens per block (vLLM's block_size, SGLang's page_size).
         attention: :class:`AttentionKind` (``"mha"`` or ``"mla"``).
         kv_lora_rank: the MLA latent's compressed part (MLA only).

@@ -1,7 +1,7 @@
-"""KV cache dtypes: the names accepted everywhere (:data:`KV_DTYPES`, :func:`parse_kv_dtype`) and the dtype
+"""KV cache dtypes: the names accepted everywhere (``KV_DTYPES``, :func:`parse_kv_dtype`) and the dtype
 of ``--kv-cache-dtype auto`` as vLLM picks it (:func:`auto_kv_dtype`).
 
-Importing this module imports no torch: :data:`KV_DTYPES` (name -> torch dtype) is made at first use, and
+Importing this module imports no torch: ``KV_DTYPES`` (name -> torch dtype) is made at first use, and
 the functions import torch when called."""
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def auto_kv_dtype(model_dtype: str | None, model_type: str | None = None) -> tup
     On older GPUs (compute capability < 8.0, no bfloat16) vLLM picks float16 instead: the same 2 bytes,
     so every count is the same. Returns ``(dtype, rule)``, ``rule`` a phrase for people (``"the config's
     float32, cast down to bfloat16 as vLLM does"``). Raises :class:`ConfigError` for a dtype name that is
-    not in :data:`KV_DTYPES`.
+    not in ``KV_DTYPES``.
     """
     import torch
 
