@@ -29,6 +29,19 @@ def lazy_exports(module: str, table: Mapping[str, str]
     return __getattr__, __dir__
 
 
+def lazy_values(module: str, table: Mapping[str, Callable[[], Any]]) -> Callable[[str], Any]:
+    """``__getattr__`` for ``module``, whose constants in ``table`` (name -> a function making the value,
+    called on each read; cache it there) are made on first use, e.g. tables of torch dtypes, so that
+    importing ``module`` imports no torch. Any other name is an ``AttributeError``, as for any module."""
+
+    def __getattr__(name: str) -> Any:
+        if name in table:
+            return table[name]()
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
 def moved_module(module: str, new: str) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``(__getattr__, __dir__)`` for a deprecated module ``module`` whose contents moved to ``new``: every
     name is ``new``'s (imported on first use), and reading one warns with a ``DeprecationWarning`` that

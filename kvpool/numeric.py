@@ -21,13 +21,14 @@ configuration), and the message names the argument and the value.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
+import sys
 from collections.abc import Iterable
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
-import torch
-
+from kvpool._lazy import lazy_values
 from kvpool.errors import InvalidArgumentError, InvalidIdError
 
 #: The annotation of an integer argument before it is checked by this rule: any object (an ``int``, a numpy
@@ -42,10 +43,30 @@ RealArg: TypeAlias = object
 
 INT64_MAX = 2**63 - 1
 SEED_MAX = 2**64 - 1
-#: Integer torch dtypes an id tensor may have (bool is not one of them).
-INT_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16,
-                        torch.uint32, torch.uint64})
 _INT = {int}
+
+if TYPE_CHECKING:
+    import torch
+
+
+def is_tensor(value: object) -> bool:
+    """Whether ``value`` is a ``torch.Tensor``, without importing torch (no tensor exists before torch is
+    imported, so this module, and the replay path above it, leave torch out of the process)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+@functools.cache
+def int_dtypes() -> frozenset[torch.dtype]:
+    """The integer torch dtypes an id tensor may have (bool is not one of them); imports torch."""
+    import torch
+
+    return frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16,
+                      torch.uint32, torch.uint64})
+
+
+#: ``INT_DTYPES`` (:func:`int_dtypes`), made at first use: importing this module imports no torch.
+__getattr__ = lazy_values(__name__, {"INT_DTYPES": int_dtypes})
 
 
 def index_or_none(value: object) -> int | None:
@@ -56,8 +77,8 @@ def index_or_none(value: object) -> int | None:
         return None
     if isinstance(value, int):  # an int subclass (an IntEnum member): its integer value
         return int(value)
-    if isinstance(value, torch.Tensor):
-        if value.ndim != 0 or value.dtype not in INT_DTYPES or value.is_meta:
+    if is_tensor(value):
+        if value.ndim != 0 or value.dtype not in int_dtypes() or value.is_meta:  # type: ignore[attr-defined]
             return None
         return int(value.item())
     dtype = getattr(value, "dtype", None)  # numpy, without importing it: kind 'i' / 'u' and no dimensions
@@ -131,10 +152,10 @@ def as_id_list(ids: Iterable[object], what: str = "ids", *, error: type[Exceptio
     A list of plain ints is returned as is (no copy)."""
     if type(ids) is list and set(map(type, ids)) <= _INT:
         return ids
-    if isinstance(ids, torch.Tensor):
-        if ids.ndim != 1:
+    if is_tensor(ids):
+        if ids.ndim != 1:  # type: ignore[attr-defined]
             raise error(f"{what} must be a sequence or a 1-D integer tensor, got {_show(ids)}")
-        return _readable(ids, what, error).tolist()  # any integer dtype: no int64 copy first
+        return _readable(ids, what, error).tolist()  # type: ignore[arg-type]  # any integer dtype: no int64 copy first
     if getattr(ids, "ndim", None) is not None and hasattr(ids, "tolist") and hasattr(ids, "dtype"):
         return _numpy_ids(ids, what, error)
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
@@ -149,12 +170,25 @@ def as_id_list(ids: Iterable[object], what: str = "ids", *, error: type[Exceptio
     return out  # type: ignore[return-value]
 
 
+def as_one_or_ids(ids: object, what: str = "ids", *, error: type[Exception] = InvalidIdError) -> list[int]:
+    """One id (an integer by the rule above) or a sequence of ids (a list, a 1-D tensor or array ...), as a
+    list of Python ints (range not checked)."""
+    one = index_or_none(ids)
+    if one is not None:
+        return [one]
+    if is_tensor(ids) and ids.ndim == 0:  # type: ignore[attr-defined]  # a bool or float scalar: refused below
+        ids = ids.reshape(1)  # type: ignore[attr-defined]
+    return as_id_list(ids, what, error=error)  # type: ignore[arg-type]
+
+
 def as_id_tensor(ids: object, what: str = "ids", *, error: type[Exception] = InvalidIdError,
                  flatten: bool = False, to_host: bool = True) -> torch.Tensor:
     """A sequence of ids as a 1-D int64 tensor on the host (a CPU int64 tensor is returned as is).
 
     ``flatten``: also take a tensor of any shape, or a single integer (reshaped to 1-D). ``to_host=False``
     leaves a tensor on its device."""
+    import torch
+
     if isinstance(ids, torch.Tensor):
         t = id_tensor(ids, what, error=error, to_host=to_host)
         if t.ndim != 1:
@@ -175,13 +209,15 @@ def id_tensor(t: torch.Tensor, what: str = "ids", *, error: type[Exception] = In
               to_host: bool = True) -> torch.Tensor:
     """An integer tensor of any shape as int64, on the host unless ``to_host`` is False (no copy when it
     already is)."""
+    import torch
+
     t = _readable(t, what, error, to_host)
     return t if t.dtype is torch.int64 else t.long()
 
 
 def _readable(t: torch.Tensor, what: str, error: type[Exception], to_host: bool = True) -> torch.Tensor:
     """``t`` checked to be an integer tensor with values (on the host unless ``to_host`` is False)."""
-    if t.dtype not in INT_DTYPES:
+    if t.dtype not in int_dtypes():
         raise error(f"{what} must be an integer tensor (never bool), got dtype {t.dtype}")
     if t.is_meta:
         raise error(f"{what} is a meta tensor: it has no values to read")
@@ -206,8 +242,8 @@ def _rule(minimum: int | None, maximum: int | None) -> str:
 
 
 def _show(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {list(value.shape)} on {value.device}"
+    if is_tensor(value):
+        return f"a {value.dtype} tensor of shape {list(value.shape)} on {value.device}"  # type: ignore[attr-defined]
     try:
         text = repr(value)
     except ValueError:  # an int past Python's 4,300-digit str limit

@@ -48,3 +48,17 @@ def test_the_root_lists_its_lazy_names_before_importing_them() -> None:
             "'kvpool.storage.paged' in sys.modules, 'kvpool.engine.engine' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True", "True", "True", "False", "False"]
+
+
+def test_importing_kvpool_and_building_a_spec_imports_no_torch() -> None:
+    """In a fresh process: ``import kvpool``, ``kvpool.spec`` and the integer rule (``kvpool.numeric``) leave
+    torch (~220 MB resident) out of the process; the KV dtypes import it at first use and are torch's own
+    (Qwen2.5-0.5B's 24 layers x 2 KV heads x 64 x K and V x 2 B of bfloat16 = 12,288 B per token)."""
+    code = ("import sys, kvpool, kvpool.spec, kvpool.numeric; from kvpool import KVCacheSpec; "
+            "print('torch' in sys.modules); "
+            "print(kvpool.numeric.as_int(3, 'n'), 'torch' in sys.modules); "
+            "s = KVCacheSpec(num_layers=24, num_kv_heads=2, head_dim=64); import torch; "
+            "print(s.dtype is torch.bfloat16, s.bytes_per_token, "
+            "kvpool.spec.KV_DTYPES['fp8'] is torch.float8_e4m3fn)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "3", "False", "True", "12288", "True"]

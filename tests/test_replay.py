@@ -8,6 +8,8 @@ import importlib
 import json
 import math
 import random
+import subprocess
+import sys
 from collections import OrderedDict
 from pathlib import Path
 
@@ -424,6 +426,19 @@ def test_cli_human_output_and_azure(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "AzureLLMInferenceTrace_code.csv" in out and "requests_completed   50" in out
     assert "hit_blocks           0" in out
+
+
+def test_a_replay_imports_no_torch() -> None:
+    """In a fresh process, the replay's modules and a whole ``kvpool replay`` run leave torch (~220 MB
+    resident) out of the process: a replay makes no tensor. It still replays: the 5 requests asked for
+    complete on a pool of 1,000 blocks (each of the trace's first 5 prompts needs under 500 blocks of 16)."""
+    code = ("import contextlib, io, json, sys; import kvpool.cli.replay, kvpool.trace.replayer; "
+            "from kvpool.cli import main; out = io.StringIO(); imported = 'torch' in sys.modules\n"
+            "with contextlib.redirect_stdout(out):\n"
+            "    code = main(['replay', '--num-blocks', '1000', '--max-requests', '5', '--json'])\n"
+            "print(imported, code, json.loads(out.getvalue())['requests_completed'], 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "0", "5", "False"]
 
 
 def test_cli_num_blocks_from_model_config(capsys: pytest.CaptureFixture[str]) -> None:

@@ -28,7 +28,7 @@ _LAZY = {
     "group_key": "kvpool.allocators.groups",
     "SWATokenToKVPoolAllocator": "kvpool.allocators.swa_token",
     "StatePool": "kvpool.allocators.state_pool",
-    "HybridReqToTokenPool": "kvpool.allocators.state_pool",
+    "HybridReqToTokenPool": "kvpool.allocators.req_to_token",
 }
 
 __all__ = list(_LAZY)

@@ -53,7 +53,6 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
 from librt.vecs import vec
 from mypy_extensions import i32
 
@@ -307,6 +306,8 @@ class BlockPool:
             InvalidArgumentError: ``dtype`` is neither int32 nor int64, or as :meth:`allocate`.
             OutOfBlocksError: as :meth:`allocate`.
         """
+        import torch  # here, not at the top: a pool without tensors (a replay) imports no torch
+
         dtype = torch.int32 if dtype is None else dtype
         if dtype is not torch.int32 and dtype is not torch.int64:
             raise InvalidArgumentError(f"block id tensors are torch.int32 or torch.int64, got {dtype!r}")

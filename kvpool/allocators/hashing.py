@@ -49,10 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from kvpool.errors import ConfigError, InvalidArgumentError
-from kvpool.numeric import INT64_MAX, INT_DTYPES, as_int
+from kvpool.numeric import INT64_MAX, as_int, int_dtypes, is_tensor
 
 PUBLIC_ROOT = bytes(16)
 """Root of a shared hasher with no seed configured (16 zero bytes)."""
@@ -428,7 +426,7 @@ def _pack(token_ids: Sequence[int]) -> bytes:
     float tensor is rejected; a list is not scanned for bools, which would cost as much as the packing)."""
     if hasattr(token_ids, "tolist"):
         dtype = getattr(token_ids, "dtype", None)
-        integral = dtype in INT_DTYPES if isinstance(token_ids, torch.Tensor) else \
+        integral = dtype in int_dtypes() if is_tensor(token_ids) else \
             getattr(dtype, "kind", "i") in ("i", "u")  # numpy's kind; an array.array has no dtype
         if not integral:
             raise InvalidArgumentError(f"token ids must be integers, got dtype {dtype}")

@@ -6,6 +6,10 @@ must be copied out before anything else happens to it)::
     slots = req_pool.read(row, seq_len)     # 1. copy the row's slot ids
     allocator.free(slots)                   # 2. free the KV slots
     req_pool.free(row)                      # 3. free the row
+
+:class:`HybridReqToTokenPool` is SGLang's pairing of a row with a state slot of a
+:class:`~kvpool.allocators.state_pool.StatePool` (it lives here, beside its tensors, so that a state pool
+alone imports no torch; ``kvpool.allocators.state_pool`` exports it too).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvpool.allocators.state_pool import StatePool
 from kvpool.allocators.token import IdsLike
 from kvpool.errors import (
     DoubleFreeError,
@@ -22,7 +27,7 @@ from kvpool.errors import (
     InvalidIdError,
     OutOfBlocksError,
 )
-from kvpool.numeric import as_id_tensor, as_int, as_optional_int, index_or_none
+from kvpool.numeric import as_id_list, as_id_tensor, as_int, as_one_or_ids, as_optional_int, index_or_none
 
 _INT32_MAX = 2**31 - 1
 
@@ -133,3 +138,94 @@ def _outside_int32(ids: torch.Tensor) -> bool:
     """Whether an int64 tensor holds a value that an int32 table would silently wrap."""
     low, high = (int(x) for x in ids.aminmax())
     return low < -_INT32_MAX - 1 or high > _INT32_MAX
+
+
+class HybridReqToTokenPool(ReqToTokenPool):
+    """A :class:`ReqToTokenPool` whose rows each own a state slot of ``state_pool`` (SGLang's
+    ``HybridReqToTokenPool``): ``alloc`` takes rows and slots together, ``free`` releases both.
+
+    Args:
+        max_reqs: as :class:`ReqToTokenPool`.
+        max_context_len: as :class:`ReqToTokenPool`.
+        num_slots: as :class:`ReqToTokenPool`.
+        device: as :class:`ReqToTokenPool`.
+        state_pool: the :class:`StatePool` to take slots from; a new one of ``max_reqs`` slots when None.
+
+    ``req_to_state``: ``[max_reqs]`` int64 on ``device``, the state slot of each row (-1 for a free row), what
+    a kernel indexes the state buffers with. Release order when a request finishes: copy its slot ids
+    (:meth:`read`) and free its token slots, then ``free(row)``; to keep its state (a prefix cache),
+    ``state_pool.incref([state_slot(row)])`` before ``free(row)``.
+    """
+
+    def __init__(self, max_reqs: int, max_context_len: int, *, state_pool: StatePool | None = None,
+                 num_slots: int | None = None, device: torch.device | str = "cpu") -> None:
+        max_reqs = as_int(max_reqs, "max_reqs", minimum=1)
+        self.state_pool = StatePool(max_reqs) if state_pool is None else state_pool
+        self._row_slot = [-1] * max_reqs
+        super().__init__(max_reqs, max_context_len, num_slots=as_optional_int(num_slots, "num_slots"),
+                         device=device)
+        self.req_to_state = torch.full((max_reqs,), -1, dtype=torch.int64, device=self.req_to_token.device)
+
+    def alloc(self, n: int = 1) -> list[int]:
+        """``n`` rows, each with a fresh state slot at ref count 1. Raises OutOfBlocksError (rows or state
+        slots short: neither is taken)."""
+        n = as_int(n, "n", minimum=0)
+        if n > self.state_pool.available_size:
+            raise OutOfBlocksError(f"need {n} state slots, {self.state_pool.available_size} free")
+        rows = super().alloc(n)
+        slots = self.state_pool.alloc(n)
+        for row, slot in zip(rows, slots, strict=True):
+            self._row_slot[row] = slot
+        if rows:
+            self.req_to_state[torch.tensor(rows)] = torch.tensor(slots, device=self.req_to_state.device)
+        return rows
+
+    def free(self, rows: int | Sequence[int] | torch.Tensor) -> None:
+        """Release rows and drop their state slots' reference (see the class docstring for the order).
+        Raises InvalidIdError, DoubleFreeError; nothing is released then."""
+        ids = as_one_or_ids(rows, "rows")
+        super().free(ids)
+        slots = [self._row_slot[row] for row in ids]
+        for row in ids:
+            self._row_slot[row] = -1
+        if ids:
+            self.req_to_state[torch.tensor(ids)] = -1
+            self.state_pool.free(slots)
+
+    def state_slot(self, row: int) -> int:
+        """The state slot of an allocated row. Raises InvalidIdError for a row that is not allocated."""
+        r = as_int(row, "row", minimum=0, maximum=self.max_reqs - 1, error=InvalidIdError)
+        if self._row_slot[r] < 0:
+            raise InvalidIdError(f"row {row!r} is not an allocated row")
+        return self._row_slot[r]
+
+    def state_slots(self, rows: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """A copy of the state slots of ``rows`` (int64 ``[len(rows)]``). Raises InvalidIdError."""
+        return torch.tensor([self.state_slot(r) for r in as_id_list(rows, "rows")], dtype=torch.int64)
+
+    def clear(self) -> None:
+        """Free every row and its state slot."""
+        row_slot = getattr(self, "_row_slot", [])
+        held = [s for s in row_slot if s >= 0]
+        super().clear()
+        if held:
+            self.state_pool.free(held)
+        self._row_slot = [-1] * len(row_slot)
+        if hasattr(self, "req_to_state"):
+            self.req_to_state.fill_(-1)
+
+    def check_integrity(self) -> None:
+        """The row invariants, the state pool's, and: every allocated row maps to its own referenced state
+        slot, every free row to none, and ``req_to_state`` says the same."""
+        super().check_integrity()
+        self.state_pool.check_integrity()
+        used = [r for r, s in enumerate(self._row_slot) if s >= 0]
+        if set(used) != self._used:
+            raise IntegrityError("the rows with a state slot are not the allocated rows")
+        slots = [self._row_slot[r] for r in used]
+        if len(set(slots)) != len(slots):
+            raise IntegrityError("two rows map to one state slot")
+        if any(self.state_pool.ref_count(s) < 1 for s in slots):
+            raise IntegrityError("a row maps to a free state slot")
+        if self.req_to_state.tolist() != self._row_slot:
+            raise IntegrityError("req_to_state differs from the rows' state slots")

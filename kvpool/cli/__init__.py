@@ -22,14 +22,16 @@ SUBCOMMANDS = ("plan", "generate", "replay", "events", "bench")
 BROKEN_PIPE_STATUS = 141
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand, or (``only``, one of :data:`SUBCOMMANDS`) of that one alone, so
+    that a command imports only its own modules (``kvpool replay`` imports neither the engine nor torch)."""
     from kvpool.cli._args import OneLineErrorParser  # (importing kvpool.cli imports only the ground)
 
     parser = OneLineErrorParser(prog="kvpool", description="The KV cache memory pool for LLM inference.")
     parser.add_argument("--version", action=_Version, help="show the version and the hot path, and exit")
     parser.set_defaults(func=lambda _args: _usage(parser))
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
-    for name in SUBCOMMANDS:
+    for name in SUBCOMMANDS if only is None else (only,):
         importlib.import_module(f"kvpool.cli.{name}").register(subparsers)
     return parser
 
@@ -55,7 +57,7 @@ def _usage(parser: argparse.ArgumentParser) -> int:
 def main(argv: list[str] | None = None) -> int:
     try:
         try:
-            args = build_parser().parse_args(argv)
+            args = build_parser(_subcommand(sys.argv[1:] if argv is None else argv)).parse_args(argv)
         except SystemExit as exc:  # --help, --version, or a bad argument (argparse's one-line error)
             return exc.code if isinstance(exc.code, int) else 2
         try:
@@ -70,6 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         _silence_stdout()
         return BROKEN_PIPE_STATUS
+
+
+def _subcommand(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` starts with, or None (no subcommand, an option such as ``--help``, or a
+    misspelt name: then every subcommand is registered, for the usage and the suggestion)."""
+    return argv[0] if argv and argv[0] in SUBCOMMANDS else None
 
 
 def _silence_stdout() -> None:

@@ -20,8 +20,6 @@ import argparse
 import json
 from typing import Any
 
-import torch
-
 from kvpool.cli._args import (
     add_hash_arguments,
     add_json_argument,
@@ -196,6 +194,8 @@ def _shape_note(report: dict[str, Any]) -> str | None:
 
 
 def _readings(args: argparse.Namespace) -> MemoryReadings:
+    import torch  # at first use: importing this module imports no torch
+
     if args.gpu_memory is not None:
         return MemoryReadings(total_bytes=args.gpu_memory, non_kv_bytes=args.non_kv_memory)
     if not torch.cuda.is_available():

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from kvpool._lazy import lazy_exports
 from kvpool.spec.kv import (
-    KV_DTYPES,
     NO_FLOAT16_MODEL_TYPES,
     AttentionKind,
     KVCacheGroup,
@@ -30,6 +29,7 @@ from kvpool.spec.kv import (
 )
 
 _LAZY = {
+    "KV_DTYPES": "kvpool.spec.kv_dtypes",  # imports torch: made at first use
     "BUILTIN_CONFIGS": "kvpool.spec.hf_config",
     "load_config": "kvpool.spec.hf_config",
     "read_kv_fields": "kvpool.spec.hf_config",

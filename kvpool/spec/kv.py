@@ -29,15 +29,14 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from kvpool._lazy import lazy_exports
 from kvpool.errors import ConfigError
 from kvpool.numeric import as_int, as_optional_int
 from kvpool.spec.hf_config import MAX_LAYERS, too_many_layers
 from kvpool.spec.kinds import ATTENTION_KINDS
-from kvpool.spec.kv_dtypes import KV_DTYPES, NO_FLOAT16_MODEL_TYPES, auto_kv_dtype, parse_kv_dtype  # noqa: F401
+from kvpool.spec.kv_dtypes import NO_FLOAT16_MODEL_TYPES, auto_kv_dtype, parse_kv_dtype  # noqa: F401
 from kvpool.spec.kv_groups import (  # noqa: F401 (the dtypes' and the groups' names, re-exported)
     KVCacheGroup,
     LayerKind,
@@ -46,6 +45,12 @@ from kvpool.spec.kv_groups import (  # noqa: F401 (the dtypes' and the groups' n
     kv_cache_groups,
     needs_null_block,
 )
+
+if TYPE_CHECKING:
+    import torch
+
+#: ``KV_DTYPES`` re-exported on first use (it imports torch; importing this module does not).
+__getattr__, __dir__ = lazy_exports(__name__, {"KV_DTYPES": "kvpool.spec.kv_dtypes"})
 
 
 class AttentionKind(str, enum.Enum):
@@ -63,7 +68,7 @@ class KVCacheSpec:
         num_layers: attention layers that keep KV (at most :data:`kvpool.spec.hf_config.MAX_LAYERS`).
         num_kv_heads: KV heads of the whole model, before tensor parallelism (not query heads).
         head_dim: elements per head.
-        dtype: KV storage dtype (a torch dtype or a name from :data:`KV_DTYPES`).
+        dtype: KV storage dtype (a torch dtype or a name from ``KV_DTYPES``; default bfloat16).
         block_size: tokens per block (vLLM's block_size, SGLang's page_size).
         attention: :class:`AttentionKind` (``"mha"`` or ``"mla"``).
         kv_lora_rank: the MLA latent's compressed part (MLA only).
@@ -105,7 +110,7 @@ class KVCacheSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype = torch.bfloat16
+    dtype: torch.dtype = "bfloat16"  # type: ignore[assignment]  # a torch dtype after __post_init__
     block_size: int = 16
     attention: AttentionKind = AttentionKind.MHA
     kv_lora_rank: int = 0

@@ -1,25 +1,52 @@
-"""KV cache dtypes: the names accepted everywhere (:data:`KV_DTYPES`, :func:`parse_kv_dtype`) and the dtype
-of ``--kv-cache-dtype auto`` as vLLM picks it (:func:`auto_kv_dtype`)."""
+"""KV cache dtypes: the names accepted everywhere (``KV_DTYPES``, :func:`parse_kv_dtype`) and the dtype
+of ``--kv-cache-dtype auto`` as vLLM picks it (:func:`auto_kv_dtype`).
+
+Importing this module imports no torch: ``KV_DTYPES`` (name -> torch dtype) is made at first use, and
+the functions import torch when called."""
 
 from __future__ import annotations
 
-import torch
+import functools
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
+from kvpool._lazy import lazy_values
 from kvpool.errors import ConfigError
 
-#: KV cache dtype names accepted everywhere (CLI, ``from_hf_config``, ``parse_kv_dtype``).
-KV_DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
+if TYPE_CHECKING:
+    import torch
+
+#: KV cache dtype names accepted everywhere (CLI, ``from_hf_config``, ``parse_kv_dtype``) -> the name of
+#: the torch dtype (an attribute of ``torch``).
+KV_DTYPE_NAMES: dict[str, str] = {
+    "float16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "float32": "float32",
+    "float": "float32",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+    "float8_e4m3fn": "float8_e4m3fn",
+    "float8_e5m2": "float8_e5m2",
 }
+
+
+def torch_dtypes(names: Mapping[str, str]) -> dict[str, torch.dtype]:
+    """``names`` (name -> the name of a torch dtype) with the torch dtypes; imports torch."""
+    import torch
+
+    return {name: getattr(torch, attr) for name, attr in names.items()}
+
+
+@functools.cache
+def kv_dtypes() -> dict[str, torch.dtype]:
+    """:data:`KV_DTYPE_NAMES` with torch dtypes (``KV_DTYPES``); imports torch."""
+    return torch_dtypes(KV_DTYPE_NAMES)
+
+
+#: ``KV_DTYPES`` (name -> torch dtype, :func:`kv_dtypes`), made at first use.
+__getattr__ = lazy_values(__name__, {"KV_DTYPES": kv_dtypes})
 
 
 def parse_kv_dtype(name: str | torch.dtype, model_dtype: str | None = None, *,
@@ -31,15 +58,18 @@ def parse_kv_dtype(name: str | torch.dtype, model_dtype: str | None = None, *,
     down to bfloat16. Raises :class:`ConfigError` listing the accepted names for an unknown one (or for a
     torch dtype that is not a KV dtype, such as int8).
     """
-    if isinstance(name, torch.dtype) and name in KV_DTYPES.values():
+    import torch
+
+    dtypes = kv_dtypes()
+    if isinstance(name, torch.dtype) and name in dtypes.values():
         return name
     key = str(name).lower().removeprefix("torch.")
     if key == "auto":
         return auto_kv_dtype(model_dtype, model_type)[0]
-    if key not in KV_DTYPES:
-        accepted = ", ".join(["auto", *KV_DTYPES])
+    if key not in dtypes:
+        accepted = ", ".join(["auto", *dtypes])
         raise ConfigError(f"unknown KV cache dtype {name!r}; accepted: {accepted}")
-    return KV_DTYPES[key]
+    return dtypes[key]
 
 
 #: Model types vLLM never runs in float16 (``_FLOAT16_NOT_SUPPORTED_MODELS`` in vllm/config/model.py:
@@ -61,8 +91,10 @@ def auto_kv_dtype(model_dtype: str | None, model_type: str | None = None) -> tup
     On older GPUs (compute capability < 8.0, no bfloat16) vLLM picks float16 instead: the same 2 bytes,
     so every count is the same. Returns ``(dtype, rule)``, ``rule`` a phrase for people (``"the config's
     float32, cast down to bfloat16 as vLLM does"``). Raises :class:`ConfigError` for a dtype name that is
-    not in :data:`KV_DTYPES`.
+    not in ``KV_DTYPES``.
     """
+    import torch
+
     if model_dtype in (None, "auto"):
         return torch.bfloat16, ("the config names no dtype: vLLM takes it as float32 and casts it down to "
                                 "bfloat16")

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvpool.errors import ConfigError
 from kvpool.spec.hf_config import load_config
 from kvpool.spec.kinds import MemoryKind, RecurrentState
 from kvpool.spec.kv import KVCacheSpec
 from kvpool.spec.state import HybridSpec, RecurrentStateSpec, is_recurrent_config
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)

@@ -51,14 +51,15 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from fractions import Fraction
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvpool.errors import InsufficientMemoryError, InvalidArgumentError
 from kvpool.numeric import as_int, as_optional_int, as_real
 from kvpool.spec.kv import KVCacheGroup, KVCacheSpec, cdiv
 from kvpool.units import human_bytes, plural
+
+if TYPE_CHECKING:
+    import torch
 
 #: The step budget a plan assumes (tokens one scheduler step computes, prefill chunks and decodes together):
 #: the default ``max_num_batched_tokens`` of the reference engine (:class:`kvpool.engine.engine.LLMEngine`).
@@ -367,6 +368,8 @@ def profile_cuda_memory(device: torch.device | int | str | None = None, *,
         InvalidArgumentError: no CUDA device (plan with hand-given :class:`MemoryReadings` instead), or a
             ``warmup`` that is not callable.
     """
+    import torch  # at first use: importing this module imports no torch
+
     if not torch.cuda.is_available():
         raise InvalidArgumentError("no CUDA device to profile; give the memory readings by hand "
                                    "(MemoryReadings, or --gpu-memory on the command line)")
@@ -381,6 +384,8 @@ def _cuda_after(device: torch.device | int | str | None, warmup: Callable[[], ob
                 ) -> tuple[int, int, dict[str, Any]]:
     """``(free, total, memory_stats)`` of a CUDA device after ``warmup`` (None: none), garbage collected
     before and after it and the peak reset before it (the order of :func:`profile_cuda_memory`)."""
+    import torch  # at first use: importing this module imports no torch
+
     if warmup is not None:
         _collect(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -430,6 +435,8 @@ def measure_free_memory(device: torch.device | str, warmup: Callable[[], object]
         InvalidArgumentError: ``warmup`` not callable, a device neither CPU nor CUDA, or (CPU) psutil
             missing (``pip install psutil``).
     """
+    import torch  # at first use: importing this module imports no torch
+
     if not callable(warmup):
         raise InvalidArgumentError(f"warmup must be a function running one forward pass, got {warmup!r}")
     dev = torch.device(device)
@@ -475,6 +482,8 @@ def _high_water_mark() -> int | None:
 
 def _collect(device: torch.device | int | str | None) -> None:
     """Finish the device's work, free unreachable Python objects, and give torch's free reserve back."""
+    import torch  # at first use: importing this module imports no torch
+
     torch.cuda.synchronize(device)
     gc.collect()
     torch.cuda.empty_cache()

@@ -36,23 +36,27 @@ skipped. Family defaults the config classes supply are listed in :data:`FAMILIES
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from kvpool._lazy import lazy_values
 from kvpool.errors import ConfigError
 from kvpool.numeric import as_int
 from kvpool.spec.hf_config import config_int, load_config
 from kvpool.spec.kv import AttentionKind, KVCacheSpec, parse_kv_dtype
+from kvpool.spec.kv_dtypes import torch_dtypes
 
-#: State dtypes a pool holds (what the recurrent kernels of vLLM and SGLang accept).
-STATE_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16,
+if TYPE_CHECKING:
+    import torch
+
+#: State dtypes a pool holds (what the recurrent kernels of vLLM and SGLang accept) -> the torch dtype's
+#: name (``STATE_DTYPES``, name -> torch dtype, is made at first use: importing this module imports no torch).
+STATE_DTYPE_NAMES: dict[str, str] = {
+    "float32": "float32", "float": "float32", "float16": "float16", "half": "float16", "bfloat16": "bfloat16",
 }
 #: Config fields that name the SSM state dtype (Qwen3.5: mamba_ssm_dtype; Nemotron-H: mamba_ssm_cache_dtype).
 SSM_DTYPE_FIELDS = ("mamba_ssm_dtype", "mamba_ssm_cache_dtype")
@@ -86,15 +90,28 @@ LAYER_TYPE_ROLES = {
 }
 
 
+@functools.cache
+def state_dtypes() -> dict[str, torch.dtype]:
+    """:data:`STATE_DTYPE_NAMES` with torch dtypes (``STATE_DTYPES``); imports torch."""
+    return torch_dtypes(STATE_DTYPE_NAMES)
+
+
+#: ``STATE_DTYPES`` (:func:`state_dtypes`), made at first use.
+__getattr__ = lazy_values(__name__, {"STATE_DTYPES": state_dtypes})
+
+
 def parse_state_dtype(name: str | torch.dtype, field: str) -> torch.dtype:
-    """A state dtype name (or torch dtype) of :data:`STATE_DTYPES`; ConfigError naming ``field`` otherwise."""
-    if isinstance(name, torch.dtype) and name in STATE_DTYPES.values():
+    """A state dtype name (or torch dtype) of ``STATE_DTYPES``; ConfigError naming ``field`` otherwise."""
+    import torch
+
+    dtypes = state_dtypes()
+    if isinstance(name, torch.dtype) and name in dtypes.values():
         return name
     key = str(name).lower().removeprefix("torch.")
-    if key not in STATE_DTYPES:
+    if key not in dtypes:
         raise ConfigError(f"{field} {name!r} is not a state dtype a pool can hold; accepted: "
-                          f"{', '.join(sorted(STATE_DTYPES))}")
-    return STATE_DTYPES[key]
+                          f"{', '.join(sorted(dtypes))}")
+    return dtypes[key]
 
 
 @dataclass(frozen=True)
@@ -118,8 +135,8 @@ class RecurrentStateSpec:
     layers: tuple[int, ...]
     conv_shape: tuple[int, int]
     ssm_shape: tuple[int, ...]
-    conv_dtype: torch.dtype = torch.bfloat16
-    ssm_dtype: torch.dtype = torch.bfloat16
+    conv_dtype: torch.dtype = "bfloat16"  # type: ignore[assignment]  # torch dtypes after __post_init__
+    ssm_dtype: torch.dtype = "bfloat16"  # type: ignore[assignment]
     conv_kernel: int = 4
 
     def __post_init__(self) -> None:

@@ -1,7 +1,18 @@
-"""The physical KV tensors: the paged K/V cache, the MLA latent cache and the host tier with swapping."""
+"""The physical KV tensors: the paged K/V cache, the MLA latent cache and the host tier with swapping.
 
-from kvpool.storage.host import HostKVCache
-from kvpool.storage.mla import MLAKVCache
-from kvpool.storage.paged import PagedKVCache, dequantize, slot_mapping
+The names are imported on first use (they import torch; a module of this package that holds no tensor, such
+as the page model of a trace replay, imports none)."""
 
-__all__ = ["HostKVCache", "MLAKVCache", "PagedKVCache", "dequantize", "slot_mapping"]
+from kvpool._lazy import lazy_exports
+
+_LAZY = {
+    "HostKVCache": "kvpool.storage.host",
+    "MLAKVCache": "kvpool.storage.mla",
+    "PagedKVCache": "kvpool.storage.paged",
+    "dequantize": "kvpool.storage.paged",
+    "slot_mapping": "kvpool.storage.paged",
+}
+
+__all__ = list(_LAZY)
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

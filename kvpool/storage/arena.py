@@ -31,13 +31,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpool.errors import AsleepError, ConfigError, InvalidIdError, MemoryLimitError
 from kvpool.numeric import as_id_list, as_int
 from kvpool.units import human_bytes, plural
+
+if TYPE_CHECKING:
+    import torch
 
 #: Bytes per page unless asked otherwise: the CUDA granularity of every current GPU and the x86-64 huge page.
 DEFAULT_PAGE_SIZE = 2 << 20
@@ -411,11 +412,17 @@ class CountingBackend:
     """A back end that holds no memory and only counts: a model of what an arena of that layout would
     commit (a trace replay's elastic pool). Its tensor is on the ``meta`` device (no bytes); granularity 1."""
 
-    device = torch.device("meta")
     granularity = 1
 
     def __init__(self, device: torch.device | None = None) -> None:
         self._nbytes = 0
+
+    @property
+    def device(self) -> torch.device:
+        """The ``meta`` device (torch imported here: a replay that only counts pages imports none)."""
+        import torch
+
+        return torch.device("meta")
 
     def reserve(self, nbytes: int, page_size: int) -> None:
         self._nbytes = nbytes
@@ -427,6 +434,8 @@ class CountingBackend:
         pass
 
     def tensor(self) -> torch.Tensor:
+        import torch
+
         return torch.empty(self._nbytes, dtype=torch.uint8, device="meta")
 
     def close(self) -> None:
@@ -449,6 +458,8 @@ def default_backend(device: torch.device) -> ArenaBackend:
 
 
 def _device(device: str | torch.device) -> torch.device:
+    import torch  # at first use: importing this module imports no torch
+
     try:
         return torch.device(device)
     except (RuntimeError, TypeError) as exc:

@@ -11,14 +11,15 @@ back once every block on it is released. The tensors never move. A store built w
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvpool.errors import ConfigError
 from kvpool.numeric import as_int
 from kvpool.storage.arena import DEFAULT_PAGE_SIZE, CountingBackend, ElasticConfig, PageArena
 from kvpool.storage.page_map import BlockPages, PageMap, Strip
+
+if TYPE_CHECKING:
+    import torch
 
 
 class ElasticMemory:

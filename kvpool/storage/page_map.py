@@ -25,14 +25,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvpool.errors import ConfigError, DoubleFreeError, IntegrityError, InvalidIdError
 from kvpool.numeric import as_id_list, as_int
 from kvpool.storage.arena import PageArena
 from kvpool.units import plural
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
