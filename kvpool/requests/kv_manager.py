@@ -29,13 +29,13 @@ admission, zeroed or restored from a checkpoint, freed with the blocks), a hit c
 that ends at a state checkpoint, saves planned as steps are scheduled and committed as they publish.
 
 Prefix hits are counted once per admission that succeeded (:attr:`stats`; :attr:`first_stats` for first
-admissions only: what a replay's hit ratio counts), by where each hit block was found.
+admissions only: what a replay's hit ratio counts), by where each hit block was found
+(:mod:`kvpool.requests.hit_places`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvpool.allocators.block_pool import BlockPool, BlockPoolStats
@@ -44,6 +44,8 @@ from kvpool.allocators.hashing import BlockHasher, hasher_for
 from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError
 from kvpool.requests.accounting import UsageTotals
 from kvpool.requests.block_memory import BlockMemory, PoolMemory
+from kvpool.requests.hit_places import DEVICE as DEVICE  # the name of the device place, re-exported
+from kvpool.requests.hit_places import PrefixCacheStats, held_below, hit_places, restore_plan
 from kvpool.requests.partial_hits import PartialHit, partial_hits
 from kvpool.requests.request import Request
 from kvpool.requests.sessions import SessionCache
@@ -57,29 +59,6 @@ if TYPE_CHECKING:
     from kvpool.storage.paged import BlockStore
     from kvpool.tiers.backend import TierBackend
     from kvpool.tiers.manager import OffloadManager
-
-DEVICE = "device"
-
-
-@dataclass
-class PrefixCacheStats:
-    """Prefix-cache counters of admissions, in blocks of ``block_size`` tokens: ``requests`` admitted,
-    ``queried_blocks`` (the blocks each admission could have hit: its full blocks of the first
-    ``num_tokens - 1`` tokens), ``hit_blocks`` (the prefix found), split in ``by_place`` by where each hit
-    block was found (``device``, then each tier's medium)."""
-
-    requests: int = 0
-    queried_blocks: int = 0
-    hit_blocks: int = 0
-    by_place: dict[str, int] = field(default_factory=lambda: {DEVICE: 0})
-
-    def record(self, queried: int, places: dict[str, int]) -> None:
-        self.requests += 1
-        self.queried_blocks += queried
-        for place, n in places.items():
-            self.hit_blocks += n
-            self.by_place[place] = self.by_place.get(place, 0) + n
-
 
 def blocks_needed(groups: Sequence[KVCacheGroup], num_tokens: int, chunk_tokens: int) -> int:
     """Pool blocks a request holding KV for ``num_tokens`` tokens needs at its peak alone, prefilled in
@@ -300,12 +279,12 @@ class KVCacheManager:
         if states is not None:
             hit = self._joint_hit(req, hit, probe)
         loaded: dict[Hashable, int] = {}
-        if self.tiers is not None and self._below(hit):
+        if self.tiers is not None and held_below(hit):
             if not self._fits(req, hit, budget):
                 return None
             if self.on_admit is not None:
                 self.on_admit(req)
-            loaded = self.tiers.restore(*self._plan(hit))
+            loaded = self.tiers.restore(*restore_plan(hit, self.null_block, len(self.groups)))
             hit = coord.find_longest_cache_hit(hashes, hit.num_blocks, count=False)
             if states is not None:
                 hit = self._joint_hit(req, hit, None)
@@ -327,7 +306,7 @@ class KVCacheManager:
                                    first=req.num_cached_tokens < 0)
         self.ops += min(hit.num_blocks + 1, limit) + coord.num_blocks_held(req.request_id)
         req.num_computed_tokens = computed
-        places = self._places(hit, loaded)
+        places = hit_places(hit, loaded, self.null_block, len(self.groups), self.tiers)
         self.stats.record(limit, places)
         first = req.num_cached_tokens < 0
         if first:
@@ -368,37 +347,6 @@ class KVCacheManager:
                 sessions.make_room(coord.num_blocks_to_allocate(rid, tokens, hit)):  # kept ones give way
             fits = coord.can_allocate(rid, tokens, hit)  # (a released hit block is now needed too)
         return fits
-
-    def _below(self, hit: CacheHit) -> bool:
-        """Whether a probed hit names blocks held in a tier (codes below -1)."""
-        return any(b < -1 for blocks in hit.blocks for b in blocks)
-
-    def _plan(self, hit: CacheHit) -> tuple[list[tuple[Hashable, int]], Hashable | None]:
-        """``(key, where)`` of every block ``hit`` needs, position by position, every group at a position;
-        and the hash before the first such position (None: position 0), the parent of what it restores."""
-        null = self.null_block
-        plan = [(group_key(g, hit.block_hashes[i]), hit.blocks[g][i])
-                for i in range(hit.num_blocks) for g in range(len(self.groups))
-                if hit.blocks[g][i] != null]
-        first = next((i for i in range(hit.num_blocks) if any(b[i] != null for b in hit.blocks)), 0)
-        return plan, hit.block_hashes[first - 1] if first else None
-
-    def _places(self, hit: CacheHit, loaded: dict[Hashable, int]) -> dict[str, int]:
-        """Hit blocks by where they were found: a prefix position counts for the tier its first group's
-        block came from (when restored), else for the device."""
-        if not loaded or self.tiers is None:
-            return {DEVICE: hit.num_blocks}
-        places = {DEVICE: 0}
-        null, tiers = self.null_block, self.tiers.tiers
-        for i in range(hit.num_blocks):
-            place = DEVICE
-            for g in range(len(self.groups)):
-                if hit.blocks[g][i] != null:
-                    t = loaded.get(group_key(g, hit.block_hashes[i]))
-                    place = DEVICE if t is None else tiers[t].medium
-                    break
-            places[place] = places.get(place, 0) + 1
-        return places
 
     def reserve(self, req: Request, num_new_tokens: int) -> bool:
         """Blocks for ``num_new_tokens`` more tokens of running ``req`` (after freeing what its windows left
@@ -574,11 +522,7 @@ class KVCacheManager:
     def hits_by_place(self, *, first_admissions: bool = False) -> dict[str, int]:
         """Prefix-hit blocks by where they were found: ``device``, then each tier's medium (0 where none),
         over every admission (or only first admissions: a replay's hit ratio)."""
-        stats = self.first_stats if first_admissions else self.stats
-        places = {DEVICE: stats.by_place.get(DEVICE, 0)}
-        for tier in self.tiers.tiers if self.tiers is not None else ():
-            places[tier.medium] = places.get(tier.medium, 0) + stats.by_place.get(tier.medium, 0)
-        return places
+        return (self.first_stats if first_admissions else self.stats).places(self.tiers)
 
     def prefix_cache_stats(self) -> BlockPoolStats:
         """:attr:`stats` as the metrics read them: hits and misses in blocks over every admission (device

@@ -33,8 +33,8 @@ class TraceFuture:
     """When each prompt block of a trace is next used, in the replay's admission order.
 
     ``requests`` are every request the replay will admit, in the order it first admits them
-    (:func:`kvpool.trace.replayer.admission_order`). ``next_use(i)[j]`` is the position of the next request
-    using the j-th prompt block hash of request ``i``, or :attr:`never` (``len(requests)``).
+    (:func:`kvpool.trace.replay_config.admission_order`). ``next_use(i)[j]`` is the position of the next
+    request using the j-th prompt block hash of request ``i``, or :attr:`never` (``len(requests)``).
     """
 
     def __init__(self, requests: Sequence[TraceRequest], block_size: int) -> None:

@@ -1,5 +1,6 @@
-"""The discrete-event replay of a serving trace on the request path: :class:`ReplayConfig`,
-:class:`ReplayResult` and the replayer. :func:`kvpool.trace.replay.run_replay` runs it.
+"""The discrete-event replay of a serving trace on the request path: the replayer, run on a
+:class:`~kvpool.trace.replay_config.ReplayConfig` into a :class:`~kvpool.trace.replay_result.ReplayResult`
+(both importable from here too). :func:`kvpool.trace.replay.run_replay` runs it.
 
 The replay is the engine with a clock for a model: each trace request becomes a
 :class:`~kvpool.requests.request.Request` known by its counts and its prompt's block hashes, and the same
@@ -39,14 +40,11 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvpool.allocators.block_pool import BlockPool
 from kvpool.allocators.hashing import BlockHasher
-from kvpool.allocators.partial_index import check_match_unit
 from kvpool.allocators.policies import (
-    POLICIES,
     EvictionPolicy,
     FrequencyAdmission,
     ValuedAdmission,
@@ -54,272 +52,34 @@ from kvpool.allocators.policies import (
 )
 from kvpool.allocators.state_pool import StatePool
 from kvpool.errors import ConfigError, IntegrityError, InvalidArgumentError, OutOfBlocksError
-from kvpool.numeric import as_int, as_optional_int, as_real
-from kvpool.requests.budget import BudgetConfig
-from kvpool.requests.kv_manager import KVCacheManager, blocks_needed
+from kvpool.numeric import as_int
+from kvpool.requests.kv_manager import KVCacheManager
 from kvpool.requests.request import Request
 from kvpool.requests.scheduler import Scheduler, SchedulerOutput
-from kvpool.requests.sessions import SessionPolicy
 from kvpool.requests.state_budget import StateBudget
-from kvpool.requests.state_checkpoints import RequestStates, SavePolicy, StateCheckpoints
-from kvpool.spec import KVCacheGroup
-from kvpool.spec.kv import needs_null_block
-from kvpool.storage.arena import DEFAULT_PAGE_SIZE
+from kvpool.requests.state_checkpoints import RequestStates, StateCheckpoints
 from kvpool.storage.elastic import PageModel
 from kvpool.trace.belady import BeladyPolicy, TraceFuture
 from kvpool.trace.clock import lone_decode_clock
-from kvpool.trace.elastic_track import CommittedTrack, MemorySample
+from kvpool.trace.elastic_track import CommittedTrack
 from kvpool.trace.loaders import MOONCAKE_BLOCK_SIZE, TraceRequest
+from kvpool.trace.replay_config import REPLAY_POLICIES as REPLAY_POLICIES  # (name as name: re-exported)
+from kvpool.trace.replay_config import TIMINGS as TIMINGS
+from kvpool.trace.replay_config import UNLIMITED_TOKENS as UNLIMITED_TOKENS
+from kvpool.trace.replay_config import ReplayConfig, admission_order, trace_request, unbounded_num_blocks
+from kvpool.trace.replay_config import request_blocks as request_blocks
+from kvpool.trace.replay_result import HIT_RATIO_BASIS as HIT_RATIO_BASIS
+from kvpool.trace.replay_result import ReplayResult, Sample, ratio, state_report, tier_report
 from kvpool.trace.sessions import ReplaySessions
 
 if TYPE_CHECKING:
     from kvpool.events.sink import KVEventSink
     from kvpool.tiers.backend import TierBackend
 
-TIMINGS = ("instant", "trace")
-#: Eviction policies a replay can use: the pool's own, and the offline bound.
-REPLAY_POLICIES = (*POLICIES, "belady")
-#: One timeline sample: (simulated seconds, blocks in use, cached free blocks, uncached free blocks).
-Sample = tuple[float, int, int, int]
 #: ``trace`` timing records about this many samples over the arrivals' span (instant: every event).
 TIMELINE_POINTS = 5000
 #: Runs stretches of pure decode steps in one go (tests turn it off to compare).
 FAST_FORWARD = True
-#: ``instant`` timing's token budget per step: a whole prompt at once.
-UNLIMITED_TOKENS = 2**62
-#: What a replay's hit ratios are over, printed beside them: pools of any size share the denominator.
-HIT_RATIO_BASIS = "every request of the trace: a rejected request's prompt blocks count as misses"
-
-
-@dataclass(frozen=True)
-class ReplayConfig:
-    """Replay settings.
-
-    Args:
-        block_size: tokens per block; must divide 512 for a trace with hash ids.
-        num_blocks: pool size in blocks; None means unbounded: every request's :func:`request_blocks` at
-            once, so that nothing is ever evicted or preempted.
-        timing: ``"instant"`` or ``"trace"`` (see the module docstring).
-        max_batched_tokens: token budget of one step (``trace`` timing).
-        max_running: most requests in flight at once (``trace`` timing).
-        step_s: the step-time model: seconds per step.
-        prefill_token_s: the step-time model: seconds per uncached prompt token.
-        decode_token_s: the step-time model: seconds per decode token.
-        groups: a hybrid model's KV cache groups (``KVCacheSpec.groups``): blocks are counted per group
-            (windows free blocks, a hit is the prefix every group restores); empty (default): one
-            full-attention group.
-        policy: the pool's eviction policy, one of :data:`REPLAY_POLICIES` (``belady``: the offline bound).
-        pin_prefix: trace hash ids (512-token blocks) of a prefix to pin, e.g. ``(0,)`` for the system
-            prompt every Mooncake request starts with: its blocks (in every group) are pinned as soon as
-            all are cached and stay pinned to the end of the replay (``()``: pin nothing).
-        state_save: for a recurrent hybrid, its state save policy (``tail``, ``dense``, ``interval=N``,
-            ``tail+junction``: :mod:`kvpool.requests.state_checkpoints`): each running request holds a state
-            slot and a prefix is a hit only up to a state checkpoint. None: no recurrent state.
-        state_checkpoints: checkpoints held at most (least recently used evicted); None: unbounded.
-        elastic_block_bytes: bytes of one pool block: the replay then runs on a model of an elastic pool
-            (:class:`~kvpool.storage.elastic.PageModel`, no memory) whose committed pages follow the used
-            and cached blocks as in the engine (:mod:`kvpool.requests.block_memory`), and reports them.
-            None (default): no such model.
-        elastic_page_size: that model's page size in bytes (2 MiB by default).
-        match_unit: tokens per prefix-match unit (a divisor of ``block_size``): hits may end inside a block,
-            copied from a cached block (:mod:`kvpool.requests.partial_hits`); None: whole blocks only.
-        sessions: ``"session"`` or ``"last=N"``: requests keep their trace's ``session_id`` and a session's
-            turns are kept while it is open (:mod:`kvpool.trace.sessions`); None (default): no sessions.
-        state_budget: one budget for a recurrent hybrid's KV blocks and state slots, and its split
-            (:mod:`kvpool.requests.budget`; ``num_blocks``: the budget all as KV). None: KV only.
-
-    Raises:
-        ConfigError: a value out of range.
-    """
-
-    block_size: int = 16
-    num_blocks: int | None = None
-    timing: str = "instant"
-    max_batched_tokens: int = 8192
-    max_running: int = 256
-    step_s: float = 0.005
-    prefill_token_s: float = 2e-5
-    decode_token_s: float = 1e-4
-    groups: tuple[KVCacheGroup, ...] = ()
-    policy: str = "lru"
-    pin_prefix: tuple[int, ...] = ()
-    state_save: str | None = None
-    state_checkpoints: int | None = None
-    elastic_block_bytes: int | None = None
-    elastic_page_size: int = DEFAULT_PAGE_SIZE
-    match_unit: int | None = None
-    sessions: str | None = None
-    state_budget: BudgetConfig | None = None
-
-    def __post_init__(self) -> None:
-        if self.match_unit is not None:
-            object.__setattr__(self, "match_unit", check_match_unit(self.match_unit, self.block_size))
-        if self.state_budget is not None and (self.state_save is None or self.state_checkpoints is not None):
-            raise ConfigError("state_budget needs a state_save policy and sizes the state_checkpoints itself")
-        if any(g.block_size != self.block_size for g in self.groups):
-            raise ConfigError(f"the KV cache groups' block size must be block_size {self.block_size}")
-        if self.timing not in TIMINGS:
-            raise ConfigError(f"timing must be one of {', '.join(TIMINGS)}, got {self.timing!r}")
-        if self.policy not in REPLAY_POLICIES:
-            raise ConfigError(f"policy must be one of {', '.join(REPLAY_POLICIES)}, got {self.policy!r}")
-        if not isinstance(self.pin_prefix, (tuple, list)):
-            raise ConfigError(f"pin_prefix must be a tuple of hash ids, got {self.pin_prefix!r}")
-        object.__setattr__(self, "pin_prefix", tuple(as_int(h, "pin_prefix hash id", minimum=0,
-                                                            error=ConfigError) for h in self.pin_prefix))
-        if self.sessions is not None:
-            object.__setattr__(self, "sessions", str(SessionPolicy.parse(self.sessions)))
-        if self.state_save is not None:
-            object.__setattr__(self, "state_save", str(SavePolicy.parse(self.state_save, "state_save")))
-        elif self.state_checkpoints is not None:
-            raise ConfigError("state_checkpoints needs a state_save policy (a recurrent hybrid)")
-        object.__setattr__(self, "state_checkpoints", as_optional_int(
-            self.state_checkpoints, "state_checkpoints", minimum=1, error=ConfigError))
-        for name in ("block_size", "num_blocks", "max_batched_tokens", "max_running", "elastic_block_bytes",
-                     "elastic_page_size"):
-            check = as_optional_int if name in ("num_blocks", "elastic_block_bytes") else as_int
-            object.__setattr__(self, name, check(getattr(self, name), name, minimum=1, error=ConfigError))
-        for name in ("step_s", "prefill_token_s", "decode_token_s"):  # seconds
-            object.__setattr__(self, name, as_real(getattr(self, name), name, minimum=0, finite=True,
-                                                   error=ConfigError))
-
-    @property
-    def kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
-        """:attr:`groups`, or one full-attention group when none are given."""
-        return self.groups or (KVCacheGroup.full(self.block_size),)
-
-    @property
-    def step_tokens(self) -> int:
-        """The scheduler's token budget per step (``instant``: unlimited, a whole prompt at once)."""
-        return self.max_batched_tokens if self.timing == "trace" else UNLIMITED_TOKENS
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self.max_running if self.timing == "trace" else 1
-
-
-@dataclass(frozen=True)
-class ReplayResult:
-    """What a replay measured. Blocks are ``block_size``-token blocks of one KV cache group; ratios are in
-    [0, 1].
-
-    ``prompt_blocks`` counts the full prompt blocks of every request of the trace, admitted or rejected,
-    and ``hit_blocks`` those found cached at a request's first admission (at most the full blocks of its
-    first ``input - 1`` tokens: the engine always computes the last prompt token); ``token_hit_ratio =
-    (hit_blocks * block_size + partial_tokens) / prompt tokens`` (every request's). So the ratios of replays
-    of one trace on pools of any size share one denominator: a rejected request's prompt counts as misses
-    (:data:`HIT_RATIO_BASIS`), ``rejected_prompt_blocks`` of them (``requests_rejected`` requests).
-    ``peak_blocks_used`` and ``mean_blocks_used`` (time-weighted over the simulated run) count blocks with
-    a reference, over every group. ``block_ops`` counts block ids and hashes handled by pool calls (hashes
-    a lookup examined, blocks touched, allocated, published and freed); ``block_ops_per_s = block_ops /
-    wall_s``, ``wall_s`` the replay's own wall time. ``timeline`` (only when recorded) holds :data:`Sample`
-    rows; ``policy`` is the eviction policy's name; ``pinned_blocks`` the blocks of ``config.pin_prefix``
-    that were pinned (0 if it never was all cached).
-
-    ``tier_hits`` splits ``hit_blocks`` by where they were found (``device``, then each tier's medium:
-    ``host``, ``disk``, ``remote``); ``tiers`` holds the :meth:`OffloadManager.stats` of the run, and
-    ``block_ops`` includes the block operations of the manager and of the host tier's pool. Without tiers
-    ``tier_hits`` is ``{"device": hit_blocks}``.
-
-    With ``config.state_save`` (a recurrent hybrid): ``state_slots_peak``, the most requests holding a state
-    slot at once; ``checkpoints_saved`` (stored over the run), ``checkpoints_peak`` (held at once),
-    ``checkpoint_hits`` (admissions restored from one), ``checkpoint_evictions``; ``kv_only_tokens``, at
-    first admissions, the tokens whose KV every group had cached but that lay past the last checkpoint (not
-    reused: ``hit_blocks`` excludes them). All 0 (``state_save`` None) otherwise.
-
-    With ``config.elastic_block_bytes`` (a model of an elastic pool): ``peak_committed_bytes`` (the most its
-    pages held, taken each step), ``final_committed_bytes`` (at the end: the cached blocks' pages) and
-    ``trimmed_committed_bytes`` (after evicting the cached blocks and giving their pages back), and with a
-    timeline ``memory_timeline`` (:data:`~kvpool.trace.elastic_track.MemorySample` rows). All 0 otherwise.
-    With ``config.match_unit``, the first admissions' partial hits (``partial_hits``), their hit
-    tokens past the full blocks (``partial_tokens``) and the blocks and token slots copied.
-
-    ``cache``: :meth:`ReplaySessions.end` (``usage``: the cached-token sums of the admitted requests by
-    tier, ``sessions``: the session counters under ``config.sessions``).
-    ``state_budget`` (with ``config.state_budget``, else None): :meth:`StateBudget.report`; the blocks it
-    holds for state slots are not in ``peak_blocks_used`` / ``mean_blocks_used``.
-    """
-
-    requests_completed: int
-    requests_rejected: int
-    prompt_blocks: int
-    hit_blocks: int
-    block_hit_ratio: float
-    token_hit_ratio: float
-    peak_blocks_used: int
-    mean_blocks_used: float
-    preemptions: int
-    block_ops: int
-    block_ops_per_s: float
-    wall_s: float
-    evictions: int
-    simulated_s: float
-    num_blocks: int
-    block_size: int
-    timing: str
-    policy: str = "lru"
-    pinned_blocks: int = 0
-    rejected_prompt_blocks: int = 0
-    tier_hits: dict[str, int] = field(default_factory=dict)
-    tiers: dict[str, Any] = field(default_factory=dict)
-    timeline: list[Sample] = field(default_factory=list, repr=False)
-    state_save: str | None = None
-    state_slots_peak: int = 0
-    checkpoints_saved: int = 0
-    checkpoints_peak: int = 0
-    checkpoint_hits: int = 0
-    checkpoint_evictions: int = 0
-    kv_only_tokens: int = 0
-    peak_committed_bytes: int = 0
-    final_committed_bytes: int = 0
-    trimmed_committed_bytes: int = 0
-    match_unit: int | None = None
-    partial_hits: int = 0
-    partial_tokens: int = 0
-    partial_copied_blocks: int = 0
-    partial_copied_tokens: int = 0
-    cache: dict[str, Any] = field(default_factory=dict)
-    memory_timeline: list[MemorySample] = field(default_factory=list, repr=False)
-    state_budget: dict[str, Any] | None = None
-
-    def to_dict(self) -> dict[str, object]:
-        """Every field but the timelines, JSON-ready."""
-        out = asdict(self)
-        del out["timeline"], out["memory_timeline"]
-        return out
-
-
-def trace_request(req: TraceRequest, request_id: int, block_size: int, match_unit: int | None = None
-                  ) -> Request:
-    """``req`` as a request of the request path: counts and the prompt's block (and unit) hashes."""
-    return Request(request_id, None, req.output_tokens, num_prompt_tokens=req.input_tokens,
-                   block_hashes=req.block_hashes(block_size), arrival_s=req.arrival_s,
-                   unit_hashes=req.block_hashes(match_unit) if match_unit else [])
-
-
-def request_blocks(req: TraceRequest, config: ReplayConfig | int) -> int:
-    """Pool blocks ``req`` needs at its peak alone (every group, the null block included): what the
-    scheduler checks on arrival (a request needing more than the pool is rejected). ``config`` may be a
-    block size (one full-attention group, instant timing)."""
-    config = ReplayConfig(block_size=config) if isinstance(config, int) else config
-    kv_tokens = req.input_tokens + max(req.output_tokens - 1, 0)
-    return blocks_needed(config.kv_cache_groups, kv_tokens, config.step_tokens)
-
-
-def unbounded_num_blocks(requests: Sequence[TraceRequest], config: ReplayConfig | int) -> int:
-    """Blocks to hold every request of the trace at once: the sum of :func:`request_blocks` (the null
-    block counted once). ``config`` may be a block size (one full-attention group)."""
-    config = ReplayConfig(block_size=config) if isinstance(config, int) else config
-    null = 1 if needs_null_block(config.kv_cache_groups) else 0
-    return max(1 + null, sum(request_blocks(r, config) - null for r in requests) + null)
-
-
-def admission_order(requests: Sequence[TraceRequest], config: ReplayConfig, num_blocks: int
-                    ) -> list[TraceRequest]:
-    """The requests in the order the replay first admits them (the future :class:`TraceFuture` needs):
-    trace order for ``instant`` timing, arrival order for ``trace`` timing (first come, first served),
-    without the requests larger than the pool, which it rejects."""
-    order = requests if config.timing == "instant" else sorted(requests, key=lambda r: r.arrival_s)
-    return [r for r in order if request_blocks(r, config) <= num_blocks]
 
 
 class Replayer:
@@ -452,7 +212,7 @@ class Replayer:
         pinned = self.kv.unpin_all()
         if self.pool.num_used_blocks:
             raise IntegrityError(f"replay ended with {self.pool.num_used_blocks} blocks still in use")
-        tier_hits, tiers = self._tier_report()
+        tier_hits, tiers = tier_report(self.kv)
         self.kv.check_integrity()
         kv, bs = self.kv, self.bs
         hits, part = kv.first_stats.hit_blocks, kv.partial.report() if kv.partial is not None else {}
@@ -462,30 +222,14 @@ class Replayer:
             kv.detach_tiers()
         return ReplayResult(
             self.completed, self.rejected, self.prompt_blocks, hits,
-            _ratio(hits, self.prompt_blocks), _ratio(hit_tokens, self.prompt_tokens),
-            self.peak, _ratio(self.area, self.now), self.sched.num_preemptions, ops, _ratio(ops, wall), wall,
+            ratio(hits, self.prompt_blocks), ratio(hit_tokens, self.prompt_tokens),
+            self.peak, ratio(self.area, self.now), self.sched.num_preemptions, ops, ratio(ops, wall), wall,
             self.pool.stats.evictions, self.now, self.pool.num_blocks, bs, self.cfg.timing, self.cfg.policy,
             pinned, self.rejected_blocks, tier_hits, tiers, timeline=self.timeline or [], cache=cache,
-            **self._state_report(), **({} if self.track is None else self.track.report()), **part,
+            **state_report(self.kv.states, self.cfg.state_save),
+            **({} if self.track is None else self.track.report()), **part,
             state_budget=None if self.budget is None else self.budget.report())
 
-    def _state_report(self) -> dict[str, Any]:
-        states = self.kv.states
-        if states is None:
-            return {}
-        s = states.stats
-        return {"state_save": self.cfg.state_save, "state_slots_peak": s.peak_request_slots,
-                "checkpoints_saved": s.saved, "checkpoints_peak": s.peak_checkpoints,
-                "checkpoint_hits": s.restored, "checkpoint_evictions": s.evicted,
-                "kv_only_tokens": s.kv_only_tokens}
-
-    def _tier_report(self) -> tuple[dict[str, int], dict[str, Any]]:
-        """(hits by place at first admissions, the manager's stats); checks every tier."""
-        places = self.kv.hits_by_place(first_admissions=True)
-        if self.kv.tiers is None:
-            return places, {}
-        self.kv.tiers.synchronize()
-        return places, self.kv.tiers.stats()
 
     def _arrive(self, pending: deque[int]) -> None:
         """Queue the requests that arrived (``trace``), or the next one when none runs (``instant``); a
@@ -622,7 +366,3 @@ class Replayer:
 def _as_trace(req: Request) -> TraceRequest:
     """The counts of a request with token ids, as a trace request (its arrival, prompt and output)."""
     return TraceRequest(req.arrival_s, req.num_prompt_tokens, req.max_tokens)
-
-
-def _ratio(num: float, den: float) -> float:
-    return num / den if den else 0.0
