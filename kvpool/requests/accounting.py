@@ -23,44 +23,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from kvpool.requests.request import Request
+from kvpool.requests.request import CacheUsage, Request
+
+__all__ = ["DEVICE", "CacheUsage", "UsageTotals", "cache_usage"]
 
 DEVICE = "device"
-
-
-@dataclass(frozen=True)
-class CacheUsage:
-    """One request's prompt tokens by what the cache did for them (see the module docstring).
-
-    ``read_tokens``: place -> tokens read from the cache there (``device`` always present).
-    """
-
-    read_tokens: Mapping[str, int]
-    creation_tokens: int
-    uncached_tokens: int
-
-    @property
-    def cache_read_tokens(self) -> int:
-        """Prompt tokens served from the cache, every place together."""
-        return sum(self.read_tokens.values())
-
-    @property
-    def cache_creation_tokens(self) -> int:
-        """Prompt tokens computed and written to the prefix cache."""
-        return self.creation_tokens
-
-    @property
-    def prompt_tokens(self) -> int:
-        """read + creation + uncached: the request's prompt tokens."""
-        return self.cache_read_tokens + self.creation_tokens + self.uncached_tokens
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: ``cache_read_tokens``, ``cache_read_tokens_by_tier``, ``cache_creation_tokens``,
-        ``uncached_tokens``."""
-        return _as_dict(self.read_tokens, self.creation_tokens, self.uncached_tokens)
 
 
 def cache_usage(num_prompt_tokens: int, num_hashed_blocks: int, block_size: int, hit_tokens: int,
@@ -122,10 +91,5 @@ class UsageTotals:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready sums (the keys of :meth:`CacheUsage.to_dict`, plus ``requests``)."""
-        return {"requests": self.requests, **_as_dict(self.read_tokens, self.creation_tokens,
-                                                      self.uncached_tokens)}
-
-
-def _as_dict(read: Mapping[str, int], creation: int, uncached: int) -> dict[str, Any]:
-    return {"cache_read_tokens": sum(read.values()), "cache_read_tokens_by_tier": dict(read),
-            "cache_creation_tokens": creation, "uncached_tokens": uncached}
+        usage = CacheUsage(self.read_tokens, self.creation_tokens, self.uncached_tokens)
+        return {"requests": self.requests, **usage.to_dict()}

@@ -14,14 +14,68 @@ at most (:attr:`Request.max_kv_tokens`).
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.errors import InvalidArgumentError
 from kvpool.numeric import as_id_list, as_int
-from kvpool.requests.accounting import CacheUsage
-from kvpool.requests.sessions import Retention
+
+
+@dataclass(frozen=True)
+class CacheUsage:
+    """One request's prompt tokens by what the cache did for them (:mod:`kvpool.requests.accounting`).
+
+    ``read_tokens``: place -> tokens read from the cache there (``device`` always present).
+    """
+
+    read_tokens: Mapping[str, int]
+    creation_tokens: int
+    uncached_tokens: int
+
+    @property
+    def cache_read_tokens(self) -> int:
+        """Prompt tokens served from the cache, every place together."""
+        return sum(self.read_tokens.values())
+
+    @property
+    def cache_creation_tokens(self) -> int:
+        """Prompt tokens computed and written to the prefix cache."""
+        return self.creation_tokens
+
+    @property
+    def prompt_tokens(self) -> int:
+        """read + creation + uncached: the request's prompt tokens."""
+        return self.cache_read_tokens + self.creation_tokens + self.uncached_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``cache_read_tokens``, ``cache_read_tokens_by_tier``, ``cache_creation_tokens``,
+        ``uncached_tokens``."""
+        return {"cache_read_tokens": self.cache_read_tokens,
+                "cache_read_tokens_by_tier": dict(self.read_tokens),
+                "cache_creation_tokens": self.creation_tokens, "uncached_tokens": self.uncached_tokens}
+
+
+@dataclass(frozen=True)
+class Retention:
+    """Keep the full blocks of tokens ``[start, end)`` of a request (prompt, then outputs) through the
+    ``steps`` scheduler steps after the one it finished in. Only the blocks it published count (a block is
+    kept when the range covers it whole); a range is worth keeping from token 0: a later hit needs the
+    prefix.
+
+    Raises:
+        InvalidArgumentError: a bound or duration that is not an integer >= 0, or ``end <= start``.
+    """
+
+    end: int
+    steps: int
+    start: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("end", "steps", "start"):
+            object.__setattr__(self, name, as_int(getattr(self, name), f"retention {name}", minimum=0))
+        if self.end <= self.start:
+            raise InvalidArgumentError(f"retention range [{self.start}, {self.end}) is empty")
 
 
 class RequestStatus(enum.Enum):
@@ -55,11 +109,10 @@ class Request:
         generator: the engine's random generator (opaque here).
         keep_logits: keep the logits row ``[V]`` of every sampled token in :attr:`logits` (tests).
         session_id: the open session it belongs to, or None (:mod:`kvpool.requests.sessions`).
-        retain: a :class:`~kvpool.requests.sessions.Retention` (a token range kept for some steps after it
-            finishes), or None.
+        retain: a :class:`Retention` (a token range kept for some steps after it finishes), or None.
 
     After its first admission, :attr:`cache_usage` holds its prompt tokens read from the cache by tier,
-    written to it, and neither (:class:`~kvpool.requests.accounting.CacheUsage`).
+    written to it, and neither (:class:`CacheUsage`).
 
     Raises:
         InvalidArgumentError: a count that is not an integer >= 0 (``num_prompt_tokens`` >= 1), token ids

@@ -36,36 +36,29 @@ import heapq
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError, PinLimitError
-from kvpool.numeric import as_int, as_optional_int
+from kvpool.errors import ConfigError, InvalidIdError, PinLimitError
+from kvpool.numeric import as_optional_int
+from kvpool.requests.request import Request, Retention
 
-if TYPE_CHECKING:
-    from kvpool.requests.kv_manager import KVCacheManager
-    from kvpool.requests.request import Request
+__all__ = ["Retention", "SessionCache", "SessionPolicy", "SessionStats"]
 
 
-@dataclass(frozen=True)
-class Retention:
-    """Keep the full blocks of tokens ``[start, end)`` of a request (prompt, then outputs) through the
-    ``steps`` scheduler steps after the one it finished in. Only the blocks it published count (a block is
-    kept when the range covers it whole); a range is worth keeping from token 0: a later hit needs the
-    prefix.
+class KVManagerLike(Protocol):
+    """What a :class:`SessionCache` reads of its :class:`~kvpool.requests.kv_manager.KVCacheManager`."""
 
-    Raises:
-        InvalidArgumentError: a bound or duration that is not an integer >= 0, or ``end <= start``.
-    """
+    @property
+    def caching(self) -> bool: ...
 
-    end: int
-    steps: int
-    start: int = 0
+    @property
+    def block_size(self) -> int: ...
 
-    def __post_init__(self) -> None:
-        for name in ("end", "steps", "start"):
-            object.__setattr__(self, name, as_int(getattr(self, name), f"retention {name}", minimum=0))
-        if self.end <= self.start:
-            raise InvalidArgumentError(f"retention range [{self.start}, {self.end}) is empty")
+    @property
+    def pool(self) -> Any: ...
+
+    @property
+    def coordinator(self) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -131,7 +124,7 @@ class SessionCache:
     """The sessions and retained ranges of one :class:`~kvpool.requests.kv_manager.KVCacheManager` (its
     ``sessions``). See the module docstring."""
 
-    def __init__(self, kv: KVCacheManager) -> None:
+    def __init__(self, kv: KVManagerLike) -> None:
         self._kv = kv
         self._sessions: dict[Hashable, _Session] = {}
         self._holdings: OrderedDict[int, _Holding] = OrderedDict()  # oldest first
