@@ -30,12 +30,12 @@ SGLANG_DEPS="numpy packaging psutil pyzmq msgspec pydantic pydantic_core typing_
 
 # What tests/integrations (kvpool's adapters inside the releases) needs besides: kvpool's own imports (it
 # runs from the tree on PYTHONPATH), pytest, and for SGLang's host pools the imports of its memory pool.
-KVPOOL_DEPS="mypy_extensions xxhash blake3 redis pytest pytest-timeout hypothesis"
+KVPOOL_DEPS="mypy_extensions librt xxhash blake3 redis pytest pytest-timeout hypothesis"
 SGLANG_POOL_DEPS="transformers==5.19.0 triton dill sentencepiece apache-tvm-ffi==0.1.11 compressed-tensors gguf"
 
 extras() {  # extras VENV DEPS [CHECK]: install what the integration tests import (skipped when present)
   local py=$VENVS/$1-venv/bin/python
-  if "$py" -c "import mypy_extensions, xxhash, blake3, redis, pytest, hypothesis${3:+, $3}" 2>/dev/null; then
+  if "$py" -c "import mypy_extensions, librt, xxhash, blake3, redis, pytest, hypothesis${3:+, $3}" 2>/dev/null; then
     return
   fi
   echo "$1: installing what tests/integrations imports ..."
