@@ -82,14 +82,18 @@ class UsageTotals:
         self.uncached_tokens += usage.uncached_tokens
 
     @property
+    def usage(self) -> CacheUsage:
+        """The sums as one :class:`CacheUsage` (its totals and dict are the per-request ones' formulas)."""
+        return CacheUsage(self.read_tokens, self.creation_tokens, self.uncached_tokens)
+
+    @property
     def cache_read_tokens(self) -> int:
-        return sum(self.read_tokens.values())
+        return self.usage.cache_read_tokens
 
     @property
     def prompt_tokens(self) -> int:
-        return self.cache_read_tokens + self.creation_tokens + self.uncached_tokens
+        return self.usage.prompt_tokens
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready sums (the keys of :meth:`CacheUsage.to_dict`, plus ``requests``)."""
-        usage = CacheUsage(self.read_tokens, self.creation_tokens, self.uncached_tokens)
-        return {"requests": self.requests, **usage.to_dict()}
+        return {"requests": self.requests, **self.usage.to_dict()}
