@@ -25,11 +25,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.requests.hit_places import DEVICE
 from kvpool.requests.request import CacheUsage, Request
 
 __all__ = ["DEVICE", "CacheUsage", "UsageTotals", "cache_usage"]
-
-DEVICE = "device"
 
 
 def cache_usage(num_prompt_tokens: int, num_hashed_blocks: int, block_size: int, hit_tokens: int,
