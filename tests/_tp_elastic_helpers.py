@@ -65,14 +65,16 @@ def sleep_and_wake(tp: Any) -> dict[str, Any] | None:
     return _run(tp, engine, lead)
 
 
-def host_tier_hit(tp: Any) -> dict[str, Any] | None:
-    """A prompt runs (its blocks written through to each rank's host tier as they are published), ``trim()``
-    evicts its cached blocks from the device and gives their pages back, then the prompt runs again: its
-    prefix comes from the host tier, restored on every rank into blocks committed as rank 0 committed."""
+def tier_hit(tp: Any, url: str) -> dict[str, Any] | None:
+    """A prompt runs (its blocks written through to each rank's tier, ``url``, as they are published),
+    ``trim()`` evicts its cached blocks from the device and gives their pages back, then the prompt runs
+    again: its prefix comes from the tier, restored on every rank into blocks committed as rank 0
+    committed."""
+    from kvpool.allocators.hashing import BlockHasher
     from kvpool.engine.sampling import SamplingParams
 
-    engine = _engine(tp, num_blocks=32)
-    offload = engine.enable_offload(["host://?blocks=32"], write_through=True)
+    engine = _engine(tp, num_blocks=32, hasher=BlockHasher("sha256", shared=True))
+    offload = engine.enable_offload([url], write_through=True, auth_key="kvpool tests: tp elastic tier secret")
     params = SamplingParams(max_new_tokens=NEW)
 
     def lead(engine: Any) -> dict[str, Any]:

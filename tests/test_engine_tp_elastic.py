@@ -47,14 +47,17 @@ def test_tp2_sleep_gives_every_rank_its_pages_back_and_wake_generates_the_same_t
 
 
 @pytest.mark.timeout(300)
-def test_tp2_host_tier_restores_on_every_rank_after_trim_evicted_the_device_cache() -> None:
-    got = launch(helpers.host_tier_hit, 2)
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_tp2_tier_restores_on_every_rank_after_trim_evicted_the_device_cache(tier: str, tmp_path: Path
+                                                                             ) -> None:
+    url = "host://?blocks=32" if tier == "host" else f"file://{tmp_path}/disk?blocks=32"
+    got = launch(helpers.tier_hit, 2, url)
     ref = greedy([_tp_helpers.PROMPTS[0]])[0]
     assert got["first"] == ref and got["again"] == ref
     assert got["trimmed"] > 0 and got["cached_after_trim"] == 0  # no block of the prompt left on the device
     # the 40-token prompt hits at most (40 - 1) // 4 = 9 full blocks (its last token is computed): all 9
-    # from each rank's host tier
-    assert got["hits"] == {"device": 0, "host": 9}
+    # from each rank's tier
+    assert got["hits"] == {"device": 0, tier: 9}
 
 
 class _Runner:
