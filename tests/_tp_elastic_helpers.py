@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from _tp_helpers import BLOCK, NEW, PROMPTS, build_model
 
+SECRET = "kvpool tests: the tp elastic tier secret"  # a disk tier's blocks are signed with it
 PAGE = 4096  # 4 KiB pages: a tiny Llama's block on a rank (tp 2: 1 of its 2 KV heads) holds 1 KiB of KV
 
 
@@ -74,7 +75,7 @@ def tier_hit(tp: Any, url: str) -> dict[str, Any] | None:
     from kvpool.engine.sampling import SamplingParams
 
     engine = _engine(tp, num_blocks=32, hasher=BlockHasher("sha256", shared=True))
-    offload = engine.enable_offload([url], write_through=True, auth_key="kvpool tests: tp elastic tier secret")
+    offload = engine.enable_offload([url], write_through=True, auth_key=SECRET)
     params = SamplingParams(max_new_tokens=NEW)
 
     def lead(engine: Any) -> dict[str, Any]:
