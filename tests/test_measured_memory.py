@@ -58,10 +58,3 @@ def test_generate_kv_memory_auto_matches_transformers(capsys: pytest.CaptureFixt
     # tiny-llama, fp32, 16-token blocks: 2 layers x K and V x 2 heads x 16 x 4 B x 16 = 8 KiB a block
     assert memory["elastic"] and stats["num_blocks"] == m["kv_bytes"] // 8192 == memory["reserved"] // 8192
     assert 0 < memory["peak_committed"] < memory["reserved"]
-
-
-def test_generate_kv_memory_auto_refuses_tensor_parallelism(capsys: pytest.CaptureFixture) -> None:
-    from kvpool.cli import main
-
-    code = main(["generate", "--model", "tiny-llama", "--kv-memory", "auto", "--tp-size", "2"])
-    assert code == 2 and "--tp-size 1" in capsys.readouterr().err

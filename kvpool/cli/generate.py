@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 from dataclasses import asdict
@@ -123,11 +124,13 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts or list(DEFAULT_PROMPTS)
 
 
-def pool_blocks(loaded: Any, args: argparse.Namespace, memory: Any) -> int:
+def pool_blocks(loaded: Any, args: argparse.Namespace, memory: Any, ranks_here: int = 1) -> int:
     """Blocks for the pool (per TP rank): --num-blocks, else a plan of ``memory`` (the loaded model's
     :class:`~kvpool.spec.memory.ModelMemory`) from --kv-memory (CPU default 256 MiB) or the CUDA profile
     taken after a warmup forward of ``--max-batched-tokens`` tokens; with ``--kv-memory auto``, from the
-    memory measured after that warmup (``args.measured`` keeps it)."""
+    memory measured after that warmup (``args.measured`` keeps it; on the CPU the machine's, shared by the
+    ``ranks_here`` ranks on it: each plans its share). Every rank of a tensor-parallel job warms up at
+    once (the forward's all-reduces), and the caller takes the smallest pool over the ranks."""
     if args.num_blocks is not None:
         return args.num_blocks
     from kvpool.engine.recurrent import engine_kv_spec
@@ -142,7 +145,7 @@ def pool_blocks(loaded: Any, args: argparse.Namespace, memory: Any) -> int:
 
     if args.kv_memory == AUTO:
         args.measured = measure_free_memory(loaded.model.device, warmup)
-        budget = args.measured.kv_bytes
+        budget = args.measured.kv_bytes // (ranks_here if loaded.model.device.type == "cpu" else 1)
         return plan_pool(spec, MemoryReadings(total_bytes=budget, non_kv_bytes=0),
                          gpu_memory_utilization=1.0).num_blocks
     if args.kv_memory is None and loaded.model.device.type == "cuda":
@@ -193,8 +196,6 @@ def run(args: argparse.Namespace) -> int:
                              seed=args.seed + i) for i in range(len(texts))]  # bad input fails before loading
     config = config_before_load(args.model)  # read once, before the weights
     tp_size = tp_size_of(args, args.model, config)
-    if args.kv_memory == AUTO and tp_size > 1:
-        raise ConfigError("--kv-memory auto sizes an elastic pool, which runs with --tp-size 1")
     check_before_load(args, tp_size, config)
     try:
         with model_errors(args.model):
@@ -236,7 +237,7 @@ def generate_on_rank(tp: Any, args: argparse.Namespace, texts: list[str], params
         if tp is not None:
             shard_model(loaded.model, tp.rank, tp.size, tp.all_reduce)
         memory = model_memory(loaded.model, block_size=args.block_size, tp_size=tp_size)  # its config, once
-        num_blocks = pool_blocks(loaded, args, memory)
+        num_blocks = pool_blocks(loaded, args, memory, ranks_on_host(tp))
         engine = LLMEngine(loaded.model, num_blocks=num_blocks if tp is None else tp.min_int(num_blocks),
                            block_size=args.block_size, max_num_batched_tokens=args.max_batched_tokens,
                            eos_token_ids=loaded.eos_token_ids, hasher=hasher, tp_size=tp_size,
@@ -269,6 +270,14 @@ def generate_on_rank(tp: Any, args: argparse.Namespace, texts: list[str], params
         _check(model, prompts, results, args.max_new_tokens)
     stats = _stats(engine, tp, ship, getattr(args, "measured", None))
     return {"model": args.model, "requests": results, "stats": stats}
+
+
+def ranks_on_host(tp: Any) -> int:
+    """The ranks of ``tp`` (None: one process) on this machine: torchrun's ``LOCAL_WORLD_SIZE``, else all of
+    them (kvpool's own launcher starts every rank here)."""
+    if tp is None:
+        return 1
+    return int(os.environ.get("LOCAL_WORLD_SIZE", tp.size))
 
 
 def _check(model: Any, prompts: list[list[int]], results: list[dict[str, Any]], max_new_tokens: int) -> None:

@@ -24,8 +24,15 @@ Who decides and who follows (docs/DESIGN.md argues the choice):
   plan)``: every rank runs the same :meth:`~kvpool.tiers.manager.OffloadManager.restore` on its own pool
   and tiers, and the ranks keep only the blocks every rank loaded (``all_reduce`` MIN of the count), so a
   rank whose tier misses where rank 0 hit makes it a miss for all: no rank restores a prefix another lacks.
+  An elastic cache's restore commits the blocks it loads into on every rank as rank 0 did (rank 0 ships
+  its commit mid-restore, ``("commit", log, result)``: :mod:`kvpool.engine.tp_memory`).
   (On CUDA a host tier's copies complete at each rank's own pace, so the ranks' host tiers may hold
   different blocks for a while: the agreement keeps that a miss, never a divergence of the device pools.)
+
+* **Sleep and wake.** ``("sleep", log)``: every rank replays rank 0's preemptions and releases, then gives
+  back every page of its shard; ``("wake", log)``: every rank commits again, and all stay awake only when
+  all could (:func:`~kvpool.engine.tp_memory.wake_agreed`). ``("memory", log)`` gathers each rank's
+  committed bytes (:func:`committed_by_rank`).
 
 Messages are pickles broadcast on a gloo group over CPU tensors (the ranks of one job trust each other, as
 ``torch.distributed.broadcast_object_list`` does): one broadcast of a fixed :data:`FRAME_BYTES` frame that
@@ -40,6 +47,7 @@ Only rank 0 samples: tokens reach the followers as the next step's ``token_ids``
 from __future__ import annotations
 
 import contextlib
+import functools
 import pickle
 import time
 from collections.abc import Callable
@@ -56,8 +64,14 @@ from kvpool.engine.pool_log import (  # noqa: F401 (re-exported)
     replay,
 )
 from kvpool.engine.tp_group import DEFAULT_TIMEOUT_S, FRAME_BYTES, Channel, TPGroup  # noqa: F401 (re-exported)
-from kvpool.engine.tp_memory import RecordingMemory
-from kvpool.errors import CollectiveError, IntegrityError
+from kvpool.engine.tp_memory import (
+    FollowRestoreMemory,
+    LeadRestoreMemory,
+    RecordingMemory,
+    committed_bytes,
+    wake_agreed,
+)
+from kvpool.errors import CollectiveError, InsufficientMemoryError, IntegrityError
 
 T = TypeVar("T")
 
@@ -99,6 +113,14 @@ class _ShippingRunner:
         self.leader.in_forward = False
         return logits
 
+    def sleep(self) -> int:
+        self.leader.send("sleep")  # every follower replays the releases so far, then sleeps
+        return self.runner.sleep()
+
+    def wake(self) -> int:
+        self.leader.send("wake")
+        return wake_agreed(self.leader.tp, self.runner)
+
 
 class Leader:
     """Rank 0: takes over ``engine`` through its declared seams: a :class:`RecordingPool` in front of its
@@ -123,6 +145,8 @@ class Leader:
 
             tiers.restore = restore_everywhere
             tiers.agree = tp.min_int
+            if memory is not None:  # each rank commits what it loads into as rank 0 did
+                tiers.memory = LeadRestoreMemory(memory, self.send)
 
     def send(self, kind: str, batch: Any = None) -> None:
         start = time.perf_counter()
@@ -145,6 +169,12 @@ class Leader:
         self.tp.min_int(0)  # the followers have decoded every message
         self.stats.transport_us = (time.perf_counter() - start) / rounds * 1e6
         return self.stats.transport_us
+
+    def committed_by_rank(self) -> list[int]:
+        """Collective: the bytes each rank's KV cache (and recurrent states) hold committed, in rank order
+        (a fixed cache: all of it)."""
+        self.send("memory")
+        return _gather_committed(self.tp, self.engine.runner.runner)
 
     def check(self) -> None:
         self.send("check")
@@ -177,10 +207,12 @@ class Follower:
         tiers = getattr(self.engine, "offload", None)
         if tiers is not None:
             tiers.agree = self.tp.min_int
+            if tiers.memory is not None:  # rank 0's commits for its restores, mid-restore
+                apply = functools.partial(replay, pool, rank=rank, cache=runner.cache)
+                tiers.memory = FollowRestoreMemory(self.receive, apply, rank)
         while True:
-            data = self.channel.recv()
+            kind, log, batch = self.receive()
             start = time.perf_counter()
-            kind, log, batch = pickle.loads(data)
             if tiers is not None:  # copies complete at each rank's own pace (CUDA); restores agree anyway
                 tiers.poll()
             replay(pool, log, rank, runner.cache)
@@ -192,6 +224,8 @@ class Follower:
                 runner.execute(batch)
             elif kind == "check":
                 check_across_ranks(self.tp, pool, runner.cache)
+            elif kind in ("sleep", "wake", "memory"):
+                self._memory(kind, tiers)
             elif kind == "sync":  # the end of time_transport's pings
                 self.tp.min_int(0)
             elif kind == "stop":
@@ -199,6 +233,37 @@ class Follower:
                 return
             elif kind != "ping":
                 raise IntegrityError(f"rank {rank}: rank 0 sent an unknown message {kind!r}")
+
+    def receive(self) -> tuple[str, list, Any]:
+        """Rank 0's next message: ``(kind, pool log, payload)``."""
+        return pickle.loads(self.channel.recv())
+
+    def _memory(self, kind: str, tiers: Any) -> None:
+        """Rank 0's ``sleep`` (its stores in flight finished first, as rank 0's), ``wake`` (collective: a
+        rank that cannot commit leaves every rank asleep, and rank 0 raises) or ``memory`` (collective: the
+        committed bytes gathered)."""
+        runner = self.engine.runner
+        if kind == "sleep":
+            if tiers is not None:
+                tiers.synchronize()
+            runner.sleep()
+        elif kind == "wake":
+            with contextlib.suppress(InsufficientMemoryError):
+                wake_agreed(self.tp, runner)
+        else:
+            _gather_committed(self.tp, runner)
+
+
+def _gather_committed(tp: TPGroup, runner: Any) -> list[int]:
+    """Collective: :func:`~kvpool.engine.tp_memory.committed_bytes` of every rank's runner, in rank order."""
+    mine = committed_bytes(runner).to_bytes(8, "little")
+    return [int.from_bytes(b, "little") for b in tp.all_gather_bytes(mine)]
+
+
+def committed_by_rank(engine: Any) -> list[int]:
+    """Collective, on rank 0 while :func:`run_engine` runs ``lead``: the bytes each rank's KV cache (and
+    recurrent states) hold committed now, in rank order (:meth:`Leader.committed_by_rank`)."""
+    return engine.runner.leader.committed_by_rank()
 
 
 def run_engine(tp: TPGroup, engine: Any, lead: Callable[[Any], T], *, transport_rounds: int = 0

@@ -135,8 +135,8 @@ class LLMEngine:
             a block's pages as it is handed out and releases them once it holds no KV:
             :mod:`kvpool.requests.block_memory`), and :meth:`sleep` / :meth:`wake` give every KV and state
             page back and take them again. With ``tp_size`` > 1 each rank's shard sits on its own arena,
-            committed and released in step with rank 0's (:mod:`kvpool.engine.tp_memory`); there
-            :meth:`sleep` / :meth:`wake` and tiers are refused (ConfigError: not shipped to the ranks).
+            committed and released in step with rank 0's (:mod:`kvpool.engine.tp_memory`), and
+            :meth:`sleep` / :meth:`wake` and the tiers' restores run on every rank.
         memory: the model's :class:`~kvpool.spec.memory.ModelMemory` at ``block_size``, ``kv_dtype`` and
             ``tp_size``, where the caller has made it (its config read once per command); default
             :func:`kvpool.engine.recurrent.model_memory`'s.
@@ -283,7 +283,6 @@ class LLMEngine:
         """
         from kvpool.tiers.from_url import TierURL, tiers_from_urls
 
-        self._single_rank_if_elastic("tiers")
         if any(isinstance(t, str | TierURL) for t in tiers):
             urls = [t for t in tiers if isinstance(t, str | TierURL)]
             if len(urls) != len(tiers):
@@ -406,14 +405,14 @@ class LLMEngine:
         prefixes wait to be pinned again once cached, the prefix index is emptied (an
         ``AllBlocksCleared`` KV event, published now), the state checkpoints dropped; the tiers keep what
         they hold (swaps in flight finish first). Until :meth:`wake`, :meth:`step` and :meth:`generate`
-        raise AsleepError; :meth:`add_request` queues. Returns the bytes given back; 0 when asleep already.
+        raise AsleepError; :meth:`add_request` queues. Returns the bytes given back (rank 0's, under tensor
+        parallelism, where every rank gives its shard's pages back); 0 when asleep already.
 
         Raises:
             ConfigError: the engine was built without ``elastic``.
         """
         if not self.cache.elastic:
             raise ConfigError("sleep needs an elastic KV cache: build the engine with elastic=True")
-        self._single_rank_if_elastic("sleep")
         if self.asleep:
             return 0
         if self.offload is not None:
@@ -423,26 +422,19 @@ class LLMEngine:
         if not self.kv_manager.empty():
             raise IntegrityError("a block is still in use after every request was preempted")
         self.kv_manager.flush_events()
-        self.cache.sleep()
-        if self.runner.recurrent is not None:
-            self.runner.recurrent.cache.sleep()
+        self.runner.sleep()  # (through the runner: a tensor-parallel leader's sleeps every rank)
         self.asleep = True
         return before
 
     def wake(self) -> int:
         """Take memory again after :meth:`sleep`: the pages the KV cache kept for no block (the null block,
         the reserve) and every state slot, reading 0; the KV cache's blocks are committed again as they are
-        handed out. Returns the bytes committed; 0 when awake. Raises MemoryLimitError /
-        InsufficientMemoryError (still asleep) when they cannot be committed."""
+        handed out. Returns the bytes committed (rank 0's, under tensor parallelism); 0 when awake. Raises
+        MemoryLimitError / InsufficientMemoryError (still asleep) when they cannot be committed (under
+        tensor parallelism: on any rank; then every rank stays asleep)."""
         if not self.asleep:
             return 0
-        taken = self.cache.wake()
-        if self.runner.recurrent is not None:
-            try:
-                taken += self.runner.recurrent.cache.wake()
-            except BaseException:
-                self.cache.sleep()
-                raise
+        taken = self.runner.wake()  # (a tensor-parallel leader's wakes every rank, or none)
         self.asleep = False
         return taken
 
@@ -458,12 +450,6 @@ class LLMEngine:
         given = memory.shrink()
         self.kv_manager.flush_events()
         return given + memory.store.trim()  # (through the store: a tensor-parallel leader ships it)
-
-    def _single_rank_if_elastic(self, what: str) -> None:
-        """ConfigError for ``what`` on an elastic cache under tensor parallelism (not shipped to ranks)."""
-        if self.tp_size > 1 and self.cache.elastic:
-            raise ConfigError(f"{what} on an elastic KV cache runs with tp_size 1 (the other ranks' arenas "
-                              "would not follow)")
 
     def _state_bytes(self) -> int:
         recurrent = self.runner.recurrent

@@ -66,6 +66,14 @@ class StepRunner(Protocol):
         """As :meth:`ModelRunner.execute`: the logits ``[S, V]`` of ``batch.sample_rows``."""
         ...
 
+    def sleep(self) -> int:
+        """As :meth:`ModelRunner.sleep`."""
+        ...
+
+    def wake(self) -> int:
+        """As :meth:`ModelRunner.wake`."""
+        ...
+
 
 class ModelRunner:
     """A causal LM (or one tensor-parallel rank's shard of it) with its KV in a :class:`PagedKVCache`.
@@ -118,6 +126,26 @@ class ModelRunner:
         with self._recurrent_step(batch):
             return self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=rows,
                               kvpool_step=meta).logits[0]
+
+    def sleep(self) -> int:
+        """Give back every page of the elastic KV cache and of the recurrent states (the engine's
+        ``sleep``, once no block is used); returns the bytes given back."""
+        given = self.cache.sleep()
+        if self.recurrent is not None:
+            given += self.recurrent.cache.sleep()
+        return given
+
+    def wake(self) -> int:
+        """Commit again what :meth:`sleep` gave back (reading 0); returns the bytes. Raises MemoryLimitError /
+        InsufficientMemoryError, everything asleep still, when it cannot be committed."""
+        taken = self.cache.wake()
+        if self.recurrent is not None:
+            try:
+                taken += self.recurrent.cache.wake()
+            except BaseException:
+                self.cache.sleep()
+                raise
+        return taken
 
     def _recurrent_step(self, batch: StepBatch) -> contextlib.AbstractContextManager[None]:
         if self.recurrent is None:

@@ -11,6 +11,11 @@ and the pool's log holds ``reorder_free`` (its key is rank 0's; each follower or
 which the replayed commits keep identical). :func:`apply_memory_call` is a follower's side. Each rank's
 shard has the same blocks and, with the KV heads split evenly, the same bytes a block, so the same pages
 (a follower checks each call's result against rank 0's).
+
+Three more things follow rank 0's: a restore from the tiers, where every rank loads into blocks it must
+commit first as rank 0 did (:class:`LeadRestoreMemory` ships rank 0's commit mid-restore,
+:class:`FollowRestoreMemory` applies it); the engine's ``sleep`` (every rank releases every page after
+replaying rank 0's releases) and ``wake`` (:func:`wake_agreed`: every rank commits again, or none does).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import hashlib
 from collections.abc import Iterable
 from typing import Any
 
-from kvpool.errors import IntegrityError, KVPoolError
+from kvpool.errors import InsufficientMemoryError, IntegrityError, KVPoolError
 from kvpool.requests.page_aware import order_free_blocks
 
 #: The calls on rank 0's elastic cache that change its pages, logged for the followers.
@@ -85,3 +90,66 @@ def memory_digest(cache: Any) -> bytes:
     cache.pages.check_integrity()
     state = (cache.live_blocks(), cache.pages.arena.committed_pages())
     return hashlib.sha256(repr(state).encode()).digest()
+
+
+class LeadRestoreMemory:
+    """Rank 0's :class:`~kvpool.requests.block_memory.PoolMemory` as a restore from the tiers sees it
+    (``OffloadManager.memory``). Every rank runs the same restore on its own pool and tiers, and each must
+    commit the blocks it loads into before it loads them, as rank 0 decided (its commit may have trimmed,
+    evicted or been refused): so :meth:`handed_out` ships the memory calls it made at once, with its
+    result, through ``send("commit", result)``; :meth:`emptied`'s calls go with the next message."""
+
+    def __init__(self, memory: Any, send: Any) -> None:
+        self.memory, self.send = memory, send
+
+    def handed_out(self, tables: Any) -> bool:
+        committed = self.memory.handed_out(tables)
+        self.send("commit", committed)
+        return committed
+
+    def emptied(self, blocks: Iterable[int]) -> int:
+        return self.memory.emptied(blocks)
+
+
+class FollowRestoreMemory:
+    """A follower's side of :class:`LeadRestoreMemory`: :meth:`handed_out` receives rank 0's ``commit``
+    message (``receive()``: ``(kind, log, result)``), applies its log (``apply(log)``) and returns rank 0's
+    result; :meth:`emptied` does nothing (rank 0's releases arrive in its next message's log)."""
+
+    def __init__(self, receive: Any, apply: Any, rank: int) -> None:
+        self.receive, self.apply, self.rank = receive, apply, rank
+
+    def handed_out(self, tables: Any) -> bool:
+        kind, log, committed = self.receive()
+        if kind != "commit":
+            raise IntegrityError(f"rank {self.rank}: rank 0 sent {kind!r} where a restore's commit was due")
+        self.apply(log)
+        return bool(committed)
+
+    def emptied(self, blocks: Iterable[int]) -> int:
+        return 0
+
+
+def committed_bytes(runner: Any) -> int:
+    """The bytes a runner's KV cache and recurrent states hold committed (a fixed cache: all of it)."""
+    cache, recurrent = runner.cache, runner.recurrent
+    held = cache.nbytes if cache.committed_bytes is None else cache.committed_bytes
+    return held + (0 if recurrent is None else recurrent.cache.committed_bytes or 0)
+
+
+def wake_agreed(tp: Any, runner: Any) -> int:
+    """Collective: every rank wakes its ``runner`` (:meth:`~kvpool.engine.runner.ModelRunner.wake`), and
+    all of them stay awake only when all of them could (``min_int`` of each rank's success); otherwise the
+    ranks that woke sleep again and every rank raises (its own error, or InsufficientMemoryError naming
+    the other ranks). Returns this rank's bytes committed."""
+    try:
+        taken, error = runner.wake(), None
+    except InsufficientMemoryError as exc:  # a MemoryLimitError too
+        taken, error = 0, exc
+    if tp.min_int(0 if error is not None else 1):
+        return taken
+    if error is not None:
+        raise error
+    runner.sleep()
+    raise InsufficientMemoryError(f"rank {tp.rank} woke but another tensor-parallel rank could not commit "
+                                  "its KV memory: every rank sleeps still")
