@@ -69,6 +69,7 @@ COMPILED_MODULES = (
     "kvpool.allocators.queue_policies",
     "kvpool.allocators.prefix_policies",
     "kvpool.allocators.block_pool",
+    "kvpool.allocators.group_tables",
     "kvpool.allocators.groups",
     "kvpool.allocators.token",
 )

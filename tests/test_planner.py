@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpool.errors import InsufficientMemoryError, InvalidArgumentError
-from kvpool.spec import KVCacheSpec, planner
+from kvpool.spec import KVCacheSpec, device_memory, planner
 from kvpool.spec.planner import MemoryReadings, plan_pool, profile_cuda_memory, readings_from_cuda_stats
 
 GiB = 2**30
@@ -239,7 +239,7 @@ def test_profile_cuda_memory_call_order(monkeypatch):
     readings = profile_cuda_memory()
     assert calls == ["synchronize", "gc.collect", "empty_cache", "mem_get_info", "memory_stats"]
     assert readings == MemoryReadings(total_bytes=80 * GiB, non_kv_bytes=28 * GiB, free_bytes=50 * GiB)
-    assert planner.gc.collect is gc.collect
+    assert device_memory.gc.collect is gc.collect
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -12,9 +12,10 @@ contract, per request:
   their place. Call it before allocating a step's blocks, with the tokens already computed.
 * **Prefix caching.** A block is keyed by its chained hash *and* its group: group 0 uses the hash itself (so
   a uniform model keys exactly as a plain ``BlockPool``), group ``g > 0`` the tuple ``(g, hash)``
-  (:func:`group_key`). A prefix of k blocks is a hit when every group can restore it: full groups need
-  all k blocks cached, a windowed group only the blocks from ``skipped_blocks(k * B)`` to k (sliding: the
-  blocks covering the last W - 1 tokens). :meth:`find_longest_cache_hit` returns the longest such prefix.
+  (:func:`~kvpool.allocators.group_tables.group_key`). A prefix of k blocks is a hit when every group can
+  restore it: full groups need all k blocks cached, a windowed group only the blocks from
+  ``skipped_blocks(k * B)`` to k (sliding: the blocks covering the last W - 1 tokens).
+  :meth:`find_longest_cache_hit` returns the longest such prefix.
 * **Atomicity.** ``allocate`` checks every group before it changes anything: it raises and hands out
   nothing when the pool is short. ``free`` releases every group's blocks, tail first across groups.
 
@@ -25,11 +26,12 @@ every group's tables against it.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpool.allocators.block_pool import BlockPool, BlockPoolStats
-from kvpool.errors import IntegrityError, InvalidArgumentError, InvalidIdError, OutOfBlocksError
+from kvpool.allocators.group_tables import CacheHit, RequestTables, check_tables, group_key, tokens_arg
+from kvpool.allocators.group_tables import split_group_key as split_group_key  # also its old import path
+from kvpool.errors import InvalidArgumentError, InvalidIdError, OutOfBlocksError
 from kvpool.numeric import IntArg, RealArg, as_int, as_optional_int
 from kvpool.spec.kinds import MemoryKind, cdiv
 from kvpool.spec.kv import KVCacheGroup, needs_null_block
@@ -37,43 +39,6 @@ from kvpool.units import plural
 
 if TYPE_CHECKING:
     from kvpool.events.sink import KVEventSink
-
-
-def group_key(group: int, block_hash: Hashable) -> Hashable:
-    """The prefix-index key of ``block_hash`` in KV cache group ``group``: the hash for group 0, else
-    ``(group, hash)`` (a tuple never equals a 16-byte hash, so groups never share a key)."""
-    return block_hash if group == 0 else (group, block_hash)
-
-
-def split_group_key(key: Hashable) -> tuple[int, Hashable]:
-    """The ``(group, block hash)`` a :func:`group_key` names (a KV event sink reads the pool's keys so)."""
-    return (key[0], key[1]) if _key_group(key) else (0, key)  # type: ignore[index]
-
-
-class _Request:
-    """One request's state: a block table per group, each group's leading null entries, the full blocks
-    published, and the computed tokens at which a window next moves past a block."""
-
-    __slots__ = ("tables", "skipped", "published", "next_skip")
-
-    def __init__(self, tables: list[list[int]], skipped: list[int], published: int) -> None:
-        self.tables = tables
-        self.skipped = skipped
-        self.published = published
-        self.next_skip = 0
-
-
-@dataclass(frozen=True)
-class CacheHit:
-    """The longest cached prefix of a request, per group. ``num_blocks``: k, the prompt blocks every group
-    can restore; ``blocks[g]``: group g's first k table entries (the null block where g needs none);
-    ``block_hashes``: the request's first k block hashes, which :meth:`KVCacheCoordinator.allocate` checks
-    each hit block still holds (under its group's key) before it touches it (empty: only that each block
-    still holds a hash)."""
-
-    num_blocks: int
-    blocks: tuple[list[int], ...]
-    block_hashes: tuple[Hashable, ...] = ()
 
 
 class KVCacheCoordinator:
@@ -135,7 +100,7 @@ class KVCacheCoordinator:
         self._windowed = [g for g in groups if g.memory_kind.frees_blocks]
         # each group that frees blocks, with its kind: the kind's rules, called natively
         self._windows: list[tuple[int, MemoryKind]] = [(g.index, g.memory_kind) for g in self._windowed]
-        self._reqs: dict[Hashable, _Request] = {}
+        self._reqs: dict[Hashable, RequestTables] = {}
         self._hits = self._misses = 0
 
     @staticmethod
@@ -226,7 +191,7 @@ class KVCacheCoordinator:
         integer >= 0."""
         req = self._reqs.get(request_id)
         if req is not None:
-            target = cdiv(_tokens(num_tokens), self.block_size)
+            target = cdiv(tokens_arg(num_tokens), self.block_size)
             return sum(max(0, target - len(t)) for t in req.tables)
         new = self.num_new_blocks(num_tokens, 0 if hit is None else hit.num_blocks)
         if hit is None:
@@ -242,7 +207,7 @@ class KVCacheCoordinator:
         ``max(0, cdiv(num_tokens, B) - num_hit_blocks)`` in every group (a hit's table covers its k
         positions, null entries included). Raises InvalidArgumentError for a ``num_tokens`` that is not an
         integer >= 0."""
-        target = cdiv(_tokens(num_tokens), self.block_size)
+        target = cdiv(tokens_arg(num_tokens), self.block_size)
         return max(0, target - num_hit_blocks) * len(self.groups)
 
     def can_allocate(self, request_id: Hashable, num_tokens: IntArg, hit: CacheHit | None = None) -> bool:
@@ -366,7 +331,7 @@ class KVCacheCoordinator:
             null = self.null_block
             for table in tables:
                 self.pool.touch([b for b in table if b != null] if self._windowed else table)
-        self._reqs[request_id] = _Request(tables, skipped, hit.num_blocks if hit is not None else 0)
+        self._reqs[request_id] = RequestTables(tables, skipped, hit.num_blocks if hit is not None else 0)
         return tables
 
     def remove_skipped_blocks(self, request_id: Hashable, num_computed_tokens: IntArg) -> int:
@@ -389,7 +354,7 @@ class KVCacheCoordinator:
             return 0  # fast path: no window has moved past a block since the last call
         return self._remove_skipped(req, num_computed_tokens)
 
-    def _remove_skipped(self, req: _Request, num_computed_tokens: int) -> int:
+    def _remove_skipped(self, req: RequestTables, num_computed_tokens: int) -> int:
         tables, skipped, freed, next_skip = req.tables, req.skipped, 0, 2**62
         pool, null, bs = self.pool, self.null_block, self.block_size
         for g, kind in self._windows:
@@ -588,46 +553,8 @@ class KVCacheCoordinator:
         and windowed groups only a prefix of them; a published block holds its own group's key. O(blocks in
         tables + num_blocks). Raises IntegrityError naming what broke."""
         self.pool.check_integrity()
-        owners: dict[int, int] = {}
-        counts: dict[int, int] = {}
-        null = self.null_block
-        for request_id, req in self._reqs.items():
-            for g, table in enumerate(req.tables):
-                skipped = req.skipped[g]
-                _require(all(b == null for b in table[:skipped]) and null not in table[skipped:],
-                         f"request {request_id!r} group {g}: null entries are not exactly its skipped prefix")
-                _require(skipped == 0 or self.groups[g].memory_kind.frees_blocks,
-                         f"request {request_id!r}: group {g}, of a kind that frees no block, holds the null "
-                         f"block")
-                for b in table[skipped:]:
-                    _require(owners.setdefault(b, g) == g, f"block {b} is in the tables of two groups")
-                    counts[b] = counts.get(b, 0) + 1
-        pins = self.pool.pinned_blocks()
-        for b, n in counts.items():
-            _require(self.pool.ref_count(b) == n + pins.get(b, 0),
-                     f"block {b} has ref count {self.pool.ref_count(b)} but {n} table entries and "
-                     f"{pins.get(b, 0)} pins")
-            h = self.pool.block_hash(b)
-            _require(h is None or _key_group(h) == owners[b], f"block {b} holds another group's key")
-        _require(len(counts.keys() | pins.keys()) == self.pool.num_used_blocks,
-                 "a block is in use outside every table and pin")
+        check_tables(self.pool, self.groups, self.null_block, self._reqs)
 
     def __repr__(self) -> str:
         return (f"KVCacheCoordinator(groups={len(self.groups)}, requests={len(self._reqs)}, "
                 f"pool={self.pool!r})")
-
-
-def _tokens(num_tokens: IntArg) -> int:
-    """``num_tokens`` as an int >= 0 (an int passes without a call into :mod:`kvpool.numeric`)."""
-    if type(num_tokens) is int and num_tokens >= 0:
-        return num_tokens
-    return as_int(num_tokens, "num_tokens", minimum=0)
-
-
-def _key_group(key: Hashable) -> int:
-    return key[0] if type(key) is tuple and len(key) == 2 and type(key[0]) is int else 0
-
-
-def _require(ok: bool, invariant: str) -> None:
-    if not ok:
-        raise IntegrityError(f"KVCacheCoordinator invariant broken: {invariant}")

@@ -25,7 +25,7 @@ from kvpool.errors import InvalidArgumentError
 from kvpool.numeric import as_real
 from kvpool.spec import KVCacheGroup
 from kvpool.spec.kinds import MemoryKind
-from kvpool.storage.paged import block_slots
+from kvpool.storage.slots import block_slots
 
 ATTENTION_NAME = "kvpool_paged"
 

@@ -1,6 +1,6 @@
 """Where a prefix hit was found, and the counters of hits by place: :class:`PrefixCacheStats`, and how
 :class:`~kvpool.requests.kv_manager.KVCacheManager` reads a probed hit (a
-:class:`~kvpool.allocators.groups.CacheHit` whose codes below -1 name blocks held in a tier): whether it
+:class:`~kvpool.allocators.group_tables.CacheHit` whose codes below -1 name blocks held in a tier): whether it
 needs a restore (:func:`held_below`), what to restore (:func:`restore_plan`) and where each hit block came
 from (:func:`hit_places`).
 """

@@ -23,10 +23,13 @@ the pages under each block as it is handed out and releases a block once it hold
 :class:`~kvpool.requests.block_memory.PoolMemory` (see :mod:`kvpool.requests.block_memory`): a refused commit
 makes admission wait and a running request be preempted, as a short pool does.
 
-A recurrent hybrid's manager also holds :attr:`KVCacheManager.states`
-(:class:`~kvpool.requests.state_checkpoints.RequestStates`): a state slot per running request (taken at
-admission, zeroed or restored from a checkpoint, freed with the blocks), a hit cut back to the longest prefix
-that ends at a state checkpoint, saves planned as steps are scheduled and committed as they publish.
+A request's recurrent state goes through one state side, :attr:`KVCacheManager.state`, whatever the model:
+a recurrent hybrid's :class:`~kvpool.requests.state_checkpoints.RequestStates` (also
+:attr:`KVCacheManager.states`: a state slot per running request, taken at admission, zeroed or restored
+from a checkpoint, freed with the blocks; a hit cut back to the longest prefix that ends at a state
+checkpoint; saves planned as steps are scheduled and committed as they publish), or, for any other model,
+:class:`~kvpool.requests.no_state.NoRecurrentState`, whose answers change nothing. The request path asks
+the state side; it never asks whether the model is a hybrid.
 
 Prefix hits are counted once per admission that succeeded (:attr:`stats`; :attr:`first_stats` for first
 admissions only: what a replay's hit ratio counts), by where each hit block was found
@@ -46,6 +49,7 @@ from kvpool.requests.accounting import UsageTotals
 from kvpool.requests.block_memory import BlockMemory, PoolMemory
 from kvpool.requests.hit_places import DEVICE as DEVICE  # the name of the device place, re-exported
 from kvpool.requests.hit_places import PrefixCacheStats, held_below, hit_places, restore_plan
+from kvpool.requests.no_state import NO_STATE, StateSide
 from kvpool.requests.partial_hits import PartialHit, partial_hits
 from kvpool.requests.request import Request
 from kvpool.requests.sessions import SessionCache
@@ -56,7 +60,7 @@ if TYPE_CHECKING:
     from kvpool.allocators.policies import FrequencyAdmission
     from kvpool.events.sink import KVEventSink
     from kvpool.requests.state_checkpoints import RequestStates
-    from kvpool.storage.paged import BlockStore
+    from kvpool.storage.block_store import BlockStore
     from kvpool.tiers.backend import TierBackend
     from kvpool.tiers.manager import OffloadManager
 
@@ -115,7 +119,11 @@ class KVCacheManager:
         if states is not None and states.block_size != self.block_size:
             raise ConfigError(f"the state checkpoints' block size {states.block_size} is not the KV cache "
                               f"groups' {self.block_size}")
+        #: The recurrent hybrid's ``states``, else None.
         self.states = states
+        #: The state side every request goes through: ``states``, or
+        #: :data:`~kvpool.requests.no_state.NO_STATE` for a model without recurrent layers.
+        self.state: StateSide = NO_STATE if states is None else states
         self.partial = None if match_unit is None else partial_hits(match_unit, self, num_blocks)
         #: The hook that keeps ``memory``'s committed blocks equal to the used and cached ones (None: none).
         self.memory = None if memory is None else PoolMemory(memory, lambda: self.pool, self.null_block)
@@ -267,8 +275,8 @@ class KVCacheManager:
         tokens; returns the chunk's tokens, or None (no block allocated) when the pool is short (or, for a
         hybrid, no state slot is free). Sets ``req.num_computed_tokens`` to the prefix hit (and
         ``num_cached_tokens`` at a first admission)."""
-        coord, bs, hashes, states = self.coordinator, self.block_size, req.block_hashes, self.states
-        if states is not None and not states.has_free_slot:
+        coord, bs, hashes, state = self.coordinator, self.block_size, req.block_hashes, self.state
+        if not state.has_free_slot:
             return None
         limit = min(len(hashes), (req.num_tokens - 1) // bs) if self.caching else 0
         if not self.sessions.make_room(self._fewest_new_blocks(req, limit, budget)):
@@ -276,8 +284,7 @@ class KVCacheManager:
         probe = self.tiers.probe() if self.tiers is not None else None
         hit = coord.find_longest_cache_hit(hashes, limit, count=False, probe=probe)
         kv_blocks = hit.num_blocks
-        if states is not None:
-            hit = self._joint_hit(req, hit, probe)
+        hit = self._joint_hit(req, hit, probe)
         loaded: dict[Hashable, int] = {}
         if self.tiers is not None and held_below(hit):
             if not self._fits(req, hit, budget):
@@ -286,8 +293,7 @@ class KVCacheManager:
                 self.on_admit(req)
             loaded = self.tiers.restore(*restore_plan(hit, self.null_block, len(self.groups)))
             hit = coord.find_longest_cache_hit(hashes, hit.num_blocks, count=False)
-            if states is not None:
-                hit = self._joint_hit(req, hit, None)
+            hit = self._joint_hit(req, hit, None)
         part = None if self.partial is None else self.partial.hold(
             req, hit.num_blocks, self.pool, lambda p: self._fits(req, hit, budget, p))
         if part is None and not self._fits(req, hit, budget):
@@ -313,17 +319,16 @@ class KVCacheManager:
             req.num_cached_tokens = computed
             self.first_stats.record(limit, places)
             self.usage.account(req, self.block_size, computed, places, self.caching)
-        if states is not None:
-            states.admit(req, hit.num_blocks, kv_blocks, first=first)
-            if self.caching:
-                states.plan(req, computed, computed + chunk)
+        state.admit(req, hit.num_blocks, kv_blocks, first=first)
+        if self.caching:
+            state.plan(req, computed, computed + chunk)
         return chunk
 
     def _joint_hit(self, req: Request, hit: CacheHit, probe: Any) -> CacheHit:
-        """``hit`` cut back to the longest prefix that every group restores and that ends at a state
-        checkpoint (or is empty): the joint hit of a recurrent hybrid."""
+        """``hit`` cut back to the longest prefix that every group restores and whose state the state side
+        restores (a recurrent hybrid's: one that ends at a state checkpoint, or is empty)."""
         while True:
-            j = self.states.joint_blocks(req, hit.num_blocks)  # type: ignore[union-attr]
+            j = self.state.joint_blocks(req, hit.num_blocks)
             if j == hit.num_blocks:
                 return hit
             hit = self.coordinator.find_longest_cache_hit(req.block_hashes, j, count=False, probe=probe)
@@ -370,8 +375,8 @@ class KVCacheManager:
             self.ops += freed + need
             return False
         self.ops += freed + need
-        if self.states is not None and self.caching:
-            self.states.plan(req, computed, computed + num_new_tokens)
+        if self.caching:
+            self.state.plan(req, computed, computed + num_new_tokens)
         return True
 
     def publish(self, req: Request) -> None:
@@ -383,7 +388,7 @@ class KVCacheManager:
         written = min(req.num_computed_tokens, len(req.block_hashes) * self.block_size)  # hashed blocks only
         coord = self.coordinator
         before = coord.num_published_blocks(req.request_id)
-        if written // self.block_size <= before and self.states is None and not self._wanted_pins:
+        if written // self.block_size <= before and not (self.state.follows_each_step or self._wanted_pins):
             return  # fast path: no block filled since the last publish (a decode step, mid-block)
         tokens = req.token_ids if self.pool.event_sink is not None and req.has_token_ids else None
         coord.cache_blocks(req.request_id, req.block_hashes, written, token_ids=tokens)
@@ -391,8 +396,7 @@ class KVCacheManager:
         self.ops += (after - before) * len(self.groups)
         if self.partial is not None:
             self.partial.published(req, before, after, self.pool)
-        if self.states is not None:
-            self.states.commit(req)
+        self.state.commit(req)
         if self._wanted_pins:
             self._pin_what_is_cached()
 
@@ -408,8 +412,7 @@ class KVCacheManager:
         the blocks left holding no KV are released."""
         self.ops += self.coordinator.num_blocks_held(req.request_id)
         self._free_blocks(req)
-        if self.states is not None:
-            self.states.free(req)
+        self.state.free(req)
 
     def _free_blocks(self, req: Request) -> None:
         """The coordinator's free of ``req``, then (with ``memory``) the release of what holds no KV now."""
@@ -440,7 +443,7 @@ class KVCacheManager:
         free blocks enough without evicting one (so no KV event and no tier store falls between the
         steps). False, nothing changed, where that is not so. The caller counts the steps' tokens."""
         coord, computed = self.coordinator, req.num_computed_tokens
-        if steps <= 0 or self.states is not None or self._wanted_pins or len(self.groups) != 1 or \
+        if steps <= 0 or self.state.follows_each_step or self._wanted_pins or len(self.groups) != 1 or \
                 self.groups[0].memory_kind.frees_blocks or \
                 (self.caching and len(req.block_hashes) * self.block_size > computed):
             return False
@@ -511,8 +514,7 @@ class KVCacheManager:
         self.unpin_all()
         pool.reset_prefix_cache()
         self._wanted_pins = waiting
-        if self.states is not None:
-            self.states.checkpoints.clear()
+        self.state.clear()
         if self.memory is not None:
             self.memory.release_all()
         return True
@@ -554,5 +556,4 @@ class KVCacheManager:
             self.memory.check()
         if self.tiers is not None:
             self.tiers.check_integrity()
-        if self.states is not None:
-            self.states.check_integrity()
+        self.state.check_integrity()

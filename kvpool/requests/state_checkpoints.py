@@ -321,6 +321,10 @@ class RequestStates:
         ConfigError: a bad policy or block size.
     """
 
+    #: Every step reaches :meth:`plan` and :meth:`commit` (the state side of
+    #: :class:`~kvpool.requests.no_state.StateSide`).
+    follows_each_step = True
+
     def __init__(self, policy: SavePolicy | str, block_size: int, pool: StatePool, *,
                  checkpoints: StateCheckpoints | None = None, mover: StateMover | None = None) -> None:
         self.policy = policy if isinstance(policy, SavePolicy) else SavePolicy.parse(policy)
@@ -414,6 +418,10 @@ class RequestStates:
         slot = self._slots.pop(req.request_id, None)
         if slot is not None:
             self.pool.free([slot])
+
+    def clear(self) -> None:
+        """Drop every checkpoint (an emptied cache); request slots stay."""
+        self.checkpoints.clear()
 
     @property
     def num_request_slots(self) -> int:

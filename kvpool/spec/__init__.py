@@ -7,7 +7,8 @@ rules: full attention, sliding window, chunked local, recurrent state), ``kv_dty
 names), ``kv_groups`` (the layer kinds and KV cache groups), ``kv`` (:class:`KVCacheSpec`: the shape and
 bytes of one model's KV per rank), ``state`` (the
 recurrent state of attention / recurrent hybrids), ``memory`` (:class:`ModelMemory`: all of a model's
-memory, read once from its config), ``planner`` (memory readings in, a :class:`PoolPlan` out) and
+memory, read once from its config), ``device_memory`` (readings of a live device), ``planner`` (memory
+readings in, a :class:`PoolPlan` out) and
 ``state_planner`` (the same for a hybrid's KV and state). The names of the old module ``kvpool.spec``
 are here as they were; the other public names are imported on first use.
 """
@@ -39,10 +40,10 @@ _LAZY = {
     "LayerRole": "kvpool.spec.state",
     "ModelMemory": "kvpool.spec.memory",
     "MemoryKind": "kvpool.spec.kinds",
-    "MemoryReadings": "kvpool.spec.planner",
+    "MemoryReadings": "kvpool.spec.device_memory",
     "PoolPlan": "kvpool.spec.planner",
     "plan_pool": "kvpool.spec.planner",
-    "profile_cuda_memory": "kvpool.spec.planner",
+    "profile_cuda_memory": "kvpool.spec.device_memory",
     "plan_state_memory": "kvpool.spec.state_planner",
     "StatePlan": "kvpool.spec.state_planner",
 }

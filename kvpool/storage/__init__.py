@@ -9,8 +9,8 @@ _LAZY = {
     "HostKVCache": "kvpool.storage.host",
     "MLAKVCache": "kvpool.storage.mla",
     "PagedKVCache": "kvpool.storage.paged",
-    "dequantize": "kvpool.storage.paged",
-    "slot_mapping": "kvpool.storage.paged",
+    "dequantize": "kvpool.storage.slots",
+    "slot_mapping": "kvpool.storage.slots",
 }
 
 __all__ = list(_LAZY)

@@ -13,10 +13,11 @@
 * :func:`gather_rows` and :func:`scatter_rows` copy blocks to and from contiguous byte rows ``uint8 [n,
   bytes_per_block]``, the unit the lower tiers store (:mod:`kvpool.tiers.backend`).
 
-A store's raw view (:meth:`~kvpool.storage.paged.BlockStore.raw_blocks`, the buffer as raw words with the
-block dimension first) is what all of them read and write, so a copy is bit-exact whatever the dtype (fp8
-included). The asynchronous device <-> host swaps (streams, pinned staging, events) are the host cache's
-(:mod:`kvpool.storage.host`); their bytes move with the store's ``read_blocks`` / ``write_blocks``.
+A store's raw view (:meth:`~kvpool.storage.block_store.BlockStore.raw_blocks`, the buffer as raw words
+with the block dimension first) is what all of them read and write, so a copy is bit-exact whatever the
+dtype (fp8 included). The asynchronous device <-> host swaps (streams, pinned staging, events) are the
+host cache's (:mod:`kvpool.storage.host`); their bytes move with the store's ``read_blocks`` /
+``write_blocks``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from kvpool.numeric import as_id_tensor, as_int
 
 
 class BlockStore(Protocol):
-    """What the copies read of a store: its raw view (:class:`kvpool.storage.paged.BlockStore` and every
+    """What the copies read of a store: its raw view (:class:`kvpool.storage.block_store.BlockStore` and every
     store built on it have one)."""
 
     def raw_blocks(self) -> torch.Tensor:

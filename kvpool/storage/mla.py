@@ -13,15 +13,9 @@ import torch
 from kvpool.errors import ConfigError, InvalidArgumentError
 from kvpool.spec import AttentionKind, KVCacheSpec
 from kvpool.storage.arena import ElasticConfig
-from kvpool.storage.paged import (
-    BlockIds,
-    BlockStore,
-    as_raw,
-    dequantize,
-    drop_padding,
-    encode,
-    fp8_scales,
-)
+from kvpool.storage.block_copy import BlockIds
+from kvpool.storage.block_store import BlockStore
+from kvpool.storage.slots import as_raw, dequantize, drop_padding, encode, fp8_scales
 
 
 class MLAKVCache(BlockStore):

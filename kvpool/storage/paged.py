@@ -17,324 +17,34 @@ source's views. There is no flat ``[N*B, H, D]`` view in this layout (a block ho
 page): :meth:`PagedKVCache.gather_slots` reads slots in either layout.
 
 The shared machinery (allocation, raw byte views, slot and block id checks, ``copy_blocks``, memory stats)
-lives in :class:`BlockStore`, which :class:`kvpool.storage.mla.MLAKVCache` reuses.
+lives in :class:`~kvpool.storage.block_store.BlockStore`, which :class:`kvpool.storage.mla.MLAKVCache`
+reuses; the slot and encoding helpers in :mod:`kvpool.storage.slots`. Both are importable from here too.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from kvpool.errors import ConfigError, InvalidArgumentError, InvalidIdError
-from kvpool.numeric import as_int
+from kvpool.errors import ConfigError, InvalidArgumentError
 from kvpool.spec import AttentionKind, KVCacheSpec
 from kvpool.storage.arena import ElasticConfig, elastic_config
-from kvpool.storage.block_copy import BlockIds, check_block_ids, copy_pairs, copy_within
-from kvpool.storage.elastic import ElasticMemory
-from kvpool.storage.resident import resident_bytes
-from kvpool.units import plural
-
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-LAYOUTS = ("NHD", "HND")
-# Widest element type whose size divides a row: index_copy_ on CPU costs per element, so copying 2 KiB rows
-# as 16-byte complex128 "words" is several times faster than as 2-byte halves (bit-exact: a pure move).
-_RAW_DTYPES = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
-
-
-
-def raw_dtype(row_bytes: int) -> torch.dtype:
-    """The widest dtype of :data:`_RAW_DTYPES` whose item size divides ``row_bytes``."""
-    return next(d for d in _RAW_DTYPES if row_bytes % d.itemsize == 0)
-
-
-def as_raw(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` reinterpreted as ``dtype`` (no copy when its strides allow, else a contiguous copy)."""
-    try:
-        return x.view(dtype)
-    except RuntimeError:
-        return x.contiguous().view(dtype)
-
-
-def check_slot_mapping(slot_mapping: torch.Tensor, num_tokens: int, num_slots: int,
-                       device: torch.device, *, values: bool = True) -> bool:
-    """Check a slot mapping and return whether it may hold padding (-1) slots.
-
-    Requires an int64 1-D tensor of ``num_tokens`` entries on ``device``, each in ``[0, num_slots)`` or -1.
-    ``values``: also check every slot's range, one ``aminmax`` pass (plus a host sync on CUDA); without it
-    only the type, dtype, shape and device are checked and the answer is True (padding unknown). Duplicate
-    slots are not checked (a sort would cost more than the store); which write wins is unspecified.
-
-    Raises:
-        InvalidArgumentError: wrong type, dtype, rank, length or device.
-        InvalidIdError: a slot below -1 or at/after ``num_slots`` (never clamped, never wrapped).
-    """
-    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype != torch.int64:
-        raise InvalidArgumentError(f"slot_mapping must be an int64 tensor, got {_describe(slot_mapping)}")
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != num_tokens:
-        shape = list(slot_mapping.shape)
-        raise InvalidArgumentError(f"slot_mapping must have shape [{num_tokens}], got {shape}")
-    if slot_mapping.device != device:
-        raise InvalidArgumentError(f"slot_mapping is on {slot_mapping.device}, the cache on {device}")
-    if not values:
-        return True
-    if num_tokens == 0:
-        return False
-    if num_tokens <= 64 and slot_mapping.device.type == "cpu":  # one tolist beats aminmax + 2 item calls
-        values = slot_mapping.tolist()
-        low, high = min(values), max(values)
-    else:
-        low, high = (int(x) for x in slot_mapping.aminmax())
-    if low < -1 or high >= num_slots:
-        raise InvalidIdError(f"slot ids must be in [0, {num_slots}) or -1 (skip), got min {low}, max {high}")
-    return low == -1
-
-
-def block_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    """The int64 slot ids ``[seq_len]`` of a request's first ``seq_len`` tokens: ``block * B + offset``."""
-    offsets = torch.arange(block_size, dtype=torch.int64, device=block_table.device)
-    return (block_table.to(torch.int64)[:, None] * block_size + offsets).flatten()[:seq_len]
-
-
-def slot_mapping(block_table: Sequence[int] | torch.Tensor, positions: Sequence[int] | range | torch.Tensor,
-                 block_size: int) -> torch.Tensor:
-    """The flat slot ids of one request's tokens at ``positions``: what :meth:`PagedKVCache.store_kv` and
-    the flat views (:meth:`PagedKVCache.flat_k_cache`) take.
-
-    Args:
-        block_table: the request's block ids in order (a list or a 1-D integer tensor): block ``i`` holds
-            positions ``i * block_size`` to ``(i + 1) * block_size - 1``.
-        positions: token positions in the request, 0-based (a range, a list or a 1-D integer tensor
-            ``[T]``): the whole prompt at prefill, the new token(s) at decode.
-        block_size: tokens per block, B.
-
-    Returns:
-        int64 ``[T]`` on ``block_table``'s device (CPU for a list): ``block_table[p // B] * B + p % B`` for
-        each position ``p``, in slot units (``block_id * B + offset``; int64, so large pools index right).
-
-    Raises:
-        InvalidArgumentError: ``block_size`` not an integer >= 1, a table or positions that are not 1-D
-            integers, or a position below 0 or at/after ``len(block_table) * block_size`` (the request's
-            blocks do not cover it: allocate first).
-    """
-    bs = as_int(block_size, "block_size", minimum=1)
-    table = _index_tensor(block_table, "block_table")
-    pos = _index_tensor(positions, "positions").to(table.device)
-    low, high = (int(pos.min()), int(pos.max())) if pos.numel() else (0, -1)
-    if low < 0 or high >= table.numel() * bs:
-        raise InvalidArgumentError(
-            f"positions must be in [0, {table.numel() * bs}) for a block table of "
-            f"{plural(table.numel(), 'block')} of {bs} tokens, got min {low}, max {high}")
-    return table[pos // bs] * bs + pos % bs
-
-
-def _index_tensor(values: Sequence[int] | range | torch.Tensor, name: str) -> torch.Tensor:
-    """``values`` as a 1-D int64 tensor (a tensor keeps its device); InvalidArgumentError otherwise."""
-    if isinstance(values, range):
-        return torch.arange(values.start, values.stop, values.step, dtype=torch.int64)
-    if not isinstance(values, torch.Tensor):
-        values = list(values)
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-            raise InvalidArgumentError(f"{name} must be integers, got {values[:4]!r}...")
-        return torch.tensor(values, dtype=torch.int64)
-    dtype = values.dtype
-    if values.dim() != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-        raise InvalidArgumentError(f"{name} must be a 1-D integer tensor, got {dtype} {list(values.shape)}")
-    return values.to(torch.int64)
-
-
-def drop_padding(slot_mapping: torch.Tensor, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``slot_mapping`` and each of ``rows`` (``[T, ...]``) without the tokens whose slot is -1 (skip)."""
-    keep = (slot_mapping != -1).nonzero().squeeze(1)
-    return (slot_mapping[keep], *(r.index_select(0, keep) for r in rows))
-
-
-def encode(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """``x`` converted to the storage ``dtype``; for fp8, divided by ``scale`` and saturated to the format's
-    finite range (as vLLM's scaled fp8 conversion does) instead of turning into NaN."""
-    if x.dtype == dtype:
-        return x
-    if scale != 1.0:
-        x = x.to(torch.float32) / scale
-    limit = torch.finfo(dtype).max
-    return x.clamp(-limit, limit).to(dtype)
-
-
-def dequantize(x: torch.Tensor, scale: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Stored values back to ``dtype``: ``x.to(dtype) * scale`` (the inverse of :func:`encode`, up to the
-    format's rounding: e4m3 keeps 3 mantissa bits, relative error <= 2^-4; e5m2 2 bits, <= 2^-3)."""
-    out = x.to(dtype)
-    return out * scale if scale != 1.0 else out
-
-
-def fp8_scales(dtype: torch.dtype, *scales: float) -> tuple[float, ...]:
-    """The scales as floats for an fp8 ``dtype``, all 1.0 otherwise (scales apply only to fp8 storage).
-    Raises :class:`ConfigError` for a scale that is not a positive finite number."""
-    for scale in scales:
-        if not (isinstance(scale, int | float) and math.isfinite(scale) and scale > 0):
-            raise ConfigError(f"fp8 scales must be positive finite numbers, got {scale!r}")
-    return tuple(float(s) if dtype in FP8_DTYPES else 1.0 for s in scales)
-
-
-def _describe(x: object) -> str:
-    return f"{x.dtype} tensor" if isinstance(x, torch.Tensor) else type(x).__name__
-
-
-def _process_rss() -> int | None:
-    try:
-        import psutil
-    except ImportError:
-        return None
-    return int(psutil.Process().memory_info().rss)
-
-
-class BlockStore(ElasticMemory):
-    """One pre-allocated buffer whose dimension ``block_dim`` indexes blocks; shared by the KV caches.
-
-    Zeroing: the buffer comes from ``torch.empty`` unless ``zero=True``. On CPU that keeps pages lazily
-    committed (resident memory grows only with what is written, see ``stats()``), and every reader here
-    (``gather``, the engine's paged attention) reads only slots that were written. Pass ``zero=True`` for a
-    kernel that loads whole blocks and masks the tail after the fact: unwritten memory may hold NaN, and
-    ``0 * NaN`` is NaN. ``pin_memory=True`` (page-locked, for async host<->device copies) commits all pages.
-
-    ``elastic``: the buffer is a view of a :class:`~kvpool.storage.arena.PageArena` instead
-    (:class:`~kvpool.storage.elastic.ElasticMemory`): address space for every block, physical memory only
-    for the pages under the blocks :meth:`commit_blocks` names, reading 0 when committed.
-    """
-
-    block_dim: int
-
-    def __init__(self, shape: Sequence[int], block_size: int, *, device: str | torch.device,
-                 dtype: torch.dtype, pin_memory: bool, zero: bool, elastic: bool | ElasticConfig = False
-                 ) -> None:
-        num_blocks = as_int(shape[self.block_dim], "num_blocks", minimum=1, error=ConfigError)
-        shape = [*shape[:self.block_dim], num_blocks, *shape[self.block_dim + 1:]]
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ConfigError(f"the KV cache dtype must be a floating torch.dtype, got {dtype!r}")
-        config = elastic_config(elastic)
-        if config is not None and pin_memory:
-            raise ConfigError("an elastic buffer cannot be pinned (pinning commits every page at once)")
-        factory = torch.zeros if zero else torch.empty
-        try:
-            self._rss_before = _process_rss() if torch.device(device).type == "cpu" else None
-            if config is not None:  # committed pages read 0: zero needs nothing more
-                (self.buffer,) = self.allocate_elastic(config, device, [(tuple(shape), dtype)],
-                                                       self.block_dim)
-            else:
-                self.buffer = factory(tuple(shape), dtype=dtype, device=device, pin_memory=pin_memory)
-        except (RuntimeError, AssertionError) as exc:  # a bad device, no pinned memory, out of memory
-            raise ConfigError(f"cannot allocate the KV buffer {list(shape)} {dtype} on {device!r}: "
-                              f"{str(exc).splitlines()[0]}") from None
-        self.dtype = dtype
-        self.device = self.buffer.device
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.num_slots = num_blocks * block_size
-        self._raw = self.buffer.view(raw_dtype(shape[-1] * dtype.itemsize))
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the whole buffer (what ``torch.empty`` reserved; see ``stats()`` for what is resident)."""
-        return self.buffer.numel() * self.buffer.element_size()
-
-    @property
-    def bytes_per_block(self) -> int:
-        """Bytes of one block across every layer (and K and V)."""
-        return self.nbytes // self.num_blocks
-
-    def copy_blocks(self, pairs: Sequence[tuple[int, int]] | torch.Tensor) -> None:
-        """Copy whole blocks ``src -> dst`` in every layer (copy-on-write of a shared partial block).
-
-        ``pairs``: ``(src, dst)`` pairs or an int ``[P, 2]`` tensor. Two index ops on the whole buffer: all
-        sources are read before any destination is written (:func:`~kvpool.storage.block_copy.copy_within`).
-        Raises :class:`InvalidIdError` for an id out of range or a destination named twice; nothing is
-        copied then.
-        """
-        ids = copy_pairs(pairs, self.num_blocks, self.device)
-        if ids is not None:
-            copy_within(self._raw, self.block_dim, *ids)
-
-    def read_blocks(self, block_ids: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """A copy of whole blocks across every layer, as raw words: the buffer's shape with ``len(block_ids)``
-        blocks, in an integer/complex dtype of the same bytes. ``block_ids``: int64 on this device, already
-        checked (:func:`check_block_ids`). ``out``: e.g. a pinned staging tensor of that shape and dtype."""
-        return torch.index_select(self._raw, self.block_dim, block_ids, out=out)
-
-    def raw_blocks(self) -> torch.Tensor:
-        """The buffer as raw words with the block dimension first, ``[num_blocks, ...]`` (a view): row ``b``
-        is block ``b`` in every layer (contiguous within a layer, strided across layers)."""
-        return self._raw.movedim(self.block_dim, 0)
-
-    def empty_blocks(self, num_blocks: int, *, pin_memory: bool = False) -> torch.Tensor:
-        """An uninitialized CPU tensor shaped like :meth:`read_blocks` output for ``num_blocks`` blocks
-        (a staging buffer for host<->device copies)."""
-        shape = list(self._raw.shape)
-        shape[self.block_dim] = num_blocks
-        return torch.empty(shape, dtype=self._raw.dtype, pin_memory=pin_memory)
-
-    def write_blocks(self, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
-        """Write :meth:`read_blocks` output (of a store with the same shape per block) into ``block_ids``
-        (int64 on this device, checked, distinct)."""
-        self._raw.index_copy_(self.block_dim, block_ids, blocks)
-
-    def resident_bytes(self) -> int | None:
-        """Bytes of this buffer resident in RAM (its own pages, by ``mincore``; see
-        :mod:`kvpool.storage.resident`): what was written (or zeroed, or pinned) so far. None off the CPU."""
-        return resident_bytes(self.buffer)
-
-    def stats(self) -> dict[str, Any]:
-        """``num_blocks``, ``block_size``, ``dtype``, ``device``, ``nbytes``, ``bytes_per_block``,
-        ``resident_bytes`` (this buffer's pages in RAM, :meth:`resident_bytes`), the whole process's
-        ``rss_bytes`` and ``rss_growth_bytes`` (RSS minus RSS before the allocation: everything the process
-        allocated since, not just this cache), None where unknown (off the CPU, or without psutil); and
-        ``elastic``: the page arena's stats (:meth:`ElasticMemory.elastic_stats`; None for a fixed buffer)."""
-        rss = _process_rss() if self.device.type == "cpu" else None
-        growth = rss - self._rss_before if rss is not None and self._rss_before is not None else None
-        return {"num_blocks": self.num_blocks, "block_size": self.block_size, "dtype": str(self.dtype),
-                "device": str(self.device), "nbytes": self.nbytes, "bytes_per_block": self.bytes_per_block,
-                "resident_bytes": self.resident_bytes(), "rss_bytes": rss, "rss_growth_bytes": growth,
-                "elastic": self.elastic_stats()}
-
-    def _check_layer(self, layer: int, num_layers: int) -> int:
-        """``layer`` as a Python int in ``[0, num_layers)`` (:mod:`kvpool.numeric`); InvalidArgumentError."""
-        if type(layer) is int and 0 <= layer < num_layers:
-            return layer
-        return as_int(layer, "layer", minimum=0, maximum=num_layers - 1)
-
-    def _padding_after_check(self, slot_mapping: torch.Tensor, num_tokens: int, check: bool) -> bool:
-        """Check ``slot_mapping`` for a store of ``num_tokens`` rows; return whether it may hold -1 slots.
-        The slot range is checked on the host always, and on CUDA unless ``check`` is False (a host sync);
-        type, dtype, shape and device always."""
-        values = check or self.device.type != "cuda"
-        return check_slot_mapping(slot_mapping, num_tokens, self.num_slots, self.device, values=values)
-
-    def _check_rows(self, x: torch.Tensor, name: str, tail: tuple[int, ...], num_tokens: int | None) -> int:
-        """Check ``x`` is ``[T, *tail]`` on this device with a storable dtype; return T."""
-        if not isinstance(x, torch.Tensor):
-            raise InvalidArgumentError(f"{name} must be a tensor, got {type(x).__name__}")
-        shape = x.shape
-        if len(shape) != 1 + len(tail) or shape[1:] != tail or num_tokens not in (None, shape[0]):
-            want = f"[{num_tokens if num_tokens is not None else 'T'}, {', '.join(map(str, tail))}]"
-            raise InvalidArgumentError(f"{name} must have shape {want}, got {list(x.shape)}")
-        if x.device != self.device:
-            raise InvalidArgumentError(f"{name} is on {x.device}, the cache on {self.device}")
-        convertible = self.dtype in FP8_DTYPES and x.dtype.is_floating_point and x.dtype.itemsize > 1
-        if x.dtype != self.dtype and not convertible:
-            raise InvalidArgumentError(f"{name} has dtype {x.dtype}, the cache stores {self.dtype}")
-        return x.shape[0]
-
-    def _block_index(self, block_table: BlockIds, seq_len: int) -> torch.Tensor:
-        """The first ``ceil(seq_len / block_size)`` ids of ``block_table``, checked, on this device."""
-        seq_len = as_int(seq_len, "seq_len", minimum=0)
-        needed = -(-seq_len // self.block_size)  # exact integer ceiling (no float rounding)
-        if not isinstance(block_table, torch.Tensor | Sequence):
-            raise InvalidArgumentError(f"block_table must be a list or tensor of ids, got {block_table!r}")
-        if len(block_table) < needed:
-            raise InvalidArgumentError(f"seq_len {seq_len} needs {plural(needed, 'block')}, block_table has "
-                                       f"{len(block_table)}")
-        return check_block_ids(block_table[:needed], self.num_blocks).to(self.device)
+from kvpool.storage.block_copy import BlockIds
+from kvpool.storage.block_store import BlockStore  # noqa: F401  (also its old import path)
+from kvpool.storage.slots import (  # noqa: F401  (also the helpers' old import path)
+    FP8_DTYPES,
+    LAYOUTS,
+    as_raw,
+    block_slots,
+    check_slot_mapping,
+    dequantize,
+    drop_padding,
+    encode,
+    fp8_scales,
+    raw_dtype,
+)
+from kvpool.storage.slots import slot_mapping as slot_mapping  # the function's old import path
 
 
 def _triton_store(device: torch.device) -> Any:

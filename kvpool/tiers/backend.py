@@ -158,7 +158,7 @@ def config_fingerprint(config: Mapping[str, Any]) -> str:
 def block_key(block_hash: Hashable) -> bytes:
     """The 16-byte key of a block hash: a 16-byte ``bytes`` hash as it is; an int (a trace's block id) as
     16 bytes big-endian two's complement; a KV cache group's key ``(g, hash)`` with ``g >= 1``
-    (:func:`kvpool.allocators.groups.group_key`) as BLAKE2b-128 of the hash's key then ``g`` as 4 bytes
+    (:func:`kvpool.allocators.group_tables.group_key`) as BLAKE2b-128 of the hash's key then ``g`` as 4 bytes
     big-endian (vLLM's offload key is the block hash followed by the group index so), so blocks of two
     groups never share a key. Raises :class:`InvalidArgumentError` for anything else."""
     if type(block_hash) is bytes and len(block_hash) == KEY_BYTES:

@@ -157,12 +157,12 @@ class OffloadManager(SingleGroupAPI):
         """A fresh locator for one admission, the ``probe`` a
         :meth:`~kvpool.allocators.groups.KVCacheCoordinator.find_longest_cache_hit` takes:
         ``probe(g, hashes, i)`` is the device block holding ``hashes[i]`` in KV cache group ``g`` (its key
-        :func:`~kvpool.allocators.groups.group_key`), else ``tier_code(t)`` for the first tier ``t`` holding
-        it, else None. A tier is asked for the run of keys it holds from a position on (one ``exists`` call
-        per run and tier, reused while the run lasts), so a prefix found below costs one round trip per
+        :func:`~kvpool.allocators.group_tables.group_key`), else ``tier_code(t)`` for the first tier ``t``
+        holding it, else None. A tier is asked for the run of keys it holds from a position on (one ``exists``
+        call per run and tier, reused while the run lasts), so a prefix found below costs one round trip per
         tier and run, not one per block. A tier is asked about a window of keys at a time (``PROBE_WINDOW``
-        first, four times the last window after a window held all of its keys), so the keys of a long
-        prompt past the end of its hit are never converted nor sent. Changes nothing, counts nothing."""
+        first, four times the last window after a window held all of its keys), so the keys of a long prompt
+        past the end of its hit are never converted nor sent. Changes nothing, counts nothing."""
         runs: dict[tuple[int, int], tuple[int, int, int]] = {}  # (group, tier) -> (start, held, window)
         cached = self.pool.get_cached_block
 
