@@ -154,7 +154,7 @@ def pool_blocks(loaded: Any, args: argparse.Namespace, memory: Any) -> int:
 
 def check_before_load(args: argparse.Namespace, tp_size: int, config: dict[str, Any] | None) -> None:
     """What the model's config can tell before its weights load (README: bad input fails in seconds): a
-    model the engine refuses (a recurrent hybrid), a block size or ``--tp-size`` its spec refuses, a
+    block size or ``--tp-size`` its spec refuses (a hybrid's recurrent heads included), a
     ``--kv-memory`` (or the CPU default) that holds no block of it. ``config``: what
     :func:`kvpool.engine.models.config_before_load` read (None, nothing to check, for Gemma 3 270M before its
     first conversion), made into one :class:`~kvpool.spec.memory.ModelMemory`. Raises ConfigError /
@@ -164,7 +164,7 @@ def check_before_load(args: argparse.Namespace, tp_size: int, config: dict[str, 
     if config is None:
         return
     memory = ModelMemory.from_config(config, block_size=args.block_size, tp_size=tp_size,
-                                     kv_cache_dtype="float32", shard_state=False)  # float32: as loaded
+                                     kv_cache_dtype="float32")  # float32: as loaded
     if args.kv_memory == AUTO:
         return  # measured after loading
     if memory.hybrid is None and args.num_blocks is None and (args.kv_memory is not None

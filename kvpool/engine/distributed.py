@@ -57,6 +57,7 @@ from kvpool.engine.pool_log import (  # noqa: F401 (re-exported)
 )
 from kvpool.engine.tp_group import DEFAULT_TIMEOUT_S, FRAME_BYTES, Channel, TPGroup  # noqa: F401 (re-exported)
 from kvpool.engine.tp_memory import RecordingMemory
+from kvpool.engine.tp_state import check_batch_slots, record_states
 from kvpool.errors import CollectiveError, IntegrityError
 
 T = TypeVar("T")
@@ -112,6 +113,8 @@ class Leader:
         memory = engine.kv_manager.memory
         if memory is not None:  # an elastic cache: its commits and releases are shipped too
             memory.store = RecordingMemory(memory.store, self.pool)
+        if engine.states is not None:  # a hybrid: its state slot calls and moves are shipped too
+            record_states(engine.states, self.pool)
         engine.wrap_runner(lambda runner: _ShippingRunner(self, runner))
         tiers = getattr(engine, "offload", None)
         if tiers is not None:  # every rank restores from its own tiers, in step with rank 0
@@ -148,7 +151,7 @@ class Leader:
 
     def check(self) -> None:
         self.send("check")
-        check_across_ranks(self.tp, self.pool.pool, self.engine.cache)
+        check_across_ranks(self.tp, self.pool.pool, self.engine.cache, self.engine.states)
 
     def stop(self) -> None:
         """Tell the followers to stop (after replaying the last log) and gather their apply time."""
@@ -174,6 +177,7 @@ class Follower:
     @torch.inference_mode()
     def run(self) -> None:
         pool, runner, rank = self.engine.pool, self.engine.runner, self.tp.rank
+        states = self.engine.states  # a hybrid's RequestStates (None otherwise): its slot pool follows too
         tiers = getattr(self.engine, "offload", None)
         if tiers is not None:
             tiers.agree = self.tp.min_int
@@ -183,15 +187,16 @@ class Follower:
             kind, log, batch = pickle.loads(data)
             if tiers is not None:  # copies complete at each rank's own pace (CUDA); restores agree anyway
                 tiers.poll()
-            replay(pool, log, rank, runner.cache)
+            replay(pool, log, rank, runner.cache, states)
             if kind == "restore" and tiers is not None:
                 tiers.restore(batch)
             elif kind == "step":
                 check_batch_blocks(pool, batch.spans, self.engine.block_size, rank)
+                check_batch_slots(states, batch, rank)
                 self.apply_s += time.perf_counter() - start
                 runner.execute(batch)
             elif kind == "check":
-                check_across_ranks(self.tp, pool, runner.cache)
+                check_across_ranks(self.tp, pool, runner.cache, states)
             elif kind == "sync":  # the end of time_transport's pings
                 self.tp.min_int(0)
             elif kind == "stop":
