@@ -19,7 +19,8 @@ shards every weight evenly over the ranks (``Shard(0)``), so with ``tp_size > nu
 would get a fraction of a KV head instead of a whole replicated one.
 
 Supported: models whose decoder layers have ``self_attn.{q,k,v,o}_proj`` and ``mlp.{gate,up,down}_proj``
-(Llama, SmolLM2, Mistral, Qwen2, Qwen3, Gemma 2 / 3), and the recurrent hybrids of
+(Llama, SmolLM2, Mistral, Qwen2, Qwen3, Gemma 2 / 3, Llama 4 text with dense ``feed_forward`` MLPs, its
+chunked-local layers included), and the recurrent hybrids of
 :data:`~kvpool.engine.sharding_recurrent.RECURRENT_MODEL_TYPES` (Qwen3-Next, Qwen3.5 with dense MLPs), whose
 layers hold either ``self_attn`` (its ``q_proj`` may carry a gate per head beside each query head: rows ``[q
 head_dim, gate head_dim]`` per head, kept together) or a Gated DeltaNet ``linear_attn``, sharded by
@@ -40,7 +41,7 @@ from kvpool.engine.sharding_recurrent import RECURRENT_MODEL_TYPES, shard_recurr
 from kvpool.errors import ConfigError
 from kvpool.spec.memory import ModelMemory
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text",
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "llama4_text",
                          *RECURRENT_MODEL_TYPES)
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -85,14 +86,16 @@ def check_shardable(config: Mapping[str, Any], tp_size: int) -> None:
     if kind not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"tensor parallelism shards {', '.join(SUPPORTED_MODEL_TYPES)} models, "
                           f"not {kind!r}")
-    heads, inner = config["num_attention_heads"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    inner = config.get("intermediate_size_mlp") or config["intermediate_size"]  # Llama 4's dense MLPs
     if heads % tp_size:
         more = " (more ranks than query heads)" if tp_size > heads else ""
         raise ConfigError(f"tp_size {tp_size} does not divide the {heads} query heads{more}")
     if inner % tp_size:
         raise ConfigError(f"tp_size {tp_size} does not divide intermediate_size {inner}")
     experts, dense = config.get("num_experts") or 0, set(config.get("mlp_only_layers") or ())
-    if experts and len(dense) < config["num_hidden_layers"]:  # Qwen3-Next's sparse layers
+    if (experts and len(dense) < config["num_hidden_layers"]) or config.get("moe_layers"):  # Llama 4's too
+        experts = experts or config.get("num_local_experts")
         raise ConfigError(f"tensor parallelism shards dense MLPs, not the {experts} experts of {kind!r}")
     # KV heads: divisible, or replicated; a hybrid's recurrent heads divisible
     ModelMemory.from_config(dict(config), tp_size=tp_size)
@@ -125,7 +128,7 @@ def shard_model(model: Any, rank: int, tp_size: int, all_reduce: Callable[[torch
         return _row_parallel(linear, columns, all_reduce)
 
     for layer in _decoder_layers(model):
-        attn, mlp = getattr(layer, "self_attn", None), layer.mlp
+        attn, mlp = getattr(layer, "self_attn", None), _mlp(layer)
         if attn is not None:
             _shard_attention(attn, q_heads, kv, row_parallel)
         else:
@@ -159,7 +162,7 @@ def _decoder_layers(model: Any) -> list[nn.Module]:
         return module is not None and all(isinstance(getattr(module, n, None), nn.Linear) for n in names)
 
     layers = list(getattr(getattr(model, "model", None), "layers", None) or [])
-    ok = layers and all(has(getattr(layer, "mlp", None), _MLP)
+    ok = layers and all(has(_mlp(layer), _MLP)
                         and (has(getattr(layer, "self_attn", None), _ATTENTION)
                              or getattr(layer, "linear_attn", None) is not None)
                         for layer in layers)
@@ -167,6 +170,11 @@ def _decoder_layers(model: Any) -> list[nn.Module]:
         raise ConfigError(f"cannot shard {type(model).__name__}: its decoder layers lack "
                           f"self_attn.{{q,k,v,o}}_proj (or a linear_attn mixer) or mlp.{{gate,up,down}}_proj")
     return layers
+
+
+def _mlp(layer: nn.Module) -> Any:
+    """A decoder layer's MLP: ``mlp``, or Llama 4's ``feed_forward``."""
+    return getattr(layer, "mlp", None) or getattr(layer, "feed_forward", None)
 
 
 def _head_rows(heads: range, head_dim: int) -> slice:
