@@ -52,9 +52,9 @@ def build_model(name: str) -> Any:
     return model.eval()
 
 
-def run_scenarios(tp: Any, names: list[str]) -> dict[str, Any] | None:
-    """Every scenario on every model of ``names``, on this rank (``tp`` None: one process). Rank 0 (or the one
-    process) returns ``{model: {scenario: outcome}}``; the other ranks None."""
+def run_scenarios(tp: Any, names: list[str], only: list[str] | None = None) -> dict[str, Any] | None:
+    """Every scenario (or those named in ``only``) on every model of ``names``, on this rank (``tp`` None: one
+    process). Rank 0 (or the one process) returns ``{model: {scenario: outcome}}``; the other ranks None."""
     from kvpool.engine.distributed import run_engine
     from kvpool.engine.engine import LLMEngine
     from kvpool.engine.sharding import shard_model
@@ -66,6 +66,8 @@ def run_scenarios(tp: Any, names: list[str]) -> dict[str, Any] | None:
         if tp is not None:
             shard_model(model, tp.rank, tp.size, tp.all_reduce)
         for scenario, (options, calls) in SCENARIOS.items():
+            if only is not None and scenario not in only:
+                continue
             options = {"num_blocks": 64, **options}
             engine = LLMEngine(model, block_size=BLOCK, keep_logits=True, tp_size=tp.size if tp else 1,
                                **options)

@@ -155,21 +155,23 @@ def pool_blocks(loaded: Any, args: argparse.Namespace, memory: Any, ranks_here: 
     return plan_pool(spec, readings, gpu_memory_utilization=1.0).num_blocks
 
 
-def check_before_load(args: argparse.Namespace, tp_size: int, config: dict[str, Any] | None) -> None:
+def check_before_load(args: argparse.Namespace, tp_size: int, config: dict[str, Any] | None) -> Any:
     """What the model's config can tell before its weights load (README: bad input fails in seconds): a
-    model the engine refuses (a recurrent hybrid), a block size or ``--tp-size`` its spec refuses, a
+    block size or ``--tp-size`` its spec refuses (a hybrid's recurrent heads included), a
     ``--kv-memory`` (or the CPU default) that holds no block of it. ``config``: what
     :func:`kvpool.engine.models.config_before_load` read (None, nothing to check, for Gemma 3 270M before its
-    first conversion), made into one :class:`~kvpool.spec.memory.ModelMemory`. Raises ConfigError /
-    InsufficientMemoryError."""
+    first conversion), made into one :class:`~kvpool.spec.memory.ModelMemory` with the dtypes the engine
+    runs the loaded model with (float32 KV and state, :func:`kvpool.engine.recurrent.model_memory`'s rule),
+    returned for the ranks to use (None without a config). Raises ConfigError / InsufficientMemoryError."""
     from kvpool.spec.memory import ModelMemory
 
     if config is None:
-        return
+        return None
     memory = ModelMemory.from_config(config, block_size=args.block_size, tp_size=tp_size,
-                                     kv_cache_dtype="float32", shard_state=False)  # float32: as loaded
+                                     kv_cache_dtype="float32", conv_dtype="float32",
+                                     ssm_dtype="float32")  # float32: as loaded
     if args.kv_memory == AUTO:
-        return  # measured after loading
+        return memory  # its pool is measured after loading
     if memory.hybrid is None and args.num_blocks is None and (args.kv_memory is not None
                                                              or not torch.cuda.is_available()):
         from kvpool.spec.planner import MemoryReadings, plan_pool
@@ -177,6 +179,7 @@ def check_before_load(args: argparse.Namespace, tp_size: int, config: dict[str, 
         budget = args.kv_memory if args.kv_memory is not None else DEFAULT_KV_MEMORY
         plan_pool(memory.require_kv(), MemoryReadings(total_bytes=budget, non_kv_bytes=0),
                   gpu_memory_utilization=1.0)  # a hybrid's attention layers' spec needs the loaded model
+    return memory
 
 
 def run(args: argparse.Namespace) -> int:
@@ -196,10 +199,11 @@ def run(args: argparse.Namespace) -> int:
                              seed=args.seed + i) for i in range(len(texts))]  # bad input fails before loading
     config = config_before_load(args.model)  # read once, before the weights
     tp_size = tp_size_of(args, args.model, config)
-    check_before_load(args, tp_size, config)
+    memory = check_before_load(args, tp_size, config)  # the one ModelMemory of this command
     try:
         with model_errors(args.model):
-            out = run_ranks(generate_on_rank, tp_size, args, texts, params, hasher, command="generate")
+            out = run_ranks(generate_on_rank, tp_size, args, texts, params, hasher, memory,
+                            command="generate")
     except RankFailedError as exc:
         return report_rank_failure("generate", exc)
     except ModelError as exc:  # transformers raised: one line, no traceback (not bad input: status 1)
@@ -217,11 +221,13 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r.get("matches_reference", True) for r in out["requests"]) else 1
 
 
-def generate_on_rank(tp: Any, args: argparse.Namespace, texts: list[str], params: list[Any], hasher: Any
-                     ) -> dict[str, Any] | None:
+def generate_on_rank(tp: Any, args: argparse.Namespace, texts: list[str], params: list[Any], hasher: Any,
+                     memory: Any = None) -> dict[str, Any] | None:
     """The whole run on one rank (``tp`` None: the only one): load, shard, plan, generate, check. Returns
     the report (``--json``'s object) on rank 0, None on the others. Events and metrics are rank 0's alone:
-    the followers' pools only replay its calls."""
+    the followers' pools only replay its calls. ``memory``: the command's
+    :class:`~kvpool.spec.memory.ModelMemory` (made once, before loading: :func:`check_before_load`), or
+    None to make it from the loaded model (Gemma 3 270M before its first conversion)."""
     from kvpool.engine.distributed import run_engine
     from kvpool.engine.engine import LLMEngine
     from kvpool.engine.models import load_model
@@ -236,7 +242,8 @@ def generate_on_rank(tp: Any, args: argparse.Namespace, texts: list[str], params
         loaded = load_model(args.model, device=device)
         if tp is not None:
             shard_model(loaded.model, tp.rank, tp.size, tp.all_reduce)
-        memory = model_memory(loaded.model, block_size=args.block_size, tp_size=tp_size)  # its config, once
+        if memory is None:  # no config before loading: the loaded model's, once
+            memory = model_memory(loaded.model, block_size=args.block_size, tp_size=tp_size)
         num_blocks = pool_blocks(loaded, args, memory, ranks_on_host(tp))
         engine = LLMEngine(loaded.model, num_blocks=num_blocks if tp is None else tp.min_int(num_blocks),
                            block_size=args.block_size, max_num_batched_tokens=args.max_batched_tokens,

@@ -71,6 +71,7 @@ from kvpool.engine.tp_memory import (
     committed_bytes,
     wake_agreed,
 )
+from kvpool.engine.tp_state import check_batch_slots, record_states
 from kvpool.errors import CollectiveError, InsufficientMemoryError, IntegrityError
 
 T = TypeVar("T")
@@ -134,6 +135,8 @@ class Leader:
         memory = engine.kv_manager.memory
         if memory is not None:  # an elastic cache: its commits and releases are shipped too
             memory.store = RecordingMemory(memory.store, self.pool)
+        if engine.states is not None:  # a hybrid: its state slot calls and moves are shipped too
+            record_states(engine.states, self.pool)
         engine.wrap_runner(lambda runner: _ShippingRunner(self, runner))
         tiers = getattr(engine, "offload", None)
         if tiers is not None:  # every rank restores from its own tiers, in step with rank 0
@@ -178,7 +181,7 @@ class Leader:
 
     def check(self) -> None:
         self.send("check")
-        check_across_ranks(self.tp, self.pool.pool, self.engine.cache)
+        check_across_ranks(self.tp, self.pool.pool, self.engine.cache, self.engine.states)
 
     def stop(self) -> None:
         """Tell the followers to stop (after replaying the last log) and gather their apply time."""
@@ -204,26 +207,28 @@ class Follower:
     @torch.inference_mode()
     def run(self) -> None:
         pool, runner, rank = self.engine.pool, self.engine.runner, self.tp.rank
+        states = self.engine.states  # a hybrid's RequestStates (None otherwise): its slot pool follows too
         tiers = getattr(self.engine, "offload", None)
         if tiers is not None:
             tiers.agree = self.tp.min_int
             if tiers.memory is not None:  # rank 0's commits for its restores, mid-restore
-                apply = functools.partial(replay, pool, rank=rank, cache=runner.cache)
+                apply = functools.partial(replay, pool, rank=rank, cache=runner.cache, states=states)
                 tiers.memory = FollowRestoreMemory(self.receive, apply, rank)
         while True:
             kind, log, batch = self.receive()
             start = time.perf_counter()
             if tiers is not None:  # copies complete at each rank's own pace (CUDA); restores agree anyway
                 tiers.poll()
-            replay(pool, log, rank, runner.cache)
+            replay(pool, log, rank, runner.cache, states)
             if kind == "restore" and tiers is not None:
                 tiers.restore(batch)
             elif kind == "step":
                 check_batch_blocks(pool, batch.spans, self.engine.block_size, rank)
+                check_batch_slots(states, batch, rank)
                 self.apply_s += time.perf_counter() - start
                 runner.execute(batch)
             elif kind == "check":
-                check_across_ranks(self.tp, pool, runner.cache)
+                check_across_ranks(self.tp, pool, runner.cache, states)
             elif kind in ("sleep", "wake", "memory"):
                 self._memory(kind, tiers)
             elif kind == "sync":  # the end of time_transport's pings

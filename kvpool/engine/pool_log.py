@@ -12,6 +12,7 @@ from typing import Any
 
 from kvpool.engine.tp_group import TPGroup
 from kvpool.engine.tp_memory import REORDER, apply_memory_call, is_memory_call, memory_digest
+from kvpool.engine.tp_state import apply_state_call, is_state_call, state_digest
 from kvpool.errors import IntegrityError, KVPoolError
 from kvpool.spec import cdiv
 
@@ -87,12 +88,16 @@ class RecordingPool:
 
 
 def replay(pool: Any, log: Sequence[tuple[str, tuple, dict[str, Any], Any]], rank: int,
-           cache: Any = None) -> None:
-    """Apply rank 0's logged pool calls to ``pool`` (and its memory calls to this rank's elastic ``cache``:
-    :mod:`kvpool.engine.tp_memory`); IntegrityError at the first result that differs."""
+           cache: Any = None, states: Any = None) -> None:
+    """Apply rank 0's logged pool calls to ``pool`` (its memory calls to this rank's elastic ``cache``:
+    :mod:`kvpool.engine.tp_memory`; its state slot calls to this rank's ``states``:
+    :mod:`kvpool.engine.tp_state`); IntegrityError at the first result that differs."""
     for name, args, kwargs, expected in log:
         if is_memory_call(name):
             apply_memory_call(pool, cache, name, args, expected, rank)
+            continue
+        if is_state_call(name):
+            apply_state_call(states, name, args, expected, rank)
             continue
         if name not in _RECORDED:
             raise IntegrityError(f"rank {rank}: rank 0 shipped an unknown pool call {name!r}")
@@ -128,8 +133,9 @@ def pool_digest(pool: Any) -> bytes:
     return hashlib.sha256(repr(state).encode()).digest()
 
 
-def check_across_ranks(tp: TPGroup, pool: Any, cache: Any = None) -> None:
-    """Collective: ``pool.check_integrity()`` on every rank, then the ranks' :func:`pool_digest` compared.
+def check_across_ranks(tp: TPGroup, pool: Any, cache: Any = None, states: Any = None) -> None:
+    """Collective: ``pool.check_integrity()`` on every rank, then the ranks' :func:`pool_digest` compared
+    (with their elastic caches' pages and their state slots: ``states``, a hybrid's ``RequestStates``).
 
     Raises:
         IntegrityError: this rank's invariants are broken, or (on every rank) the digests differ.
@@ -137,9 +143,9 @@ def check_across_ranks(tp: TPGroup, pool: Any, cache: Any = None) -> None:
     broken: IntegrityError | None = None
     try:
         pool.check_integrity()
-        digest = pool_digest(pool) + memory_digest(cache)
+        digest = pool_digest(pool) + memory_digest(cache) + state_digest(states)
     except IntegrityError as exc:
-        broken, digest = exc, bytes(64)  # still take part, so no rank waits for this one
+        broken, digest = exc, bytes(96)  # still take part, so no rank waits for this one
     digests = tp.all_gather_bytes(digest)
     if broken is not None:
         raise broken

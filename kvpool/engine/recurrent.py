@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from kvpool.engine.sharding_recurrent import RECURRENT_MODEL_TYPES
 from kvpool.errors import ConfigError, InvalidArgumentError
 from kvpool.spec import AttentionKind, KVCacheSpec
 from kvpool.spec.memory import ModelMemory
@@ -169,12 +170,15 @@ def model_memory(model: Any, *, block_size: int, dtype: torch.dtype | None = Non
                  ) -> ModelMemory:
     """The model's :class:`~kvpool.spec.memory.ModelMemory`, its config read once: every dtype the model's
     own unless given, except the SSM state: float32, as transformers keeps it (its fallbacks compute the
-    state in float32 whatever the model dtype), so the engine's tokens equal transformers' own. ConfigError
-    for a recurrent hybrid at ``tp_size`` > 1."""
+    state in float32 whatever the model dtype), so the engine's tokens equal transformers' own. At
+    ``tp_size`` > 1 ``model`` is this rank's shard (:func:`kvpool.engine.sharding.shard_model`) and the state
+    spec this rank's heads; ConfigError for a hybrid whose mixers are not sharded there (a model type
+    outside :data:`~kvpool.engine.sharding_recurrent.RECURRENT_MODEL_TYPES`)."""
     name = str(dtype or model.dtype).removeprefix("torch.")
-    return ModelMemory.from_config(model.config.to_dict(), block_size=block_size, tp_size=tp_size,
-                                   kv_cache_dtype=name, conv_dtype=name, ssm_dtype="float32",
-                                   shard_state=False)
+    config = model.config.to_dict()
+    return ModelMemory.from_config(config, block_size=block_size, tp_size=tp_size, kv_cache_dtype=name,
+                                   conv_dtype=name, ssm_dtype="float32",
+                                   shard_state=config.get("model_type") in RECURRENT_MODEL_TYPES)
 
 
 def model_kv_spec(model: Any, *, block_size: int, dtype: torch.dtype | None = None, tp_size: int = 1

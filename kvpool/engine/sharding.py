@@ -19,7 +19,13 @@ shards every weight evenly over the ranks (``Shard(0)``), so with ``tp_size > nu
 would get a fraction of a KV head instead of a whole replicated one.
 
 Supported: models whose decoder layers have ``self_attn.{q,k,v,o}_proj`` and ``mlp.{gate,up,down}_proj``
-(Llama, SmolLM2, Mistral, Qwen2, Qwen3). GPT-2 (a fused ``c_attn``) and others raise ``ConfigError``.
+(Llama, SmolLM2, Mistral, Qwen2, Qwen3, Gemma 2 / 3, Llama 4 text with dense ``feed_forward`` MLPs, its
+chunked-local layers included), and the recurrent hybrids of
+:data:`~kvpool.engine.sharding_recurrent.RECURRENT_MODEL_TYPES` (Qwen3-Next, Qwen3.5 with dense MLPs), whose
+layers hold either ``self_attn`` (its ``q_proj`` may carry a gate per head beside each query head: rows ``[q
+head_dim, gate head_dim]`` per head, kept together) or a Gated DeltaNet ``linear_attn``, sharded by
+:func:`~kvpool.engine.sharding_recurrent.shard_recurrent_mixer`. GPT-2 (a fused ``c_attn``),
+mixture-of-experts MLPs and others raise ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -31,10 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvpool.engine.sharding_recurrent import RECURRENT_MODEL_TYPES, shard_recurrent_mixer
 from kvpool.errors import ConfigError
-from kvpool.spec import KVCacheSpec
+from kvpool.spec.memory import ModelMemory
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "llama4_text",
+                         *RECURRENT_MODEL_TYPES)
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -67,7 +75,8 @@ def check_shardable(config: Mapping[str, Any], tp_size: int) -> None:
     Raises:
         ConfigError: ``tp_size`` < 1; a model type outside :data:`SUPPORTED_MODEL_TYPES` (for tp_size > 1);
             query heads or ``intermediate_size`` that ``tp_size`` does not divide (more ranks than query
-            heads included); KV heads that ``tp_size`` neither divides nor is a multiple of.
+            heads included); KV heads that ``tp_size`` neither divides nor is a multiple of; a hybrid's
+            recurrent heads that it does not divide; layers with experts.
     """
     if tp_size < 1:
         raise ConfigError(f"tp_size must be >= 1, got {tp_size}")
@@ -77,13 +86,19 @@ def check_shardable(config: Mapping[str, Any], tp_size: int) -> None:
     if kind not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"tensor parallelism shards {', '.join(SUPPORTED_MODEL_TYPES)} models, "
                           f"not {kind!r}")
-    heads, inner = config["num_attention_heads"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    inner = config.get("intermediate_size_mlp") or config["intermediate_size"]  # Llama 4's dense MLPs
     if heads % tp_size:
         more = " (more ranks than query heads)" if tp_size > heads else ""
         raise ConfigError(f"tp_size {tp_size} does not divide the {heads} query heads{more}")
     if inner % tp_size:
         raise ConfigError(f"tp_size {tp_size} does not divide intermediate_size {inner}")
-    KVCacheSpec.from_hf_config(dict(config), tp_size=tp_size)  # KV heads: divisible, or replicated
+    experts, dense = config.get("num_experts") or 0, set(config.get("mlp_only_layers") or ())
+    if (experts and len(dense) < config["num_hidden_layers"]) or config.get("moe_layers"):  # Llama 4's too
+        experts = experts or config.get("num_local_experts")
+        raise ConfigError(f"tensor parallelism shards dense MLPs, not the {experts} experts of {kind!r}")
+    # KV heads: divisible, or replicated; a hybrid's recurrent heads divisible
+    ModelMemory.from_config(dict(config), tp_size=tp_size)
 
 
 def kv_heads_of_rank(num_kv_heads: int, rank: int, tp_size: int) -> range:
@@ -109,14 +124,15 @@ def shard_model(model: Any, rank: int, tp_size: int, all_reduce: Callable[[torch
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     q_heads = range(rank * heads // tp_size, (rank + 1) * heads // tp_size)
     kv = kv_heads_of_rank(kv_heads, rank, tp_size)
+    def row_parallel(linear: nn.Linear, columns: slice) -> RowParallelLinear:
+        return _row_parallel(linear, columns, all_reduce)
+
     for layer in _decoder_layers(model):
-        attn, mlp = layer.self_attn, layer.mlp
-        q_rows, kv_rows = _head_rows(q_heads, attn.head_dim), _head_rows(kv, attn.head_dim)
-        _keep_rows(attn.q_proj, q_rows)
-        _keep_rows(attn.k_proj, kv_rows)
-        _keep_rows(attn.v_proj, kv_rows)
-        attn.o_proj = _row_parallel(attn.o_proj, q_rows, all_reduce)
-        attn.num_key_value_groups = len(q_heads) // len(kv)  # what eager/sdpa attention would repeat
+        attn, mlp = getattr(layer, "self_attn", None), _mlp(layer)
+        if attn is not None:
+            _shard_attention(attn, q_heads, kv, row_parallel)
+        else:
+            shard_recurrent_mixer(layer.linear_attn, rank, tp_size, row_parallel, _keep_rows)
         inner = mlp.down_proj.in_features // tp_size
         mlp_rows = slice(rank * inner, (rank + 1) * inner)
         _keep_rows(mlp.gate_proj, mlp_rows)
@@ -125,22 +141,47 @@ def shard_model(model: Any, rank: int, tp_size: int, all_reduce: Callable[[torch
     return model
 
 
+def _shard_attention(attn: nn.Module, q_heads: range, kv: range,
+                     row_parallel: Callable[[nn.Linear, slice], nn.Module]) -> None:
+    """Keep query heads ``q_heads`` and KV heads ``kv`` of ``attn``; a gated ``q_proj`` (Qwen3-Next, Qwen3.5:
+    ``2 head_dim`` rows per head, the query then its gate) keeps both halves of each of its heads."""
+    head_dim = attn.head_dim
+    per_head = attn.q_proj.out_features // (attn.o_proj.in_features // head_dim)  # head_dim, or 2x if gated
+    q_rows, kv_rows = _head_rows(q_heads, per_head), _head_rows(kv, head_dim)
+    _keep_rows(attn.q_proj, q_rows)
+    _keep_rows(attn.k_proj, kv_rows)
+    _keep_rows(attn.v_proj, kv_rows)
+    attn.o_proj = row_parallel(attn.o_proj, _head_rows(q_heads, head_dim))
+    attn.num_key_value_groups = len(q_heads) // len(kv)  # what eager/sdpa attention would repeat
+
+
 def _decoder_layers(model: Any) -> list[nn.Module]:
+    """The decoder layers: each with ``mlp.{gate,up,down}_proj`` and either ``self_attn.{q,k,v,o}_proj`` or
+    (a recurrent hybrid's) a ``linear_attn`` mixer."""
+    def has(module: Any, names: tuple[str, ...]) -> bool:
+        return module is not None and all(isinstance(getattr(module, n, None), nn.Linear) for n in names)
+
     layers = list(getattr(getattr(model, "model", None), "layers", None) or [])
-    ok = layers and all(all(isinstance(getattr(getattr(layer, part, None), name, None), nn.Linear)
-                            for part, names in (("self_attn", _ATTENTION), ("mlp", _MLP)) for name in names)
+    ok = layers and all(has(_mlp(layer), _MLP)
+                        and (has(getattr(layer, "self_attn", None), _ATTENTION)
+                             or getattr(layer, "linear_attn", None) is not None)
                         for layer in layers)
     if not ok:
         raise ConfigError(f"cannot shard {type(model).__name__}: its decoder layers lack "
-                          f"self_attn.{{q,k,v,o}}_proj or mlp.{{gate,up,down}}_proj")
+                          f"self_attn.{{q,k,v,o}}_proj (or a linear_attn mixer) or mlp.{{gate,up,down}}_proj")
     return layers
+
+
+def _mlp(layer: nn.Module) -> Any:
+    """A decoder layer's MLP: ``mlp``, or Llama 4's ``feed_forward``."""
+    return getattr(layer, "mlp", None) or getattr(layer, "feed_forward", None)
 
 
 def _head_rows(heads: range, head_dim: int) -> slice:
     return slice(heads.start * head_dim, heads.stop * head_dim)
 
 
-def _keep_rows(linear: nn.Linear, rows: slice) -> None:
+def _keep_rows(linear: nn.Linear, rows: slice | torch.Tensor) -> None:
     """Column parallelism: keep output features ``rows`` of ``linear`` (weight rows and bias)."""
     with torch.no_grad():
         linear.weight = nn.Parameter(linear.weight[rows].clone(), requires_grad=False)

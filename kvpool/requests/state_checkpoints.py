@@ -36,9 +36,9 @@ Bookkeeping only (slot ids and hashes), like the allocators below; O(1) per save
 from __future__ import annotations
 
 import re
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvpool.allocators.policies import EvictionPolicy, make_policy
 from kvpool.allocators.state_pool import StatePool
@@ -335,6 +335,13 @@ class RequestStates:
         self._slots: dict[Hashable, int] = {}
         self._junctions: dict[Hashable, int] = {}
         self._pending: dict[Hashable, list[tuple[int, int]]] = {}  # request -> (boundary k, slot)
+
+    def wrap_pool(self, wrap: Callable[[StatePool], Any]) -> None:
+        """Put ``wrap(pool)`` in front of the slot pool, for the request slots and the checkpoints alike (a
+        tensor-parallel leader's recorder: :func:`kvpool.engine.tp_state.record_states`)."""
+        shared, self.pool = self.checkpoints.pool is self.pool, wrap(self.pool)
+        if shared:
+            self.checkpoints.pool = self.pool
 
     # ---- admission ----------------------------------------------------------------------------------
 
