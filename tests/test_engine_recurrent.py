@@ -191,24 +191,34 @@ def test_the_replay_makes_the_engines_pool_calls(policy: str) -> None:
     assert result.kv_only_tokens == engine.states.stats.kv_only_tokens
 
 
-@pytest.mark.parametrize(("checkpoints", "hit"), [(16, 40), (4, 0)])
-def test_kv_from_a_tier_is_reused_only_with_its_state(checkpoints: int, hit: int) -> None:
+@pytest.mark.parametrize("name", ["tiny-lfm2", "tiny-qwen3-next"])
+@pytest.mark.parametrize(("checkpoints", "state_tiers", "hit", "from_tier"),
+                         [(16, True, 40, 0), (4, True, 40, 1), (4, False, 0, 0)])
+def test_kv_from_a_tier_is_reused_only_with_its_state(name: str, checkpoints: int, state_tiers: bool,
+                                                      hit: int, from_tier: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """One prompt at a time on a 14-block device pool over a host tier: X (40 shared tokens + 3) saves its
     state every 2 blocks (8 .. 40 tokens), U (51 unrelated tokens) evicts X's KV to the host tier and saves
     6 states of its own; Y (the 40 shared tokens + 5) finds their KV in the host tier. With 16 checkpoint
-    slots X's 40-token state is still held: Y restores KV from the host and the state from it, 40 tokens.
-    With 4, U's saves evicted X's: the KV in the tier is no hit without its state (0 tokens, 40 counted as
-    KV only), never a wrong restore. Either way the tokens are transformers'."""
+    slots X's 40-token state is still held: Y restores KV from the host and the state from the device, 40
+    tokens. With 4, U's saves evicted X's states from the device into the checkpoints' host tier: Y restores
+    the 40-token state from there, 40 tokens. The control skips the checkpoints' tier (the state chain made
+    empty): the KV in the tier is no hit without its state (0 tokens, 40 counted as KV only), never a wrong
+    restore. Every way the tokens are transformers' (LFM2: conv states only; Qwen3-Next: conv and float32
+    delta-rule states, both in the rows)."""
     from kvpool.allocators.hashing import BlockHasher
+    from kvpool.engine import state_tiers as made
     from kvpool.tiers.backend import Namespace
     from kvpool.tiers.host import HostTier
 
-    model = load_model("tiny-lfm2", seed=1).model
+    if not state_tiers:
+        monkeypatch.setattr(made, "checkpoint_tiers", lambda *args, **kwargs: [])
+    model = load_model(name, seed=1).model
     shared = list(range(30, 70))
     x, u, y = shared + [1, 2, 3], [200 - i for i in range(51)], shared + [9, 8, 7, 6, 5]
     engine = _engine(model, num_blocks=14, hasher=BlockHasher("sha256", shared=True),
                      state_checkpoints=checkpoints)
-    namespace = Namespace.for_cache(engine.cache, model="tiny-lfm2")
+    namespace = Namespace.for_cache(engine.cache, model=name)
     engine.enable_offload([HostTier(64, namespace, like=engine.cache)])
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     done = [engine.generate([p], params)[0] for p in (x, u, y)]
@@ -216,6 +226,7 @@ def test_kv_from_a_tier_is_reused_only_with_its_state(checkpoints: int, hit: int
     assert done[2].num_cached_tokens == hit
     assert engine.kv_manager.hits_by_place()["host"] == hit // 4
     assert engine.states.stats.kv_only_tokens == 40 - hit
+    assert engine.states.stats.tier_restored == from_tier
     engine.offload.close()
     engine.kv_manager.check_integrity()
 

@@ -430,7 +430,8 @@ _FORMATS = {
     "kv_cache_groups": ",", "bytes_per_block": ",", "peak_bytes_used": ",", "mean_bytes_used": ",",
     "mean_memory_saving": ".4f", "memory_compared_requests": ",", "state_save": "", "state_slots_peak": ",",
     "checkpoints_saved": ",", "checkpoints_peak": ",", "checkpoint_hits": ",", "checkpoint_evictions": ",",
-    "kv_only_tokens": ",", "peak_committed_bytes": ",", "final_committed_bytes": ",",
+    "checkpoint_tier_hits": ",", "kv_only_tokens": ",", "peak_committed_bytes": ",",
+    "final_committed_bytes": ",",
     "trimmed_committed_bytes": ",", "match_unit": ",", "partial_hits": ",", "partial_tokens": ",",
     "partial_copied_blocks": ",", "partial_copied_tokens": ",",
 }
@@ -441,7 +442,7 @@ _PARTIAL_FIELDS = ("match_unit", "partial_hits", "partial_tokens", "partial_copi
 _ELASTIC_FIELDS = ("peak_committed_bytes", "final_committed_bytes", "trimmed_committed_bytes")
 #: Report fields of a recurrent hybrid's state, printed only for one.
 _STATE_FIELDS = ("state_save", "state_slots_peak", "checkpoints_saved", "checkpoints_peak", "checkpoint_hits",
-                 "checkpoint_evictions", "kv_only_tokens")
+                 "checkpoint_evictions", "checkpoint_tier_hits", "kv_only_tokens")
 
 
 def _human(report: dict[str, Any]) -> str:

@@ -271,7 +271,8 @@ class LLMEngine:
         the blocks each group's hit needs before the request runs. ``admission``: a frequency filter on what
         goes down (see the manager). Returns the :class:`~kvpool.tiers.manager.OffloadManager`
         (``stats()``; ``close()`` it at the end to finish the stores in flight); the prefix hits by place
-        are ``kv_manager.hits_by_place()``.
+        are ``kv_manager.hits_by_place()``. A recurrent hybrid's state checkpoints go down beside the KV
+        (:mod:`kvpool.engine.state_tiers`: host tiers, and disk / Redis tiers given by URL).
 
         Raises:
             ConfigError: prefix caching is off, an offload is attached already, or a tier keeps blocks
@@ -281,8 +282,10 @@ class LLMEngine:
                 blocks already announces them on the event stream first.)
             InvalidArgumentError: as :class:`~kvpool.tiers.manager.OffloadManager`.
         """
+        from kvpool.engine.state_tiers import checkpoint_tiers
         from kvpool.tiers.from_url import TierURL, tiers_from_urls
 
+        urls = space = None
         if any(isinstance(t, str | TierURL) for t in tiers):
             urls = [t for t in tiers if isinstance(t, str | TierURL)]
             if len(urls) != len(tiers):
@@ -290,8 +293,11 @@ class LLMEngine:
             space = namespace if namespace is not None else self.tier_namespace()
             tiers = tiers_from_urls(urls, space, block_bytes=self.cache.bytes_per_block, like=self.cache,
                                     auth_key=auth_key)
+        states = None if self.states is None else checkpoint_tiers(tiers, self.states, urls=urls,
+                                                                   namespace=space, auth_key=auth_key)
         return self.kv_manager.attach_tiers(tiers, cache=self.cache, write_through=write_through,
-                                            asynchronous=asynchronous, admission=admission)
+                                            asynchronous=asynchronous, admission=admission,
+                                            state_tiers=states or None)
 
     def tier_namespace(self, model_name: str = "model") -> Any:
         """The :class:`~kvpool.tiers.backend.Namespace` of this engine's blocks in a tier: the model named by

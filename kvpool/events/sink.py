@@ -124,6 +124,11 @@ class KVEventSink:
         self.recorder.plain = self.recorder.unsplit = False
         self._groups = dict(groups)
 
+    def describe_group(self, index: int, kind: str, window: int | None) -> None:
+        """Describe one more group of a split sink's keys (:meth:`use_groups`): group ``index`` as ``kind``
+        with ``window`` (a hybrid's recurrent state checkpoints, keyed as a group of their own)."""
+        self._groups[as_int(index, "group index", minimum=0)] = (kind, window)
+
     def for_medium(self, medium: str) -> KVEventSink:
         """A sink for another tier's pool (``"CPU"``: the host tier) that records into this one's buffer,
         so one :meth:`flush` per step publishes both, in order. It reads keys as this sink does."""

@@ -124,6 +124,7 @@ class KVCacheManager:
         #: The state side every request goes through: ``states``, or
         #: :data:`~kvpool.requests.no_state.NO_STATE` for a model without recurrent layers.
         self.state: StateSide = NO_STATE if states is None else states
+        self.state.join(len(self.groups), self._block_pool.event_sink, admission)
         self.partial = None if match_unit is None else partial_hits(match_unit, self, num_blocks)
         #: The hook that keeps ``memory``'s committed blocks equal to the used and cached ones (None: none).
         self.memory = None if memory is None else PoolMemory(memory, lambda: self.pool, self.null_block)
@@ -199,11 +200,15 @@ class KVCacheManager:
 
     def attach_tiers(self, tiers: Sequence[TierBackend], *, cache: BlockStore | None = None,
                      write_through: bool = False, asynchronous: bool = True,
-                     admission: FrequencyAdmission | None = None, staging_blocks: int = 64) -> OffloadManager:
+                     admission: FrequencyAdmission | None = None, staging_blocks: int = 64,
+                     state_tiers: Sequence[TierBackend] | None = None) -> OffloadManager:
         """Chain ``tiers`` (a host tier first, then disk, remote) under the device pool, for every KV cache
         group: evicted (or, with ``write_through``, published) blocks go down keyed by group and hash, and
         :meth:`admit` finds prefixes in every tier. ``cache``: the device KV store whose blocks move (None:
-        hashes only, a replay). Returns the :class:`~kvpool.tiers.manager.OffloadManager`.
+        hashes only, a replay). A hybrid's state checkpoints go down too
+        (:class:`~kvpool.requests.state_offload.CheckpointTiers`): into ``state_tiers`` (rows of one state
+        slot), or without data into ``tiers`` themselves. Returns the
+        :class:`~kvpool.tiers.manager.OffloadManager`.
 
         Raises:
             ConfigError: prefix caching is off, or tiers are attached already; a disk or Redis tier under a
@@ -229,6 +234,8 @@ class KVCacheManager:
         for host in hosts:  # its stores and evictions go out in the same batches, medium CPU
             host.pool.attach_event_sink(sink.for_medium("CPU"))
         self.tiers.memory = self.memory  # restores commit the blocks they load into
+        if self.states is not None and (state_tiers is not None or cache is None):
+            self.states.tiers_under(tiers if state_tiers is None else state_tiers, data=cache is not None)
         return self.tiers
 
     def detach_tiers(self) -> None:
@@ -479,6 +486,8 @@ class KVCacheManager:
         if len(hashes) > self.pool.max_pinned_blocks:
             raise ConfigError(f"the prefix to pin is {len(hashes)} blocks, over the pool's pin cap of "
                               f"{self.pool.max_pinned_blocks}")
+        if self.states is not None:
+            self.states.checkpoints.pin(hashes)
         if self.coordinator.can_pin_prefix(hashes):
             self.pins.append(self.coordinator.pin_prefix(hashes))
             return True
@@ -498,6 +507,8 @@ class KVCacheManager:
         for ids in self.pins:
             self.coordinator.unpin(ids)
         self.pins, self._wanted_pins = [], []
+        if self.states is not None:
+            self.states.checkpoints.unpin_all()
         return unpinned
 
     def empty(self) -> bool:

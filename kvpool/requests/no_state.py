@@ -17,12 +17,13 @@ The members a state side has (:class:`StateSide`):
   committed once the step's blocks are published, given back (nothing to do without a state);
 * ``follows_each_step``: whether every step must reach ``plan`` and ``commit`` (so a publish with no new
   block cannot be skipped and decode steps cannot be batched into one pool call): False here;
+* ``join(group, sink, admission)``: the KV side's event sink and admission taken as the state's own group;
 * ``clear()`` (what an emptied cache drops) and ``check_integrity()``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from kvpool.requests.request import Request
@@ -46,6 +47,8 @@ class StateSide(Protocol):
     def commit(self, req: Request) -> None: ...
 
     def free(self, req: Request) -> None: ...
+
+    def join(self, group: int, sink: Any = None, admission: Any = None) -> None: ...
 
     def clear(self) -> None: ...
 
@@ -75,6 +78,9 @@ class NoRecurrentState:
 
     def free(self, req: Request) -> None:
         """No slot to give back."""
+
+    def join(self, group: int, sink: Any = None, admission: Any = None) -> None:
+        """No checkpoint group to join (the KV side's events and admission are the KV groups' alone)."""
 
     def clear(self) -> None:
         """No checkpoint to drop."""

@@ -19,12 +19,17 @@ so a cached prefix of KV is reusable for a hybrid only where the state *at its e
 * **Save timing.** A save is planned when the step that crosses its boundary is scheduled (a checkpoint slot
   is reserved then, so the forward can write the state into it as it passes the boundary) and becomes a
   visible checkpoint when the step's KV is published (:meth:`RequestStates.commit`), never before.
-* **Checkpoint slots** (:class:`StateCheckpoints`): at most ``capacity`` checkpoints (pending saves
-  included), evicted in the order of an eviction policy of :mod:`kvpool.allocators.policies` (``make_policy``:
-  the KV pool's, so ``--policy`` applies to states too; ``lru`` by default: least recently used first, a
-  restore touching one); with a
+* **Checkpoint slots** (:class:`StateCheckpoints`, :mod:`kvpool.requests.checkpoint_store`): at most
+  ``capacity`` checkpoints (pending saves included), evicted in the order of an eviction policy of
+  :mod:`kvpool.allocators.policies` (``make_policy``: the KV pool's, so ``--policy`` applies to states too;
+  ``lru`` by default: least recently used first, a restore touching one), pinned with a pinned prefix,
+  filtered by the KV side's admission, announced as KV events of their own group; with a
   :class:`~kvpool.allocators.state_pool.StatePool` each holds a slot of the state buffers, without one it is
   counted only (a replay). A save that finds no slot (every one pending) is skipped and counted.
+* **Tiers** (:class:`~kvpool.requests.state_offload.CheckpointTiers`, :meth:`RequestStates.attach_tiers`):
+  a checkpoint the device evicts goes down to the tiers; the joint hit also ends at a checkpoint a tier
+  gives back intact (read when the hit is cut, so a fault below shortens the hit, never restores a wrong
+  state), which admission writes into the request's slot.
 * **Request slots.** A running request owns one state slot from admission to its end or preemption; at
   admission it is zeroed or filled from the checkpoint of its hit, at once (``mover``: the
   :class:`~kvpool.storage.state.RecurrentStateCache`, whose ``zero_slots`` / ``copy_slots`` move the data;
@@ -40,16 +45,18 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvpool.allocators.policies import EvictionPolicy, make_policy
 from kvpool.allocators.state_pool import StatePool
 from kvpool.errors import ConfigError, IntegrityError, InvalidIdError, OutOfBlocksError
-from kvpool.numeric import as_int, as_optional_int
+from kvpool.numeric import as_int
+from kvpool.requests.checkpoint_store import NO_SLOT, CheckpointStats, StateCheckpoints
 from kvpool.requests.request import Request
+from kvpool.requests.state_offload import CheckpointTiers
+
+__all__ = ["NO_SLOT", "SAVE_POLICIES", "CheckpointStats", "RequestStates", "SavePolicy", "StateCheckpoints",
+           "StateMover"]
 
 #: The save policies by name (``interval`` takes ``=N``).
 SAVE_POLICIES = ("tail", "dense", "interval=N", "tail+junction")
-#: The slot id of a counted-only checkpoint (no state buffers behind it).
-NO_SLOT = -1
 
 
 @dataclass(frozen=True)
@@ -101,203 +108,6 @@ def _int_or_text(text: str) -> int | str:
     return int(text) if re.fullmatch(r"[+-]?\d+", text) else text
 
 
-@dataclass
-class CheckpointStats:
-    """Counters of the state side, since the manager was built. ``saved``: checkpoints stored (a save of a
-    key already held only touches it); ``restored``: admissions that started from a checkpoint;
-    ``evicted``; ``skipped``: saves without a free slot; ``kv_only_tokens``: at first admissions, the tokens
-    whose KV every group could restore but that lay past the last checkpoint; ``peak_checkpoints``,
-    ``peak_request_slots``: the most held at once."""
-
-    saved: int = 0
-    restored: int = 0
-    evicted: int = 0
-    skipped: int = 0
-    kv_only_tokens: int = 0
-    peak_checkpoints: int = 0
-    peak_request_slots: int = 0
-
-
-class StateCheckpoints:
-    """Saved states keyed by block hash, at most ``capacity`` (None: unbounded), evicted in the order of an
-    eviction policy.
-
-    Each checkpoint has an entry id in ``[0, capacity)``, the "block" its policy orders: a commit is a new
-    block's ``missed(hash)``, ``published(id, hash)`` and ``insert(id, 0)`` (a checkpoint is evictable at
-    once: nothing references it between restores), a restore ``hit(id)``, ``remove(id)`` and ``insert(id,
-    0)``, an eviction ``pop()``, a clear ``dropped(id)``: the calls a :class:`~kvpool.allocators.block_pool.
-    BlockPool` makes of a block that a request stores, later hits, and frees at once.
-
-    Args:
-        capacity: checkpoints held at most, pending saves included (None: no bound, needs ``pool`` None; 0:
-            none, every save skipped).
-        pool: the :class:`StatePool` checkpoint slots come from (None: counted only, slot :data:`NO_SLOT`).
-        policy: the eviction order, a name of :data:`~kvpool.allocators.policies.POLICIES` or a fresh
-            :class:`~kvpool.allocators.policies.EvictionPolicy` (default ``"lru"``; unused when unbounded,
-            where nothing is evicted).
-        max_capacity: the most :meth:`resize` may ever set (the policy is bound to it); None: ``capacity``.
-
-    Raises:
-        ConfigError: a capacity that is not an integer >= 0, or a pool with no capacity.
-        InvalidArgumentError: an unknown policy name, or a policy that serves a pool already.
-    """
-
-    def __init__(self, capacity: int | None = None, *, pool: StatePool | None = None,
-                 policy: str | EvictionPolicy = "lru", max_capacity: int | None = None) -> None:
-        self.capacity = as_optional_int(capacity, "state checkpoints", minimum=0, error=ConfigError)
-        if pool is not None and self.capacity is None:
-            raise ConfigError("checkpoints in state slots need a capacity (the slots set aside for them)")
-        self.pool = pool
-        self.policy = make_policy(policy) if isinstance(policy, str) else policy
-        bound = self.capacity if max_capacity is None or self.capacity is None else \
-            as_int(max_capacity, "max_capacity", minimum=self.capacity, error=ConfigError)
-        #: The most checkpoints :meth:`resize` may allow; whether the policy orders them (bounded and > 0).
-        self.max_capacity, self._ordered = bound, bool(bound)
-        if bound:
-            self.policy.bind(bound)
-        self._entries: dict[Hashable, int] = {}  # block hash -> entry id
-        self._slots: list[int] = []  # entry id -> state slot
-        self._hashes: list[Hashable] = []  # entry id -> block hash
-        self._free_ids: list[int] = []
-        self._pending: set[int] = set()
-        self._num_pending = 0
-        self.stats = CheckpointStats()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, block_hash: Hashable) -> bool:
-        return block_hash in self._entries
-
-    def longest(self, block_hashes: Sequence[Hashable], k: int) -> int:
-        """The largest j <= k that is 0 or has a checkpoint at ``block_hashes[j - 1]`` (touches nothing)."""
-        entries = self._entries
-        while k > 0 and block_hashes[k - 1] not in entries:
-            k -= 1
-        return k
-
-    def touch(self, block_hash: Hashable) -> int:
-        """Tell the policy the checkpoint of ``block_hash`` was used (a restore: LRU's most recently used)
-        and return its slot. Raises InvalidIdError when there is none."""
-        entry = self._entries.get(block_hash)
-        if entry is None:
-            raise InvalidIdError(f"no state checkpoint at block hash {block_hash!r}")
-        if self._ordered:
-            policy = self.policy
-            policy.hit(entry)
-            policy.remove(entry)
-            policy.insert(entry, 0)
-        return self._slots[entry]
-
-    def reserve(self) -> int | None:
-        """A slot for a pending save (:data:`NO_SLOT` without a pool), evicting the least recently used
-        checkpoint when at capacity; None (counted in ``skipped``) when every slot is pending."""
-        full = self.capacity is not None and len(self._entries) + self._num_pending >= self.capacity
-        if full or (self.pool is not None and not self.pool.available_size):
-            if not self._entries:
-                self.stats.skipped += 1
-                return None
-            self._evict()
-        slot = self.pool.alloc(1)[0] if self.pool is not None else NO_SLOT
-        self._num_pending += 1
-        if slot != NO_SLOT:
-            self._pending.add(slot)
-        return slot
-
-    def commit(self, block_hash: Hashable, slot: int) -> None:
-        """Make the pending save in ``slot`` the checkpoint of ``block_hash`` (most recently used); when one
-        is held already, it is touched and ``slot`` released."""
-        self._unpend(slot)
-        if block_hash in self._entries:
-            self.touch(block_hash)
-            self._free_slot(slot)
-            return
-        entry = self._free_ids.pop() if self._free_ids else len(self._slots)
-        if entry == len(self._slots):
-            self._slots.append(slot)
-            self._hashes.append(block_hash)
-        else:
-            self._slots[entry], self._hashes[entry] = slot, block_hash
-        self._entries[block_hash] = entry
-        if self._ordered:
-            policy = self.policy
-            policy.missed(block_hash)
-            policy.published(entry, block_hash)
-            policy.insert(entry, 0)
-        self.stats.saved += 1
-        self.stats.peak_checkpoints = max(self.stats.peak_checkpoints, len(self._entries))
-
-    def release(self, slot: int) -> None:
-        """Give back the slot of a pending save that will not be committed."""
-        self._unpend(slot)
-        self._free_slot(slot)
-
-    def clear(self) -> None:
-        """Drop every checkpoint (pending saves stay pending)."""
-        for entry in list(self._entries.values()):
-            if self._ordered:
-                self.policy.dropped(entry)
-            self._drop(entry)
-
-    def resize(self, capacity: int) -> int:
-        """Hold at most ``capacity`` (at most :attr:`max_capacity`) checkpoints and pending saves from now
-        on, evicting committed checkpoints in the policy's order until they fit (pending saves are never
-        taken, so ``capacity`` must be at least :attr:`num_pending`); returns how many were evicted.
-        Raises ConfigError for an unbounded set or a capacity out of range."""
-        if not self._ordered:
-            raise ConfigError("only bounded checkpoints (max_capacity >= 1) can be resized")
-        self.capacity = as_int(capacity, "state checkpoints", minimum=self._num_pending,
-                               maximum=self.max_capacity, error=ConfigError)
-        evicted = 0
-        while self._entries and len(self._entries) + self._num_pending > self.capacity:
-            self._evict()
-            evicted += 1
-        return evicted
-
-    @property
-    def num_pending(self) -> int:
-        """Saves reserved and not yet committed or released."""
-        return self._num_pending
-
-    def _evict(self) -> None:
-        self._drop(self.policy.pop())
-        self.stats.evicted += 1
-
-    def _drop(self, entry: int) -> None:
-        del self._entries[self._hashes[entry]]
-        self._free_slot(self._slots[entry])
-        self._hashes[entry] = None
-        self._free_ids.append(entry)
-
-    def slots(self) -> list[int]:
-        """The state slots of the checkpoints held (:data:`NO_SLOT` for each without a pool)."""
-        return [self._slots[entry] for entry in self._entries.values()]
-
-    def _unpend(self, slot: int) -> None:
-        if self._num_pending < 1 or (slot != NO_SLOT and slot not in self._pending):
-            raise InvalidIdError(f"state slot {slot} holds no pending save")
-        self._num_pending -= 1
-        self._pending.discard(slot)
-
-    def _free_slot(self, slot: int) -> None:
-        if self.pool is not None:
-            self.pool.free([slot])
-
-    def check_integrity(self) -> None:
-        """At most ``capacity`` checkpoints and pending saves; with a pool, every slot distinct and
-        allocated. Raises IntegrityError."""
-        held = len(self._entries) + self._num_pending
-        if self.capacity is not None and held > self.capacity:
-            raise IntegrityError(f"{held} state checkpoints and pending saves exceed {self.capacity}")
-        if self.pool is None:
-            return
-        slots = [*self.slots(), *self._pending]
-        if len(set(slots)) != len(slots) or len(self._pending) != self._num_pending:
-            raise IntegrityError("a state checkpoint slot is held twice")
-        if any(self.pool.ref_count(s) < 1 for s in slots):
-            raise IntegrityError("a state checkpoint holds a free slot")
-
-
 class StateMover(Protocol):
     """What moves state data between slots: :class:`~kvpool.storage.state.RecurrentStateCache`."""
 
@@ -335,6 +145,37 @@ class RequestStates:
         self._slots: dict[Hashable, int] = {}
         self._junctions: dict[Hashable, int] = {}
         self._pending: dict[Hashable, list[tuple[int, int]]] = {}  # request -> (boundary k, slot)
+        #: The tiers under the checkpoints (:meth:`attach_tiers`), or None.
+        self.below: CheckpointTiers | None = None
+        self._staged: dict[Hashable, tuple[int, int, Any]] = {}  # request -> (k asked, boundary, row)
+
+    def join(self, group: int, sink: Any = None, admission: Any = None) -> None:
+        """Take the KV side's settings as the state's group ``group`` (the number of KV cache groups): its
+        event ``sink`` (each checkpoint an event of that group) and, for a
+        :class:`~kvpool.allocators.policies.FrequencyAdmission` ``admission``, a fresh filter of the same
+        ``min_count`` over the checkpoints (one filter counts one stream; the device policy's
+        ``ValuedAdmission`` has no meaning for states and is not copied)."""
+        from kvpool.allocators.policies import FrequencyAdmission
+
+        checkpoints = self.checkpoints
+        checkpoints.group = as_int(group, "group", minimum=1)
+        if sink is not None:
+            checkpoints.attach_events(sink, group)
+        if type(admission) is FrequencyAdmission:
+            checkpoints.admission = FrequencyAdmission(admission.min_count)
+
+    def tiers_under(self, tiers: Sequence[Any], *, data: bool) -> None:
+        """Attach :class:`CheckpointTiers` over ``tiers`` (rows of this state's slots when ``data``)."""
+        self.attach_tiers(CheckpointTiers(tiers, self.checkpoints.group,
+                                          rows=self.mover if data else None))  # type: ignore[arg-type]
+
+    def attach_tiers(self, below: CheckpointTiers) -> None:
+        """Store each checkpoint the device evicts into ``below`` and find checkpoints there (see the
+        module docstring). Raises ConfigError for tiers that move no data under states that do."""
+        if self.mover is not None and below.rows is None:
+            raise ConfigError("the state moves data: its checkpoint tiers need the state store's rows")
+        self.below = below
+        self.checkpoints.on_evict = below.store
 
     def wrap_pool(self, wrap: Callable[[StatePool], Any]) -> None:
         """Put ``wrap(pool)`` in front of the slot pool, for the request slots and the checkpoints alike (a
@@ -350,8 +191,23 @@ class RequestStates:
         return self.pool.available_size > 0
 
     def joint_blocks(self, req: Request, k: int) -> int:
-        """The longest prefix of at most ``k`` blocks of ``req`` that ends at a checkpoint (or is empty)."""
-        return self.checkpoints.longest(req.block_hashes, k)
+        """The longest prefix of at most ``k`` blocks of ``req`` that ends at a checkpoint (or is empty): on
+        the device, or past the device's longest one in a tier that gives it back intact (read now, kept
+        for :meth:`admit`; a later call with a smaller ``k`` reuses it while it still fits)."""
+        j = self.checkpoints.longest(req.block_hashes, k)
+        if self.below is None:
+            return j
+        rid = req.request_id
+        staged = self._staged.get(rid)
+        if staged is not None and staged[1] <= k <= staged[0]:
+            return max(j, staged[1])
+        self._staged.pop(rid, None)
+        for i in range(k, j, -1):
+            found = self.below.find(req.block_hashes[i - 1])
+            if found is not None:
+                self._staged[rid] = (k, i, found[1])
+                return i
+        return j
 
     def admit(self, req: Request, hit_blocks: int, kv_blocks: int, *, first: bool) -> int:
         """Give ``req`` a state slot: the checkpoint at ``hit_blocks`` copied in (zeroed when 0).
@@ -361,13 +217,19 @@ class RequestStates:
         if not self.pool.available_size:
             raise OutOfBlocksError(f"request {req.request_id!r} needs a state slot, none of "
                                    f"{self.pool.capacity} is free")
-        source = self.checkpoints.touch(req.block_hashes[hit_blocks - 1]) if hit_blocks else None
+        staged = self._staged.pop(req.request_id, None)
+        key = req.block_hashes[hit_blocks - 1] if hit_blocks else None
+        below = staged is not None and staged[1] == hit_blocks and key not in self.checkpoints
+        source = self.checkpoints.touch(key) if hit_blocks and not below else None
         slot = self.pool.alloc(1)[0]
         self._slots[req.request_id] = slot
         self.stats.peak_request_slots = max(self.stats.peak_request_slots, len(self._slots))
-        if source is not None:
+        if hit_blocks:
             self.stats.restored += 1
-        if self.mover is not None:
+            self.stats.tier_restored += below
+        if below:
+            self.below.restore(slot, staged[2])  # type: ignore[union-attr, index]
+        elif self.mover is not None:
             if source is None or source == NO_SLOT:
                 self.mover.zero_slots([slot])
             else:
@@ -422,6 +284,7 @@ class RequestStates:
         for _, slot in self._pending.pop(req.request_id, ()):
             self.checkpoints.release(slot)
         self._junctions.pop(req.request_id, None)
+        self._staged.pop(req.request_id, None)
         slot = self._slots.pop(req.request_id, None)
         if slot is not None:
             self.pool.free([slot])
@@ -450,7 +313,8 @@ class RequestStates:
                 "checkpoints_capacity": self.checkpoints.capacity, "checkpoints_saved": s.saved,
                 "checkpoint_hits": s.restored, "checkpoint_evictions": s.evicted, "saves_skipped": s.skipped,
                 "kv_only_tokens": s.kv_only_tokens, "state_slots_peak": s.peak_request_slots,
-                "checkpoints_peak": s.peak_checkpoints}
+                "checkpoints_peak": s.peak_checkpoints, "checkpoints_pinned": self.checkpoints.num_pinned,
+                "checkpoints_not_admitted": s.not_admitted, "checkpoint_tier_hits": s.tier_restored}
 
     def check_integrity(self) -> None:
         """The pool's and the checkpoints' invariants; request slots distinct and allocated, none also a

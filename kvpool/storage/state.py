@@ -117,6 +117,35 @@ class RecurrentStateCache(ElasticMemory):
             for buffer in self._buffers():
                 copy_within(buffer, 1, *ids)
 
+    # ------------------------------------------------------------------------------------ tier rows
+    @property
+    def bytes_per_slot(self) -> int:
+        """Bytes of one slot's state in every layer (``spec.bytes_per_request``): one tier row."""
+        return self.nbytes // self.num_slots
+
+    def read_slots(self, slots: Sequence[int]) -> torch.Tensor:
+        """The states of ``slots`` as CPU ``uint8 [n, bytes_per_slot]`` rows: each row every layer's conv
+        state, then every layer's SSM state, of one slot (a checkpoint going down to a tier)."""
+        ids = check_block_ids(slots, self.num_slots).to(self.device)
+        parts = [b.index_select(1, ids).movedim(1, 0).reshape(len(ids), -1).view(torch.uint8)
+                 for b in self._buffers()]
+        return torch.cat(parts, dim=1).cpu()
+
+    def write_slots(self, slots: Sequence[int], rows: torch.Tensor) -> None:
+        """Write rows of :meth:`read_slots` (``uint8 [n, bytes_per_slot]``) into ``slots`` (distinct).
+        Raises InvalidArgumentError for rows of another shape, InvalidIdError for a slot out of range."""
+        ids = check_block_ids(slots, self.num_slots).to(self.device)
+        if rows.dtype != torch.uint8 or tuple(rows.shape) != (len(ids), self.bytes_per_slot):
+            raise InvalidArgumentError(f"state rows must be uint8 [{len(ids)}, {self.bytes_per_slot}], got "
+                                       f"{rows.dtype} {list(rows.shape)}")
+        start = 0
+        for buffer in self._buffers():
+            per_slot = buffer[:, 0].numel() * buffer.element_size()
+            part = rows[:, start:start + per_slot].contiguous().to(self.device).view(buffer.dtype)
+            shape = (len(ids), buffer.shape[0], *buffer.shape[2:])
+            buffer.index_copy_(1, ids, part.view(shape).movedim(0, 1))
+            start += per_slot
+
     # -------------------------------------------------------------------------------------- checks
     def _buffers(self) -> list[torch.Tensor]:
         return [self.conv] if self.ssm is None else [self.conv, self.ssm]

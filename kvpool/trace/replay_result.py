@@ -45,7 +45,8 @@ class ReplayResult:
 
     With ``config.state_save`` (a recurrent hybrid): ``state_slots_peak``, the most requests holding a state
     slot at once; ``checkpoints_saved`` (stored over the run), ``checkpoints_peak`` (held at once),
-    ``checkpoint_hits`` (admissions restored from one), ``checkpoint_evictions``; ``kv_only_tokens``, at
+    ``checkpoint_hits`` (admissions restored from one; ``checkpoint_tier_hits`` of them from a tier),
+    ``checkpoint_evictions``; ``kv_only_tokens``, at
     first admissions, the tokens whose KV every group had cached but that lay past the last checkpoint (not
     reused: ``hit_blocks`` excludes them). All 0 (``state_save`` None) otherwise.
 
@@ -91,6 +92,7 @@ class ReplayResult:
     checkpoints_peak: int = 0
     checkpoint_hits: int = 0
     checkpoint_evictions: int = 0
+    checkpoint_tier_hits: int = 0
     kv_only_tokens: int = 0
     peak_committed_bytes: int = 0
     final_committed_bytes: int = 0
@@ -121,7 +123,7 @@ def state_report(states: RequestStates | None, state_save: str | None) -> dict[s
     return {"state_save": state_save, "state_slots_peak": s.peak_request_slots,
             "checkpoints_saved": s.saved, "checkpoints_peak": s.peak_checkpoints,
             "checkpoint_hits": s.restored, "checkpoint_evictions": s.evicted,
-            "kv_only_tokens": s.kv_only_tokens}
+            "checkpoint_tier_hits": s.tier_restored, "kv_only_tokens": s.kv_only_tokens}
 
 
 def tier_report(kv: KVCacheManager) -> tuple[dict[str, int], dict[str, Any]]:
