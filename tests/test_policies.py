@@ -18,11 +18,13 @@ from kvpool.allocators.policies import (
     POLICIES,
     ARCPolicy,
     FrequencyAdmission,
+    KeyedHeap,
     LRUPolicy,
     PriorityPolicy,
     SLRUPolicy,
     make_policy,
 )
+from kvpool.allocators.policy_base import STAMP_BITS
 
 
 class Clock:
@@ -129,6 +131,35 @@ def test_lru_chunk_queue_keeps_an_ordered_dicts_order_through_sweeps(seed: int) 
     assert policy.order() == list(model)
     policy.clear()
     assert policy.order() == [] and len(policy) == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_keyed_heap_pops_as_a_sorted_model_through_sweeps_and_renumbering(seed: int) -> None:
+    # The model: a dict block -> (key, push number); the next pop is its minimum (equal keys: the earlier
+    # push). Keys repeat and go negative; discards pile stale entries past the sweep threshold; the stamp
+    # counter is set near its limit so the stamps are renumbered mid-run.
+    rng, n = random.Random(seed), 400
+    heap, model, pushes = KeyedHeap(n), dict[int, tuple[int, int]](), 0
+    heap._stamp = (1 << STAMP_BITS) - 700  # renumbered after 700 pushes
+    for _ in range(4000):
+        b = rng.randrange(n)
+        roll = rng.random()
+        if roll < 0.5:
+            key = rng.randrange(-5, 20)
+            pushes += 1
+            heap.push(b, key)
+            model[b] = (key, pushes)
+        elif roll < 0.8:
+            assert heap.discard(b) == (b in model)
+            model.pop(b, None)
+        elif model:
+            expected = min(model, key=lambda x: model[x])
+            assert heap.pop() == expected
+            del model[expected]
+        assert len(heap) == len(model)
+        assert heap.key(b) == (model[b][0] if b in model else None)
+    assert heap._stamp < 4000  # renumbered (else near 2 ** STAMP_BITS)
+    assert heap.order() == sorted(model, key=lambda x: model[x])
 
 
 def test_lru_queue_drops_spent_entries_and_keeps_popping_in_order() -> None:

@@ -77,6 +77,22 @@ def test_lineage_remembers_an_evicted_prefix_generation() -> None:
     assert [pool.policy.generation(b) for b in turn2] == [1, 1, 2, 2, 3]
 
 
+def test_lineage_ghost_remembers_a_requests_marked_depths_and_its_deepest_block() -> None:
+    # default ghost: a request's blocks at depth 0, 1, 3 (2^j - 1) and its deepest are remembered when
+    # evicted. turn 1 = [1, 2, 10, 11, 12, 13] (generation 1: nothing reused); depths 0, 1, 3 (hashes 1, 2,
+    # 11) and the deepest (13) are marked; 10 and 12 are not. After everything is evicted, a continuation
+    # [1, 2, 10, 11, 12, 13, 20] learns generation 1 from 1, 2, 11 and 13, so its new blocks (10, 12, 20)
+    # get 2; then [40, 10, 12] (10 and 12 were unmarked in both requests) learns nothing: generation 1
+    pool = BlockPool(8, policy=LineagePolicy())
+    run(pool, [1, 2, 10, 11, 12, 13])
+    pool.free(pool.allocate(8))  # evict everything: the ghost holds 1, 2, 11, 13
+    assert list(pool.policy._ghost) == [13, 11, 2, 1]  # noqa: SLF001 (evicted deepest first)
+    turn2 = run(pool, [1, 2, 10, 11, 12, 13, 20])
+    assert [pool.policy.generation(b) for b in turn2] == [1, 1, 2, 1, 2, 1, 2]
+    pool.free(pool.allocate(8))
+    assert [pool.policy.generation(b) for b in run(pool, [40, 10, 12])] == [1, 1, 1]
+
+
 def test_queue_informed_keeps_what_a_waiting_request_will_hit() -> None:
     # 4 blocks freed a, b, c, d: LRU evicts a first; with a waiting request wanting a, b goes first and a
     # last; when the request leaves the queue, a rejoins as freed now (after d)

@@ -14,7 +14,7 @@ from collections.abc import Hashable
 from librt.vecs import append, vec
 from mypy_extensions import i32, mypyc_attr
 
-from kvpool.allocators.arrays import extend_to, grown_i32, next_capacity, release_freed_memory
+from kvpool.allocators.arrays import extend_flags, extend_to, grown_i32, next_capacity, release_freed_memory
 from kvpool.errors import InvalidArgumentError
 
 
@@ -110,64 +110,102 @@ class EvictionPolicy(ABC):
 SEQ_SPAN = 1 << 48
 
 
+#: Bits of a heap entry below its key: the push stamp (:data:`STAMP_BITS`) above the block id (32 bits).
+BLOCK_BITS = 32
+STAMP_BITS = 40
+_BLOCK_MASK = (1 << BLOCK_BITS) - 1
+
+
 class KeyedHeap:
-    """A min-heap of blocks by an int key, with O(log n) push and pop and O(1) lazy removal: ``_live[b]``
-    is the stamp of ``b``'s one live entry (0: not in the heap). Stale entries are skipped on pop and swept
-    out when they outnumber the live ones (amortized O(1) per call). A two-part key ``(major, seq)`` is
-    packed as ``major * SEQ_SPAN + seq`` (ints compare fastest)."""
+    """A min-heap of blocks by an int key, with O(log n) push and pop and O(1) lazy removal. Each entry is
+    one int, ``(key << STAMP_BITS | stamp) << BLOCK_BITS | block`` (``stamp`` counts pushes, so equal keys
+    leave in push order), which ``heapq`` compares natively: a tuple per entry cost about 3x as much per
+    pop. ``_entry[b]`` is ``b``'s one live entry and ``_in[b]`` says it is live (0: not in the heap); stale
+    entries are skipped on pop and swept out when they outnumber the live ones (amortized O(1) per call).
+    Stamps are renumbered (in heap order, O(n)) before they would need more than ``STAMP_BITS`` bits. A
+    two-part key ``(major, seq)`` is packed as ``major * SEQ_SPAN + seq``. Keys may be negative; block ids
+    are below ``2**32``."""
 
     def __init__(self, num_blocks: int = 0) -> None:
-        self._heap: list[tuple[int, int, int]] = []
-        self._live = [0] * num_blocks  # per block, extended by grow()
+        self._heap: list[int] = []
+        self._entry = [0] * num_blocks  # per block, extended by grow()
+        self._in = bytearray(num_blocks)
         self._stamp = 0
         self._size = 0
 
     def grow(self, capacity: int) -> None:
         """Cover block ids below ``capacity``."""
-        extend_to(self._live, capacity, 0)
+        extend_to(self._entry, capacity, 0)
+        extend_flags(self._in, capacity)
 
     def push(self, block: int, key: int) -> None:
-        if self._live[block]:
+        if self._in[block]:
             self._size -= 1
+        if self._stamp >= _STAMP_LIMIT:
+            self._renumber()
         self._stamp += 1
-        self._live[block] = self._stamp
+        entry = ((key << STAMP_BITS) + self._stamp << BLOCK_BITS) + block
+        self._entry[block] = entry
+        self._in[block] = 1
         self._size += 1
-        heapq.heappush(self._heap, (key, self._stamp, block))
+        heapq.heappush(self._heap, entry)
 
     def discard(self, block: int) -> bool:
         """Remove ``block`` if present; returns whether it was."""
-        if not self._live[block]:
+        if not self._in[block]:
             return False
-        self._live[block] = 0
+        self._in[block] = 0
         self._size -= 1
         if len(self._heap) > 2 * self._size + 64:
-            self._heap = [e for e in self._heap if self._live[e[2]] == e[1]]
-            heapq.heapify(self._heap)
+            self._sweep()
         return True
 
+    def _sweep(self) -> None:
+        """Keep only the live entries (O(n))."""
+        entry, live = self._entry, self._in
+        self._heap = [e for e in self._heap if live[e & _BLOCK_MASK] and entry[e & _BLOCK_MASK] == e]
+        heapq.heapify(self._heap)
+
+    def _renumber(self) -> None:
+        """Give the live entries stamps 1, 2, ... in their order (keys and blocks kept)."""
+        self._sweep()
+        self._heap.sort()
+        out, entry, shift = [], self._entry, STAMP_BITS + BLOCK_BITS
+        for stamp, e in enumerate(self._heap, 1):
+            block = e & _BLOCK_MASK
+            renewed = (((e >> shift) << STAMP_BITS) + stamp << BLOCK_BITS) + block
+            entry[block] = renewed
+            out.append(renewed)
+        self._heap = out  # sorted: a heap
+        self._stamp = len(out)
+
     def pop(self) -> int:
-        heap, live = self._heap, self._live
+        heap, entry, live = self._heap, self._entry, self._in
         while True:
-            _, stamp, block = heapq.heappop(heap)
-            if live[block] == stamp:
+            e = heapq.heappop(heap)
+            block = e & _BLOCK_MASK
+            if live[block] and entry[block] == e:
                 live[block] = 0
                 self._size -= 1
                 return block
 
     def key(self, block: int) -> int | None:
-        """The live key of ``block`` (O(n): for inspection), or None."""
-        stamp = self._live[block]
-        return next((k for k, s, b in self._heap if b == block and s == stamp), None) if stamp else None
+        """The live key of ``block``, or None."""
+        return self._entry[block] >> (STAMP_BITS + BLOCK_BITS) if self._in[block] else None
 
     def order(self) -> list[int]:
-        live = self._live
-        return [b for _, s, b in sorted(e for e in self._heap if live[e[2]] == e[1])]
+        entry, live = self._entry, self._in
+        return [e & _BLOCK_MASK for e in sorted(self._heap) if live[e & _BLOCK_MASK] and
+                entry[e & _BLOCK_MASK] == e]
 
     def __contains__(self, block: int) -> bool:
-        return self._live[block] != 0
+        return self._in[block] != 0
 
     def __len__(self) -> int:
         return self._size
+
+
+_STAMP_LIMIT = (1 << STAMP_BITS) - 1
 
 
 class LRUPolicy(EvictionPolicy):

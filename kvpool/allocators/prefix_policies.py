@@ -129,27 +129,33 @@ class LineagePolicy(EvictionPolicy):
     k-th turn k + 1. When a request frees its blocks (:meth:`released`), each evictable one is keyed
     ``generation x aging x num_blocks + freed``, ``freed`` counting blocks freed so far: the lowest key goes
     first, so one generation is worth ``aging x num_blocks`` freed blocks of recency, and an old, long
-    prefix nobody extends any more does not stay forever. The generation of an evicted block is remembered
-    for 1 in ``ghost_sample`` hashes (picked from the hash's value, so a trace replays the same), in a FIFO
-    of at most ``ghost_ratio x num_blocks`` hashes: a request that recomputes an evicted prefix still
-    learns its generation from one of its sampled blocks. O(log n) per block (a heap), O(1) per ghost
-    entry. :meth:`valued`: the block was reused (hit, or recomputed from a remembered hash) since it was
-    published.
+    prefix nobody extends any more does not stay forever.
+
+    A conversation's next turn often comes after its blocks were evicted, so the policy remembers the
+    generation of evicted blocks (the **ghost**, a FIFO of at most ``ghost_ratio x num_blocks`` hashes): not
+    of all of them, but of a few per request that any continuation of the request holds, the blocks at
+    depth 0, 1, 3, 7, ..., 2^j - 1 of its sequence and its deepest block (about ``log2(length) + 1`` a
+    request, so the ghost covers as many requests whatever their length; ``ghost_sample`` k > 0 also
+    remembers 1 in k hashes, picked from the hash's value). A request that recomputes an evicted prefix
+    learns its generation from the deepest of those it holds. O(log n) per block (a heap), O(1) per ghost
+    entry, O(log length) per free call for the marks. :meth:`valued`: the block was reused (hit, or
+    recomputed from a remembered hash) since it was published.
 
     Raises:
-        InvalidArgumentError: ``aging`` not a number > 0, ``ghost_ratio`` < 0, ``ghost_sample`` < 1.
+        InvalidArgumentError: ``aging`` not a number > 0, ``ghost_ratio`` < 0, ``ghost_sample`` < 0.
     """
 
     name = "lineage"
 
-    def __init__(self, aging: RealArg = 4.0, ghost_ratio: RealArg = 1.0, ghost_sample: IntArg = 16) -> None:
+    def __init__(self, aging: RealArg = 4.0, ghost_ratio: RealArg = 1.0, ghost_sample: IntArg = 0) -> None:
         super().__init__()
         self.aging = as_real(aging, "aging", minimum=0.0, open_min=True, finite=True)
         self.ghost_ratio = as_real(ghost_ratio, "ghost_ratio", minimum=0.0, finite=True)
-        self.ghost_sample = as_int(ghost_sample, "ghost_sample", minimum=1)
+        self.ghost_sample = as_int(ghost_sample, "ghost_sample", minimum=0)
         self._heap = KeyedHeap(0)
         self._gen: list[int] = []
         self._reused = bytearray()
+        self._mark = bytearray()  # 1: remembered in the ghost when evicted
         self._hash: list[Hashable | None] = []
         self._ghost: OrderedDict[Hashable, int] = OrderedDict()
         self._ghost_cap = 0
@@ -164,9 +170,12 @@ class LineagePolicy(EvictionPolicy):
         self._heap.grow(capacity)
         extend_to(self._gen, capacity, 0)
         extend_flags(self._reused, capacity)
+        extend_flags(self._mark, capacity)
         extend_to(self._hash, capacity, None)
 
     def _sampled(self, block_hash: Hashable) -> bool:
+        if not self.ghost_sample:
+            return False
         key = block_hash[-1] if type(block_hash) is tuple else block_hash  # a KV cache group's (g, hash)
         if type(key) is int:
             return key % self.ghost_sample == 0
@@ -185,8 +194,15 @@ class LineagePolicy(EvictionPolicy):
 
     def released(self, blocks: list[int], evictable: list[int], priority: int) -> None:
         """The call is a request: its generation is 1 + the largest it reused; its new blocks take it, and
-        every evictable block is keyed by it."""
-        gen, top = self._gen, 0
+        every evictable block is keyed by it. Its blocks at depth 2^j - 1 and its deepest are marked for the
+        ghost."""
+        gen, top, n, mark = self._gen, 0, len(blocks), self._mark
+        if n:
+            mark[blocks[0]] = 1  # the deepest (the call is tail first)
+        depth = 0
+        while depth < n:
+            mark[blocks[n - 1 - depth]] = 1
+            depth = 2 * depth + 1
         for block in blocks:
             if gen[block] > top:
                 top = gen[block]
@@ -209,7 +225,7 @@ class LineagePolicy(EvictionPolicy):
     def pop(self) -> int:
         block = self._heap.pop()
         key = self._hash[block]
-        if self._ghost_cap and key is not None and self._sampled(key):
+        if self._ghost_cap and key is not None and (self._mark[block] or self._sampled(key)):
             ghost = self._ghost
             ghost[key] = self._gen[block]
             ghost.move_to_end(key)
@@ -224,6 +240,7 @@ class LineagePolicy(EvictionPolicy):
 
     def _forget(self, block: int) -> None:
         self._gen[block] = 0
+        self._mark[block] = 0
         self._hash[block] = None
 
     def generation(self, block: int) -> int:

@@ -39,6 +39,7 @@ from kvpool.allocators.hashing import (
 from kvpool.allocators.policies import POLICIES
 from kvpool.bench.against import run as run_against
 from kvpool.bench.peers import live_rows
+from kvpool.bench.policy_ops import policy_cycle_ns
 from kvpool.bench.pool_ops import alloc_free_ns, cached_free_ns, evict_case, evict_ns, touch_ns
 from kvpool.bench.timing import alternated_ns, median_ns, print_table, require_at_least
 from kvpool.cli.options import CommaList, non_negative_int, positive_int
@@ -157,11 +158,14 @@ def _pool_rows(size: int, ops: int, repeat: int) -> list[dict[str, Any]]:
 def _policy_rows(size: int, ops: int, repeat: int) -> list[dict[str, Any]]:
     """Each eviction policy's cost per block beside LRU's, timed in this run: free(1) of a cached block
     (it joins the eviction order), touch(1) of a cached free block (a hit takes it out), and an evicting
-    allocate(1) (the policy picks the victim)."""
+    allocate(1) (the policy picks the victim), and the policy's own bookkeeping per evicted block, its
+    ``released`` + ``pop`` without the pool (:mod:`kvpool.bench.policy_ops`)."""
     k = min(size, ops)
     timers = {"free(1) of a cached block": cached_free_ns, "touch(1) on a cached free block": touch_ns,
               "evicting allocate(1)": lambda cls, size, k, repeat, policy: evict_ns(cls, size, 1, k, repeat,
-                                                                                    policy)}
+                                                                                    policy),
+              "policy released(1)+pop alone": lambda cls, size, k, repeat, policy:
+                  policy_cycle_ns(size, k, repeat, policy)}
     lru = {op: timer(BlockPool, size, k, repeat, "lru") for op, timer in timers.items()}
     rows = [_row(f"{op} [lru]", size, ns, ns, "lru, same op") for op, ns in lru.items()]
     for policy in POLICIES[1:]:
