@@ -26,6 +26,9 @@ Who decides and who follows (docs/DESIGN.md argues the choice):
   rank whose tier misses where rank 0 hit makes it a miss for all: no rank restores a prefix another lacks.
   (On CUDA a host tier's copies complete at each rank's own pace, so the ranks' host tiers may hold
   different blocks for a while: the agreement keeps that a miss, never a divergence of the device pools.)
+* **Partial hits.** A prefix hit that ends inside a block copies token slots of a cached block on rank 0;
+  the copy is logged with the pool calls (:mod:`kvpool.engine.tp_partial`), so every rank makes it in its
+  own KV shard, in the same order, before the step that reads it.
 
 Messages are pickles broadcast on a gloo group over CPU tensors (the ranks of one job trust each other, as
 ``torch.distributed.broadcast_object_list`` does): one broadcast of a fixed :data:`FRAME_BYTES` frame that
@@ -57,6 +60,7 @@ from kvpool.engine.pool_log import (  # noqa: F401 (re-exported)
 )
 from kvpool.engine.tp_group import DEFAULT_TIMEOUT_S, FRAME_BYTES, Channel, TPGroup  # noqa: F401 (re-exported)
 from kvpool.engine.tp_memory import RecordingMemory
+from kvpool.engine.tp_partial import record_copies
 from kvpool.errors import CollectiveError, IntegrityError
 
 T = TypeVar("T")
@@ -112,6 +116,9 @@ class Leader:
         memory = engine.kv_manager.memory
         if memory is not None:  # an elastic cache: its commits and releases are shipped too
             memory.store = RecordingMemory(memory.store, self.pool)
+        partial = engine.kv_manager.partial
+        if partial is not None and partial.copy is not None:  # partial hits: every rank copies its shard
+            partial.copy = record_copies(partial.copy, self.pool)
         engine.wrap_runner(lambda runner: _ShippingRunner(self, runner))
         tiers = getattr(engine, "offload", None)
         if tiers is not None:  # every rank restores from its own tiers, in step with rank 0

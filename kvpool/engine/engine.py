@@ -142,9 +142,9 @@ class LLMEngine:
             :func:`kvpool.engine.recurrent.model_memory`'s.
         match_unit: tokens per prefix-match unit (a divisor of ``block_size``): a prefix hit may end
             inside a block, its tokens copied from the cached block into the request's fresh one
-            (:mod:`kvpool.requests.partial_hits`); None (default): whole blocks only. ConfigError for a bad
-            unit, with recurrent state, without prefix caching, or with ``tp_size`` > 1 (the copy is
-            rank 0's).
+            (:mod:`kvpool.requests.partial_hits`; with ``tp_size`` > 1 every rank copies its own shard:
+            :mod:`kvpool.engine.tp_partial`); None (default): whole blocks only. ConfigError for a bad
+            unit, with recurrent state, or without prefix caching.
 
     Attributes: ``kv_manager`` (the :class:`~kvpool.requests.kv_manager.KVCacheManager`), ``scheduler``,
     ``kv`` (its :class:`KVCacheCoordinator`), ``pool`` (its :class:`BlockPool`), ``cache`` (the KV tensors),
@@ -164,8 +164,6 @@ class LLMEngine:
         max_num_seqs = as_int(max_num_seqs, "max_num_seqs", minimum=1)
         self.model, self.block_size, self.device = model, block_size, model.device
         self.attention = attention
-        if match_unit is not None and tp_size > 1:
-            raise ConfigError("a match unit runs with tp_size 1 (the other ranks would not copy)")
         self._elastic = elastic
         if memory is None:
             memory = model_memory(model, block_size=block_size, dtype=kv_dtype, tp_size=tp_size)

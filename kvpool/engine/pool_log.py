@@ -12,6 +12,7 @@ from typing import Any
 
 from kvpool.engine.tp_group import TPGroup
 from kvpool.engine.tp_memory import REORDER, apply_memory_call, is_memory_call, memory_digest
+from kvpool.engine.tp_partial import COPY, apply_copy
 from kvpool.errors import IntegrityError, KVPoolError
 from kvpool.spec import cdiv
 
@@ -88,11 +89,15 @@ class RecordingPool:
 
 def replay(pool: Any, log: Sequence[tuple[str, tuple, dict[str, Any], Any]], rank: int,
            cache: Any = None) -> None:
-    """Apply rank 0's logged pool calls to ``pool`` (and its memory calls to this rank's elastic ``cache``:
-    :mod:`kvpool.engine.tp_memory`); IntegrityError at the first result that differs."""
+    """Apply rank 0's logged pool calls to ``pool`` (its memory calls to this rank's elastic ``cache``:
+    :mod:`kvpool.engine.tp_memory`; its partial-hit copies to this rank's ``cache``:
+    :mod:`kvpool.engine.tp_partial`); IntegrityError at the first result that differs."""
     for name, args, kwargs, expected in log:
         if is_memory_call(name):
             apply_memory_call(pool, cache, name, args, expected, rank)
+            continue
+        if name == COPY:
+            apply_copy(cache, args, rank)
             continue
         if name not in _RECORDED:
             raise IntegrityError(f"rank {rank}: rank 0 shipped an unknown pool call {name!r}")
