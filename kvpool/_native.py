@@ -71,6 +71,7 @@ COMPILED_MODULES = (
     "kvpool.allocators.block_pool",
     "kvpool.allocators.groups",
     "kvpool.allocators.token",
+    "kvpool.allocators.partial_index",
 )
 #: Set to 1 (or true / yes) to run the interpreted code even where compiled modules exist.
 PURE_ENV = "KVPOOL_PURE_PYTHON"
