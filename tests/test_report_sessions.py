@@ -70,8 +70,8 @@ def test_each_session_policy_is_a_row_and_matches_a_single_replay(requests, swee
 
 def test_session_modes_parse_and_refuse() -> None:
     assert parse_session_modes(None) == [None]
-    assert parse_session_modes("none,session,last=2") == [None, "session", "last=2"]
-    for bad in ("bogus", "last=-1", "session,session", "none,none"):
+    assert parse_session_modes(["none", "session", "last=2"]) == [None, "session", "last=2"]
+    for bad in (["bogus"], ["last=-1"], ["session", "session"], ["last=1", "last=01"]):
         with pytest.raises(ConfigError):
             parse_session_modes(bad)
 
@@ -86,9 +86,10 @@ def test_cli_sweep_prints_the_session_rows(trace_file: Path, capsys: pytest.Capt
     assert main(argv) == 0
     rows = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
     assert rows.count("lru+session") == 2 and rows.count("lru+last=1") == 2  # hit ratio, and of bound
-    assert main([*argv[:-1], "none,none"]) == 2
-    err = capsys.readouterr().err
-    assert "twice" in err and len(err.strip().splitlines()) == 1
+    for bad, why in (("none,none", "distinct"), ("last=1,last=01", "twice"), ("last=-1", "last=N")):
+        assert main([*argv[:-1], bad]) == 2
+        err = capsys.readouterr().err
+        assert why in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_report_shows_sessions_in_headless_chromium(sweep, tmp_path: Path) -> None:

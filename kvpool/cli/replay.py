@@ -118,9 +118,10 @@ def _policy_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--pin-prefix", type=id_list, metavar="ID,...", default=[],
                        help="pin the prefix of these trace hash ids (512-token blocks) once it is cached, "
                             "e.g. 0: the system prompt every Mooncake request starts with")
-    group.add_argument("--sessions", metavar="POLICY,...", help="keep each session's turns (a trace row's "
-                       "session_id) pinned while it is open: session (every turn) or last=N (the last N); "
-                       "several, with none (no sessions), replay once each, e.g. none,session,last=1")
+    group.add_argument("--sessions", type=word_list, metavar="POLICY,...",
+                       help="keep each session's turns (a trace row's session_id) pinned while it is open: "
+                            "session (every turn) or last=N (the last N); several, with none (no sessions), "
+                            "replay once each, e.g. none,session,last=1")
 
 
 def _state_arguments(group: argparse._ArgumentGroup) -> None:

@@ -81,15 +81,15 @@ def usage_lines(cache: dict[str, Any]) -> list[str]:
     return lines
 
 
-def parse_session_modes(text: str | None) -> list[str | None]:
-    """``--sessions``: one or more comma-separated session policies (``session``, ``last=N``) or ``none`` (no
-    sessions), each a row of a sweep; ``[None]`` when not given. ConfigError for a bad or repeated one."""
-    if text is None:
+def parse_session_modes(names: Sequence[str] | None) -> list[str | None]:
+    """``--sessions``: one or more session policies (``session``, ``last=N``) or ``none`` (no sessions), each
+    a row of a sweep, in their canonical spelling (``last=01`` is ``last=1``); ``[None]`` when not given.
+    ConfigError for a bad or repeated one."""
+    if names is None:
         return [None]
-    modes = [None if part.strip() == NO_SESSIONS else str(SessionPolicy.parse(part))
-             for part in str(text).split(",")]
+    modes = [None if name.strip() == NO_SESSIONS else str(SessionPolicy.parse(name)) for name in names]
     if len(set(modes)) < len(modes):
-        raise ConfigError(f"--sessions names a session policy twice: {text!r}")
+        raise ConfigError(f"--sessions names a session policy twice: {','.join(names)}")
     return modes
 
 
