@@ -72,6 +72,7 @@ COMPILED_MODULES = (
     "kvpool.allocators.group_tables",
     "kvpool.allocators.groups",
     "kvpool.allocators.token",
+    "kvpool.allocators.partial_index",
 )
 #: Set to 1 (or true / yes) to run the interpreted code even where compiled modules exist.
 PURE_ENV = "KVPOOL_PURE_PYTHON"

@@ -402,7 +402,7 @@ def test_generate_progress_bar_ends_full_when_requests_stop_early(monkeypatch, c
     from kvpool.engine.sampling import SamplingParams
 
     class Engine:
-        def generate(self, prompts, params, on_step):
+        def generate(self, prompts, params, on_step, session_id=None):
             for n in (2, 2, 9):
                 on_step(n)
             return ["a", "b"]

@@ -81,13 +81,11 @@ def test_zeroing_the_copied_slots_diverges(tiny: tuple) -> None:
     assert (torch.stack(req.logits)[0] - logits[0]).abs().max() > 1e-2
 
 
-def test_bad_match_units_and_tensor_parallelism_are_refused() -> None:
+def test_bad_match_units_are_refused() -> None:
     model = load_model("tiny-llama", seed=1).model
     for unit in (0, -2, 3, 16):
         with pytest.raises(ConfigError, match="match_unit"):
             LLMEngine(model, num_blocks=16, block_size=BLOCK, match_unit=unit)
-    with pytest.raises(ConfigError, match="tp_size 1"):
-        LLMEngine(model, num_blocks=16, block_size=BLOCK, match_unit=UNIT, tp_size=2)
 
 
 @pytest.mark.slow

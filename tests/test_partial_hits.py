@@ -94,8 +94,8 @@ def test_the_index_drops_entries_whose_block_left_the_pool() -> None:
     assert index.longest(["u0", "u1", "x"], 0, 3, cached) == (2, "B1")
     assert index.longest(["u0", "u1", "u2", "u3", "v0", "v1", "v2"], 1, 3, cached) == (0, None)
     assert len(index) == 3  # B2's entries found stale on the way
-    assert index.sweep(cached) == 1 and len(index) == 3  # B2 forgotten
-    assert index.sweep(lambda h: None) == 1 and len(index) == 0  # B1 too
+    assert index.sweep(cached) == 0 and len(index) == 3  # nothing of B2 left to drop
+    assert index.sweep(lambda h: None) == 1 and len(index) == 0  # B1's 3 entries dropped
 
 
 # ---- the replay -------------------------------------------------------------------------------------

@@ -13,15 +13,18 @@ The index maps each of a published block's first ``m - 1`` unit hashes to the **
 (its last unit ends with the block: a match there is a full-block hit). It is content-addressed: any device
 block holding that block hash holds those units, so an entry is never wrong, only possibly not cached any
 more; the caller checks the block hash in the pool's prefix index. Entries whose block left the pool are
-dropped when a lookup finds them so, and in one sweep whenever the index tracks more than
-:data:`SWEEP_AT` times ``capacity`` blocks: the sweep asks the pool once per block tracked, so it costs
-amortized O(1) pool lookups per registered block. Memory: one dict entry per unit and one per block.
+dropped when a lookup finds them so, and in one sweep whenever more than :data:`SWEEP_AT` times
+``capacity`` blocks were registered since the last one: the sweep asks the pool once per distinct block
+hash it holds, so it costs amortized O(1) pool lookups (and ``m - 1`` dict reads) per registered block.
+Memory: one dict entry per unit, nothing per block; the entries are ints or the caller's hashes only, so
+the garbage collector never traverses them (a tracked object per block made registration several times
+slower on the whole trace). Compiled with mypyc (:mod:`kvpool._native`): the replay's per-block cost.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
-from itertools import chain, repeat
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from itertools import chain
 
 from kvpool.errors import ConfigError
 from kvpool.numeric import as_int
@@ -29,8 +32,9 @@ from kvpool.numeric import as_int
 #: ``lookup(block_hash)``: where the pool holds a block hash (its block id), None where it does not (the
 #: pool's ``get_cached_block``).
 Lookup = Callable[[Hashable], object]
-#: A sweep runs when the index tracks more than this many times ``capacity`` blocks: it then asks ``lookup``
-#: about each, so a registered block costs at most ``SWEEP_AT / (SWEEP_AT - 1)`` lookups in sweeps.
+#: A sweep runs when more than this many times ``capacity`` blocks were registered since the last one (or
+#: since the start): it then asks ``lookup`` about each distinct block hash it holds, so a registered block
+#: costs at most ``SWEEP_AT / (SWEEP_AT - 1)`` lookups in sweeps.
 SWEEP_AT = 4
 
 
@@ -50,15 +54,14 @@ class PartialIndex:
     Args:
         units_per_block: ``m = block_size / match_unit`` (>= 2 for the index to hold anything).
         capacity: the blocks the caller expects cached at once (the pool's ``num_blocks``): a sweep runs
-            when the index tracks more than :data:`SWEEP_AT` times that.
+            once more than :data:`SWEEP_AT` times that were registered since the last one.
     """
 
     def __init__(self, units_per_block: int, capacity: int) -> None:
         self.units_per_block = as_int(units_per_block, "units_per_block", minimum=1)
         self.capacity = max(1024, as_int(capacity, "capacity", minimum=0))
         self._block_of: dict[Hashable, Hashable] = {}  # unit hash -> block hash
-        #: block hash -> (the registering request's unit list, the block's index in it): its units
-        self._units_of: dict[Hashable, tuple[list[Hashable], int]] = {}
+        self._tracked = 0  # blocks registered since the last sweep (those it kept included)
         self.sweeps = 0
 
     def __len__(self) -> int:
@@ -70,18 +73,21 @@ class PartialIndex:
         request's block hashes from block ``first`` on): block ``i``'s units are ``unit_hashes[i * m : (i +
         1) * m - 1]`` (``unit_hashes`` is the request's whole list; blocks it does not cover are skipped).
         ``lookup(block_hash)`` is None where a block hash is no longer in the pool (the sweep asks it)."""
-        m, out = self.units_per_block, self._block_of
+        m = self.units_per_block
         n = min(len(block_hashes), len(unit_hashes) // m - first) if m > 1 else 0
         if n <= 0:
             return
         keys = list(unit_hashes[first * m:(first + n) * m])
         del keys[m - 1::m]  # each block's last unit: a full-block hit
-        blocks = block_hashes[:n]
-        out.update(zip(keys, chain.from_iterable(zip(*[blocks] * (m - 1), strict=True)), strict=True))
-        self._units_of.update(zip(blocks, zip(repeat(keys), range(n), strict=False), strict=True))
-        if len(self._units_of) > SWEEP_AT * self.capacity:
+        blocks = list(block_hashes[:n])
+        values: Iterable[Hashable] = blocks
+        if m > 2:  # each block hash m - 1 times in a row
+            values = chain.from_iterable(zip(*[blocks] * (m - 1), strict=True))
+        self._block_of.update(zip(keys, values, strict=True))
+        self._tracked += n
+        if self._tracked > SWEEP_AT * self.capacity:
             self.sweep(lookup)
-            self.capacity = max(self.capacity, len(self._units_of))  # all live: next sweep once it grows
+            self.capacity = max(self.capacity, self._tracked)  # all live: next sweep once it grows
 
     def longest(self, unit_hashes: Sequence[Hashable], block: int, max_units: int, lookup: Lookup
                 ) -> tuple[int, Hashable | None]:
@@ -103,19 +109,19 @@ class PartialIndex:
         return 0, None
 
     def sweep(self, lookup: Lookup) -> int:
-        """Keep only the blocks ``lookup`` still finds: the index is rebuilt from them, in registration order
-        (its cost follows the live blocks, at most ``capacity`` of the ``SWEEP_AT * capacity`` tracked);
-        returns how many blocks were dropped."""
-        k, before = self.units_per_block - 1, len(self._units_of)
-        live = {h: where for h, where in self._units_of.items() if lookup(h) is not None}
-        out: dict[Hashable, Hashable] = {}
-        for h, (keys, i) in live.items():
-            out.update(dict.fromkeys(keys[i * k:(i + 1) * k], h))
-        self._block_of, self._units_of = out, live
+        """Keep only the entries of blocks ``lookup`` still finds (asked once per distinct block hash the
+        entries name); returns how many distinct block hashes were dropped."""
+        live: dict[Hashable, bool] = {}
+        for h in self._block_of.values():
+            if h not in live:
+                live[h] = lookup(h) is not None
+        self._block_of = {u: h for u, h in self._block_of.items() if live[h]}
+        kept = sum(live.values())
+        self._tracked = kept
         self.sweeps += 1
-        return before - len(live)
+        return len(live) - kept
 
     def clear(self) -> None:
         """Forget every entry (the pool's prefix cache was reset)."""
         self._block_of.clear()
-        self._units_of.clear()
+        self._tracked = 0

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from kvpool.allocators.policies import POLICIES
+from kvpool.cli import _sessions as sessions
 from kvpool.cli._args import (
     AUTO,
     add_hash_arguments,
@@ -48,6 +49,7 @@ from kvpool.cli._tp import add_tp_argument, report_rank_failure, run_ranks, tp_s
 from kvpool.engine.models import TINY_HYBRID_MODELS, TINY_MODELS, config_before_load, model_errors
 from kvpool.engine.paged_attention import ATTENTION_CHOICES
 from kvpool.errors import ConfigError, ModelError, OutOfBlocksError, RankFailedError
+from kvpool.trace.sessions import usage_lines
 from kvpool.units import human_bytes, plural
 
 DEFAULT_KV_MEMORY = 256 * 2**20  # CPU: 256 MiB of KV (SmolLM2 in float32: 364 blocks of 16 tokens)
@@ -94,6 +96,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     eviction.add_argument("--pin-prefix", metavar="TEXT",
                           help="pin the full blocks of TEXT's tokens (a system prompt the prompts start "
                                "with) once they are cached, in every KV cache group")
+    sessions.add_session_arguments(parser)
     add_tp_argument(parser)
     add_hash_arguments(parser)
     add_tier_arguments(parser)
@@ -187,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.check and args.temperature != 0:
         raise ConfigError("--check compares greedy outputs: use it with --temperature 0")
+    sessions.check_session_arguments(args)
     texts = read_prompts(args)
     if wants_tiers(args):
         check_tier_targets(args)
@@ -259,7 +263,10 @@ def generate_on_rank(tp: Any, args: argparse.Namespace, texts: list[str], params
             print(f"kvpool generate: {hint}", file=sys.stderr)  # the input was good: the run goes on
 
         def lead(engine: Any) -> list[Any]:
-            return _generate_or_explain(engine, prompts, params, texts)
+            if args.session_id is None:
+                return _generate_or_explain(engine, prompts, params, texts)
+            return sessions.run_turns(engine, args.session_id, args.keep_turns, prompts, lambda prompt, i: (
+                _generate_or_explain(engine, [prompt], [params[i]], [texts[i]], args.session_id)[0]))
 
         try:
             done = (lead(engine), None) if tp is None else run_engine(tp, engine, lead)
@@ -270,12 +277,14 @@ def generate_on_rank(tp: Any, args: argparse.Namespace, texts: list[str], params
         return None
     requests, ship = done
     results = [{"prompt": text, "prompt_tokens": len(r.prompt_token_ids),
-                "output_token_ids": r.output_token_ids, "text": loaded.decode(r.output_token_ids)}
+                "output_token_ids": r.output_token_ids, "text": loaded.decode(r.output_token_ids),
+                "cache_usage": r.cache_usage.to_dict()}
                for text, r in zip(texts, requests, strict=True)]
     if args.check:  # transformers' generate on the whole model (a rank holds only its shard)
         model = loaded.model if tp is None else load_model(args.model, device=device).model
-        _check(model, prompts, results, args.max_new_tokens)
+        _check(model, [list(r.prompt_token_ids) for r in requests], results, args.max_new_tokens)
     stats = _stats(engine, tp, ship, getattr(args, "measured", None))
+    stats["cache"] = sessions.cache_report(engine, sessions.session_policy(args))
     return {"model": args.model, "requests": results, "stats": stats}
 
 
@@ -304,10 +313,10 @@ def _enable_tiers(engine: Any, args: argparse.Namespace) -> Any:
                                  auth_key=tier_auth_key(args))
 
 
-def _generate_or_explain(engine: Any, prompts: list[list[int]], params: list[Any], texts: list[str]
-                         ) -> list[Any]:
+def _generate_or_explain(engine: Any, prompts: list[list[int]], params: list[Any], texts: list[str],
+                         session_id: str | None = None) -> list[Any]:
     try:
-        return _generate_with_progress(engine, prompts, params)
+        return _generate_with_progress(engine, prompts, params, session_id)
     except OutOfBlocksError as exc:  # a prompt that can never fit: name it and the option that fixes it
         if exc.blocks_needed is None:
             raise
@@ -317,7 +326,8 @@ def _generate_or_explain(engine: Any, prompts: list[list[int]], params: list[Any
                                ) from None
 
 
-def _generate_with_progress(engine: Any, prompts: list[list[int]], params: list[Any]) -> list[Any]:
+def _generate_with_progress(engine: Any, prompts: list[list[int]], params: list[Any],
+                            session_id: str | None = None) -> list[Any]:
     from tqdm import tqdm
 
     # tqdm's default lock holds a multiprocessing semaphore (even for a disabled bar): a rank the launcher
@@ -327,7 +337,7 @@ def _generate_with_progress(engine: Any, prompts: list[list[int]], params: list[
     total = sum(p.max_new_tokens for p in params)
     quiet = not sys.stderr.isatty()  # as kvpool replay: a bar only at a terminal, so errors stay one line
     with tqdm(total=total, desc="generating", unit="tok", file=sys.stderr, leave=False, disable=quiet) as bar:
-        done = engine.generate(prompts, params, on_step=bar.update)
+        done = engine.generate(prompts, params, on_step=bar.update, session_id=session_id)
         finish_bar(bar)
         return done
 
@@ -369,6 +379,7 @@ def _print_human(results: list[dict[str, Any]], stats: dict[str, Any]) -> None:
         print(f"[{i}] {prompt!r}\n    -> {result['text']!r}")
         if "matches_reference" in result:
             print(f"    matches transformers generate: {'yes' if result['matches_reference'] else 'NO'}")
+        print(f"    {sessions.request_usage_line(result['cache_usage'])}")
     ranks = f" per rank x {stats['tp_size']} ranks" if stats["tp_size"] > 1 else ""
     print(f"pool: {plural(stats['num_blocks'], 'block')} x {stats['block_size']} tokens "
           f"({stats['pool_bytes']:,} bytes{ranks}), "
@@ -385,6 +396,8 @@ def _print_human(results: list[dict[str, Any]], stats: dict[str, Any]) -> None:
               f"{human_bytes(m['margin_bytes'])} (max(1 GiB, 0.75 x transient peak "
               f"{human_bytes(m['transient_peak_bytes'])})) = {human_bytes(m['kv_bytes'])} of KV")
     print(f"block hashes: {describe_hasher(stats['hashing'])}")
+    for line in usage_lines(stats["cache"]):
+        print(line)
     if "recurrent_state" in stats:
         r = stats["recurrent_state"]
         print(f"recurrent state: {r['state_slots_capacity']} slots (peak {r['state_slots_peak']} used), "

@@ -51,7 +51,7 @@ from kvpool.spec.planner import PoolPlan
 from kvpool.tiers.auth import redact_url
 from kvpool.trace.loaders import FORMATS, load_trace
 from kvpool.trace.replay import HIT_RATIO_BASIS, REPLAY_POLICIES, TIMINGS, ReplayConfig, compare_all_full
-from kvpool.trace.sessions import usage_lines
+from kvpool.trace.sessions import parse_session_modes, usage_lines
 from kvpool.trace.sweep import SweepRun, hit_ratio_table, rejected_table, run_sweep
 from kvpool.units import plural
 
@@ -118,8 +118,10 @@ def _policy_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--pin-prefix", type=id_list, metavar="ID,...", default=[],
                        help="pin the prefix of these trace hash ids (512-token blocks) once it is cached, "
                             "e.g. 0: the system prompt every Mooncake request starts with")
-    group.add_argument("--sessions", metavar="POLICY", help="keep each session's turns (a trace row's "
-                       "session_id) pinned while it is open: session (every turn) or last=N (the last N)")
+    group.add_argument("--sessions", type=word_list, metavar="POLICY,...",
+                       help="keep each session's turns (a trace row's session_id) pinned while it is open: "
+                            "session (every turn) or last=N (the last N); several, with none (no sessions), "
+                            "replay once each, e.g. none,session,last=1")
 
 
 def _state_arguments(group: argparse._ArgumentGroup) -> None:
@@ -161,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
                                                        trace.requests, rule))
     policies = with_bound(policies, sizes, args, trace)
     with Observers(args) as observers:
-        total = len(trace.requests) * len(sizes) * len(policies)
+        total = len(trace.requests) * len(sizes) * len(policies) * len(args.session_modes)
         long = total >= PROGRESS_MIN_REQUESTS and not args.no_progress
         bar = _progress_bar(total) if long and sys.stderr.isatty() else None
         try:
@@ -170,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
                              event_sink=observers.event_sink(block_size=args.block_size),
                              tiers=_tier_factory(args, trace) if wants_tiers(args) else None,
                              write_through=args.write_through, tier_admission=args.tier_admission,
-                             on_run=_print_run if long and bar is None else None)
+                             on_run=_print_run if long and bar is None else None,
+                             sessions=args.session_modes if len(args.session_modes) > 1 else None)
         finally:
             if bar is not None:
                 bar.close()
@@ -220,7 +223,7 @@ def with_bound(policies: list[str], sizes: list[int | None], args: argparse.Name
     """``policies`` with the offline bound (``belady``) added last when several runs are compared (a sweep
     of sizes or of policies) on a trace with prefix information, so that the table, ``--json`` and
     ``--report`` give every policy as a share of the bound; ``--no-bound`` leaves it out."""
-    several = len(sizes) > 1 or len(policies) > 1
+    several = len(sizes) > 1 or len(policies) > 1 or len(getattr(args, "session_modes", ())) > 1
     if not several or args.no_bound or "belady" in policies or not any(r.hash_ids for r in trace.requests):
         return policies
     return [*policies, "belady"]
@@ -265,10 +268,12 @@ def _plan_runs(args: argparse.Namespace
     sizes: list[int | None] = [*args.sweep] if args.sweep else [num_blocks]
     hybrid = spec is not None and (spec.has_windows or len(spec.groups) > 1)
     policies: list[str] = args.policies or [args.policy]
-    if args.plot and len(sizes) * len(policies) > 1 and (len(policies) > 1 or not wants_tiers(args)):
+    args.session_modes = parse_session_modes(args.sessions)
+    runs = len(sizes) * len(policies) * len(args.session_modes)
+    if args.plot and runs > 1 and (len(policies) * len(args.session_modes) > 1 or not wants_tiers(args)):
         raise ConfigError("--plot draws one run, or a sweep of pool sizes by tier; use --report for a sweep")
-    if args.kv_events and len(sizes) * len(policies) > 1:
-        raise ConfigError("--kv-events follows one run: drop --sweep / --policies")
+    if args.kv_events and runs > 1:
+        raise ConfigError("--kv-events follows one run: drop --sweep / --policies / several --sessions")
     for policy in policies:  # every name now, not after the first runs
         ReplayConfig(policy=policy)
     state_save = _state_save(args, memory)
@@ -279,7 +284,7 @@ def _plan_runs(args: argparse.Namespace
         pin_prefix=tuple(args.pin_prefix), groups=spec.groups if spec is not None and hybrid else (),
         state_save=state_save, state_checkpoints=args.state_checkpoints,
         elastic_block_bytes=_elastic_block_bytes(args, spec), match_unit=args.match_unit,
-        sessions=args.sessions)
+        sessions=args.session_modes[0])
     return config, sizes, policies, spec, pool_plan
 
 

@@ -28,6 +28,9 @@ Who decides and who follows (docs/DESIGN.md argues the choice):
   its commit mid-restore, ``("commit", log, result)``: :mod:`kvpool.engine.tp_memory`).
   (On CUDA a host tier's copies complete at each rank's own pace, so the ranks' host tiers may hold
   different blocks for a while: the agreement keeps that a miss, never a divergence of the device pools.)
+* **Partial hits.** A prefix hit that ends inside a block copies token slots of a cached block on rank 0;
+  the copy is logged with the pool calls (:mod:`kvpool.engine.tp_partial`), so every rank makes it in its
+  own KV shard, in the same order, before the step that reads it.
 
 * **Sleep and wake.** ``("sleep", log)``: every rank replays rank 0's preemptions and releases, then gives
   back every page of its shard; ``("wake", log)``: every rank commits again, and all stay awake only when
@@ -71,6 +74,7 @@ from kvpool.engine.tp_memory import (
     committed_bytes,
     wake_agreed,
 )
+from kvpool.engine.tp_partial import record_copies
 from kvpool.engine.tp_state import check_batch_slots, record_states
 from kvpool.errors import CollectiveError, InsufficientMemoryError, IntegrityError
 
@@ -137,6 +141,9 @@ class Leader:
             memory.store = RecordingMemory(memory.store, self.pool)
         if engine.states is not None:  # a hybrid: its state slot calls and moves are shipped too
             record_states(engine.states, self.pool)
+        partial = engine.kv_manager.partial
+        if partial is not None and partial.copy is not None:  # partial hits: every rank copies its shard
+            partial.copy = record_copies(partial.copy, self.pool)
         engine.wrap_runner(lambda runner: _ShippingRunner(self, runner))
         tiers = getattr(engine, "offload", None)
         if tiers is not None:  # every rank restores from its own tiers, in step with rank 0

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvpool.engine.tp_group import TPGroup
 from kvpool.engine.tp_memory import REORDER, apply_memory_call, is_memory_call, memory_digest
+from kvpool.engine.tp_partial import COPY, apply_copy
 from kvpool.engine.tp_state import apply_state_call, is_state_call, state_digest
 from kvpool.errors import IntegrityError, KVPoolError
 from kvpool.spec import cdiv
@@ -89,15 +90,18 @@ class RecordingPool:
 
 def replay(pool: Any, log: Sequence[tuple[str, tuple, dict[str, Any], Any]], rank: int,
            cache: Any = None, states: Any = None) -> None:
-    """Apply rank 0's logged pool calls to ``pool`` (its memory calls to this rank's elastic ``cache``:
-    :mod:`kvpool.engine.tp_memory`; its state slot calls to this rank's ``states``:
-    :mod:`kvpool.engine.tp_state`); IntegrityError at the first result that differs."""
+    """Apply rank 0's logged pool calls to ``pool`` (its memory calls and partial-hit copies to this rank's
+    ``cache``: :mod:`kvpool.engine.tp_memory`, :mod:`kvpool.engine.tp_partial`; its state slot calls to this
+    rank's ``states``: :mod:`kvpool.engine.tp_state`); IntegrityError at the first result that differs."""
     for name, args, kwargs, expected in log:
         if is_memory_call(name):
             apply_memory_call(pool, cache, name, args, expected, rank)
             continue
         if is_state_call(name):
             apply_state_call(states, name, args, expected, rank)
+            continue
+        if name == COPY:
+            apply_copy(cache, args, rank)
             continue
         if name not in _RECORDED:
             raise IntegrityError(f"rank {rank}: rank 0 shipped an unknown pool call {name!r}")

@@ -8,8 +8,10 @@ prompts count as misses), and each policy's share of the bound; (3) with tiers b
 ratio split by where the blocks were found (the stacked chart ``--plot`` draws) and its table; (4) for
 each run, picked from a list, the blocks in use / cached / free over simulated time above a heat map of
 the pool: block id against time, each cell coloured by the state of its blocks (free, in use, cached,
-pinned), and for an elastic replay its committed bytes against the blocks holding KV; (5) every run's
-numbers and the parameters of the replay (lists and mappings spelled out).
+pinned), and for an elastic replay its committed bytes against the blocks holding KV; (5) where runs
+kept sessions (``--sessions``), each run's cached-token accounting and session counters, its row named by
+its eviction and session policies (``lru+last=1``); (6) every run's numbers and the parameters of the
+replay (lists and mappings spelled out).
 
 How it is drawn: matplotlib (the ``replay`` extra, which already draws ``--plot``) renders each figure as
 SVG, written into the page; the heat map is a raster image inside its SVG (a PNG data URI). Nothing is
@@ -36,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from kvpool.allocators.block_pool import BLOCK_STATES, BlockPool
 from kvpool.trace.plot import COLORS, draw_memory_timeline, draw_tier_sweep, draw_timeline, rejected_label
 from kvpool.trace.replayer import HIT_RATIO_BASIS
+from kvpool.trace.sessions import run_label, session_rows
 from kvpool.units import plural
 
 if TYPE_CHECKING:
@@ -98,7 +101,9 @@ class SweepRun:
 
     @property
     def policy(self) -> str:
-        return self.result.policy
+        """The run's row: its eviction policy, with its session policy after a ``+`` where it kept
+        sessions (``lru+last=1``; the offline bound stays ``belady``)."""
+        return run_label(self.result.policy, self.result.cache.get("session_policy"))
 
     @property
     def num_blocks(self) -> int:
@@ -122,6 +127,9 @@ def write_report(path: str | Path, runs: Sequence[SweepRun], parameters: Mapping
         _section("Hit ratio against pool size", _curves_svg(runs) + _ratio_table(runs)),
         *([_section("Hit ratio by tier", _tier_svg(runs) + _tier_table(runs))] if _has_tiers(runs) else []),
         _section("Pool over time", _run_picker(runs)),
+        *([_section("Sessions and cached tokens", _table(*session_rows([r.result for r in runs]),
+                                                          "sessions"))]
+          if any(r.result.cache.get("sessions") for r in runs) else []),
         _section("Runs", _runs_table(runs)),
         _section("Parameters", _parameters_table(parameters)),
     ]
@@ -166,7 +174,7 @@ def _curves_svg(runs: Sequence[SweepRun]) -> str:
         bound = policy == "belady"
         label, color = ("offline bound (belady)", "black") if bound else (policy, None)
         (line,) = ax.plot(x, y, marker="o", linestyle="--" if bound else "-", color=color, label=label)
-        line.set_gid(f"curve-{policy}")
+        line.set_gid(f"curve-{_slug(policy)}")
         for run in runs:
             if run.policy == policy and run.result.requests_rejected:
                 ax.annotate(f"{run.result.requests_rejected:,} rejected", (run.num_blocks,
@@ -253,8 +261,13 @@ def summary(runs: Sequence[SweepRun], parameters: Mapping[str, object] = {}) -> 
     return text + "."
 
 
+def _slug(label: str) -> str:
+    """``label`` as an element id part that CSS selectors take as is (``lru+last=1`` -> ``lru-last-1``)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", label)
+
+
 def _run_id(run: SweepRun) -> str:
-    return f"run-{run.policy}-{run.num_blocks}"
+    return f"run-{_slug(run.policy)}-{run.num_blocks}"
 
 
 def _run_svg(run: SweepRun) -> str:

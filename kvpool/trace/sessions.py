@@ -10,12 +10,17 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvpool.errors import ConfigError
 from kvpool.requests.sessions import SessionPolicy
 
 if TYPE_CHECKING:
     from kvpool.requests.kv_manager import KVCacheManager
     from kvpool.requests.request import Request
     from kvpool.trace.loaders import TraceRequest
+    from kvpool.trace.replay_result import ReplayResult
+
+#: A sweep's session mode that keeps no session (the trace's session ids ignored).
+NO_SESSIONS = "none"
 
 
 class ReplaySessions:
@@ -74,3 +79,41 @@ def usage_lines(cache: dict[str, Any]) -> list[str]:
                      f"{sessions['turns_kept']:,} turns kept, peak {sessions['peak_kept_blocks']:,} blocks "
                      f"kept, {sessions['released_for_room']:,} released for room")
     return lines
+
+
+def parse_session_modes(names: Sequence[str] | None) -> list[str | None]:
+    """``--sessions``: one or more session policies (``session``, ``last=N``) or ``none`` (no sessions), each
+    a row of a sweep, in their canonical spelling (``last=01`` is ``last=1``); ``[None]`` when not given.
+    ConfigError for a bad or repeated one."""
+    if names is None:
+        return [None]
+    modes = [None if name.strip() == NO_SESSIONS else str(SessionPolicy.parse(name)) for name in names]
+    if len(set(modes)) < len(modes):
+        raise ConfigError(f"--sessions names a session policy twice: {','.join(names)}")
+    return modes
+
+
+def run_label(policy: str, session_policy: str | None) -> str:
+    """A sweep's row for a run: ``policy``, with ``+`` and the run's session policy where it kept sessions
+    (``lru+last=1``); the offline bound (``belady``) always by its name."""
+    return policy if not session_policy or policy == "belady" else f"{policy}+{session_policy}"
+
+
+#: :func:`session_rows`' columns.
+SESSION_COLUMNS = ("run", "pool blocks", "block hit ratio", "cache read tokens", "cache creation tokens",
+                   "uncached tokens", "sessions opened", "turns kept", "peak kept blocks",
+                   "released for room")
+
+
+def session_rows(results: Sequence[ReplayResult]) -> tuple[tuple[str, ...], list[list[object]]]:
+    """The report's table of sessions and cached tokens: one row per run (:data:`SESSION_COLUMNS`), its
+    accounting sums and, under a session policy, its session counters ("-" without one)."""
+    rows: list[list[object]] = []
+    for r in results:
+        usage, sessions = r.cache.get("usage", {}), r.cache.get("sessions")
+        counters = ([sessions["opened"], sessions["turns_kept"], sessions["peak_kept_blocks"],
+                     sessions["released_for_room"]] if sessions else ["-"] * 4)
+        rows.append([run_label(r.policy, r.cache.get("session_policy")), r.num_blocks, r.block_hit_ratio,
+                     usage.get("cache_read_tokens", 0), usage.get("cache_creation_tokens", 0),
+                     usage.get("uncached_tokens", 0), *counters])
+    return SESSION_COLUMNS, rows

@@ -26,17 +26,23 @@ def run_sweep(requests: Sequence[TraceRequest], config: ReplayConfig, sizes: Seq
               policies: Sequence[str], *, record: bool = False,
               progress: Callable[[int], object] | None = None, event_sink: KVEventSink | None = None,
               tiers: Callable[[], Sequence[TierBackend]] | None = None, write_through: bool = False,
-              tier_admission: int | str = 1, on_run: Callable[[SweepRun, int, int], object] | None = None
-              ) -> list[SweepRun]:
+              tier_admission: int | str = 1, on_run: Callable[[SweepRun, int, int], object] | None = None,
+              sessions: Sequence[str | None] | None = None) -> list[SweepRun]:
     """Replay ``requests`` with ``config`` for every pool size in ``sizes`` (None: unbounded) and policy in
     ``policies``, sizes outermost, in the given orders. ``record`` keeps each run's timeline and heat map
     (for :func:`kvpool.trace.report.write_report`); ``event_sink`` records every run's KV events (give it
     to a single run). ``tiers``: a factory of fresh (hash-only) tiers for each run, chained under its pool
     (:func:`run_replay`'s ``tiers``, ``write_through`` and ``tier_admission``); they are emptied and
     closed after the run. ``on_run(run, i, n)`` is called as run ``i`` of ``n`` (from 1) finishes.
+    ``sessions``: session policies (``session``, ``last=N``, None: no sessions), innermost, each policy run
+    once per mode (a row ``lru+last=1``: :attr:`SweepRun.policy`) but the offline bound, run once without
+    sessions; None (default): ``config.sessions`` for every run.
     Raises :class:`~kvpool.errors.ConfigError` as :class:`ReplayConfig` and :func:`run_replay` do, before
     the first run for a bad name or size."""
-    configs = [replace(config, num_blocks=size, policy=policy) for size in sizes for policy in policies]
+    modes = [config.sessions] if sessions is None else list(sessions)
+    configs = [replace(config, num_blocks=size, policy=policy, sessions=mode) for size in sizes
+               for policy in policies
+               for mode in (modes if policy != "belady" or sessions is None else [None])]
     runs = []
     for cfg in configs:
         heatmap = PoolHeatmap() if record else None
