@@ -1083,6 +1083,41 @@ class BlockPool:
         (:mod:`kvpool.requests.page_aware`) calls it when blocks are freed."""
         self._free.sort(key=key, reverse=True)  # pop() takes the end
 
+    def move_block(self, src: IntArg, dst: IntArg) -> None:
+        """Give what block ``src`` holds to the free, unhashed block ``dst``: its ref count, its hash (the
+        prefix index names ``dst`` from now on; a lookup may find another holder of the same hash first)
+        and, for a cached free block, its place in the eviction order (exact under LRU; other policies take
+        it as newly released: :meth:`EvictionPolicy.moved`). ``src`` becomes free (top of the free stack).
+        For compaction (:mod:`kvpool.requests.compaction`): the caller copies the KV first and renames
+        ``src`` in every block table. No KV event: events name hashes, and the hash stays on the device.
+
+        Raises:
+            InvalidIdError: an id out of range or not an integer, the null block, ``src == dst``, a ``src``
+                that is free without a hash or pinned (its pins' holders name it by id), or a ``dst`` that is
+                referenced or holds a hash. Nothing changes then.
+        """
+        s, d = _ints([src, dst])
+        low, n = self._reserved, self._n
+        if not (low <= s < n and low <= d < n) or s == d:
+            raise InvalidIdError(f"move_block needs two distinct ids in [{low}, {n}), got {s} -> {d}")
+        if not (self._ref_of(s) or self._holds(s)) or s in self._pins:
+            raise InvalidIdError(f"block {s} holds nothing to move, or is pinned")
+        if self._ref_of(d) or self._holds(d):
+            raise InvalidIdError(f"block {d} is not a free block without a hash")
+        if d >= self._fresh:  # ids never handed out, up to d: d is taken, those below it join the free stack
+            self._free.extend([b for b in self._take_fresh(d + 1 - self._fresh) if b != d])
+        else:
+            (self._tail if d in self._tail else self._free).remove(d)
+        ref, idx = self._ref, self._idx
+        r = ref[s]
+        held = idx.hash_of(s)
+        if held is not None:
+            idx.remove(s)
+            idx.publish(d, held)
+            self._policy.moved(s, d, held, r == 0)
+        ref[d], ref[s] = r, 0
+        self._free.append(s)
+
     def evictable_blocks(self) -> list[int]:
         """Cached free block ids in eviction order, next victim first. O(number of cached free blocks)
         for LRU, O(n log n) for the heap-ordered policies."""

@@ -513,6 +513,14 @@ class KVCacheCoordinator:
             raise InvalidIdError(f"no request {request_id!r} holds blocks")
         return req.tables
 
+    def rename_blocks(self, moved: dict[int, int]) -> None:
+        """Name ``moved[b]`` instead of ``b`` in every request's tables (a compaction moved those blocks:
+        :meth:`BlockPool.move_block`, :mod:`kvpool.requests.compaction`). O(blocks in tables)."""
+        for req in self._reqs.values():
+            for table in req.tables:
+                for i in range(len(table)):
+                    table[i] = moved.get(table[i], table[i])
+
     def block_tables(self, request_id: Hashable) -> tuple[list[int], ...]:
         """Every group's block table of ``request_id`` (copies). Raises InvalidIdError for an unknown id."""
         return tuple(list(t) for t in self._tables_of(request_id))

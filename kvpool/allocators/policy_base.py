@@ -81,6 +81,17 @@ class EvictionPolicy(ABC):
         tier below: not a one-hit wonder by its own signal (default: every block is)."""
         return True
 
+    def moved(self, src: int, dst: int, block_hash: Hashable, evictable: bool) -> None:
+        """Block ``src``'s hash now lives in the free block ``dst`` (a compaction moved its KV:
+        :meth:`BlockPool.move_block <kvpool.allocators.block_pool.BlockPool.move_block>`); ``evictable``:
+        it is a cached free block. The default forgets ``src`` and takes ``dst`` as newly published (and
+        released, when evictable), so the block loses the place and history the policy kept for it;
+        :class:`LRUPolicy` keeps its place exactly."""
+        self.dropped(src)
+        self.published(dst, block_hash)
+        if evictable:
+            self.insert(dst, 0)
+
     @abstractmethod
     def insert(self, block: int, priority: int) -> None:
         """``block`` became evictable: its last reference was freed."""
@@ -297,6 +308,15 @@ class LRUPolicy(EvictionPolicy):
     def dropped(self, block: int) -> None:
         if self.where[block]:
             self.remove(block)
+
+    def moved(self, src: int, dst: int, block_hash: Hashable, evictable: bool) -> None:
+        """Exact: an evictable ``dst`` takes ``src``'s entry in the log, so its place in the order."""
+        where = self.where
+        w = where[src]
+        if w:
+            self._log[int(w) - 1] = dst
+            where[dst] = w
+            where[src] = 0
 
     def clear(self) -> None:
         """Make no block evictable (the pool's ``reset_prefix_cache``)."""

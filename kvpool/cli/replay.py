@@ -436,15 +436,16 @@ _FORMATS = {
     "mean_memory_saving": ".4f", "memory_compared_requests": ",", "state_save": "", "state_slots_peak": ",",
     "checkpoints_saved": ",", "checkpoints_peak": ",", "checkpoint_hits": ",", "checkpoint_evictions": ",",
     "checkpoint_tier_hits": ",", "kv_only_tokens": ",", "peak_committed_bytes": ",",
-    "final_committed_bytes": ",",
-    "trimmed_committed_bytes": ",", "match_unit": ",", "partial_hits": ",", "partial_tokens": ",",
-    "partial_copied_blocks": ",", "partial_copied_tokens": ",",
+    "final_committed_bytes": ",", "trimmed_committed_bytes": ",", "blocks_moved": ",", "compaction_s": ".3f",
+    "match_unit": ",", "partial_hits": ",", "partial_tokens": ",", "partial_copied_blocks": ",",
+    "partial_copied_tokens": ",",
 }
 #: Report fields of a finer match unit (hits inside a block), printed only with one (--match-unit).
 _PARTIAL_FIELDS = ("match_unit", "partial_hits", "partial_tokens", "partial_copied_blocks",
                    "partial_copied_tokens")
 #: Report fields of an elastic pool's model, printed only for one (--elastic).
-_ELASTIC_FIELDS = ("peak_committed_bytes", "final_committed_bytes", "trimmed_committed_bytes")
+_ELASTIC_FIELDS = ("peak_committed_bytes", "final_committed_bytes", "trimmed_committed_bytes", "blocks_moved",
+                   "compaction_s")
 #: Report fields of a recurrent hybrid's state, printed only for one.
 _STATE_FIELDS = ("state_save", "state_slots_peak", "checkpoints_saved", "checkpoints_peak", "checkpoint_hits",
                  "checkpoint_evictions", "checkpoint_tier_hits", "kv_only_tokens")

@@ -47,6 +47,7 @@ from kvpool.errors import (
     MemoryLimitError,
 )
 from kvpool.numeric import as_id_list, as_int, index_or_none
+from kvpool.requests.compaction import Compactor
 from kvpool.requests.kv_manager import KVCacheManager
 from kvpool.requests.request import Request, RequestStatus
 from kvpool.requests.scheduler import Scheduler, SchedulerOutput
@@ -177,6 +178,10 @@ class LLMEngine:
                                          admission=admission, event_sink=sink, states=self.states,
                                          memory=self.cache if self.cache.elastic else None,
                                          match_unit=match_unit)
+        #: Packs an elastic cache's live blocks after each step (:mod:`kvpool.requests.compaction`: their
+        #: KV copied, every layer); None for a fixed cache or under tensor parallelism.
+        self.compactor = Compactor(self.kv_manager, self.cache.copy_blocks) \
+            if self.cache.elastic and tp_size == 1 else None
         if self.kv_manager.partial is not None:  # partial hits copy their tokens in this KV cache
             self.kv_manager.partial.copy = functools.partial(copy_token_prefix, self.cache)
         self.tp_size = tp_size
@@ -486,6 +491,8 @@ class LLMEngine:
         finished = self.scheduler.update(out, tokens, rows)
         self.stats.generated_tokens += len(tokens)
         self.kv_manager.flush_events()  # this step's KV events, as one batch
+        if self.compactor is not None:  # between steps: no kernel reads the tables now
+            self.compactor.compact()
         return finished
 
     def _prepare(self, out: SchedulerOutput) -> StepBatch:

@@ -60,6 +60,9 @@ class ReplayConfig:
             and cached blocks as in the engine (:mod:`kvpool.requests.block_memory`), and reports them.
             None (default): no such model.
         elastic_page_size: that model's page size in bytes (2 MiB by default).
+        elastic_compact: whether that model's pool is compacted after each step, as the engine's is
+            (:mod:`kvpool.requests.compaction`: live blocks move off sparse pages so the committed pages
+            stay within one page of the blocks packed). True by default.
         match_unit: tokens per prefix-match unit (a divisor of ``block_size``): hits may end inside a block,
             copied from a cached block (:mod:`kvpool.requests.partial_hits`); None: whole blocks only.
         sessions: ``"session"`` or ``"last=N"``: requests keep their trace's ``session_id`` and a session's
@@ -86,6 +89,7 @@ class ReplayConfig:
     state_checkpoints: int | None = None
     elastic_block_bytes: int | None = None
     elastic_page_size: int = DEFAULT_PAGE_SIZE
+    elastic_compact: bool = True
     match_unit: int | None = None
     sessions: str | None = None
     state_budget: BudgetConfig | None = None

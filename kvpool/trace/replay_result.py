@@ -51,9 +51,11 @@ class ReplayResult:
     reused: ``hit_blocks`` excludes them). All 0 (``state_save`` None) otherwise.
 
     With ``config.elastic_block_bytes`` (a model of an elastic pool): ``peak_committed_bytes`` (the most its
-    pages held, taken each step), ``final_committed_bytes`` (at the end: the cached blocks' pages) and
-    ``trimmed_committed_bytes`` (after evicting the cached blocks and giving their pages back), and with a
-    timeline ``memory_timeline`` (:data:`~kvpool.trace.elastic_track.MemorySample` rows). All 0 otherwise.
+    pages held, taken each step), ``final_committed_bytes`` (at the end: the cached blocks' pages),
+    ``trimmed_committed_bytes`` (after evicting the cached blocks and giving their pages back),
+    ``blocks_moved`` and ``compaction_s`` (the blocks its compactions moved and the wall seconds spent in
+    them: ``config.elastic_compact``), and with a timeline ``memory_timeline``
+    (:data:`~kvpool.trace.elastic_track.MemorySample` rows). All 0 otherwise.
     With ``config.match_unit``, the first admissions' partial hits (``partial_hits``), their hit
     tokens past the full blocks (``partial_tokens``) and the blocks and token slots copied.
 
@@ -97,6 +99,8 @@ class ReplayResult:
     peak_committed_bytes: int = 0
     final_committed_bytes: int = 0
     trimmed_committed_bytes: int = 0
+    blocks_moved: int = 0
+    compaction_s: float = 0.0
     match_unit: int | None = None
     partial_hits: int = 0
     partial_tokens: int = 0

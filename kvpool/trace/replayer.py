@@ -53,6 +53,7 @@ from kvpool.allocators.policies import (
 from kvpool.allocators.state_pool import StatePool
 from kvpool.errors import ConfigError, IntegrityError, InvalidArgumentError, OutOfBlocksError
 from kvpool.numeric import as_int
+from kvpool.requests.compaction import Compactor
 from kvpool.requests.kv_manager import KVCacheManager
 from kvpool.requests.request import Request
 from kvpool.requests.scheduler import Scheduler, SchedulerOutput
@@ -148,7 +149,8 @@ class Replayer:
         self.area = 0.0
         self.peak = 0
         self.track = None if memory is None else CommittedTrack(
-            self.kv.memory, config.elastic_block_bytes, record_timeline)  # type: ignore[arg-type]
+            self.kv.memory, config.elastic_block_bytes, record_timeline,  # type: ignore[arg-type]
+            Compactor(self.kv) if config.elastic_compact else None)
 
     def chain(self, tiers: Sequence[TierBackend], write_through: bool, tier_admission: int | str = 1) -> None:
         """Put ``tiers`` under the pool (an inline :class:`~kvpool.tiers.manager.OffloadManager`, with a
@@ -266,6 +268,8 @@ class Replayer:
         finished = sched.update(out, self._tokens(out))
         self.sessions.finished(finished)
         self.completed += len(finished)
+        if self.track is not None:
+            self.track.compact()  # between steps, as the engine compacts
         if finished:
             if self.progress is not None:
                 self.progress(len(finished))
