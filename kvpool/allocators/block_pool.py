@@ -183,6 +183,7 @@ class BlockPool:
         # LRU stays on the fast paths, called directly (its chunk queue: head = evict first); None for any
         # other policy, called through the policy interface
         self._lru: LRUPolicy | None = order if isinstance(order, LRUPolicy) else None
+        self._insert_each = _inserts_each(order)  # its released() is the default: insert() called here
         self._admission = admission
         self._pins: dict[int, int] = {}  # pinned block -> pin count (each pin holds one reference)
         self._pin_cap = pin_cap
@@ -242,7 +243,7 @@ class BlockPool:
                 self._fresh = block + 1
             elif self._tail:
                 block = self._tail.pop()
-            elif self.num_evictable_blocks:
+            elif len(self._lru) if self._lru is not None else len(self._policy):
                 block = self._evict(1)[0]
             else:
                 block = -1
@@ -434,7 +435,12 @@ class BlockPool:
         if self._lru is not None:
             self._lru.insert_chunk(chunk)
             return
-        self._policy.released(ids, chunk, level)  # any policy but LRU, through its interface
+        policy = self._policy  # any policy but LRU, through its interface
+        if self._insert_each:
+            for block in chunk:
+                policy.insert(block, level)
+        else:
+            policy.released(ids, chunk, level)
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Add one reference to each block (a prefix hit). A cached free block leaves the LRU and is
@@ -1160,6 +1166,17 @@ class BlockPool:
                 f"used={self.num_used_blocks}, cached={self.num_cached_blocks}{pins}{null})")
 
 
+
+
+def _inserts_each(policy: EvictionPolicy) -> bool:
+    """Whether ``policy``'s ``released`` is :class:`EvictionPolicy`'s (each evictable block inserted in turn),
+    so that the pool calls ``insert`` itself and saves a call per ``free``."""
+    for cls in type(policy).__mro__:
+        if cls is EvictionPolicy:
+            return True
+        if "released" in cls.__dict__:
+            return False
+    return False
 
 
 def _recorder(sink: object) -> EventRecorder | None:
