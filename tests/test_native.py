@@ -217,7 +217,9 @@ def test_compiled_classes_have_their_sources_signatures(name: str) -> None:
     if not classes:
         pytest.skip(f"{name} defines functions only")
     written = _native.source_init_signatures(_native.module_source(name), vars(source))  # defining __init__
-    assert written
+    own = {c for c in classes if "__init__" in vars(getattr(source, c)) and "__dataclass_fields__" not in
+           vars(getattr(source, c))}  # the classes whose source defines __init__ (the others inherit one)
+    assert own <= set(written)
     for cls in classes:
         mine, theirs = getattr(compiled, cls), getattr(source, cls)
         # a dataclass's generated __init__ is a plain function in both builds, its annotations the types

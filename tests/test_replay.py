@@ -441,6 +441,20 @@ def test_a_replay_imports_no_torch() -> None:
     assert out.split() == ["False", "0", "5", "False"]
 
 
+def test_a_replay_with_a_model_config_imports_no_torch() -> None:
+    """``--model-config`` sizes the pool from the model's KV spec, whose dtype is read by name: in a fresh
+    process the run leaves torch out too, and still sizes the pool as test_cli_num_blocks_from_model_config
+    does (Qwen2.5-0.5B: 192 KiB per 16-token block, 1 GiB x 0.9 / 192 KiB = 4,915 blocks)."""
+    config = CONFIGS / "qwen2.5-0.5b.json"
+    code = ("import contextlib, io, json, sys; from kvpool.cli import main; out = io.StringIO()\n"
+            "with contextlib.redirect_stdout(out):\n"
+            f"    code = main(['replay', '--max-requests', '5', '--model-config', {str(config)!r}, "
+            "'--gpu-memory', '1GiB', '--json'])\n"
+            "print(code, json.loads(out.getvalue())['num_blocks'], 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["0", str(1024 * 1024 * 9 // 10 // 192), "False"]
+
+
 def test_cli_num_blocks_from_model_config(capsys: pytest.CaptureFixture[str]) -> None:
     # Qwen2.5-0.5B: 12 KiB per token (DESIGN.md), 192 KiB per 16-token block; 1 GiB x 0.5 = 512 MiB.
     report = _json_run(capsys, "--max-requests", "20", "--model-config", str(CONFIGS / "qwen2.5-0.5b.json"),

@@ -25,8 +25,10 @@ from kvpool.units import human_bytes
 GROWTH_CHUNK: Final = 1 << 14
 #: The largest pool in blocks: block ids are 32-bit, as the int32 block tables of attention kernels are.
 MAX_BLOCKS: Final = (1 << 31) - 2
-#: Bytes of a grown buffer from which its growth calls :func:`release_freed_memory`.
-LARGE_BUFFER: Final = 1 << 18
+#: Bytes of a grown buffer from which its growth calls :func:`release_freed_memory` (4 MiB: the holes smaller
+#: buffers leave stay resident, at most about twice that per array; a trim below it would cost the hot path
+#: more than it gives back, the pages it releases being touched again at once).
+LARGE_BUFFER: Final = 1 << 22
 _TRIM: dict[str, Any] = {}  # "fn": glibc's malloc_trim, or None where the C library has none
 
 

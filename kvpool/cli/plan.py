@@ -194,10 +194,10 @@ def _shape_note(report: dict[str, Any]) -> str | None:
 
 
 def _readings(args: argparse.Namespace) -> MemoryReadings:
-    import torch  # at first use: importing this module imports no torch
-
-    if args.gpu_memory is not None:
+    if args.gpu_memory is not None:  # given: no device read, no torch imported
         return MemoryReadings(total_bytes=args.gpu_memory, non_kv_bytes=args.non_kv_memory)
+    import torch  # only to read the device: importing this module imports no torch
+
     if not torch.cuda.is_available():
         raise ConfigError("no CUDA device here to read; give --gpu-memory BYTES (and --non-kv-memory BYTES)")
     local = profile_cuda_memory()
@@ -211,7 +211,7 @@ def plan_report(spec: KVCacheSpec, plan: PoolPlan) -> dict[str, Any]:
         "attention": spec.attention.value, "attention_label": spec.attention_label,
         "num_layers": spec.num_layers, "num_attention_heads": spec.num_attention_heads,
         "num_kv_heads": spec.num_kv_heads, "num_kv_heads_per_rank": spec.num_kv_heads_per_rank,
-        "head_dim": spec.head_dim, "kv_dtype": str(spec.dtype).removeprefix("torch."),
+        "head_dim": spec.head_dim, "kv_dtype": spec.dtype_name,
         "kv_dtype_bytes": spec.dtype_bytes, "tp_size": spec.tp_size, "sliding_window": spec.sliding_window,
         "num_groups": len(spec.groups), "num_kv_layers": spec.num_kv_layers,
         "layer_shapes": _layer_shapes(spec), **plan.to_dict(),

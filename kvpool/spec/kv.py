@@ -36,7 +36,14 @@ from kvpool.errors import ConfigError
 from kvpool.numeric import as_int, as_optional_int
 from kvpool.spec.hf_config import MAX_LAYERS, too_many_layers
 from kvpool.spec.kinds import ATTENTION_KINDS
-from kvpool.spec.kv_dtypes import NO_FLOAT16_MODEL_TYPES, auto_kv_dtype, parse_kv_dtype  # noqa: F401
+from kvpool.spec.kv_dtypes import (  # noqa: F401 (re-exported)
+    KV_DTYPE_BYTES,
+    NO_FLOAT16_MODEL_TYPES,
+    TorchDtypeField,
+    auto_kv_dtype,
+    kv_dtype_name,
+    parse_kv_dtype,
+)
 from kvpool.spec.kv_groups import (  # noqa: F401 (the dtypes' and the groups' names, re-exported)
     KVCacheGroup,
     LayerKind,
@@ -110,7 +117,7 @@ class KVCacheSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype = "bfloat16"  # type: ignore[assignment]  # a torch dtype after __post_init__
+    dtype: torch.dtype = TorchDtypeField("bfloat16")  # type: ignore[assignment]  # kept by name, read as torch's
     block_size: int = 16
     attention: AttentionKind = AttentionKind.MHA
     kv_lora_rank: int = 0
@@ -128,7 +135,6 @@ class KVCacheSpec:
     kv_source_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", parse_kv_dtype(self.dtype))
         try:
             object.__setattr__(self, "attention", AttentionKind(self.attention))
         except ValueError:
@@ -304,7 +310,12 @@ class KVCacheSpec:
     @property
     def dtype_bytes(self) -> int:
         """Bytes per stored element (1 for fp8)."""
-        return self.dtype.itemsize
+        return KV_DTYPE_BYTES[self.dtype_name]
+
+    @property
+    def dtype_name(self) -> str:
+        """The name of :attr:`dtype` (``"bfloat16"``, ``"float8_e4m3fn"``), read without importing torch."""
+        return _DTYPE.name_of(self)
 
     @property
     def num_kv_heads_per_rank(self) -> int:
@@ -380,5 +391,8 @@ class KVCacheSpec:
         for key in ("layer_types", *cls._LAYER_LISTS, "layer_windows"):
             if fields.get(key) is not None:
                 fields[key] = tuple(fields[key])
-        return cls(**fields, dtype=parse_kv_dtype(kv_cache_dtype, model_dtype, model_type=model_type),
+        return cls(**fields, dtype=kv_dtype_name(kv_cache_dtype, model_dtype, model_type=model_type),
                    block_size=block_size, tp_size=tp_size)
+
+
+_DTYPE: TorchDtypeField = KVCacheSpec.__dict__["dtype"]  # the spec's dtype field (by name)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvpool._lazy import lazy_values
 from kvpool.errors import ConfigError
@@ -32,6 +32,11 @@ KV_DTYPE_NAMES: dict[str, str] = {
 }
 
 
+#: Bytes per element of each torch dtype name of :data:`KV_DTYPE_NAMES` (``torch.<name>.itemsize``).
+KV_DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1,
+                                  "float8_e5m2": 1}
+
+
 def torch_dtypes(names: Mapping[str, str]) -> dict[str, torch.dtype]:
     """``names`` (name -> the name of a torch dtype) with the torch dtypes; imports torch."""
     import torch
@@ -51,7 +56,7 @@ __getattr__ = lazy_values(__name__, {"KV_DTYPES": kv_dtypes})
 
 def parse_kv_dtype(name: str | torch.dtype, model_dtype: str | None = None, *,
                    model_type: str | None = None) -> torch.dtype:
-    """Resolve a KV cache dtype name to a torch dtype.
+    """Resolve a KV cache dtype name to a torch dtype: :func:`kv_dtype_name`'s, from ``torch``.
 
     ``"auto"`` means the dtype vLLM runs the model in (:func:`auto_kv_dtype` of ``model_dtype``, a config's
     ``dtype`` / ``torch_dtype``, and ``model_type``): a 16-bit config dtype as it is, float32 or none cast
@@ -60,16 +65,21 @@ def parse_kv_dtype(name: str | torch.dtype, model_dtype: str | None = None, *,
     """
     import torch
 
-    dtypes = kv_dtypes()
-    if isinstance(name, torch.dtype) and name in dtypes.values():
-        return name
+    return getattr(torch, kv_dtype_name(name, model_dtype, model_type=model_type))
+
+
+def kv_dtype_name(name: object, model_dtype: str | None = None, *, model_type: str | None = None) -> str:
+    """:func:`parse_kv_dtype` without torch: the name of the torch dtype (``"bfloat16"``,
+    ``"float8_e4m3fn"``: a key of :data:`KV_DTYPE_BYTES`), from a name of :data:`KV_DTYPE_NAMES`,
+    ``"auto"`` (with ``model_dtype`` and ``model_type``, as :func:`auto_kv_dtype`) or a torch dtype (its
+    ``str`` is ``torch.<name>``). Imports no torch. Raises :class:`ConfigError` as :func:`parse_kv_dtype`."""
     key = str(name).lower().removeprefix("torch.")
     if key == "auto":
-        return auto_kv_dtype(model_dtype, model_type)[0]
-    if key not in dtypes:
-        accepted = ", ".join(["auto", *dtypes])
+        return auto_kv_dtype_name(model_dtype, model_type)[0]
+    if key not in KV_DTYPE_NAMES:
+        accepted = ", ".join(["auto", *KV_DTYPE_NAMES])
         raise ConfigError(f"unknown KV cache dtype {name!r}; accepted: {accepted}")
-    return dtypes[key]
+    return KV_DTYPE_NAMES[key]
 
 
 #: Model types vLLM never runs in float16 (``_FLOAT16_NOT_SUPPORTED_MODELS`` in vllm/config/model.py:
@@ -95,15 +105,48 @@ def auto_kv_dtype(model_dtype: str | None, model_type: str | None = None) -> tup
     """
     import torch
 
+    name, rule = auto_kv_dtype_name(model_dtype, model_type)
+    return getattr(torch, name), rule
+
+
+def auto_kv_dtype_name(model_dtype: str | None, model_type: str | None = None) -> tuple[str, str]:
+    """:func:`auto_kv_dtype` with the dtype's name (a key of :data:`KV_DTYPE_BYTES`); imports no torch."""
     if model_dtype in (None, "auto"):
-        return torch.bfloat16, ("the config names no dtype: vLLM takes it as float32 and casts it down to "
-                                "bfloat16")
-    named = parse_kv_dtype(model_dtype)
-    shown = str(named).removeprefix("torch.")
-    if named is torch.float32:
-        return torch.bfloat16, "the config's float32, cast down to bfloat16 as vLLM does"
-    if named is torch.float16 and model_type in NO_FLOAT16_MODEL_TYPES:
-        return torch.bfloat16, f"the config's float16, but vLLM never runs {model_type} in float16: bfloat16"
-    if named in (torch.bfloat16, torch.float16):
-        return named, f"the config's {shown}"
-    return torch.bfloat16, f"the config's {shown} is no dtype vLLM runs a model in: bfloat16"
+        return "bfloat16", "the config names no dtype: vLLM takes it as float32 and casts it down to bfloat16"
+    named = kv_dtype_name(model_dtype)
+    if named == "float32":
+        return "bfloat16", "the config's float32, cast down to bfloat16 as vLLM does"
+    if named == "float16" and model_type in NO_FLOAT16_MODEL_TYPES:
+        return "bfloat16", f"the config's float16, but vLLM never runs {model_type} in float16: bfloat16"
+    if named in ("bfloat16", "float16"):
+        return named, f"the config's {named}"
+    return "bfloat16", f"the config's {named} is no dtype vLLM runs a model in: bfloat16"
+
+
+class TorchDtypeField:
+    """A dataclass field holding a KV dtype by name, read as a torch dtype: set with anything
+    :func:`kv_dtype_name` takes (checked then, without torch), read as ``torch.<name>`` (torch is imported
+    at the first read). So a spec can be built, sized (:func:`dtype_bytes`) and compared by name in a
+    process that never imports torch (a trace replay). The field's default is ``default``."""
+
+    def __init__(self, default: str) -> None:
+        self.default = default
+        self.slot = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_{name}_name"
+
+    def __get__(self, obj: object, owner: type | None = None) -> Any:
+        if obj is None:
+            return self.default  # the dataclass's default for the field
+        import torch
+
+        return getattr(torch, obj.__dict__[self.slot])
+
+    def __set__(self, obj: object, value: object) -> None:
+        obj.__dict__[self.slot] = kv_dtype_name(value)
+
+    def name_of(self, obj: object) -> str:
+        """The dtype's name on ``obj`` (``"bfloat16"``), no torch imported."""
+        return str(obj.__dict__[self.slot])
+
