@@ -458,8 +458,7 @@ class LLMEngine:
         return given + memory.store.trim()  # (through the store: a tensor-parallel leader ships it)
 
     def _state_bytes(self) -> int:
-        recurrent = self.runner.recurrent
-        return 0 if recurrent is None else recurrent.cache.committed_bytes or 0
+        return sum(cache.committed_bytes or 0 for cache in self.runner.recurrent.caches)
 
     def _check_awake(self) -> None:
         if self.asleep:

@@ -62,6 +62,8 @@ class RecurrentStates:
         from kvpool.engine.state_cache import SlotStateCache  # imports transformers
 
         self.spec, self._slot_cache = spec, SlotStateCache
+        #: model layer index -> KV cache layer of the attention layers (set by :func:`runner_states`).
+        self.kv_layers: dict[int, int] | None = None
         self.cache = RecurrentStateCache(spec, num_slots, device=device, elastic=elastic)
         if self.cache.elastic:  # every slot committed (reading 0): sleep gives them back, wake commits again
             self.cache.commit_blocks(range(num_slots))
@@ -69,6 +71,18 @@ class RecurrentStates:
         self._spans: list[tuple[int, int, int, int, Sequence[tuple[int, int]]]] | None = None
         for layer, module in _mixers(model, spec).items():
             module.forward = self._per_span(module.forward, layer)
+
+    @property
+    def caches(self) -> tuple[RecurrentStateCache, ...]:
+        """The state buffers a runner sleeps, wakes and counts beside its KV cache: ``(cache,)``."""
+        return (self.cache,)
+
+    def batch_step(self, batch: Any) -> contextlib.AbstractContextManager[None]:
+        """:meth:`step` over a :class:`~kvpool.engine.runner.StepBatch`'s spans, state slots and saves;
+        InvalidArgumentError for a batch that names no state slots."""
+        if batch.state_slots is None:
+            raise InvalidArgumentError("a hybrid model's batch must name each request's state slot")
+        return self.step([(start, end) for _, start, end in batch.spans], batch.state_slots, batch.state_saves)
 
     @contextlib.contextmanager
     def step(self, spans: Sequence[tuple[int, int]], slots: Sequence[int],
@@ -140,6 +154,30 @@ class RecurrentStates:
                               for t in range(hidden.shape[1])], dim=1)
         cache = self._slot_cache(self.cache, slot, start > 0, layers=(layer,))
         return original(hidden, cache=cache, attention_mask=None, **rest)
+
+
+class NoRecurrentStates:
+    """The recurrent half of the runner of a model without recurrent layers: no state buffers, a step that
+    runs the model as it is, every layer an attention layer of the KV cache (``kv_layers`` None)."""
+
+    caches: tuple[RecurrentStateCache, ...] = ()
+    kv_layers = None
+
+    def batch_step(self, batch: Any) -> contextlib.AbstractContextManager[None]:
+        """Nothing to route: the model runs unchanged."""
+        return contextlib.nullcontext()
+
+
+def runner_states(model: Any, hybrid: HybridSpec | None, num_slots: int, device: torch.device | str,
+                  *, elastic: bool | ElasticConfig = False) -> RecurrentStates | NoRecurrentStates:
+    """The recurrent half of a runner: for a hybrid's :class:`HybridSpec`, its :class:`RecurrentStates`
+    (``num_slots`` slots, ``kv_layers`` mapping each attention layer's model index to its KV cache layer),
+    else :class:`NoRecurrentStates`."""
+    if hybrid is None:
+        return NoRecurrentStates()
+    states = RecurrentStates(model, hybrid.state, num_slots, device, elastic=elastic)
+    states.kv_layers = {m: i for i, m in enumerate(hybrid.attention_layers)}
+    return states
 
 
 def _mixers(model: Any, spec: RecurrentStateSpec) -> dict[int, torch.nn.Module]:
