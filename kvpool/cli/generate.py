@@ -355,8 +355,7 @@ def _stats(engine: Any, tp: Any = None, ship: Any = None, measured: Any = None) 
         stats["kv_memory"]["measured"] = asdict(measured)
     if engine.offload is not None:
         stats["tier_hits"], stats["tiers"] = engine.kv_manager.hits_by_place(), engine.offload.stats()
-    if engine.states is not None:
-        stats["recurrent_state"] = engine.states.describe()
+    stats.update(engine.state.stats_entries())  # a recurrent hybrid's "recurrent_state"
     if tp is not None:
         stats["tensor_parallel"] = {"backend": tp.backend, **ship.to_dict()}
     return stats

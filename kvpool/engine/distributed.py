@@ -135,8 +135,7 @@ class Leader:
         memory = engine.kv_manager.memory
         if memory is not None:  # an elastic cache: its commits and releases are shipped too
             memory.store = RecordingMemory(memory.store, self.pool)
-        if engine.states is not None:  # a hybrid: its state slot calls and moves are shipped too
-            record_states(engine.states, self.pool)
+        record_states(engine.state, self.pool)  # a hybrid's state slot calls and moves are shipped too
         engine.wrap_runner(lambda runner: _ShippingRunner(self, runner))
         tiers = getattr(engine, "offload", None)
         if tiers is not None:  # every rank restores from its own tiers, in step with rank 0

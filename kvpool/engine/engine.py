@@ -48,6 +48,7 @@ from kvpool.errors import (
 )
 from kvpool.numeric import as_id_list, as_int, index_or_none
 from kvpool.requests.kv_manager import KVCacheManager
+from kvpool.requests.no_state import StateSide
 from kvpool.requests.request import Request, RequestStatus
 from kvpool.requests.scheduler import Scheduler, SchedulerOutput
 from kvpool.requests.sessions import Retention, SessionCache
@@ -217,6 +218,13 @@ class LLMEngine:
                                     mover=self.runner.recurrent.cache)
         return spec
 
+    @property
+    def state(self) -> StateSide:
+        """The state side of every request (:attr:`KVCacheManager.state
+        <kvpool.requests.kv_manager.KVCacheManager.state>`): :attr:`states` for a recurrent hybrid, else
+        :data:`~kvpool.requests.no_state.NO_STATE`."""
+        return self.kv_manager.state
+
     # ---- the request path's parts, by their old names -----------------------------------------------
 
     @property
@@ -293,8 +301,7 @@ class LLMEngine:
             space = namespace if namespace is not None else self.tier_namespace()
             tiers = tiers_from_urls(urls, space, block_bytes=self.cache.bytes_per_block, like=self.cache,
                                     auth_key=auth_key)
-        states = None if self.states is None else checkpoint_tiers(tiers, self.states, urls=urls,
-                                                                   namespace=space, auth_key=auth_key)
+        states = checkpoint_tiers(tiers, self.state, urls=urls, namespace=space, auth_key=auth_key)
         return self.kv_manager.attach_tiers(tiers, cache=self.cache, write_through=write_through,
                                             asynchronous=asynchronous, admission=admission,
                                             state_tiers=states or None)
@@ -502,11 +509,8 @@ class LLMEngine:
             if samples:
                 rows.append(len(ids) - 1)
             spans.append((self.kv_manager.block_tables(req), start, end))
-        if self.states is None:
-            return StepBatch(ids, positions, rows, spans)
-        reqs = [req for req, _ in out.scheduled]
-        return StepBatch(ids, positions, rows, spans, [self.states.slot(r) for r in reqs],
-                         [self.states.pending(r) for r in reqs])
+        slots, saves = self.state.batch_slots([req for req, _ in out.scheduled])
+        return StepBatch(ids, positions, rows, spans, slots, saves)
 
     def _committed_bytes(self) -> int:
         committed = self.cache.committed_bytes

@@ -82,7 +82,8 @@ class RecurrentStates:
         InvalidArgumentError for a batch that names no state slots."""
         if batch.state_slots is None:
             raise InvalidArgumentError("a hybrid model's batch must name each request's state slot")
-        return self.step([(start, end) for _, start, end in batch.spans], batch.state_slots, batch.state_saves)
+        spans = [(start, end) for _, start, end in batch.spans]
+        return self.step(spans, batch.state_slots, batch.state_saves)
 
     @contextlib.contextmanager
     def step(self, spans: Sequence[tuple[int, int]], slots: Sequence[int],

@@ -55,7 +55,8 @@ class StepRunner(Protocol):
     put in front of one with :meth:`~kvpool.engine.engine.LLMEngine.wrap_runner` (a tensor-parallel leader's,
     which ships each batch to its followers first): the KV cache and spec it runs over, the recurrent states
     of a hybrid (:class:`~kvpool.engine.recurrent.NoRecurrentStates` for a model without recurrent layers;
-    their ``caches`` are what ``sleep`` / ``wake`` and the memory stats read beside the KV cache), and ``execute``."""
+    their ``caches`` are what ``sleep`` / ``wake`` and the memory stats read beside the KV cache), and
+    ``execute``."""
 
     cache: Any
     spec: Any

@@ -18,7 +18,13 @@ The members a state side has (:class:`StateSide`):
 * ``follows_each_step``: whether every step must reach ``plan`` and ``commit`` (so a publish with no new
   block cannot be skipped and decode steps cannot be batched into one pool call): False here;
 * ``join(group, sink, admission)``: the KV side's event sink and admission taken as the state's own group;
-* ``clear()`` (what an emptied cache drops) and ``check_integrity()``.
+* ``clear()`` (what an emptied cache drops) and ``check_integrity()``;
+* ``check_block_size(b)`` (ConfigError when checkpoints at another block size than the KV groups' b),
+  ``tiers_under(tiers, data=...)`` (checkpoint tiers), ``pin(hashes)`` / ``unpin_all()`` (a pinned
+  prefix's checkpoints), ``wrap_pool(wrap)`` (a tensor-parallel leader's recorder in front of the slot
+  pool); nothing to do without a state;
+* ``batch_slots(reqs)``: a step's state slots and saves, in request order (``(None, None)`` without a
+  state), and ``stats_entries()``: what a run's stats hold of the state (``{}`` without one).
 """
 
 from __future__ import annotations
@@ -54,6 +60,20 @@ class StateSide(Protocol):
 
     def check_integrity(self) -> None: ...
 
+    def check_block_size(self, block_size: int) -> None: ...
+
+    def tiers_under(self, tiers: Any, *, data: bool) -> None: ...
+
+    def pin(self, hashes: Any) -> None: ...
+
+    def unpin_all(self) -> None: ...
+
+    def wrap_pool(self, wrap: Any) -> None: ...
+
+    def batch_slots(self, reqs: Any) -> tuple[Any, Any]: ...
+
+    def stats_entries(self) -> dict[str, object]: ...
+
 
 class NoRecurrentState:
     """The state side of a model without recurrent layers: every request has its (empty) state, every KV
@@ -61,6 +81,7 @@ class NoRecurrentState:
 
     follows_each_step = False
     has_free_slot = True
+    mover = None
 
     def joint_blocks(self, req: Request, k: int) -> int:
         """``k``: a KV prefix needs no state beside it."""
@@ -84,6 +105,29 @@ class NoRecurrentState:
 
     def clear(self) -> None:
         """No checkpoint to drop."""
+
+    def check_block_size(self, block_size: int) -> None:
+        """Any block size: no checkpoint to align."""
+
+    def tiers_under(self, tiers: Any, *, data: bool) -> None:
+        """No checkpoint to keep in tiers."""
+
+    def pin(self, hashes: Any) -> None:
+        """No checkpoint to pin."""
+
+    def unpin_all(self) -> None:
+        """No checkpoint pinned."""
+
+    def wrap_pool(self, wrap: Any) -> None:
+        """No slot pool to wrap (a tensor-parallel leader records nothing of a state)."""
+
+    def batch_slots(self, reqs: Any) -> tuple[None, None]:
+        """No state slots and no saves for a step's batch."""
+        return None, None
+
+    def stats_entries(self) -> dict[str, object]:
+        """Nothing of a state in a run's stats."""
+        return {}
 
     def check_integrity(self) -> None:
         """Nothing to check."""

@@ -164,6 +164,21 @@ class RequestStates:
         if type(admission) is FrequencyAdmission:
             checkpoints.admission = FrequencyAdmission(admission.min_count)
 
+    def check_block_size(self, block_size: int) -> None:
+        """ConfigError unless the checkpoints' block size is the KV cache groups' ``block_size``."""
+        if self.block_size != block_size:
+            raise ConfigError(f"the state checkpoints' block size {self.block_size} is not the KV cache "
+                              f"groups' {block_size}")
+
+    def pin(self, hashes: Sequence[Any]) -> None:
+        """Pin the checkpoints at the block hashes ``hashes`` of a pinned prefix
+        (:meth:`StateCheckpoints.pin`)."""
+        self.checkpoints.pin(hashes)
+
+    def unpin_all(self) -> None:
+        """Unpin every pinned checkpoint."""
+        self.checkpoints.unpin_all()
+
     def tiers_under(self, tiers: Sequence[Any], *, data: bool) -> None:
         """Attach :class:`CheckpointTiers` over ``tiers`` (rows of this state's slots when ``data``)."""
         self.attach_tiers(CheckpointTiers(tiers, self.checkpoints.group,
@@ -247,6 +262,11 @@ class RequestStates:
             raise InvalidIdError(f"request {req.request_id!r} holds no state slot")
         return slot
 
+    def batch_slots(self, reqs: Sequence[Request]) -> tuple[list[int], list[list[tuple[int, int]]]]:
+        """For a step's requests in order: each one's state slot (:meth:`slot`) and saves (:meth:`pending`),
+        as :class:`~kvpool.engine.runner.StepBatch` takes them."""
+        return [self.slot(r) for r in reqs], [self.pending(r) for r in reqs]
+
     # ---- saves --------------------------------------------------------------------------------------
 
     def plan(self, req: Request, start: int, end: int) -> None:
@@ -315,6 +335,10 @@ class RequestStates:
                 "kv_only_tokens": s.kv_only_tokens, "state_slots_peak": s.peak_request_slots,
                 "checkpoints_peak": s.peak_checkpoints, "checkpoints_pinned": self.checkpoints.num_pinned,
                 "checkpoints_not_admitted": s.not_admitted, "checkpoint_tier_hits": s.tier_restored}
+
+    def stats_entries(self) -> dict[str, object]:
+        """What a run's stats hold of the state: ``{"recurrent_state": describe()}``."""
+        return {"recurrent_state": self.describe()}
 
     def check_integrity(self) -> None:
         """The pool's and the checkpoints' invariants; request slots distinct and allocated, none also a
