@@ -46,8 +46,9 @@ from kvpool.cli._tiers import add_tier_arguments, build_tiers, check_tier_target
 from kvpool.cli.plan import add_memory_arguments, memory_from_args, plan_from_args
 from kvpool.errors import ConfigError, TraceFormatError
 from kvpool.spec import KVCacheSpec
-from kvpool.spec.memory import NO_STATE_SPEC, ModelMemory
+from kvpool.spec.memory import ModelMemory
 from kvpool.spec.planner import PoolPlan
+from kvpool.spec.state_kind import NO_STATE_SPEC
 from kvpool.tiers.auth import redact_url
 from kvpool.trace.loaders import FORMATS, load_trace
 from kvpool.trace.replay import HIT_RATIO_BASIS, REPLAY_POLICIES, TIMINGS, ReplayConfig, compare_all_full

@@ -33,7 +33,6 @@ import torch
 
 from kvpool.allocators.groups import KVCacheCoordinator
 from kvpool.allocators.hashing import BlockHasher, hasher_for
-from kvpool.allocators.state_pool import StatePool
 from kvpool.engine.recurrent import engine_kv_spec, model_memory
 from kvpool.engine.runner import ModelRunner, StepBatch, StepRunner
 from kvpool.engine.sampling import SamplingParams, sample
@@ -52,7 +51,7 @@ from kvpool.requests.no_state import StateSide
 from kvpool.requests.request import Request, RequestStatus
 from kvpool.requests.scheduler import Scheduler, SchedulerOutput
 from kvpool.requests.sessions import Retention, SessionCache
-from kvpool.requests.state_checkpoints import RequestStates, SavePolicy, StateCheckpoints
+from kvpool.requests.state_checkpoints import SavePolicy
 from kvpool.spec import KVCacheSpec
 from kvpool.spec.memory import ModelMemory
 from kvpool.storage.arena import ElasticConfig
@@ -199,23 +198,13 @@ class LLMEngine:
                       eviction: str) -> KVCacheSpec:
         """The runner (and, for a recurrent hybrid, :attr:`states`, its checkpoints evicted by a fresh
         policy named ``eviction``); returns the KV spec."""
-        self.hybrid, self.states = memory.hybrid, None
+        self.hybrid = memory.hybrid
         spec = engine_kv_spec(memory, model)
-        if self.hybrid is None:
-            self.runner = ModelRunner(model, spec, num_blocks, attention=self.attention,
-                                      elastic=self._elastic)
-            return spec
-        policy = state_save if isinstance(state_save, SavePolicy) else SavePolicy.parse(state_save)
-        default = max_num_seqs if caching else 0
-        capacity = as_int(default if state_checkpoints is None else state_checkpoints, "state_checkpoints",
-                          minimum=0, error=ConfigError)
+        capacity = memory.state_kind.checkpoint_slots(state_checkpoints, max_num_seqs if caching else 0)
         self.runner = ModelRunner(model, spec, num_blocks, hybrid=self.hybrid, elastic=self._elastic,
                                   num_state_slots=max_num_seqs + capacity, attention=self.attention)
-        pool = StatePool(max_num_seqs + capacity)
-        checkpoints = StateCheckpoints(capacity, pool=pool, policy=eviction) if capacity else \
-            StateCheckpoints(0)
-        self.states = RequestStates(policy, self.block_size, pool, checkpoints=checkpoints,
-                                    mover=self.runner.recurrent.cache)
+        self.states = self.runner.recurrent.request_states(state_save, self.block_size, max_num_seqs,
+                                                           capacity, eviction)
         return spec
 
     @property

@@ -29,8 +29,10 @@ from typing import Any
 
 import torch
 
+from kvpool.allocators.state_pool import StatePool
 from kvpool.engine.sharding_recurrent import RECURRENT_MODEL_TYPES
 from kvpool.errors import ConfigError, InvalidArgumentError
+from kvpool.requests.state_checkpoints import RequestStates, SavePolicy, StateCheckpoints
 from kvpool.spec import AttentionKind, KVCacheSpec
 from kvpool.spec.memory import ModelMemory
 from kvpool.spec.state import HybridSpec, RecurrentStateSpec
@@ -71,6 +73,17 @@ class RecurrentStates:
         self._spans: list[tuple[int, int, int, int, Sequence[tuple[int, int]]]] | None = None
         for layer, module in _mixers(model, spec).items():
             module.forward = self._per_span(module.forward, layer)
+
+    def request_states(self, state_save: str | SavePolicy, block_size: int, num_seqs: int, capacity: int,
+                       eviction: str) -> RequestStates:
+        """The request side of these buffers: a :class:`RequestStates` saving by ``state_save`` over a slot
+        pool of ``num_seqs`` request slots and ``capacity`` checkpoint slots (evicted by a fresh policy named
+        ``eviction``), moving data in :attr:`cache`. ConfigError for a bad policy."""
+        policy = state_save if isinstance(state_save, SavePolicy) else SavePolicy.parse(state_save)
+        pool = StatePool(num_seqs + capacity)
+        checkpoints = StateCheckpoints(capacity, pool=pool, policy=eviction) if capacity else \
+            StateCheckpoints(0)
+        return RequestStates(policy, block_size, pool, checkpoints=checkpoints, mover=self.cache)
 
     @property
     def caches(self) -> tuple[RecurrentStateCache, ...]:
@@ -164,6 +177,12 @@ class NoRecurrentStates:
     caches: tuple[RecurrentStateCache, ...] = ()
     kv_layers = None
 
+    def request_states(self, state_save: Any, block_size: int, num_seqs: int, capacity: int,
+                       eviction: str) -> None:
+        """None: no request keeps a state (the request path's side is
+        :data:`~kvpool.requests.no_state.NO_STATE`)."""
+        return None
+
     def batch_step(self, batch: Any) -> contextlib.AbstractContextManager[None]:
         """Nothing to route: the model runs unchanged."""
         return contextlib.nullcontext()
@@ -199,10 +218,7 @@ def _mixers(model: Any, spec: RecurrentStateSpec) -> dict[int, torch.nn.Module]:
 def hybrid_spec(model: Any, *, block_size: int, dtype: torch.dtype | None = None) -> HybridSpec:
     """The model's :class:`HybridSpec`: :func:`model_memory`'s (ConfigError for a model without recurrent
     state)."""
-    hybrid = model_memory(model, block_size=block_size, dtype=dtype).hybrid
-    if hybrid is None:
-        raise ConfigError(f"{model.config.model_type} keeps no recurrent state")
-    return hybrid
+    return model_memory(model, block_size=block_size, dtype=dtype).require_hybrid()
 
 
 def model_memory(model: Any, *, block_size: int, dtype: torch.dtype | None = None, tp_size: int = 1

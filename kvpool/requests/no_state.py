@@ -17,6 +17,8 @@ The members a state side has (:class:`StateSide`):
   committed once the step's blocks are published, given back (nothing to do without a state);
 * ``follows_each_step``: whether every step must reach ``plan`` and ``commit`` (so a publish with no new
   block cannot be skipped and decode steps cannot be batched into one pool call): False here;
+* ``block_aligned_hits``: whether a hit must end at a block boundary (a state is checkpointed there only,
+  so no partial hit can end inside a block): False here;
 * ``join(group, sink, admission)``: the KV side's event sink and admission taken as the state's own group;
 * ``clear()`` (what an emptied cache drops) and ``check_integrity()``;
 * ``check_block_size(b)`` (ConfigError when checkpoints at another block size than the KV groups' b),
@@ -40,6 +42,7 @@ class StateSide(Protocol):
     docstring)."""
 
     follows_each_step: bool
+    block_aligned_hits: bool
 
     @property
     def has_free_slot(self) -> bool: ...
@@ -80,6 +83,7 @@ class NoRecurrentState:
     hit is a whole hit, nothing is saved or freed (see the module docstring)."""
 
     follows_each_step = False
+    block_aligned_hits = False
     has_free_slot = True
     mover = None
 

@@ -134,6 +134,8 @@ class RequestStates:
     #: Every step reaches :meth:`plan` and :meth:`commit` (the state side of
     #: :class:`~kvpool.requests.no_state.StateSide`).
     follows_each_step = True
+    #: A hit ends at a block boundary: a state is checkpointed there only (no partial hit inside a block).
+    block_aligned_hits = True
 
     def __init__(self, policy: SavePolicy | str, block_size: int, pool: StatePool, *,
                  checkpoints: StateCheckpoints | None = None, mover: StateMover | None = None) -> None:

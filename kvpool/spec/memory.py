@@ -19,31 +19,10 @@ from kvpool.spec.hf_config import load_config
 from kvpool.spec.kinds import MemoryKind
 from kvpool.spec.kv import KVCacheSpec
 from kvpool.spec.state import HybridSpec, RecurrentStateSpec, is_recurrent_config
+from kvpool.spec.state_kind import NO_STATE_SPEC, NoRecurrentStateSpec, RecurrentStateKind
 
 if TYPE_CHECKING:
     import torch
-
-
-class NoRecurrentStateSpec:
-    """The state part of a model without recurrent layers (:attr:`ModelMemory.state_kind`): no state spec,
-    no memory kind beside the KV cache groups', no state option to take."""
-
-    state = None
-    kinds: tuple[MemoryKind, ...] = ()
-
-    def save_policy(self, state_save: str | None, state_checkpoints: int | None) -> None:
-        """None: nothing to save. ConfigError for a ``--state-save`` or ``--state-checkpoints`` given."""
-        if state_save is not None or state_checkpoints is not None:
-            option = "--state-save" if state_save is not None else "--state-checkpoints"
-            raise ConfigError(f"{option} needs --model-config of a recurrent hybrid "
-                              f"(Qwen3-Next, Nemotron-H...)")
-
-    def __repr__(self) -> str:
-        return "NoRecurrentStateSpec()"
-
-
-#: The state part of every model without recurrent layers.
-NO_STATE_SPEC = NoRecurrentStateSpec()
 
 
 @dataclass(frozen=True)
@@ -55,15 +34,15 @@ class ModelMemory:
         kv: the KV of the attention layers (of all layers for a model without recurrent state), or None for
             a model with no attention layer (Mamba).
         hybrid: the :class:`HybridSpec` of an attention / recurrent hybrid, else None.
-        state_kind: what the model keeps beside its KV, asked instead of "is it a hybrid?": ``hybrid``, or
-            :data:`NO_STATE_SPEC` for a model without recurrent layers (its ``state``, ``kinds`` and
-            ``save_policy``).
+        state_kind: what the model keeps beside its KV, asked instead of "is it a hybrid?": a
+            :class:`~kvpool.spec.state_kind.RecurrentStateKind` of ``hybrid``, or
+            :data:`~kvpool.spec.state_kind.NO_STATE_SPEC` for a model without recurrent layers.
     """
 
     config: dict[str, Any]
     kv: KVCacheSpec | None
     hybrid: HybridSpec | None
-    state_kind: HybridSpec | NoRecurrentStateSpec
+    state_kind: RecurrentStateKind | NoRecurrentStateSpec
 
     @classmethod
     def from_config(cls, path_or_dict: str | Path | dict[str, Any], *, block_size: int = 16, tp_size: int = 1,
@@ -84,7 +63,7 @@ class ModelMemory:
             raise ConfigError("a recurrent hybrid runs on one rank here (tp_size 1)")
         hybrid = HybridSpec.from_hf_config(config, tp_size=tp_size, kv_cache_dtype=kv_cache_dtype,
                                            conv_dtype=conv_dtype, ssm_dtype=ssm_dtype, block_size=block_size)
-        return cls(config, hybrid.attention, hybrid, hybrid)
+        return cls(config, hybrid.attention, hybrid, RecurrentStateKind(hybrid))
 
     @property
     def model_type(self) -> str | None:
@@ -104,6 +83,10 @@ class ModelMemory:
         :class:`~kvpool.spec.kinds.RecurrentState` for a hybrid."""
         kv = () if self.kv is None else tuple(dict.fromkeys(g.memory_kind for g in self.kv.groups))
         return kv + self.state_kind.kinds
+
+    def require_hybrid(self) -> HybridSpec:
+        """:attr:`hybrid`; ConfigError for a model without recurrent state."""
+        return self.state_kind.require_hybrid(self.model_type)
 
     def require_kv(self) -> KVCacheSpec:
         """:attr:`kv`; ConfigError for a model without attention layers (its memory is state only)."""
