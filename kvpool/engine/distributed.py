@@ -180,7 +180,7 @@ class Leader:
 
     def check(self) -> None:
         self.send("check")
-        check_across_ranks(self.tp, self.pool.pool, self.engine.cache, self.engine.states)
+        check_across_ranks(self.tp, self.pool.pool, self.engine.cache, self.engine.state)
 
     def stop(self) -> None:
         """Tell the followers to stop (after replaying the last log) and gather their apply time."""
@@ -223,11 +223,11 @@ class Follower:
                 tiers.restore(batch)
             elif kind == "step":
                 check_batch_blocks(pool, batch.spans, self.engine.block_size, rank)
-                check_batch_slots(states, batch, rank)
+                check_batch_slots(self.engine.state, batch, rank)
                 self.apply_s += time.perf_counter() - start
                 runner.execute(batch)
             elif kind == "check":
-                check_across_ranks(self.tp, pool, runner.cache, states)
+                check_across_ranks(self.tp, pool, runner.cache, self.engine.state)
             elif kind in ("sleep", "wake", "memory"):
                 self._memory(kind, tiers)
             elif kind == "sync":  # the end of time_transport's pings

@@ -26,7 +26,11 @@ The members a state side has (:class:`StateSide`):
   prefix's checkpoints), ``wrap_pool(wrap)`` (a tensor-parallel leader's recorder in front of the slot
   pool); nothing to do without a state;
 * ``batch_slots(reqs)``: a step's state slots and saves, in request order (``(None, None)`` without a
-  state), and ``stats_entries()``: what a run's stats hold of the state (``{}`` without one).
+  state), and ``stats_entries()`` / ``replay_fields(state_save)``: what a run's stats and a replay's result
+  hold of the state (``{}`` without one);
+* ``slots_digest()`` (32 bytes naming every slot's ref count; zeros without a state) and
+  ``free_among(slots)`` (the slots a step uses that the slot pool holds free): what tensor-parallel ranks
+  compare.
 """
 
 from __future__ import annotations
@@ -76,6 +80,12 @@ class StateSide(Protocol):
     def batch_slots(self, reqs: Any) -> tuple[Any, Any]: ...
 
     def stats_entries(self) -> dict[str, object]: ...
+
+    def replay_fields(self, state_save: str | None) -> dict[str, Any]: ...
+
+    def slots_digest(self) -> bytes: ...
+
+    def free_among(self, slots: Any) -> list[int]: ...
 
 
 class NoRecurrentState:
@@ -132,6 +142,18 @@ class NoRecurrentState:
     def stats_entries(self) -> dict[str, object]:
         """Nothing of a state in a run's stats."""
         return {}
+
+    def replay_fields(self, state_save: str | None) -> dict[str, Any]:
+        """Nothing of a state in a replay's result."""
+        return {}
+
+    def slots_digest(self) -> bytes:
+        """32 zero bytes: no state slot."""
+        return bytes(32)
+
+    def free_among(self, slots: Any) -> list[int]:
+        """No slot pool to hold a slot free: ``[]``."""
+        return []
 
     def check_integrity(self) -> None:
         """Nothing to check."""

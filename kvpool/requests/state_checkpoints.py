@@ -40,6 +40,7 @@ Bookkeeping only (slot ids and hashes), like the allocators below; O(1) per save
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -341,6 +342,27 @@ class RequestStates:
     def stats_entries(self) -> dict[str, object]:
         """What a run's stats hold of the state: ``{"recurrent_state": describe()}``."""
         return {"recurrent_state": self.describe()}
+
+    def replay_fields(self, state_save: str | None) -> dict[str, Any]:
+        """The replay's result fields of the state slots and checkpoints (``state_save`` as the replay names
+        its policy; :func:`kvpool.trace.replay_result.state_report`)."""
+        s = self.stats
+        return {"state_save": state_save, "state_slots_peak": s.peak_request_slots,
+                "checkpoints_saved": s.saved, "checkpoints_peak": s.peak_checkpoints,
+                "checkpoint_hits": s.restored, "checkpoint_evictions": s.evicted,
+                "checkpoint_tier_hits": s.tier_restored, "kv_only_tokens": s.kv_only_tokens}
+
+    def slots_digest(self) -> bytes:
+        """32 bytes naming every state slot's ref count (and the free count), after the slot pool's own
+        integrity check (IntegrityError): what tensor-parallel ranks compare."""
+        pool = self.pool
+        pool.check_integrity()
+        refs = [pool.ref_count(s) for s in range(pool.num_slots - pool.capacity, pool.num_slots)]
+        return hashlib.sha256(repr((refs, pool.available_size)).encode()).digest()
+
+    def free_among(self, slots: Sequence[int]) -> list[int]:
+        """The slots of ``slots`` the slot pool holds free (a step that uses one diverged)."""
+        return [slot for slot in slots if self.pool.ref_count(slot) == 0]
 
     def check_integrity(self) -> None:
         """The pool's and the checkpoints' invariants; request slots distinct and allocated, none also a
