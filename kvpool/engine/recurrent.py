@@ -64,7 +64,7 @@ class RecurrentStates:
         from kvpool.engine.state_cache import SlotStateCache  # imports transformers
 
         self.spec, self._slot_cache = spec, SlotStateCache
-        #: model layer index -> KV cache layer of the attention layers (set by :func:`runner_states`).
+        #: model layer index -> KV cache layer of the attention layers (set by :meth:`for_runner`).
         self.kv_layers: dict[int, int] | None = None
         self.cache = RecurrentStateCache(spec, num_slots, device=device, elastic=elastic)
         if self.cache.elastic:  # every slot committed (reading 0): sleep gives them back, wake commits again
@@ -73,6 +73,21 @@ class RecurrentStates:
         self._spans: list[tuple[int, int, int, int, Sequence[tuple[int, int]]]] | None = None
         for layer, module in _mixers(model, spec).items():
             module.forward = self._per_span(module.forward, layer)
+
+    @classmethod
+    def for_runner(cls, model: Any, hybrid: HybridSpec, num_slots: int, device: torch.device | str, *,
+                   elastic: bool | ElasticConfig = False) -> RecurrentStates:
+        """A runner's recurrent half for ``hybrid``: its buffers of ``num_slots`` slots and
+        :attr:`kv_layers` (each attention layer's model index -> its KV cache layer)."""
+        states = cls(model, hybrid.state, num_slots, device, elastic=elastic)
+        states.kv_layers = {m: i for i, m in enumerate(hybrid.attention_layers)}
+        return states
+
+    @staticmethod
+    def kv_spec(memory: ModelMemory, model: Any) -> KVCacheSpec:
+        """The engine's KV spec: the hybrid's attention layers as transformers calls them
+        (:func:`execution_kv_spec`)."""
+        return execution_kv_spec(memory.require_hybrid(), model)
 
     def request_states(self, state_save: str | SavePolicy, block_size: int, num_seqs: int, capacity: int,
                        eviction: str) -> RequestStates:
@@ -177,6 +192,17 @@ class NoRecurrentStates:
     caches: tuple[RecurrentStateCache, ...] = ()
     kv_layers = None
 
+    @staticmethod
+    def for_runner(model: Any, hybrid: Any, num_slots: int, device: torch.device | str, *,
+                   elastic: bool | ElasticConfig = False) -> NoRecurrentStates:
+        """A runner's recurrent half: this null one (no buffer to allocate)."""
+        return NoRecurrentStates()
+
+    @staticmethod
+    def kv_spec(memory: ModelMemory, model: Any) -> KVCacheSpec:
+        """The engine's KV spec: ``memory.kv`` (ConfigError without attention layers)."""
+        return memory.require_kv()
+
     def request_states(self, state_save: Any, block_size: int, num_seqs: int, capacity: int,
                        eviction: str) -> None:
         """None: no request keeps a state (the request path's side is
@@ -188,16 +214,19 @@ class NoRecurrentStates:
         return contextlib.nullcontext()
 
 
+def engine_kind(hybrid: HybridSpec | None) -> type[RecurrentStates] | type[NoRecurrentStates]:
+    """The engine's class for a model's state (``ModelMemory.hybrid``): :class:`RecurrentStates` for a
+    hybrid, else :class:`NoRecurrentStates`. The one place the engine maps the spec's state to its own; the
+    runner and the KV spec then ask the class (``for_runner``, ``kv_spec``)."""
+    return NoRecurrentStates if hybrid is None else RecurrentStates
+
+
 def runner_states(model: Any, hybrid: HybridSpec | None, num_slots: int, device: torch.device | str,
                   *, elastic: bool | ElasticConfig = False) -> RecurrentStates | NoRecurrentStates:
     """The recurrent half of a runner: for a hybrid's :class:`HybridSpec`, its :class:`RecurrentStates`
     (``num_slots`` slots, ``kv_layers`` mapping each attention layer's model index to its KV cache layer),
     else :class:`NoRecurrentStates`."""
-    if hybrid is None:
-        return NoRecurrentStates()
-    states = RecurrentStates(model, hybrid.state, num_slots, device, elastic=elastic)
-    states.kv_layers = {m: i for i, m in enumerate(hybrid.attention_layers)}
-    return states
+    return engine_kind(hybrid).for_runner(model, hybrid, num_slots, device, elastic=elastic)
 
 
 def _mixers(model: Any, spec: RecurrentStateSpec) -> dict[int, torch.nn.Module]:
@@ -246,9 +275,7 @@ def model_kv_spec(model: Any, *, block_size: int, dtype: torch.dtype | None = No
 def engine_kv_spec(memory: ModelMemory, model: Any) -> KVCacheSpec:
     """The KV spec the engine's paged cache holds: ``memory.kv``, or for a recurrent hybrid its attention
     layers' as transformers calls them (:func:`execution_kv_spec`)."""
-    if memory.hybrid is None:
-        return memory.require_kv()
-    return execution_kv_spec(memory.hybrid, model)
+    return engine_kind(memory.hybrid).kv_spec(memory, model)
 
 
 def execution_kv_spec(spec: HybridSpec, model: Any) -> KVCacheSpec:

@@ -60,8 +60,6 @@ from kvpool.spec.state_families import (  # noqa: F401 (LAYER_TYPE_ROLES re-expo
 if TYPE_CHECKING:
     import torch
 
-    from kvpool.spec.kinds import MemoryKind
-
 #: State dtypes a pool holds (what the recurrent kernels of vLLM and SGLang accept) -> the torch dtype's
 #: name (``STATE_DTYPES``, name -> torch dtype, is made at first use: importing this module imports no torch).
 STATE_DTYPE_NAMES: dict[str, str] = {
@@ -193,17 +191,6 @@ class HybridSpec:
     @property
     def state_bytes_per_request(self) -> int:
         return self.state.bytes_per_request
-
-    @property
-    def kinds(self) -> tuple[MemoryKind, ...]:
-        """The kind of memory the state adds beside the KV cache groups': :class:`RecurrentState`."""
-        from kvpool.spec.kinds import RecurrentState
-
-        return (RecurrentState(),)
-
-    def save_policy(self, state_save: str | None, state_checkpoints: int | None) -> str:
-        """The ``--state-save`` policy a replay of this hybrid runs: ``state_save``, else ``tail``."""
-        return state_save or "tail"
 
     @property
     def kv_bytes_per_token(self) -> int:
