@@ -18,7 +18,7 @@ _spec.loader.exec_module(count_branches)  # type: ignore[union-attr]
 #: callers move to asking the state kind (ModelMemory.state_kind, the engine's RecurrentStates /
 #: NoRecurrentStates, the request path's StateSide): the issue's goal is 10).
 MAX_KIND_SITES = 5
-MAX_HYBRID_BRANCHES = 14
+MAX_HYBRID_BRANCHES = 13
 
 
 def test_kind_branch_sites_stay_few() -> None:

@@ -12,17 +12,23 @@ instead of asking whether the model is a hybrid. Each answers with the same memb
   default), or None; ConfigError for a state option given to a model without state;
 * ``plan_entries(kv_bytes, max_model_len)``: the ``recurrent_state`` part of ``kvpool plan --json`` (``{}``);
 * ``checkpoint_slots(state_checkpoints, default)``: the state checkpoints an engine keeps (0 without state);
-* ``require_hybrid(model_type)``: the :class:`~kvpool.spec.state.HybridSpec`, or ConfigError.
+* ``require_hybrid(model_type)``: the :class:`~kvpool.spec.state.HybridSpec`, or ConfigError;
+* ``check_kv_budget(kv, budget_bytes)``: before the weights load, InsufficientMemoryError when
+  ``budget_bytes`` of KV memory hold no block (``kv()`` gives the KV spec); a hybrid checks nothing then
+  (the KV spec of its attention layers needs the loaded model:
+  :func:`kvpool.engine.recurrent.engine_kv_spec`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from kvpool.errors import ConfigError
 from kvpool.numeric import as_int
 from kvpool.spec.kinds import MemoryKind, RecurrentState
+from kvpool.spec.kv import KVCacheSpec
 from kvpool.spec.state import HybridSpec, RecurrentStateSpec
 from kvpool.spec.state_planner import state_report
 
@@ -64,13 +70,18 @@ class RecurrentStateKind:
         """:attr:`hybrid`."""
         return self.hybrid
 
+    def check_kv_budget(self, kv: Callable[[], KVCacheSpec], budget_bytes: int) -> None:
+        """Nothing before loading: the attention layers' KV spec needs the loaded model."""
 
+
+@dataclass(frozen=True)
 class NoRecurrentStateSpec:
     """The state part of a model without recurrent layers: no state spec, no memory kind beside the KV
-    cache groups', no state option to take (see the module docstring)."""
+    cache groups', no state option to take (see the module docstring). Every instance equals every other
+    (a pickled :class:`~kvpool.spec.memory.ModelMemory` equals its original)."""
 
-    state = None
-    kinds: tuple[MemoryKind, ...] = ()
+    state: ClassVar[None] = None
+    kinds: ClassVar[tuple[MemoryKind, ...]] = ()
 
     def save_policy(self, state_save: str | None, state_checkpoints: int | None) -> None:
         """None: nothing to save. ConfigError for a ``--state-save`` or ``--state-checkpoints`` given."""
@@ -91,8 +102,12 @@ class NoRecurrentStateSpec:
         """ConfigError: the model keeps no recurrent state."""
         raise ConfigError(f"{model_type} keeps no recurrent state")
 
-    def __repr__(self) -> str:
-        return "NoRecurrentStateSpec()"
+    def check_kv_budget(self, kv: Callable[[], KVCacheSpec], budget_bytes: int) -> None:
+        """:func:`~kvpool.spec.planner.plan_pool` of ``kv()`` in ``budget_bytes`` (all of it for KV):
+        InsufficientMemoryError when it holds no block."""
+        from kvpool.spec.planner import MemoryReadings, plan_pool
+
+        plan_pool(kv(), MemoryReadings(total_bytes=budget_bytes, non_kv_bytes=0), gpu_memory_utilization=1.0)
 
 
 #: The state part of every model without recurrent layers.
