@@ -15,10 +15,10 @@ sys.modules["count_branches"] = count_branches
 _spec.loader.exec_module(count_branches)  # type: ignore[union-attr]
 
 #: The most of each the code may have (issue 31: kind sites <= 5; the hybrid count is a ratchet, lowered as
-#: callers move to asking the state side: the issue's goal is 10; 33 leaves room for the runner's sleep /
-#: wake of the recurrent states beside the KV cache).
+#: callers move to asking the state kind (ModelMemory.state_kind, the engine's RecurrentStates /
+#: NoRecurrentStates, the request path's StateSide): the issue's goal is 10).
 MAX_KIND_SITES = 5
-MAX_HYBRID_BRANCHES = 41
+MAX_HYBRID_BRANCHES = 13
 
 
 def test_kind_branch_sites_stay_few() -> None:

@@ -74,7 +74,8 @@ def test_imports_only_downward(path: Path) -> None:
 PACKAGE_ORDERS = {
     "events": ("wire", "buffer", "publishers", "sink", "transport", "subscriber", "__init__"),
     "spec": ("config_sizes", "hf_layers", "hf_config", "kinds", "kv_dtypes", "kv_groups", "kv",
-             "state_families", "state", "memory", "device_memory", "planner", "state_planner", "__init__"),
+             "state_families", "state", "state_planner", "device_memory", "planner", "state_kind", "memory",
+             "__init__"),
 }
 
 

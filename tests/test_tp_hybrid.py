@@ -192,3 +192,12 @@ def test_cli_generate_tp2_on_a_hybrid_is_token_identical_to_tp1_and_transformers
     # the same slot and checkpoint decisions (rank 0 decides as the one process does)
     assert report2["stats"]["recurrent_state"] == report1["stats"]["recurrent_state"]
     assert report2["stats"]["recurrent_state"]["checkpoints_saved"] > 0
+
+
+def test_a_rank_without_state_digests_zeros_and_checks_no_slot() -> None:
+    # A model without recurrent layers: its state side (NO_STATE) names no slot, so every rank gives the
+    # same 32 zero bytes (what the digest was for a stateless rank) and a batch without slots passes.
+    from kvpool.requests.no_state import NO_STATE
+
+    assert state_digest(NO_STATE) == bytes(32)
+    check_batch_slots(NO_STATE, SimpleNamespace(state_slots=None, state_saves=None), 1)

@@ -175,13 +175,9 @@ def check_before_load(args: argparse.Namespace, tp_size: int, config: dict[str, 
                                      ssm_dtype="float32")  # float32: as loaded
     if args.kv_memory == AUTO:
         return memory  # its pool is measured after loading
-    if memory.hybrid is None and args.num_blocks is None and (args.kv_memory is not None
-                                                             or not torch.cuda.is_available()):
-        from kvpool.spec.planner import MemoryReadings, plan_pool
-
+    if args.num_blocks is None and (args.kv_memory is not None or not torch.cuda.is_available()):
         budget = args.kv_memory if args.kv_memory is not None else DEFAULT_KV_MEMORY
-        plan_pool(memory.require_kv(), MemoryReadings(total_bytes=budget, non_kv_bytes=0),
-                  gpu_memory_utilization=1.0)  # a hybrid's attention layers' spec needs the loaded model
+        memory.state_kind.check_kv_budget(memory.require_kv, budget)  # (a hybrid: after loading)
     return memory
 
 
@@ -365,8 +361,7 @@ def _stats(engine: Any, tp: Any = None, ship: Any = None, measured: Any = None) 
         stats["kv_memory"]["measured"] = asdict(measured)
     if engine.offload is not None:
         stats["tier_hits"], stats["tiers"] = engine.kv_manager.hits_by_place(), engine.offload.stats()
-    if engine.states is not None:
-        stats["recurrent_state"] = engine.states.describe()
+    stats.update(engine.state.stats_entries())  # a recurrent hybrid's "recurrent_state"
     if tp is not None:
         stats["tensor_parallel"] = {"backend": tp.backend, **ship.to_dict()}
     return stats

@@ -40,8 +40,6 @@ from kvpool.spec.planner import (
     plan_pool,
     profile_cuda_memory,
 )
-from kvpool.spec.state import HybridSpec
-from kvpool.spec.state_planner import plan_state_memory
 from kvpool.units import human_bytes, plural
 
 
@@ -108,8 +106,7 @@ def run(args: argparse.Namespace) -> int:
     spec, plan = plan_from_args(memory, args, max_model_len=args.max_model_len)
     rule, dtype_note = kv_dtype_rule(memory.config, args.kv_cache_dtype)
     report = {**plan_report(spec, plan), "kv_dtype_rule": rule, "hashing": hasher_from_args(args).describe()}
-    if memory.hybrid is not None:
-        report["recurrent_state"] = state_report(memory.hybrid, plan.available_kv_bytes, args.max_model_len)
+    report.update(memory.state_kind.plan_entries(plan.available_kv_bytes, args.max_model_len))
     report["measured_instead"] = measured_instead(plan)
     report["notes"] = [note for note in (dtype_note, *_memory_notes(args, plan), _step_note(args, spec),
                                          _shape_note(report)) if note]
@@ -123,24 +120,6 @@ def measured_instead(plan: PoolPlan) -> str:
             "block held from the start; kvpool generate --kv-memory auto instead sizes an elastic pool after "
             "loading and warming up the model: the free memory measured then - max(1 GiB, 0.75 x the "
             "warm-up's transient peak), pages committed only as blocks are used")
-
-
-def state_report(hybrid: HybridSpec, kv_bytes: int, max_model_len: int | None) -> dict[str, Any]:
-    """A hybrid's recurrent state per request, and (with ``max_model_len``) :class:`StatePlan`'s lines for
-    ``kv_bytes`` of memory: the ``recurrent_state`` object of ``--json``."""
-    state = hybrid.state
-    report: dict[str, Any] = {
-        "kind": state.kind.value, "num_layers": state.num_layers, "layers": list(state.layers),
-        "conv_shape": list(state.conv_shape), "ssm_shape": list(state.ssm_shape),
-        "conv_dtype": str(state.conv_dtype).removeprefix("torch."),
-        "ssm_dtype": str(state.ssm_dtype).removeprefix("torch."),
-        "bytes_per_layer": state.bytes_per_layer, "bytes_per_request": hybrid.state_bytes_per_request,
-        "kv_token_equivalent": hybrid.kv_token_equivalent,
-        "attention_layers": list(hybrid.attention_layers),
-    }
-    if max_model_len is not None:
-        report["sizing"] = plan_state_memory(hybrid, kv_bytes, max_model_len).lines()[2:]  # both ways
-    return report
 
 
 def _step_tokens(args: argparse.Namespace) -> int:

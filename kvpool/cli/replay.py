@@ -48,6 +48,7 @@ from kvpool.errors import ConfigError, TraceFormatError
 from kvpool.spec import KVCacheSpec
 from kvpool.spec.memory import ModelMemory
 from kvpool.spec.planner import PoolPlan
+from kvpool.spec.state_kind import NO_STATE_SPEC
 from kvpool.tiers.auth import redact_url
 from kvpool.trace.loaders import FORMATS, load_trace
 from kvpool.trace.replay import HIT_RATIO_BASIS, REPLAY_POLICIES, TIMINGS, ReplayConfig, compare_all_full
@@ -300,11 +301,8 @@ def _elastic_block_bytes(args: argparse.Namespace, spec: KVCacheSpec | None) -> 
 def _state_save(args: argparse.Namespace, memory: ModelMemory | None) -> str | None:
     """``--state-save`` (``tail`` for a recurrent ``--model-config`` without it: ``memory``, the config's
     :class:`ModelMemory`, has a state); ConfigError when given for a model without recurrent state."""
-    recurrent = memory is not None and memory.hybrid is not None
-    if not recurrent and (args.state_save is not None or args.state_checkpoints is not None):
-        option = "--state-save" if args.state_save is not None else "--state-checkpoints"
-        raise ConfigError(f"{option} needs --model-config of a recurrent hybrid (Qwen3-Next, Nemotron-H...)")
-    return (args.state_save or "tail") if recurrent else None
+    kind = NO_STATE_SPEC if memory is None else memory.state_kind  # no --model-config: no state
+    return kind.save_policy(args.state_save, args.state_checkpoints)
 
 
 def _tier_factory(args: argparse.Namespace, trace: Any) -> Any:

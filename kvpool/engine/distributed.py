@@ -139,8 +139,7 @@ class Leader:
         memory = engine.kv_manager.memory
         if memory is not None:  # an elastic cache: its commits and releases are shipped too
             memory.store = RecordingMemory(memory.store, self.pool)
-        if engine.states is not None:  # a hybrid: its state slot calls and moves are shipped too
-            record_states(engine.states, self.pool)
+        record_states(engine.state, self.pool)  # a hybrid's state slot calls and moves are shipped too
         partial = engine.kv_manager.partial
         if partial is not None and partial.copy is not None:  # partial hits: every rank copies its shard
             partial.copy = record_copies(partial.copy, self.pool)
@@ -188,7 +187,7 @@ class Leader:
 
     def check(self) -> None:
         self.send("check")
-        check_across_ranks(self.tp, self.pool.pool, self.engine.cache, self.engine.states)
+        check_across_ranks(self.tp, self.pool.pool, self.engine.cache, self.engine.state)
 
     def stop(self) -> None:
         """Tell the followers to stop (after replaying the last log) and gather their apply time."""
@@ -231,11 +230,11 @@ class Follower:
                 tiers.restore(batch)
             elif kind == "step":
                 check_batch_blocks(pool, batch.spans, self.engine.block_size, rank)
-                check_batch_slots(states, batch, rank)
+                check_batch_slots(self.engine.state, batch, rank)
                 self.apply_s += time.perf_counter() - start
                 runner.execute(batch)
             elif kind == "check":
-                check_across_ranks(self.tp, pool, runner.cache, states)
+                check_across_ranks(self.tp, pool, runner.cache, self.engine.state)
             elif kind in ("sleep", "wake", "memory"):
                 self._memory(kind, tiers)
             elif kind == "sync":  # the end of time_transport's pings

@@ -33,7 +33,6 @@ import torch
 
 from kvpool.allocators.groups import KVCacheCoordinator
 from kvpool.allocators.hashing import BlockHasher, hasher_for
-from kvpool.allocators.state_pool import StatePool
 from kvpool.engine.recurrent import engine_kv_spec, model_memory
 from kvpool.engine.runner import ModelRunner, StepBatch, StepRunner
 from kvpool.engine.sampling import SamplingParams, sample
@@ -49,10 +48,11 @@ from kvpool.errors import (
 from kvpool.numeric import as_id_list, as_int, index_or_none
 from kvpool.requests.compaction import Compactor
 from kvpool.requests.kv_manager import KVCacheManager
+from kvpool.requests.no_state import StateSide
 from kvpool.requests.request import Request, RequestStatus
 from kvpool.requests.scheduler import Scheduler, SchedulerOutput
 from kvpool.requests.sessions import Retention, SessionCache
-from kvpool.requests.state_checkpoints import RequestStates, SavePolicy, StateCheckpoints
+from kvpool.requests.state_checkpoints import SavePolicy
 from kvpool.spec import KVCacheSpec
 from kvpool.spec.memory import ModelMemory
 from kvpool.storage.arena import ElasticConfig
@@ -201,24 +201,21 @@ class LLMEngine:
                       eviction: str) -> KVCacheSpec:
         """The runner (and, for a recurrent hybrid, :attr:`states`, its checkpoints evicted by a fresh
         policy named ``eviction``); returns the KV spec."""
-        self.hybrid, self.states = memory.hybrid, None
+        self.hybrid = memory.hybrid
         spec = engine_kv_spec(memory, model)
-        if self.hybrid is None:
-            self.runner = ModelRunner(model, spec, num_blocks, attention=self.attention,
-                                      elastic=self._elastic)
-            return spec
-        policy = state_save if isinstance(state_save, SavePolicy) else SavePolicy.parse(state_save)
-        default = max_num_seqs if caching else 0
-        capacity = as_int(default if state_checkpoints is None else state_checkpoints, "state_checkpoints",
-                          minimum=0, error=ConfigError)
+        capacity = memory.state_kind.checkpoint_slots(state_checkpoints, max_num_seqs if caching else 0)
         self.runner = ModelRunner(model, spec, num_blocks, hybrid=self.hybrid, elastic=self._elastic,
                                   num_state_slots=max_num_seqs + capacity, attention=self.attention)
-        pool = StatePool(max_num_seqs + capacity)
-        checkpoints = StateCheckpoints(capacity, pool=pool, policy=eviction) if capacity else \
-            StateCheckpoints(0)
-        self.states = RequestStates(policy, self.block_size, pool, checkpoints=checkpoints,
-                                    mover=self.runner.recurrent.cache)
+        self.states = self.runner.recurrent.request_states(state_save, self.block_size, max_num_seqs,
+                                                           capacity, eviction)
         return spec
+
+    @property
+    def state(self) -> StateSide:
+        """The state side of every request (:attr:`KVCacheManager.state
+        <kvpool.requests.kv_manager.KVCacheManager.state>`): :attr:`states` for a recurrent hybrid, else
+        :data:`~kvpool.requests.no_state.NO_STATE`."""
+        return self.kv_manager.state
 
     # ---- the request path's parts, by their old names -----------------------------------------------
 
@@ -296,8 +293,7 @@ class LLMEngine:
             space = namespace if namespace is not None else self.tier_namespace()
             tiers = tiers_from_urls(urls, space, block_bytes=self.cache.bytes_per_block, like=self.cache,
                                     auth_key=auth_key)
-        states = None if self.states is None else checkpoint_tiers(tiers, self.states, urls=urls,
-                                                                   namespace=space, auth_key=auth_key)
+        states = checkpoint_tiers(tiers, self.state, urls=urls, namespace=space, auth_key=auth_key)
         return self.kv_manager.attach_tiers(tiers, cache=self.cache, write_through=write_through,
                                             asynchronous=asynchronous, admission=admission,
                                             state_tiers=states or None)
@@ -461,8 +457,7 @@ class LLMEngine:
         return given + memory.store.trim()  # (through the store: a tensor-parallel leader ships it)
 
     def _state_bytes(self) -> int:
-        recurrent = self.runner.recurrent
-        return 0 if recurrent is None else recurrent.cache.committed_bytes or 0
+        return sum(cache.committed_bytes or 0 for cache in self.runner.recurrent.caches)
 
     def _check_awake(self) -> None:
         if self.asleep:
@@ -508,11 +503,8 @@ class LLMEngine:
             if samples:
                 rows.append(len(ids) - 1)
             spans.append((self.kv_manager.block_tables(req), start, end))
-        if self.states is None:
-            return StepBatch(ids, positions, rows, spans)
-        reqs = [req for req, _ in out.scheduled]
-        return StepBatch(ids, positions, rows, spans, [self.states.slot(r) for r in reqs],
-                         [self.states.pending(r) for r in reqs])
+        slots, saves = self.state.batch_slots([req for req, _ in out.scheduled])
+        return StepBatch(ids, positions, rows, spans, slots, saves)
 
     def _committed_bytes(self) -> int:
         committed = self.cache.committed_bytes

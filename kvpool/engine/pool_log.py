@@ -15,6 +15,7 @@ from kvpool.engine.tp_memory import REORDER, apply_memory_call, is_memory_call, 
 from kvpool.engine.tp_partial import COPY, apply_copy
 from kvpool.engine.tp_state import apply_state_call, is_state_call, state_digest
 from kvpool.errors import IntegrityError, KVPoolError
+from kvpool.requests.no_state import NO_STATE, StateSide
 from kvpool.spec import cdiv
 
 _RECORDED = ("allocate", "free", "touch", "cache_blocks", "lookup", "evict_blocks", "reset_prefix_cache",
@@ -137,9 +138,10 @@ def pool_digest(pool: Any) -> bytes:
     return hashlib.sha256(repr(state).encode()).digest()
 
 
-def check_across_ranks(tp: TPGroup, pool: Any, cache: Any = None, states: Any = None) -> None:
+def check_across_ranks(tp: TPGroup, pool: Any, cache: Any = None, states: StateSide = NO_STATE) -> None:
     """Collective: ``pool.check_integrity()`` on every rank, then the ranks' :func:`pool_digest` compared
-    (with their elastic caches' pages and their state slots: ``states``, a hybrid's ``RequestStates``).
+    (with their elastic caches' pages and their state slots: ``states``, the engine's state side, a
+    hybrid's ``RequestStates``).
 
     Raises:
         IntegrityError: this rank's invariants are broken, or (on every rank) the digests differ.

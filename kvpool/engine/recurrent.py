@@ -29,8 +29,10 @@ from typing import Any
 
 import torch
 
+from kvpool.allocators.state_pool import StatePool
 from kvpool.engine.sharding_recurrent import RECURRENT_MODEL_TYPES
 from kvpool.errors import ConfigError, InvalidArgumentError
+from kvpool.requests.state_checkpoints import RequestStates, SavePolicy, StateCheckpoints
 from kvpool.spec import AttentionKind, KVCacheSpec
 from kvpool.spec.memory import ModelMemory
 from kvpool.spec.state import HybridSpec, RecurrentStateSpec
@@ -62,6 +64,8 @@ class RecurrentStates:
         from kvpool.engine.state_cache import SlotStateCache  # imports transformers
 
         self.spec, self._slot_cache = spec, SlotStateCache
+        #: model layer index -> KV cache layer of the attention layers (set by :meth:`for_runner`).
+        self.kv_layers: dict[int, int] | None = None
         self.cache = RecurrentStateCache(spec, num_slots, device=device, elastic=elastic)
         if self.cache.elastic:  # every slot committed (reading 0): sleep gives them back, wake commits again
             self.cache.commit_blocks(range(num_slots))
@@ -69,6 +73,45 @@ class RecurrentStates:
         self._spans: list[tuple[int, int, int, int, Sequence[tuple[int, int]]]] | None = None
         for layer, module in _mixers(model, spec).items():
             module.forward = self._per_span(module.forward, layer)
+
+    @classmethod
+    def for_runner(cls, model: Any, hybrid: HybridSpec, num_slots: int, device: torch.device | str, *,
+                   elastic: bool | ElasticConfig = False) -> RecurrentStates:
+        """A runner's recurrent half for ``hybrid``: its buffers of ``num_slots`` slots and
+        :attr:`kv_layers` (each attention layer's model index -> its KV cache layer)."""
+        states = cls(model, hybrid.state, num_slots, device, elastic=elastic)
+        states.kv_layers = {m: i for i, m in enumerate(hybrid.attention_layers)}
+        return states
+
+    @staticmethod
+    def kv_spec(memory: ModelMemory, model: Any) -> KVCacheSpec:
+        """The engine's KV spec: the hybrid's attention layers as transformers calls them
+        (:func:`execution_kv_spec`)."""
+        return execution_kv_spec(memory.require_hybrid(), model)
+
+    def request_states(self, state_save: str | SavePolicy, block_size: int, num_seqs: int, capacity: int,
+                       eviction: str) -> RequestStates:
+        """The request side of these buffers: a :class:`RequestStates` saving by ``state_save`` over a slot
+        pool of ``num_seqs`` request slots and ``capacity`` checkpoint slots (evicted by a fresh policy named
+        ``eviction``), moving data in :attr:`cache`. ConfigError for a bad policy."""
+        policy = state_save if isinstance(state_save, SavePolicy) else SavePolicy.parse(state_save)
+        pool = StatePool(num_seqs + capacity)
+        checkpoints = StateCheckpoints(capacity, pool=pool, policy=eviction) if capacity else \
+            StateCheckpoints(0)
+        return RequestStates(policy, block_size, pool, checkpoints=checkpoints, mover=self.cache)
+
+    @property
+    def caches(self) -> tuple[RecurrentStateCache, ...]:
+        """The state buffers a runner sleeps, wakes and counts beside its KV cache: ``(cache,)``."""
+        return (self.cache,)
+
+    def batch_step(self, batch: Any) -> contextlib.AbstractContextManager[None]:
+        """:meth:`step` over a :class:`~kvpool.engine.runner.StepBatch`'s spans, state slots and saves;
+        InvalidArgumentError for a batch that names no state slots."""
+        if batch.state_slots is None:
+            raise InvalidArgumentError("a hybrid model's batch must name each request's state slot")
+        spans = [(start, end) for _, start, end in batch.spans]
+        return self.step(spans, batch.state_slots, batch.state_saves)
 
     @contextlib.contextmanager
     def step(self, spans: Sequence[tuple[int, int]], slots: Sequence[int],
@@ -142,6 +185,50 @@ class RecurrentStates:
         return original(hidden, cache=cache, attention_mask=None, **rest)
 
 
+class NoRecurrentStates:
+    """The recurrent half of the runner of a model without recurrent layers: no state buffers, a step that
+    runs the model as it is, every layer an attention layer of the KV cache (``kv_layers`` None)."""
+
+    caches: tuple[RecurrentStateCache, ...] = ()
+    kv_layers = None
+
+    @staticmethod
+    def for_runner(model: Any, hybrid: Any, num_slots: int, device: torch.device | str, *,
+                   elastic: bool | ElasticConfig = False) -> NoRecurrentStates:
+        """A runner's recurrent half: this null one (no buffer to allocate)."""
+        return NoRecurrentStates()
+
+    @staticmethod
+    def kv_spec(memory: ModelMemory, model: Any) -> KVCacheSpec:
+        """The engine's KV spec: ``memory.kv`` (ConfigError without attention layers)."""
+        return memory.require_kv()
+
+    def request_states(self, state_save: Any, block_size: int, num_seqs: int, capacity: int,
+                       eviction: str) -> None:
+        """None: no request keeps a state (the request path's side is
+        :data:`~kvpool.requests.no_state.NO_STATE`)."""
+        return None
+
+    def batch_step(self, batch: Any) -> contextlib.AbstractContextManager[None]:
+        """Nothing to route: the model runs unchanged."""
+        return contextlib.nullcontext()
+
+
+def engine_kind(hybrid: HybridSpec | None) -> type[RecurrentStates] | type[NoRecurrentStates]:
+    """The engine's class for a model's state (``ModelMemory.hybrid``): :class:`RecurrentStates` for a
+    hybrid, else :class:`NoRecurrentStates`. The one place the engine maps the spec's state to its own; the
+    runner and the KV spec then ask the class (``for_runner``, ``kv_spec``)."""
+    return NoRecurrentStates if hybrid is None else RecurrentStates
+
+
+def runner_states(model: Any, hybrid: HybridSpec | None, num_slots: int, device: torch.device | str,
+                  *, elastic: bool | ElasticConfig = False) -> RecurrentStates | NoRecurrentStates:
+    """The recurrent half of a runner: for a hybrid's :class:`HybridSpec`, its :class:`RecurrentStates`
+    (``num_slots`` slots, ``kv_layers`` mapping each attention layer's model index to its KV cache layer),
+    else :class:`NoRecurrentStates`."""
+    return engine_kind(hybrid).for_runner(model, hybrid, num_slots, device, elastic=elastic)
+
+
 def _mixers(model: Any, spec: RecurrentStateSpec) -> dict[int, torch.nn.Module]:
     """The recurrent mixer module of each layer of ``spec``: the one module with that ``layer_idx`` that owns
     a ``conv1d`` or ``conv`` ``nn.Conv1d`` (every family's mixer does; no attention module does)."""
@@ -160,10 +247,7 @@ def _mixers(model: Any, spec: RecurrentStateSpec) -> dict[int, torch.nn.Module]:
 def hybrid_spec(model: Any, *, block_size: int, dtype: torch.dtype | None = None) -> HybridSpec:
     """The model's :class:`HybridSpec`: :func:`model_memory`'s (ConfigError for a model without recurrent
     state)."""
-    hybrid = model_memory(model, block_size=block_size, dtype=dtype).hybrid
-    if hybrid is None:
-        raise ConfigError(f"{model.config.model_type} keeps no recurrent state")
-    return hybrid
+    return model_memory(model, block_size=block_size, dtype=dtype).require_hybrid()
 
 
 def model_memory(model: Any, *, block_size: int, dtype: torch.dtype | None = None, tp_size: int = 1
@@ -191,9 +275,7 @@ def model_kv_spec(model: Any, *, block_size: int, dtype: torch.dtype | None = No
 def engine_kv_spec(memory: ModelMemory, model: Any) -> KVCacheSpec:
     """The KV spec the engine's paged cache holds: ``memory.kv``, or for a recurrent hybrid its attention
     layers' as transformers calls them (:func:`execution_kv_spec`)."""
-    if memory.hybrid is None:
-        return memory.require_kv()
-    return execution_kv_spec(memory.hybrid, model)
+    return engine_kind(memory.hybrid).kv_spec(memory, model)
 
 
 def execution_kv_spec(spec: HybridSpec, model: Any) -> KVCacheSpec:

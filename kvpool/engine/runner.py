@@ -9,7 +9,6 @@ the model and of the KV (:mod:`kvpool.engine.distributed`).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -17,8 +16,8 @@ import torch
 
 from kvpool.engine.attention import build_step_metadata, register_paged_attention
 from kvpool.engine.paged_attention import ATTENTION_CHOICES, check_paged_cache, load_paged_kernel
-from kvpool.engine.recurrent import RecurrentStates
-from kvpool.errors import ConfigError, InvalidArgumentError
+from kvpool.engine.recurrent import NoRecurrentStates, RecurrentStates, runner_states
+from kvpool.errors import ConfigError
 from kvpool.spec import KVCacheSpec
 from kvpool.spec.state import HybridSpec
 from kvpool.storage.arena import ElasticConfig
@@ -55,12 +54,13 @@ class StepRunner(Protocol):
     """What the engine asks of the runner it executes its steps with: a :class:`ModelRunner`, or a wrapper
     put in front of one with :meth:`~kvpool.engine.engine.LLMEngine.wrap_runner` (a tensor-parallel leader's,
     which ships each batch to its followers first): the KV cache and spec it runs over, the recurrent states
-    of a hybrid (None for a model without recurrent layers: what ``sleep`` / ``wake`` and the memory stats
-    read), and ``execute``."""
+    of a hybrid (:class:`~kvpool.engine.recurrent.NoRecurrentStates` for a model without recurrent layers;
+    their ``caches`` are what ``sleep`` / ``wake`` and the memory stats read beside the KV cache), and
+    ``execute``."""
 
     cache: Any
     spec: Any
-    recurrent: RecurrentStates | None
+    recurrent: RecurrentStates | NoRecurrentStates
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """As :meth:`ModelRunner.execute`: the logits ``[S, V]`` of ``batch.sample_rows``."""
@@ -111,9 +111,10 @@ class ModelRunner:
                 check_paged_cache(self.cache.k_cache(layer), self.cache.v_cache(layer), model.dtype)
             load_paged_kernel()
         self.attn_name = register_paged_attention()
-        self.kv_layers = None if hybrid is None else {m: i for i, m in enumerate(hybrid.attention_layers)}
-        self.recurrent = None if hybrid is None else RecurrentStates(model, hybrid.state, num_state_slots,
-                                                                     self.device, elastic=elastic)
+        self.recurrent = runner_states(model, hybrid, num_state_slots, self.device, elastic=elastic)
+        self.kv_layers = self.recurrent.kv_layers
+        #: Every buffer that sleeps, wakes and commits: the KV cache, then the recurrent state buffers.
+        self.stores: tuple[Any, ...] = (self.cache, *self.recurrent.caches)
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Write the batch's K/V into the cache and return the logits ``[S, V]`` of ``batch.sample_rows``."""
@@ -123,34 +124,24 @@ class ModelRunner:
                                 for v in ([batch.token_ids], [batch.positions], batch.sample_rows))
         meta = build_step_metadata(self.cache, self.spec.groups, batch.spans, self.device,
                                    kv_layers=self.kv_layers, attention=self.attention)
-        with self._recurrent_step(batch):
+        with self.recurrent.batch_step(batch):
             return self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=rows,
                               kvpool_step=meta).logits[0]
 
     def sleep(self) -> int:
         """Give back every page of the elastic KV cache and of the recurrent states (the engine's
         ``sleep``, once no block is used); returns the bytes given back."""
-        given = self.cache.sleep()
-        if self.recurrent is not None:
-            given += self.recurrent.cache.sleep()
-        return given
+        return sum(store.sleep() for store in self.stores)
 
     def wake(self) -> int:
         """Commit again what :meth:`sleep` gave back (reading 0); returns the bytes. Raises MemoryLimitError /
         InsufficientMemoryError, everything asleep still, when it cannot be committed."""
-        taken = self.cache.wake()
-        if self.recurrent is not None:
+        taken = 0
+        for i, store in enumerate(self.stores):
             try:
-                taken += self.recurrent.cache.wake()
+                taken += store.wake()
             except BaseException:
-                self.cache.sleep()
+                for woken in self.stores[:i]:
+                    woken.sleep()
                 raise
         return taken
-
-    def _recurrent_step(self, batch: StepBatch) -> contextlib.AbstractContextManager[None]:
-        if self.recurrent is None:
-            return contextlib.nullcontext()
-        if batch.state_slots is None:
-            raise InvalidArgumentError("a hybrid model's batch must name each request's state slot")
-        return self.recurrent.step([(start, end) for _, start, end in batch.spans], batch.state_slots,
-                                   batch.state_saves)

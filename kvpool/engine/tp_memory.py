@@ -132,9 +132,9 @@ class FollowRestoreMemory:
 
 def committed_bytes(runner: Any) -> int:
     """The bytes a runner's KV cache and recurrent states hold committed (a fixed cache: all of it)."""
-    cache, recurrent = runner.cache, runner.recurrent
+    cache = runner.cache
     held = cache.nbytes if cache.committed_bytes is None else cache.committed_bytes
-    return held + (0 if recurrent is None else recurrent.cache.committed_bytes or 0)
+    return held + sum(state.committed_bytes or 0 for state in runner.recurrent.caches)
 
 
 def wake_agreed(tp: Any, runner: Any) -> int:

@@ -16,11 +16,11 @@ this rank's pool holds free.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from typing import Any
 
 from kvpool.errors import IntegrityError, KVPoolError
+from kvpool.requests.no_state import StateSide
 
 #: The ``StatePool`` calls that change it, and the mover's, logged as ``state.<name>``.
 POOL_CALLS = ("alloc", "incref", "free", "clear")
@@ -87,24 +87,18 @@ def apply_state_call(states: Any, name: str, args: tuple, expected: Any, rank: i
                              f"the state slots diverged")
 
 
-def state_digest(states: Any) -> bytes:
-    """32 bytes naming every state slot's ref count, after the slot pool's own integrity check
-    (IntegrityError); 32 zero bytes for a model without state (``states`` None)."""
-    if states is None:
-        return bytes(32)
-    pool = states.pool
-    pool.check_integrity()
-    refs = [pool.ref_count(s) for s in range(pool.num_slots - pool.capacity, pool.num_slots)]
-    return hashlib.sha256(repr((refs, pool.available_size)).encode()).digest()
+def state_digest(states: StateSide) -> bytes:
+    """32 bytes naming every state slot's ref count of ``states`` (a hybrid's ``RequestStates``, or
+    :data:`~kvpool.requests.no_state.NO_STATE`: 32 zero bytes), after the slot pool's own integrity check
+    (IntegrityError): ``states.slots_digest()``."""
+    return states.slots_digest()
 
 
-def check_batch_slots(states: Any, batch: Any, rank: int) -> None:
+def check_batch_slots(states: StateSide, batch: Any, rank: int) -> None:
     """Every state slot a step reads or writes (each request's, each save's checkpoint) is in use in this
-    rank's slot pool; IntegrityError otherwise."""
-    if states is None or batch.state_slots is None:
-        return
+    rank's slot pool (``states``: its state side); IntegrityError otherwise."""
     saves = batch.state_saves or []
-    for slot in [*batch.state_slots, *(c for cuts in saves for _, c in cuts)]:
-        if states.pool.ref_count(slot) == 0:
-            raise IntegrityError(f"rank {rank}: the step uses state slot {slot}, which this rank's slot pool "
-                                 f"holds free")
+    free = states.free_among([*(batch.state_slots or ()), *(c for cuts in saves for _, c in cuts)])
+    if free:
+        raise IntegrityError(f"rank {rank}: the step uses state slot {free[0]}, which this rank's slot pool "
+                             f"holds free")

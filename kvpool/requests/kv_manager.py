@@ -116,14 +116,12 @@ class KVCacheManager:
         self._block_pool: BlockPool = self.coordinator.pool
         self.caching = enable_caching
         self.hasher = None if hasher is None else hasher_for(hasher, events=event_sink is not None)
-        if states is not None and states.block_size != self.block_size:
-            raise ConfigError(f"the state checkpoints' block size {states.block_size} is not the KV cache "
-                              f"groups' {self.block_size}")
         #: The recurrent hybrid's ``states``, else None.
         self.states = states
         #: The state side every request goes through: ``states``, or
         #: :data:`~kvpool.requests.no_state.NO_STATE` for a model without recurrent layers.
         self.state: StateSide = NO_STATE if states is None else states
+        self.state.check_block_size(self.block_size)
         self.state.join(len(self.groups), self._block_pool.event_sink, admission)
         self.partial = None if match_unit is None else partial_hits(match_unit, self, num_blocks)
         #: The hook that keeps ``memory``'s committed blocks equal to the used and cached ones (None: none).
@@ -234,8 +232,8 @@ class KVCacheManager:
         for host in hosts:  # its stores and evictions go out in the same batches, medium CPU
             host.pool.attach_event_sink(sink.for_medium("CPU"))
         self.tiers.memory = self.memory  # restores commit the blocks they load into
-        if self.states is not None and (state_tiers is not None or cache is None):
-            self.states.tiers_under(tiers if state_tiers is None else state_tiers, data=cache is not None)
+        if state_tiers is not None or cache is None:
+            self.state.tiers_under(tiers if state_tiers is None else state_tiers, data=cache is not None)
         return self.tiers
 
     def detach_tiers(self) -> None:
@@ -486,8 +484,7 @@ class KVCacheManager:
         if len(hashes) > self.pool.max_pinned_blocks:
             raise ConfigError(f"the prefix to pin is {len(hashes)} blocks, over the pool's pin cap of "
                               f"{self.pool.max_pinned_blocks}")
-        if self.states is not None:
-            self.states.checkpoints.pin(hashes)
+        self.state.pin(hashes)
         if self.coordinator.can_pin_prefix(hashes):
             self.pins.append(self.coordinator.pin_prefix(hashes))
             return True
@@ -507,8 +504,7 @@ class KVCacheManager:
         for ids in self.pins:
             self.coordinator.unpin(ids)
         self.pins, self._wanted_pins = [], []
-        if self.states is not None:
-            self.states.checkpoints.unpin_all()
+        self.state.unpin_all()
         return unpinned
 
     def empty(self) -> bool:

@@ -165,7 +165,7 @@ def partial_hits(match_unit: object, manager: Any, num_blocks: int) -> PartialHi
         ConfigError: a bad ``match_unit``; the manager has no prefix caching, or recurrent state (no state
             at a position inside a block: see the module docstring).
     """
-    if not manager.caching or manager.states is not None:
+    if not manager.caching or manager.state.block_aligned_hits:
         raise ConfigError("a match unit needs prefix caching and no recurrent state (a hybrid's state is "
                           "checkpointed at block boundaries only: a hit cannot end inside a block)")
     return PartialHits(match_unit, manager.block_size, len(manager.groups), num_blocks, manager.hasher)

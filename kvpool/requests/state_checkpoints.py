@@ -40,6 +40,7 @@ Bookkeeping only (slot ids and hashes), like the allocators below; O(1) per save
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -134,6 +135,8 @@ class RequestStates:
     #: Every step reaches :meth:`plan` and :meth:`commit` (the state side of
     #: :class:`~kvpool.requests.no_state.StateSide`).
     follows_each_step = True
+    #: A hit ends at a block boundary: a state is checkpointed there only (no partial hit inside a block).
+    block_aligned_hits = True
 
     def __init__(self, policy: SavePolicy | str, block_size: int, pool: StatePool, *,
                  checkpoints: StateCheckpoints | None = None, mover: StateMover | None = None) -> None:
@@ -163,6 +166,21 @@ class RequestStates:
             checkpoints.attach_events(sink, group)
         if type(admission) is FrequencyAdmission:
             checkpoints.admission = FrequencyAdmission(admission.min_count)
+
+    def check_block_size(self, block_size: int) -> None:
+        """ConfigError unless the checkpoints' block size is the KV cache groups' ``block_size``."""
+        if self.block_size != block_size:
+            raise ConfigError(f"the state checkpoints' block size {self.block_size} is not the KV cache "
+                              f"groups' {block_size}")
+
+    def pin(self, hashes: Sequence[Any]) -> None:
+        """Pin the checkpoints at the block hashes ``hashes`` of a pinned prefix
+        (:meth:`StateCheckpoints.pin`)."""
+        self.checkpoints.pin(hashes)
+
+    def unpin_all(self) -> None:
+        """Unpin every pinned checkpoint."""
+        self.checkpoints.unpin_all()
 
     def tiers_under(self, tiers: Sequence[Any], *, data: bool) -> None:
         """Attach :class:`CheckpointTiers` over ``tiers`` (rows of this state's slots when ``data``)."""
@@ -247,6 +265,11 @@ class RequestStates:
             raise InvalidIdError(f"request {req.request_id!r} holds no state slot")
         return slot
 
+    def batch_slots(self, reqs: Sequence[Request]) -> tuple[list[int], list[list[tuple[int, int]]]]:
+        """For a step's requests in order: each one's state slot (:meth:`slot`) and saves (:meth:`pending`),
+        as :class:`~kvpool.engine.runner.StepBatch` takes them."""
+        return [self.slot(r) for r in reqs], [self.pending(r) for r in reqs]
+
     # ---- saves --------------------------------------------------------------------------------------
 
     def plan(self, req: Request, start: int, end: int) -> None:
@@ -315,6 +338,31 @@ class RequestStates:
                 "kv_only_tokens": s.kv_only_tokens, "state_slots_peak": s.peak_request_slots,
                 "checkpoints_peak": s.peak_checkpoints, "checkpoints_pinned": self.checkpoints.num_pinned,
                 "checkpoints_not_admitted": s.not_admitted, "checkpoint_tier_hits": s.tier_restored}
+
+    def stats_entries(self) -> dict[str, object]:
+        """What a run's stats hold of the state: ``{"recurrent_state": describe()}``."""
+        return {"recurrent_state": self.describe()}
+
+    def replay_fields(self, state_save: str | None) -> dict[str, Any]:
+        """The replay's result fields of the state slots and checkpoints (``state_save`` as the replay names
+        its policy; :func:`kvpool.trace.replay_result.state_report`)."""
+        s = self.stats
+        return {"state_save": state_save, "state_slots_peak": s.peak_request_slots,
+                "checkpoints_saved": s.saved, "checkpoints_peak": s.peak_checkpoints,
+                "checkpoint_hits": s.restored, "checkpoint_evictions": s.evicted,
+                "checkpoint_tier_hits": s.tier_restored, "kv_only_tokens": s.kv_only_tokens}
+
+    def slots_digest(self) -> bytes:
+        """32 bytes naming every state slot's ref count (and the free count), after the slot pool's own
+        integrity check (IntegrityError): what tensor-parallel ranks compare."""
+        pool = self.pool
+        pool.check_integrity()
+        refs = [pool.ref_count(s) for s in range(pool.num_slots - pool.capacity, pool.num_slots)]
+        return hashlib.sha256(repr((refs, pool.available_size)).encode()).digest()
+
+    def free_among(self, slots: Sequence[int]) -> list[int]:
+        """The slots of ``slots`` the slot pool holds free (a step that uses one diverged)."""
+        return [slot for slot in slots if self.pool.ref_count(slot) == 0]
 
     def check_integrity(self) -> None:
         """The pool's and the checkpoints' invariants; request slots distinct and allocated, none also a

@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.errors import ConfigError
 from kvpool.spec.hf_config import load_config
-from kvpool.spec.kinds import MemoryKind, RecurrentState
+from kvpool.spec.kinds import MemoryKind
 from kvpool.spec.kv import KVCacheSpec
 from kvpool.spec.state import HybridSpec, RecurrentStateSpec, is_recurrent_config
+from kvpool.spec.state_kind import NO_STATE_SPEC, NoRecurrentStateSpec, RecurrentStateKind
 
 if TYPE_CHECKING:
     import torch
@@ -33,11 +34,15 @@ class ModelMemory:
         kv: the KV of the attention layers (of all layers for a model without recurrent state), or None for
             a model with no attention layer (Mamba).
         hybrid: the :class:`HybridSpec` of an attention / recurrent hybrid, else None.
+        state_kind: what the model keeps beside its KV, asked instead of "is it a hybrid?": a
+            :class:`~kvpool.spec.state_kind.RecurrentStateKind` of ``hybrid``, or
+            :data:`~kvpool.spec.state_kind.NO_STATE_SPEC` for a model without recurrent layers.
     """
 
     config: dict[str, Any]
     kv: KVCacheSpec | None
     hybrid: HybridSpec | None
+    state_kind: RecurrentStateKind | NoRecurrentStateSpec
 
     @classmethod
     def from_config(cls, path_or_dict: str | Path | dict[str, Any], *, block_size: int = 16, tp_size: int = 1,
@@ -53,12 +58,12 @@ class ModelMemory:
         if not is_recurrent_config(config):
             kv = KVCacheSpec.from_hf_config(config, tp_size=tp_size, kv_cache_dtype=kv_cache_dtype,
                                             block_size=block_size)
-            return cls(config, kv, None)
+            return cls(config, kv, None, NO_STATE_SPEC)
         if not shard_state and tp_size != 1:
             raise ConfigError("a recurrent hybrid runs on one rank here (tp_size 1)")
         hybrid = HybridSpec.from_hf_config(config, tp_size=tp_size, kv_cache_dtype=kv_cache_dtype,
                                            conv_dtype=conv_dtype, ssm_dtype=ssm_dtype, block_size=block_size)
-        return cls(config, hybrid.attention, hybrid)
+        return cls(config, hybrid.attention, hybrid, RecurrentStateKind(hybrid))
 
     @property
     def model_type(self) -> str | None:
@@ -70,14 +75,18 @@ class ModelMemory:
     @property
     def state(self) -> RecurrentStateSpec | None:
         """The recurrent state of a hybrid's recurrent layers, else None."""
-        return None if self.hybrid is None else self.hybrid.state
+        return self.state_kind.state
 
     @property
     def kinds(self) -> tuple[MemoryKind, ...]:
         """Each kind of memory a request holds, once, in group order: the KV cache groups' kinds, then
         :class:`~kvpool.spec.kinds.RecurrentState` for a hybrid."""
         kv = () if self.kv is None else tuple(dict.fromkeys(g.memory_kind for g in self.kv.groups))
-        return kv + ((RecurrentState(),) if self.hybrid is not None else ())
+        return kv + self.state_kind.kinds
+
+    def require_hybrid(self) -> HybridSpec:
+        """:attr:`hybrid`; ConfigError for a model without recurrent state."""
+        return self.state_kind.require_hybrid(self.model_type)
 
     def require_kv(self) -> KVCacheSpec:
         """:attr:`kv`; ConfigError for a model without attention layers (its memory is state only)."""

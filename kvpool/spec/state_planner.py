@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import lcm
+from typing import Any
 
 from kvpool.errors import ConfigError, InsufficientMemoryError
 from kvpool.numeric import as_int, as_real
@@ -241,3 +242,21 @@ def _attention(spec: HybridSpec):  # noqa: ANN202 - a KVCacheSpec
 
 def _name(dtype: object) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def state_report(hybrid: HybridSpec, kv_bytes: int, max_model_len: int | None) -> dict[str, Any]:
+    """A hybrid's recurrent state per request, and (with ``max_model_len``) :class:`StatePlan`'s lines for
+    ``kv_bytes`` of memory: the ``recurrent_state`` object of ``--json``."""
+    state = hybrid.state
+    report: dict[str, Any] = {
+        "kind": state.kind.value, "num_layers": state.num_layers, "layers": list(state.layers),
+        "conv_shape": list(state.conv_shape), "ssm_shape": list(state.ssm_shape),
+        "conv_dtype": str(state.conv_dtype).removeprefix("torch."),
+        "ssm_dtype": str(state.ssm_dtype).removeprefix("torch."),
+        "bytes_per_layer": state.bytes_per_layer, "bytes_per_request": hybrid.state_bytes_per_request,
+        "kv_token_equivalent": hybrid.kv_token_equivalent,
+        "attention_layers": list(hybrid.attention_layers),
+    }
+    if max_model_len is not None:
+        report["sizing"] = plan_state_memory(hybrid, kv_bytes, max_model_len).lines()[2:]  # both ways
+    return report

@@ -12,7 +12,7 @@ from kvpool.trace.elastic_track import MemorySample
 
 if TYPE_CHECKING:
     from kvpool.requests.kv_manager import KVCacheManager
-    from kvpool.requests.state_checkpoints import RequestStates
+    from kvpool.requests.no_state import StateSide
 
 #: One timeline sample: (simulated seconds, blocks in use, cached free blocks, uncached free blocks).
 Sample = tuple[float, int, int, int]
@@ -118,16 +118,10 @@ class ReplayResult:
 
 
 
-def state_report(states: RequestStates | None, state_save: str | None) -> dict[str, Any]:
-    """The :class:`ReplayResult` fields of a recurrent hybrid's state slots and checkpoints (``{}``
-    without states)."""
-    if states is None:
-        return {}
-    s = states.stats
-    return {"state_save": state_save, "state_slots_peak": s.peak_request_slots,
-            "checkpoints_saved": s.saved, "checkpoints_peak": s.peak_checkpoints,
-            "checkpoint_hits": s.restored, "checkpoint_evictions": s.evicted,
-            "checkpoint_tier_hits": s.tier_restored, "kv_only_tokens": s.kv_only_tokens}
+def state_report(states: StateSide, state_save: str | None) -> dict[str, Any]:
+    """The :class:`ReplayResult` fields of a recurrent hybrid's state slots and checkpoints (``{}`` for
+    :data:`~kvpool.requests.no_state.NO_STATE`): ``states.replay_fields``."""
+    return states.replay_fields(state_save)
 
 
 def tier_report(kv: KVCacheManager) -> tuple[dict[str, int], dict[str, Any]]:

@@ -228,7 +228,7 @@ class Replayer:
             self.peak, ratio(self.area, self.now), self.sched.num_preemptions, ops, ratio(ops, wall), wall,
             self.pool.stats.evictions, self.now, self.pool.num_blocks, bs, self.cfg.timing, self.cfg.policy,
             pinned, self.rejected_blocks, tier_hits, tiers, timeline=self.timeline or [], cache=cache,
-            **state_report(self.kv.states, self.cfg.state_save),
+            **state_report(self.kv.state, self.cfg.state_save),
             **({} if self.track is None else self.track.report()), **part,
             state_budget=None if self.budget is None else self.budget.report())
 
