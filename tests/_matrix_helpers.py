@@ -43,15 +43,15 @@ PINNED = SHARED[:8]
 NUM_BLOCKS = {"tiny-llama": 16, "tiny-mistral": 10, "tiny-gemma3": 36}
 
 
-def pairwise_cells() -> list[dict[str, Any]]:
-    """A covering array of strength 2 over :data:`FACTORS`: every pair of values of every two factors is in
-    some cell. Greedy (each new cell covers the most pairs still uncovered, the first such in lexicographic
-    order), so deterministic; the whole product (288 cells) would take too long."""
-    names = list(FACTORS)
+def pairwise_cells(factors: dict[str, tuple[Any, ...]] = FACTORS) -> list[dict[str, Any]]:
+    """A covering array of strength 2 over ``factors`` (default :data:`FACTORS`): every pair of values of
+    every two factors is in some cell. Greedy (each new cell covers the most pairs still uncovered, the first
+    such in lexicographic order), so deterministic; the whole product (288 cells) would take too long."""
+    names = list(factors)
     left = {((a, x), (b, y)) for a, b in itertools.combinations(names, 2)
-            for x in FACTORS[a] for y in FACTORS[b]}
+            for x in factors[a] for y in factors[b]}
     cells = []
-    product = [dict(zip(names, values, strict=True)) for values in itertools.product(*FACTORS.values())]
+    product = [dict(zip(names, values, strict=True)) for values in itertools.product(*factors.values())]
     pairs = list(itertools.combinations(names, 2))
 
     def covers(cell: dict[str, Any], left: set) -> int:
@@ -78,7 +78,6 @@ def run_cells(tp: Any, cells: list[dict[str, Any]], folder: str, redis_url: str 
 
 def run_cell(tp: Any, cell: dict[str, Any], folder: Path, redis_url: str | None) -> dict[str, Any] | None:
     from kvpool.allocators.hashing import BlockHasher
-    from kvpool.engine.distributed import run_engine
     from kvpool.engine.engine import LLMEngine
     from kvpool.engine.models import load_model
     from kvpool.engine.sharding import shard_model
@@ -115,6 +114,14 @@ def run_cell(tp: Any, cell: dict[str, Any], folder: Path, redis_url: str | None)
                 "preemptions": engine.stats.preemptions,
                 "prefix_hit_tokens": engine.stats.prefix_hit_tokens,
                 "events": _events(publisher), "index": _index(engine.pool)}
+
+    return drive_on_ranks(tp, engine, drive, offload)
+
+
+def drive_on_ranks(tp: Any, engine: Any, drive: Any, offload: Any) -> dict[str, Any] | None:
+    """``drive(engine)`` in one process (``tp`` None) or on every rank (rank 0's result, None on the
+    others), then every rank's tiers finish their stores, pass check_integrity and close."""
+    from kvpool.engine.distributed import run_engine
 
     try:
         done = (drive(engine), None) if tp is None else run_engine(tp, engine, drive)

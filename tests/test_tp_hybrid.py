@@ -201,3 +201,48 @@ def test_a_rank_without_state_digests_zeros_and_checks_no_slot() -> None:
 
     assert state_digest(NO_STATE) == bytes(32)
     check_batch_slots(NO_STATE, SimpleNamespace(state_slots=None, state_saves=None), 1)
+
+
+def _tiered_states(seed: int, tier_rows: int = 4) -> RequestStates:
+    """States over a 3-slot state cache of random contents (``seed``: this rank's shard), one checkpoint
+    slot, a host rows tier under the checkpoints."""
+    from kvpool.spec.state import RecurrentKind, RecurrentStateSpec
+    from kvpool.storage.state import RecurrentStateCache
+    from kvpool.tiers.backend import Namespace
+    from kvpool.tiers.host_rows import HostRowsTier
+
+    cache = RecurrentStateCache(RecurrentStateSpec(RecurrentKind.MAMBA2, (0,), (4, 3), (2, 2, 2), "float32",
+                                                   "float32"), 3)
+    gen = torch.Generator().manual_seed(seed)
+    cache.conv.copy_(torch.randn(cache.conv.shape, generator=gen))
+    cache.ssm.copy_(torch.randn(cache.ssm.shape, generator=gen))
+    pool = StatePool(3)
+    states = RequestStates("dense", 4, pool, checkpoints=StateCheckpoints(1, pool=pool), mover=cache)
+    states.checkpoints.group = 1
+    states.tiers_under([HostRowsTier(tier_rows, Namespace("t", "f32", "rows", layer_group=1),
+                                     cache.bytes_per_slot)], data=True)
+    return states
+
+
+def test_checkpoint_tier_calls_replay_on_a_follower() -> None:
+    """Rank 0 evicts checkpoint 7 into its tier (slot 0's rows), finds it there and restores it into slot
+    1: a follower replaying the log stores its own slot 0 (its shard: other values) and restores that, not
+    rank 0's row; a follower whose tier never got the store raises IntegrityError instead of a wrong state."""
+    leader, follower = _tiered_states(0), _tiered_states(1)
+    own = follower.mover.read_slots([0]).clone()
+    recorder = SimpleNamespace(log=[])
+    record_states(leader, recorder)
+    ckpt = leader.checkpoints
+    ckpt.commit(7, ckpt.reserve())  # slot 0
+    ckpt.commit(8, ckpt.reserve())  # evicts 7 (stored from slot 0), slot 0 again
+    found = leader.below.find(7)
+    slot = leader.pool.alloc(1)[0]
+    leader.below.restore(slot, found[1], 7)
+    assert slot == 1 and [name for name, *_ in recorder.log].count("state.tier_store") == 1
+    replay(None, recorder.log, 1, states=follower)
+    assert torch.equal(follower.mover.read_slots([1]), own)
+    assert not torch.equal(own, leader.mover.read_slots([1]))  # the shards differ: rank 0's row is not it
+    lost = _tiered_states(1)
+    stores = [call for call in recorder.log if call[0] != "state.tier_store"]
+    with pytest.raises(IntegrityError, match="tiers diverged"):
+        replay(None, stores, 1, states=lost)

@@ -47,6 +47,8 @@ class StateSide(Protocol):
 
     follows_each_step: bool
     block_aligned_hits: bool
+    mover: Any
+    below: Any
 
     @property
     def has_free_slot(self) -> bool: ...
@@ -96,6 +98,8 @@ class NoRecurrentState:
     block_aligned_hits = False
     has_free_slot = True
     mover = None
+    #: No checkpoint tiers under it.
+    below = None
 
     def joint_blocks(self, req: Request, k: int) -> int:
         """``k``: a KV prefix needs no state beside it."""

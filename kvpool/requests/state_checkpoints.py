@@ -246,7 +246,7 @@ class RequestStates:
             self.stats.restored += 1
             self.stats.tier_restored += below
         if below:
-            self.below.restore(slot, staged[2])  # type: ignore[union-attr, index]
+            self.below.restore(slot, staged[2], key)  # type: ignore[union-attr, index]
         elif self.mover is not None:
             if source is None or source == NO_SLOT:
                 self.mover.zero_slots([slot])

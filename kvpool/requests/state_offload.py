@@ -97,8 +97,9 @@ class CheckpointTiers:
             self.load_failures += 1  # held but not given intact: a miss, the next tier is asked
         return None
 
-    def restore(self, slot: int, row: Any) -> None:
-        """Write a row :meth:`find` gave into ``slot`` (nothing without data)."""
+    def restore(self, slot: int, row: Any, block_hash: Hashable = None) -> None:
+        """Write a row :meth:`find` gave for ``block_hash`` into ``slot`` (nothing without data; the hash
+        names the checkpoint to a tensor-parallel leader's recorder: :mod:`kvpool.engine.tp_state`)."""
         if self.rows is not None and row is not None:
             self.rows.write_slots([slot], row)
 
