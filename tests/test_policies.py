@@ -13,6 +13,7 @@ from collections import OrderedDict
 import pytest
 
 from kvpool import BlockPool, InvalidArgumentError, InvalidIdError, OutOfBlocksError, PinLimitError
+from kvpool.allocators.block_lists import LevelQueues
 from kvpool.allocators.block_pool import BLOCK_STATES
 from kvpool.allocators.policies import (
     POLICIES,
@@ -565,3 +566,33 @@ def test_events_and_the_eviction_listener_follow_the_policy(name: str) -> None:
     events = [e for batch in publisher.drain() for e in batch.events]
     assert [type(e) for e in events] == [BlockStored, BlockRemoved]
     assert events[0].block_hashes == [1, 2, 3, 4, 5] and events[1].block_hashes == [5, 4, 3, 2]
+
+
+@pytest.mark.parametrize(("seed", "span"), [(0, None), (1, None), (2, 7), (3, 40), (4, 1)])
+def test_level_queues_pop_in_the_order_of_a_keyed_heap(seed: int, span: int | None) -> None:
+    # brute-force model: LevelQueues pops what a min-heap of (level x span + stamp, stamp) pops (span None:
+    # (level, stamp), the key level x SEQ_SPAN + stamp of lfu); stamps grow by 1-2 a push, so keys tie
+    # across levels when the span is finite (the earlier stamp first), and levels empty and fill again
+    rng, n = random.Random(seed), 300
+    queues, model, stamp = LevelQueues(span), dict[int, tuple[int, int]](), 0
+    queues.grow(n)
+    for _ in range(5000):
+        b = rng.randrange(n)
+        roll = rng.random()
+        if roll < 0.5:
+            level = rng.randrange(6) if rng.random() < 0.9 else rng.randrange(6, 60)
+            stamp += 1 + rng.randrange(2)
+            queues.push(b, level, stamp)
+            model[b] = ((level, stamp) if span is None else (level * span + stamp, stamp))
+        elif roll < 0.75:
+            assert queues.discard(b) == (b in model)
+            model.pop(b, None)
+        elif model:
+            expected = min(model, key=lambda x: model[x])
+            assert queues.pop() == expected
+            del model[expected]
+        assert len(queues) == len(model) and (b in queues) == (b in model)
+    assert [model[x] for x in queues.order()] == sorted(model.values())
+    with pytest.raises(IndexError):
+        while True:
+            queues.pop()

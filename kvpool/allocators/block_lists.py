@@ -6,6 +6,8 @@ block costs a few list slots and no object. Compiled with the allocators' hot pa
 
 from __future__ import annotations
 
+import heapq
+
 from kvpool.allocators.arrays import extend_flags
 
 #: Where a block is: in no queue (not cached, or in use and passed over), or linked in one.
@@ -71,3 +73,129 @@ class BlockLists:
             out.append(b)
             b = self.next[b]
         return out
+
+
+class LevelQueues:
+    """Evictable blocks ordered by ``(level x span + stamp, stamp)``, ``stamp`` growing with every push: one
+    FIFO (intrusive, over ``nxt``/``prv`` int arrays) per level, so push, discard and pop are O(1) where a
+    heap is O(log n). Within a level, stamps are pushed in increasing order, so the head is the level's
+    smallest key; :meth:`pop` takes the smallest head. ``span=None``: levels are strictly ordered (the key's
+    stamp never reaches the next level, as ``level x SEQ_SPAN + seq``): the lowest non-empty level, found
+    through a small heap of the levels that turned non-empty (O(log levels) when a level empties or fills).
+    A finite ``span`` (levels interleave, as lineage's generations aged by recency): the smallest head of
+    the non-empty levels, O(levels) a pop, for a bounded number of levels. Ties on the key go to the
+    smaller stamp (pushed first), as :class:`~kvpool.allocators.policy_base.KeyedHeap` breaks them. Levels
+    are ints >= 0; stamps must not decrease from one push to the next."""
+
+    def __init__(self, span: int | None = None) -> None:
+        self.span = span
+        self.nxt: list[int] = []
+        self.prv: list[int] = []
+        self.level: list[int] = []  # per block: its level, -1 when in no queue
+        self.stamp: list[int] = []
+        self.head: list[int] = []  # per level: oldest block, -1 when empty
+        self.tail: list[int] = []
+        self.count: list[int] = []
+        self.size = 0
+        self._lows: list[int] = []  # strict mode: a heap of levels that may be non-empty
+        self._listed = bytearray()  # strict mode: the level is in _lows
+
+    def grow(self, capacity: int) -> None:
+        """Cover block ids below ``capacity`` (in no queue)."""
+        extra = capacity - len(self.level)
+        if extra > 0:
+            self.nxt.extend([-1] * extra)
+            self.prv.extend([-1] * extra)
+            self.level.extend([-1] * extra)
+            self.stamp.extend([0] * extra)
+
+    def push(self, block: int, level: int, stamp: int) -> None:
+        """Queue ``block`` at ``level`` (moving it if queued), newest of its level."""
+        if self.level[block] >= 0:
+            self.discard(block)
+        while level >= len(self.head):
+            self.head.append(-1)
+            self.tail.append(-1)
+            self.count.append(0)
+            self._listed.append(0)
+        last = self.tail[level]
+        self.prv[block] = last
+        self.nxt[block] = -1
+        if last < 0:
+            self.head[level] = block
+            if self.span is None and not self._listed[level]:
+                self._listed[level] = 1
+                heapq.heappush(self._lows, level)
+        else:
+            self.nxt[last] = block
+        self.tail[level] = block
+        self.count[level] += 1
+        self.level[block] = level
+        self.stamp[block] = stamp
+        self.size += 1
+
+    def discard(self, block: int) -> bool:
+        """Unqueue ``block`` if queued; returns whether it was."""
+        level = self.level[block]
+        if level < 0:
+            return False
+        before, after = self.prv[block], self.nxt[block]
+        if before < 0:
+            self.head[level] = after
+        else:
+            self.nxt[before] = after
+        if after < 0:
+            self.tail[level] = before
+        else:
+            self.prv[after] = before
+        self.count[level] -= 1
+        self.level[block] = -1
+        self.size -= 1
+        return True
+
+    def _lowest(self) -> int:
+        """Strict mode: the lowest non-empty level (the queue is not empty)."""
+        lows, head = self._lows, self.head
+        while head[lows[0]] < 0:
+            self._listed[heapq.heappop(lows)] = 0
+        return lows[0]
+
+    def first(self) -> int:
+        """The next block :meth:`pop` takes (the queue is not empty)."""
+        if self.span is None:
+            return self.head[self._lowest()]
+        span, head, stamp = self.span, self.head, self.stamp
+        best, best_key, best_stamp = -1, 0, 0
+        for level in range(len(head)):
+            block = head[level]
+            if block >= 0:
+                s = stamp[block]
+                key = level * span + s
+                if best < 0 or key < best_key or (key == best_key and s < best_stamp):
+                    best, best_key, best_stamp = block, key, s
+        return best
+
+    def pop(self) -> int:
+        """Unqueue and return the block of the smallest key (IndexError when empty)."""
+        if not self.size:
+            raise IndexError("pop from an empty LevelQueues")
+        block = self.first()
+        self.discard(block)
+        return block
+
+    def order(self) -> list[int]:
+        """Queued blocks, next popped first (O(n log n))."""
+        span = self.span if self.span is not None else 1 << 62
+        out = []
+        for level in range(len(self.head)):
+            b = self.head[level]
+            while b >= 0:
+                out.append((level * span + self.stamp[b], self.stamp[b], b))
+                b = self.nxt[b]
+        return [b for _, _, b in sorted(out)]
+
+    def __contains__(self, block: int) -> bool:
+        return self.level[block] >= 0
+
+    def __len__(self) -> int:
+        return self.size
