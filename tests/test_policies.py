@@ -13,6 +13,7 @@ from collections import OrderedDict
 import pytest
 
 from kvpool import BlockPool, InvalidArgumentError, InvalidIdError, OutOfBlocksError, PinLimitError
+from kvpool.allocators.block_lists import LevelQueues
 from kvpool.allocators.block_pool import BLOCK_STATES
 from kvpool.allocators.policies import (
     POLICIES,
@@ -565,3 +566,42 @@ def test_events_and_the_eviction_listener_follow_the_policy(name: str) -> None:
     events = [e for batch in publisher.drain() for e in batch.events]
     assert [type(e) for e in events] == [BlockStored, BlockRemoved]
     assert events[0].block_hashes == [1, 2, 3, 4, 5] and events[1].block_hashes == [5, 4, 3, 2]
+
+
+@pytest.mark.parametrize(("seed", "strict"), [(0, True), (1, True), (2, False), (3, False), (4, False)])
+def test_level_queues_pop_in_the_order_of_a_keyed_heap(seed: int, strict: bool) -> None:
+    # brute-force model: LevelQueues pops what a min-heap of (offset of the level + stamp, stamp) pops
+    # (strict: (level, stamp), the key level x SEQ_SPAN + stamp of lfu); stamps grow by 1-2 a push, offsets
+    # are small and change mid-run (each level's FIFO stays in order), so keys tie across levels (the
+    # earlier stamp first), and levels empty and fill again
+    rng, n = random.Random(seed), 300
+    queues, model, stamp = LevelQueues(strict), dict[int, tuple[int, int]](), 0
+    queues.grow(n)
+
+    def key(b: int) -> tuple[int, int]:
+        level, s = model[b]
+        offsets = queues.offsets
+        return (level, s) if strict else ((offsets[level] if level < len(offsets) else 0) + s, s)
+
+    for step in range(5000):
+        if not strict and step % 500 == 0:
+            queues.offsets = [rng.randrange(0, 40) for _ in range(10)]  # levels past 10: offset 0
+        b = rng.randrange(n)
+        roll = rng.random()
+        if roll < 0.5:
+            level = rng.randrange(6) if rng.random() < 0.9 else rng.randrange(6, 60)
+            stamp += 1 + rng.randrange(2)
+            queues.push(b, level, stamp)
+            model[b] = (level, stamp)
+        elif roll < 0.75:
+            assert queues.discard(b) == (b in model)
+            model.pop(b, None)
+        elif model:
+            expected = min(model, key=key)
+            assert queues.pop() == expected
+            del model[expected]
+        assert len(queues) == len(model) and (b in queues) == (b in model)
+    assert [key(x) for x in queues.order()] == sorted(key(x) for x in model)
+    with pytest.raises(IndexError):
+        while True:
+            queues.pop()

@@ -156,3 +156,36 @@ def test_valued_admission_keeps_one_hit_wonders_out_of_the_tiers() -> None:
                             tiers=[host], tier_admission="valued")
         out[policy] = result.tiers["not_admitted"]
     assert out["lru"] == 0 and out["s3fifo"] > 0
+
+
+def test_lineage_caps_the_level_so_a_finished_loop_ages_out() -> None:
+    # an agent loop: 4 steps, each reusing the last, so its last step's block has generation 5; then a
+    # one-off turn on the system prompt (generation 2). max_level 2: both at level 2, so recency decides and
+    # the loop's blocks (freed earlier) go first; uncapped (max_level 16) the loop's generation-5 block
+    # outlives the one-off by 3 levels
+    for max_level, loop_first in ((2, True), (16, False)):
+        pool = BlockPool(64, policy=LineagePolicy(max_level=max_level, reuse_aging=0))
+        run(pool, [1])
+        loop = [run(pool, [1, *range(10, 10 + k)]) for k in range(1, 5)][-1]
+        other = run(pool, [1, 50])
+        assert pool.policy.generation(loop[4]) == 5 and pool.policy.generation(other[1]) == 2
+        order = pool.evictable_blocks()
+        assert (order.index(loop[4]) < order.index(other[1])) is loop_first, max_level
+
+
+def test_lineage_span_follows_the_reuse_distance() -> None:
+    # reuse_aging 1 on a pool of 64 blocks, aging 4: the span starts at 4 x 64 = 256 (level L at offset
+    # L x 256). Turn 1 [1, 2] frees 2 blocks (generation 1: not sampled when reused), turn 2 [1, 2, 3] reuses
+    # them and frees 3, 2, 1 at stamps 3-5 (hash 3: generation 2, at stamp 3); 4 one-offs free 4 more
+    # (freed = 9); turn 3 [1, 2, 3, 4] reuses hash 3, 9 - 3 = 6 blocks after its free: the mean distance
+    # 256 + (6 - 256) / 32 = 248.1875, span int(248.1875) = 248, level 2 at offset 496
+    pool = BlockPool(64, policy=LineagePolicy(reuse_aging=1.0))
+    offsets = pool.policy._queues.offsets  # noqa: SLF001
+    assert offsets[:4] == [0, 256, 512, 768]
+    run(pool, [1, 2])
+    run(pool, [1, 2, 3])
+    for h in (20, 21, 22, 23):
+        run(pool, [h])
+    assert offsets[:4] == [0, 256, 512, 768]
+    run(pool, [1, 2, 3, 4])
+    assert offsets[:4] == [0, 248, 496, 744]

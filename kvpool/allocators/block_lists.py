@@ -1,7 +1,7 @@
-"""Intrusive doubly linked lists of block ids (:class:`BlockLists`): the queues of the S3-FIFO, SIEVE and
-lineage policies (:mod:`kvpool.allocators.queue_policies`, :mod:`kvpool.allocators.prefix_policies`). Two
-int arrays over the block ids (``next``, ``prev``; the sentinels are the ids past the last block), so a
-block costs a few list slots and no object. Compiled with the allocators' hot path.
+"""Intrusive doubly linked lists of block ids: :class:`BlockLists`, the queues of the S3-FIFO, SIEVE and
+tlru policies (:mod:`kvpool.allocators.queue_policies`, :mod:`kvpool.allocators.prefix_policies`);
+:class:`LevelQueues`, a FIFO per level, those of lfu and lineage. Both keep int arrays over the block
+ids and no object per block. Compiled with the allocators' hot path.
 """
 
 from __future__ import annotations
@@ -76,19 +76,21 @@ class BlockLists:
 
 
 class LevelQueues:
-    """Evictable blocks ordered by ``(level x span + stamp, stamp)``, ``stamp`` growing with every push: one
-    FIFO (intrusive, over ``nxt``/``prv`` int arrays) per level, so push, discard and pop are O(1) where a
-    heap is O(log n). Within a level, stamps are pushed in increasing order, so the head is the level's
-    smallest key; :meth:`pop` takes the smallest head. ``span=None``: levels are strictly ordered (the key's
-    stamp never reaches the next level, as ``level x SEQ_SPAN + seq``): the lowest non-empty level, found
-    through a small heap of the levels that turned non-empty (O(log levels) when a level empties or fills).
-    A finite ``span`` (levels interleave, as lineage's generations aged by recency): the smallest head of
-    the non-empty levels, O(levels) a pop, for a bounded number of levels. Ties on the key go to the
-    smaller stamp (pushed first), as :class:`~kvpool.allocators.policy_base.KeyedHeap` breaks them. Levels
-    are ints >= 0; stamps must not decrease from one push to the next."""
+    """Evictable blocks ordered by ``(offset of their level + stamp, stamp)``, ``stamp`` growing with every
+    push: one FIFO (intrusive, over ``nxt``/``prv`` int arrays) per level, so push, discard and pop are O(1)
+    where a heap is O(log n). Within a level, stamps are pushed in increasing order, so the head is the
+    level's smallest key; :meth:`pop` takes the smallest head. ``strict`` (the default): levels are strictly
+    ordered (the key ``level x SEQ_SPAN + stamp``): the lowest non-empty level, found through a small heap of
+    the levels that turned non-empty (O(log levels) when a level empties or fills). Otherwise levels
+    interleave by ``offsets[level]`` (ints the caller sets and may change at any time: each level's FIFO
+    stays in order): the smallest head of the non-empty levels, O(levels) a pop, for a bounded number of
+    levels. Ties on the key go to the smaller stamp (pushed first), as
+    :class:`~kvpool.allocators.policy_base.KeyedHeap` breaks them. Levels are ints >= 0; stamps must not
+    decrease from one push to the next."""
 
-    def __init__(self, span: int | None = None) -> None:
-        self.span = span
+    def __init__(self, strict: bool = True) -> None:
+        self.strict = strict
+        self.offsets: list[int] = []  # per level, when not strict (a level past the list: offset 0)
         self.nxt: list[int] = []
         self.prv: list[int] = []
         self.level: list[int] = []  # per block: its level, -1 when in no queue
@@ -97,8 +99,8 @@ class LevelQueues:
         self.tail: list[int] = []
         self.count: list[int] = []
         self.size = 0
-        self._lows: list[int] = []  # strict mode: a heap of levels that may be non-empty
-        self._listed = bytearray()  # strict mode: the level is in _lows
+        self._lows: list[int] = []  # strict: a heap of levels that may be non-empty
+        self._listed = bytearray()  # strict: the level is in _lows
 
     def grow(self, capacity: int) -> None:
         """Cover block ids below ``capacity`` (in no queue)."""
@@ -123,7 +125,7 @@ class LevelQueues:
         self.nxt[block] = -1
         if last < 0:
             self.head[level] = block
-            if self.span is None and not self._listed[level]:
+            if self.strict and not self._listed[level]:
                 self._listed[level] = 1
                 heapq.heappush(self._lows, level)
         else:
@@ -162,15 +164,15 @@ class LevelQueues:
 
     def first(self) -> int:
         """The next block :meth:`pop` takes (the queue is not empty)."""
-        if self.span is None:
+        if self.strict:
             return self.head[self._lowest()]
-        span, head, stamp = self.span, self.head, self.stamp
+        offsets, head, stamp = self.offsets, self.head, self.stamp
         best, best_key, best_stamp = -1, 0, 0
         for level in range(len(head)):
             block = head[level]
             if block >= 0:
                 s = stamp[block]
-                key = level * span + s
+                key = (offsets[level] if level < len(offsets) else 0) + s
                 if best < 0 or key < best_key or (key == best_key and s < best_stamp):
                     best, best_key, best_stamp = block, key, s
         return best
@@ -185,12 +187,12 @@ class LevelQueues:
 
     def order(self) -> list[int]:
         """Queued blocks, next popped first (O(n log n))."""
-        span = self.span if self.span is not None else 1 << 62
         out = []
         for level in range(len(self.head)):
+            offset = level << 62 if self.strict else (self.offsets[level] if level < len(self.offsets) else 0)
             b = self.head[level]
             while b >= 0:
-                out.append((level * span + self.stamp[b], self.stamp[b], b))
+                out.append((offset + self.stamp[b], self.stamp[b], b))
                 b = self.nxt[b]
         return [b for _, _, b in sorted(out)]
 

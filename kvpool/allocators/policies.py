@@ -56,6 +56,7 @@ from typing import Any
 
 from kvpool.allocators.arc import ARC_VARIANTS, ARCPolicy
 from kvpool.allocators.arrays import extend_flags, extend_to
+from kvpool.allocators.block_lists import LevelQueues
 from kvpool.allocators.policy_base import SEQ_SPAN, EvictionPolicy, KeyedHeap, LRUPolicy
 from kvpool.errors import InvalidArgumentError
 from kvpool.numeric import IntArg, RealArg, as_int, as_optional_int, as_real
@@ -125,19 +126,23 @@ class FIFOPolicy(_HeapPolicy):
         self._heap.push(block, self._born[block])
 
 
-class LFUPolicy(_HeapPolicy):
+class LFUPolicy(EvictionPolicy):
     """Least frequently used: evict the block with the fewest prefix hits since its hash was published,
     ties by recency (least recently freed first): SGLang's ``lfu`` key ``(hit_count, last_access_time)``.
-    O(log n) per call (a heap keyed by ``(hits, free sequence)``)."""
+    O(1) per call: a FIFO per hit count (:class:`~kvpool.allocators.block_lists.LevelQueues`, the order of
+    a heap keyed by ``(hits, free sequence)``), plus O(log k) when one of the k hit counts present among
+    evictable blocks empties or fills."""
 
     name = "lfu"
 
     def __init__(self) -> None:
         super().__init__()
         self.hits: list[int] = []
+        self._queues = LevelQueues()
+        self._freed = 0
 
     def grow(self, capacity: int) -> None:
-        super().grow(capacity)
+        self._queues.grow(capacity)
         extend_to(self.hits, capacity, 0)
 
     def published(self, block: int, block_hash: Hashable) -> None:
@@ -148,7 +153,22 @@ class LFUPolicy(_HeapPolicy):
 
     def insert(self, block: int, priority: int) -> None:
         self._freed += 1
-        self._heap.push(block, self.hits[block] * SEQ_SPAN + self._freed)
+        self._queues.push(block, self.hits[block], self._freed)
+
+    def remove(self, block: int) -> None:
+        self._queues.discard(block)
+
+    def pop(self) -> int:
+        return self._queues.pop()
+
+    def dropped(self, block: int) -> None:
+        self._queues.discard(block)
+
+    def order(self) -> list[int]:
+        return self._queues.order()
+
+    def __len__(self) -> int:
+        return len(self._queues)
 
 
 class PriorityPolicy(_HeapPolicy):
