@@ -46,7 +46,7 @@ class Model:
         self.pool = self.coord.pool
         self.store = PageModel(num_blocks, PAGE // PER_PAGE, page_size=PAGE, reserve_pages=RESERVE)
         self.memory = PoolMemory(self.store, lambda: self.pool, self.coord.null_block)
-        kv = SimpleNamespace(block_pool=self.pool, coordinator=self.coord, memory=self.memory, tiers=None)
+        kv = SimpleNamespace(pool=self.pool, coordinator=self.coord, memory=self.memory, tiers=None)
         self.compactor = Compactor(kv, self._copy if copy else None)
         self.data: dict[int, tuple] = {}  # block -> the tag of the KV written in it
         self.expected: dict[int, list[list[tuple | None]]] = {}  # request -> group -> tags
@@ -215,7 +215,7 @@ def test_a_compaction_empties_the_sparse_pages_by_hand() -> None:
     assert holding_pages(store.pages) == 4
     assert plan_moves(store.pages, pool.block_states()) == [(8, 7)]
     renamed = []
-    kv = SimpleNamespace(block_pool=pool, memory=memory, tiers=None,
+    kv = SimpleNamespace(pool=pool, memory=memory, tiers=None,
                          coordinator=SimpleNamespace(rename_blocks=renamed.append))
     compactor = Compactor(kv)
     assert not compactor.due() and compactor.compact() == 0

@@ -27,11 +27,14 @@ blocks (in use, or cached free), so they stay committed. :class:`Compactor` clos
   <kvpool.allocators.groups.KVCacheCoordinator.rename_blocks>`), and ``src`` is released, so the emptied
   pages go back to the device (past the reserve). **No KV event**: the events name hashes, not block ids,
   and every hash stays on the device, so for the events' consumers nothing was removed or stored.
-* **When not.** Only between steps (the engine runs it after a step's update, the replay at the same
-  point), never while a kernel reads the tables. Not with tiers attached (their jobs may name blocks by
-  id) and not under tensor parallelism (the copy is not shipped to the other ranks). A layout whose
-  blocks do not tile the pages (a block across two pages, or the ``[2, L, N, ...]`` layout) is left as it
-  is.
+* **Between steps** only (the engine runs it after a step's update, the replay at the same point),
+  never while a kernel reads the tables. With tiers attached, their copies and stores in flight are
+  completed first (:meth:`OffloadManager.synchronize <kvpool.tiers.manager.OffloadManager.synchronize>`:
+  a device <-> host copy names its device blocks by id, and a write-through store holds its blocks until
+  it lands), then the plan is made: no job names a block that moves. Under tensor parallelism rank 0
+  decides and every pool call, page call and copy of a compaction goes to the other ranks in the pool log
+  (:mod:`kvpool.engine.tp_compaction`). A layout whose blocks do not tile the pages (a block across two
+  pages, or the ``[2, L, N, ...]`` layout) is left as it is.
 """
 
 from __future__ import annotations
@@ -164,14 +167,16 @@ class Compactor:
 
     def compact(self, *, force: bool = False) -> int:
         """Pack the live blocks when :meth:`due` (``force``: whenever a page can be emptied); return the
-        blocks moved. A manager with tiers attached is left alone (0)."""
+        blocks moved. With tiers attached, their jobs in flight are completed first."""
         start = time.perf_counter()
         try:
-            if getattr(self.kv, "tiers", None) is not None or not (force or self.due()):
-                return 0
             pages = self._pages()
-            assert pages is not None  # due() or force on a store with pages
-            moves = plan_moves(pages, self.kv.block_pool.block_states())
+            if pages is None or not (force or self.due()):
+                return 0
+            tiers = getattr(self.kv, "tiers", None)
+            if tiers is not None:  # no copy in flight names a block by id, no store holds one
+                tiers.synchronize()
+            moves = plan_moves(pages, self.kv.pool.block_states())
             if moves:
                 self._apply(moves, pages)
             return len(moves)
@@ -179,8 +184,9 @@ class Compactor:
             self.stats.seconds += time.perf_counter() - start
 
     def _apply(self, moves: Moves, pages: BlockPages) -> None:
-        """Commit the destinations, copy, move in the pool and the tables, release the sources."""
-        pool, memory = self.kv.block_pool, self.kv.memory
+        """Commit the destinations, copy, move in the pool and the tables, release the sources (the pool
+        calls through the request path's pool: a tensor-parallel leader's records them)."""
+        pool, memory = self.kv.pool, self.kv.memory
         memory.store.commit_blocks([dst for _, dst in moves])  # on committed pages: nothing new
         if self.copy is not None:
             self.copy(moves)
