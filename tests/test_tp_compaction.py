@@ -46,3 +46,53 @@ def test_a_move_a_follower_cannot_make_is_an_integrity_error() -> None:
         replay(BlockPool(8), [(MOVE, ([(1, 2)],), {}, None)], rank=1)
     with pytest.raises(IntegrityError, match="rank 1: rank 0's move_block raised here"):
         replay(BlockPool(8), [("move_block", (1, 2), {}, None)], rank=1)  # block 1 holds nothing here
+
+
+def _leader_and_follower(model):
+    """Rank 0's engine with its pool, pages and compaction copies recorded as a leader wires them, and a
+    follower's engine of the same shape (same pool, same elastic cache) that only replays."""
+    from kvpool.engine.distributed import RecordingPool
+    from kvpool.engine.engine import LLMEngine
+    from kvpool.engine.tp_compaction import record_moves
+    from kvpool.engine.tp_memory import RecordingMemory
+    from kvpool.storage.arena import ElasticConfig
+
+    def build():
+        return LLMEngine(model, block_size=_tp_helpers.BLOCK, num_blocks=64, max_num_batched_tokens=24,
+                         enable_prefix_caching=False, elastic=ElasticConfig(page_size=2 * helpers.PAGE))
+
+    lead, follower = build(), build()
+    recorder = lead.kv_manager.wrap_pool(lambda pool: RecordingPool(pool, on_check=lambda: None))
+    lead.kv_manager.memory.store = RecordingMemory(lead.kv_manager.memory.store, recorder)
+    lead.compactor.copy = record_moves(lead.compactor.copy, recorder)
+    lead.compactor.slack_pages = -1
+    return lead, recorder, follower
+
+
+@pytest.mark.parametrize("drop", [None, "move_block"])
+def test_a_follower_replaying_the_log_holds_rank_0s_pool_and_kv_and_without_the_moves_it_diverges(drop
+                                                                                                   ) -> None:
+    """In one process (a whole model, 16 KiB pages of 8 blocks): after each step the follower replays rank
+    0's log; with every record its pool digest and its live blocks and committed pages equal rank 0's after
+    each step; with the ``move_block`` records left out, the follower's pool leaves rank 0's (its digest
+    differs, or a replayed call returns what rank 0's did not: IntegrityError)."""
+    from kvpool.engine.pool_log import pool_digest
+    from kvpool.engine.sampling import SamplingParams
+    from kvpool.engine.tp_memory import memory_digest
+
+    lead, recorder, follower = _leader_and_follower(_tp_helpers.build_model("tiny-llama"))
+    for prompt, new in zip(helpers.PROMPTS, helpers.NEW, strict=True):
+        lead.add_request(prompt, SamplingParams(max_new_tokens=new))
+    pool, cache = follower.kv_manager.block_pool, follower.cache
+    diverged = False
+    while lead.has_unfinished() and not diverged:
+        lead.step()
+        log = [record for record in recorder.drain() if record[0] != drop]
+        try:
+            replay(pool, log, rank=1, cache=cache)
+        except IntegrityError:
+            diverged = True
+        diverged = diverged or pool_digest(pool) != pool_digest(lead.kv_manager.block_pool) or \
+            memory_digest(cache) != memory_digest(lead.cache)  # (what check_across_ranks compares)
+    assert diverged == (drop is not None)
+    assert lead.compactor.stats.moved > 0
