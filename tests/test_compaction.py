@@ -46,7 +46,7 @@ class Model:
         self.pool = self.coord.pool
         self.store = PageModel(num_blocks, PAGE // PER_PAGE, page_size=PAGE, reserve_pages=RESERVE)
         self.memory = PoolMemory(self.store, lambda: self.pool, self.coord.null_block)
-        kv = SimpleNamespace(block_pool=self.pool, coordinator=self.coord, memory=self.memory, tiers=None)
+        kv = SimpleNamespace(pool=self.pool, coordinator=self.coord, memory=self.memory, tiers=None)
         self.compactor = Compactor(kv, self._copy if copy else None)
         self.data: dict[int, tuple] = {}  # block -> the tag of the KV written in it
         self.expected: dict[int, list[list[tuple | None]]] = {}  # request -> group -> tags
@@ -215,7 +215,7 @@ def test_a_compaction_empties_the_sparse_pages_by_hand() -> None:
     assert holding_pages(store.pages) == 4
     assert plan_moves(store.pages, pool.block_states()) == [(8, 7)]
     renamed = []
-    kv = SimpleNamespace(block_pool=pool, memory=memory, tiers=None,
+    kv = SimpleNamespace(pool=pool, memory=memory, tiers=None,
                          coordinator=SimpleNamespace(rename_blocks=renamed.append))
     compactor = Compactor(kv)
     assert not compactor.due() and compactor.compact() == 0
@@ -238,3 +238,46 @@ def test_move_block_refuses_what_it_cannot_move() -> None:
     pool.move_block(b, 6)  # a never handed out id: 3, 4, 5 join the free stack
     pool.check_integrity()
     assert pool.ref_count(6) == 1 and pool.ref_count(b) == 0 and pool.num_free_blocks == 5
+
+
+def test_the_strips_of_the_2_l_n_layout_compact_by_page_rows() -> None:
+    """An elastic HND cache (the ``[2, L, N, B, H, D]`` layout): 2 layers x K and V = 4 strips, a block 16
+    tokens x 2 heads x 64 x 2 B = 4 KiB in each, 16 KiB pages: 4 blocks a page, and 16 blocks make each
+    strip 64 KiB, so every strip starts on a page. The by-hand case above: block 8 moves to hole 7 with
+    its KV in every strip, and one page row (4 pages, 64 KiB) goes back. With 15 blocks a strip is 60 KiB:
+    the strips after the first start inside a page, nothing to compact."""
+    import torch
+
+    from kvpool.requests.compaction import blocks_per_page
+    from kvpool.spec import KVCacheSpec
+    from kvpool.storage.arena import ElasticConfig
+    from kvpool.storage.paged import PagedKVCache
+
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float16, block_size=16)
+    page = 16384
+    misaligned = PagedKVCache(spec, 15, elastic=ElasticConfig(page_size=page), layout="HND")
+    assert len(misaligned.pages.map.strips) == 4 and blocks_per_page(misaligned.pages) is None
+    cache = PagedKVCache(spec, 16, elastic=ElasticConfig(page_size=page), layout="HND")
+    assert len(cache.pages.map.strips) == 4 and blocks_per_page(cache.pages) == 4
+    pool = BlockPool(16)
+    memory = PoolMemory(cache, lambda: pool, None)
+    blocks = pool.allocate(16)
+    memory.handed_out([blocks])
+    for layer in range(2):
+        for b in blocks:
+            cache.k_cache(layer)[b] = b + 10 * layer
+            cache.v_cache(layer)[b] = -b - 10 * layer
+    pool.free([b for b in blocks if b not in (1, 4, 5, 6, 8, 12, 13, 14, 15)])
+    memory.emptied(blocks)
+    assert holding_pages(cache.pages) == 4 and cache.committed_bytes == 4 * 4 * page
+    kv = SimpleNamespace(pool=pool, memory=memory, tiers=None,
+                         coordinator=SimpleNamespace(rename_blocks=lambda moved: None))
+    compactor = Compactor(kv, cache.copy_blocks)
+    assert compactor.compact(force=True) == 1
+    assert holding_pages(cache.pages) == 3 and cache.committed_bytes == 3 * 4 * page
+    assert compactor.stats.released_bytes == 4 * page
+    for layer in range(2):
+        assert bool((cache.k_cache(layer)[7] == 8 + 10 * layer).all())
+        assert bool((cache.v_cache(layer)[7] == -8 - 10 * layer).all())
+    pool.check_integrity()
+    cache.pages.check_integrity()

@@ -75,3 +75,9 @@ def test_replay_elastic_on_the_command_line(capsys) -> None:
     assert main([*argv]) == 0 and "committed" not in capsys.readouterr().out  # printed only with --elastic
     assert main(["replay", "--elastic", "--max-requests", "5"]) == 2
     assert "--elastic needs --model-config" in capsys.readouterr().err
+    # 4-token blocks are 512 KiB, 4 a 2 MiB page: the compactions move blocks, and --no-compact runs none
+    moved = []
+    for flag in ([], ["--no-compact"]):
+        assert main([*argv, "--block-size", "4", "--elastic", "--json", *flag]) == 0
+        moved.append(json.loads(capsys.readouterr().out)["blocks_moved"])
+    assert moved[0] > 0 and moved[1] == 0

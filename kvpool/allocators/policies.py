@@ -26,7 +26,11 @@ raises; it calls:
 * ``pop()``: evict: remove and return the next victim (only called while ``len(policy) > 0``); the pool
   then drops its hash;
 * ``dropped(block)``: the block's hash left the index without an eviction (``evict_blocks``,
-  ``reset_prefix_cache``); the policy removes it if it is evictable and forgets the block.
+  ``reset_prefix_cache``); the policy removes it if it is evictable and forgets the block;
+* ``moved(src, dst, block_hash, evictable)``: a compaction moved block ``src``'s KV and hash into the free
+  block ``dst`` (:meth:`BlockPool.move_block <kvpool.allocators.block_pool.BlockPool.move_block>`); the
+  default forgets ``src`` and takes ``dst`` as newly published (and released when ``evictable``), LRU
+  keeps its place.
 
 ``order()`` lists the evictable blocks, next victim first (O(n log n), for tests and inspection).
 Every other call is O(1) or O(log n) in the number of blocks, as each class says. Ties in a policy's key

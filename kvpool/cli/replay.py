@@ -103,6 +103,8 @@ def _capacity_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--elastic", action="store_true",
                        help="with --model-config: replay on a model of an elastic pool (2 MiB pages "
                             "committed as blocks are used and cached) and report the bytes it committed")
+    group.add_argument("--no-compact", dest="compact", action="store_false",
+                       help="with --elastic: do not compact the pool after each step")
 
 
 def _policy_arguments(group: argparse._ArgumentGroup) -> None:
@@ -284,7 +286,8 @@ def _plan_runs(args: argparse.Namespace
         prefill_token_s=args.prefill_token_s, decode_token_s=args.decode_token_s, policy=policies[0],
         pin_prefix=tuple(args.pin_prefix), groups=spec.groups if spec is not None and hybrid else (),
         state_save=state_save, state_checkpoints=args.state_checkpoints,
-        elastic_block_bytes=_elastic_block_bytes(args, spec), match_unit=args.match_unit,
+        elastic_block_bytes=_elastic_block_bytes(args, spec), elastic_compact=args.compact,
+        match_unit=args.match_unit,
         sessions=args.session_modes[0])
     return config, sizes, policies, spec, pool_plan
 

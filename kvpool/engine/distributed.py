@@ -31,6 +31,9 @@ Who decides and who follows (docs/DESIGN.md argues the choice):
 * **Partial hits.** A prefix hit that ends inside a block copies token slots of a cached block on rank 0;
   the copy is logged with the pool calls (:mod:`kvpool.engine.tp_partial`), so every rank makes it in its
   own KV shard, in the same order, before the step that reads it.
+* **Compactions.** Rank 0's compaction of an elastic cache after a step (commits, whole-block copies,
+  ``move_block`` calls, releases, the free stack's order) is logged the same way
+  (:mod:`kvpool.engine.tp_compaction`): every rank moves the same blocks of its own shard.
 
 * **Sleep and wake.** ``("sleep", log)``: every rank replays rank 0's preemptions and releases, then gives
   back every page of its shard; ``("wake", log)``: every rank commits again, and all stay awake only when
@@ -66,6 +69,7 @@ from kvpool.engine.pool_log import (  # noqa: F401 (re-exported)
     pool_digest,
     replay,
 )
+from kvpool.engine.tp_compaction import has_moves, record_moves
 from kvpool.engine.tp_group import DEFAULT_TIMEOUT_S, FRAME_BYTES, Channel, TPGroup  # noqa: F401 (re-exported)
 from kvpool.engine.tp_memory import (
     FollowRestoreMemory,
@@ -143,6 +147,9 @@ class Leader:
         partial = engine.kv_manager.partial
         if partial is not None and partial.copy is not None:  # partial hits: every rank copies its shard
             partial.copy = record_copies(partial.copy, self.pool)
+        compactor = getattr(engine, "compactor", None)
+        if compactor is not None and compactor.copy is not None:  # compactions: every rank moves its shard
+            compactor.copy = record_moves(compactor.copy, self.pool)
         engine.wrap_runner(lambda runner: _ShippingRunner(self, runner))
         tiers = getattr(engine, "offload", None)
         if tiers is not None:  # every rank restores from its own tiers, in step with rank 0
@@ -225,6 +232,8 @@ class Follower:
             start = time.perf_counter()
             if tiers is not None:  # copies complete at each rank's own pace (CUDA); restores agree anyway
                 tiers.poll()
+                if has_moves(log):  # rank 0 completed its tiers' jobs before it planned the moves
+                    tiers.synchronize()
             replay(pool, log, rank, runner.cache, states)
             if kind == "restore" and tiers is not None:
                 tiers.restore(batch)

@@ -179,9 +179,9 @@ class LLMEngine:
                                          memory=self.cache if self.cache.elastic else None,
                                          match_unit=match_unit)
         #: Packs an elastic cache's live blocks after each step (:mod:`kvpool.requests.compaction`: their
-        #: KV copied, every layer); None for a fixed cache or under tensor parallelism.
-        self.compactor = Compactor(self.kv_manager, self.cache.copy_blocks) \
-            if self.cache.elastic and tp_size == 1 else None
+        #: KV copied, every layer; under tensor parallelism on every rank: kvpool.engine.tp_compaction);
+        #: None for a fixed cache.
+        self.compactor = Compactor(self.kv_manager, self.cache.copy_blocks) if self.cache.elastic else None
         if self.kv_manager.partial is not None:  # partial hits copy their tokens in this KV cache
             self.kv_manager.partial.copy = functools.partial(copy_token_prefix, self.cache)
         self.tp_size = tp_size

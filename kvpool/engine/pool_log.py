@@ -10,6 +10,7 @@ import hashlib
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
+from kvpool.engine.tp_compaction import MOVE, apply_moves
 from kvpool.engine.tp_group import TPGroup
 from kvpool.engine.tp_memory import REORDER, apply_memory_call, is_memory_call, memory_digest
 from kvpool.engine.tp_partial import COPY, apply_copy
@@ -19,7 +20,7 @@ from kvpool.requests.no_state import NO_STATE, StateSide
 from kvpool.spec import cdiv
 
 _RECORDED = ("allocate", "free", "touch", "cache_blocks", "lookup", "evict_blocks", "reset_prefix_cache",
-             "pin", "pin_prefix", "unpin")
+             "pin", "pin_prefix", "unpin", "move_block")
 
 
 class RecordingPool:
@@ -75,6 +76,9 @@ class RecordingPool:
     def unpin(self, block_ids: Iterable[int]) -> None:
         self._call("unpin", list(block_ids))
 
+    def move_block(self, src: int, dst: int) -> None:  # a compaction: tp_compaction
+        self._call("move_block", int(src), int(dst))
+
     def reorder_free(self, key: Callable[[int], Any]) -> None:  # an elastic pool's page order: tp_memory
         self.pool.reorder_free(key)
         self.log.append((REORDER, (), {}, None))
@@ -103,6 +107,9 @@ def replay(pool: Any, log: Sequence[tuple[str, tuple, dict[str, Any], Any]], ran
             continue
         if name == COPY:
             apply_copy(cache, args, rank)
+            continue
+        if name == MOVE:
+            apply_moves(cache, args, rank)
             continue
         if name not in _RECORDED:
             raise IntegrityError(f"rank {rank}: rank 0 shipped an unknown pool call {name!r}")

@@ -27,11 +27,19 @@ blocks (in use, or cached free), so they stay committed. :class:`Compactor` clos
   <kvpool.allocators.groups.KVCacheCoordinator.rename_blocks>`), and ``src`` is released, so the emptied
   pages go back to the device (past the reserve). **No KV event**: the events name hashes, not block ids,
   and every hash stays on the device, so for the events' consumers nothing was removed or stored.
-* **When not.** Only between steps (the engine runs it after a step's update, the replay at the same
-  point), never while a kernel reads the tables. Not with tiers attached (their jobs may name blocks by
-  id) and not under tensor parallelism (the copy is not shipped to the other ranks). A layout whose
-  blocks do not tile the pages (a block across two pages, or the ``[2, L, N, ...]`` layout) is left as it
-  is.
+* **Between steps** only (the engine runs it after a step's update, the replay at the same point),
+  never while a kernel reads the tables. With tiers attached, their copies and stores in flight are
+  completed first (:meth:`OffloadManager.synchronize <kvpool.tiers.manager.OffloadManager.synchronize>`:
+  a device <-> host copy names its device blocks by id, and a write-through store holds its blocks until
+  it lands), then the plan is made: no job names a block that moves. Under tensor parallelism rank 0
+  decides and every pool call, page call and copy of a compaction goes to the other ranks in the pool log
+  (:mod:`kvpool.engine.tp_compaction`).
+* **Layouts.** Block-major (one strip), and the ``[2, L, N, ...]`` layout when each strip starts on a
+  page (``N x`` a block's bytes in a strip a multiple of the page): block ``b`` is on page ``b //
+  per_page`` of every strip, so a page row (one page a strip) is emptied as one page is. A layout
+  whose blocks straddle pages, or whose strips start inside a page (a block's pages then group
+  differently in each strip), is left as it is: its pages are shared by neighbours that differ from
+  strip to strip, so the packed count is no longer ``ceil(live / per_page)``.
 """
 
 from __future__ import annotations
@@ -50,26 +58,29 @@ Moves = list[tuple[int, int]]
 
 
 def blocks_per_page(pages: BlockPages) -> int | None:
-    """Blocks on each page when the store's blocks tile its pages (one strip, starting on a page, a block
-    no longer than its stride and a page a multiple of the stride, at least 2 blocks a page), else None
-    (nothing to compact)."""
-    strips = pages.map.strips
-    if len(strips) != 1:
+    """Blocks on each page when the store's blocks tile its pages, else None (nothing to compact): every
+    strip (one block-major; K or V of one layer in the ``[2, L, N, ...]`` layout) starts on a page, all at
+    the same stride, a block no longer than the stride, a page a multiple of it and at least 2 blocks. Then
+    block ``b`` lies on page ``b // per_page`` of each strip: the strips' pages go in *page rows* (one
+    page of each strip), committed and released together."""
+    strips, size = pages.map.strips, pages.map.page_size
+    stride = strips[0].stride
+    if any(s.offset % size or s.stride != stride or s.length > stride for s in strips) \
+            or size % stride or size < 2 * stride:
         return None
-    strip, size = strips[0], pages.map.page_size
-    if strip.offset % size or size % strip.stride or strip.length > strip.stride or size < 2 * strip.stride:
-        return None
-    return size // strip.stride
+    return size // stride
 
 
 def packed_pages(num_live: int, per_page: int) -> int:
-    """Pages ``num_live`` blocks need packed, ``per_page`` a page: ``ceil(num_live / per_page)``."""
+    """Pages (page rows) ``num_live`` blocks need packed, ``per_page`` a page: ``ceil(num_live /
+    per_page)``."""
     return -(-num_live // per_page)
 
 
 def holding_pages(pages: BlockPages) -> int:
-    """Committed pages holding a live block (the committed ones less the reserve of empty ones). O(1)."""
-    return pages.arena.num_committed - pages.num_reserve
+    """Page rows holding a live block (the committed pages less the reserve of empty ones, over the
+    strips; the pages of a row holding a live block are all committed). O(1)."""
+    return (pages.arena.num_committed - pages.num_reserve) // len(pages.map.strips)
 
 
 def plan_moves(pages: BlockPages, states: bytes | bytearray, *, target: int | None = None) -> Moves:
@@ -164,14 +175,16 @@ class Compactor:
 
     def compact(self, *, force: bool = False) -> int:
         """Pack the live blocks when :meth:`due` (``force``: whenever a page can be emptied); return the
-        blocks moved. A manager with tiers attached is left alone (0)."""
+        blocks moved. With tiers attached, their jobs in flight are completed first."""
         start = time.perf_counter()
         try:
-            if getattr(self.kv, "tiers", None) is not None or not (force or self.due()):
-                return 0
             pages = self._pages()
-            assert pages is not None  # due() or force on a store with pages
-            moves = plan_moves(pages, self.kv.block_pool.block_states())
+            if pages is None or not (force or self.due()):
+                return 0
+            tiers = getattr(self.kv, "tiers", None)
+            if tiers is not None:  # no copy in flight names a block by id, no store holds one
+                tiers.synchronize()
+            moves = plan_moves(pages, self.kv.pool.block_states())
             if moves:
                 self._apply(moves, pages)
             return len(moves)
@@ -179,8 +192,9 @@ class Compactor:
             self.stats.seconds += time.perf_counter() - start
 
     def _apply(self, moves: Moves, pages: BlockPages) -> None:
-        """Commit the destinations, copy, move in the pool and the tables, release the sources."""
-        pool, memory = self.kv.block_pool, self.kv.memory
+        """Commit the destinations, copy, move in the pool and the tables, release the sources (the pool
+        calls through the request path's pool: a tensor-parallel leader's records them)."""
+        pool, memory = self.kv.pool, self.kv.memory
         memory.store.commit_blocks([dst for _, dst in moves])  # on committed pages: nothing new
         if self.copy is not None:
             self.copy(moves)
