@@ -53,6 +53,7 @@ import os
 import sys
 import types
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -239,18 +240,31 @@ def is_compiled(module: ModuleType) -> bool:
     return not str(getattr(module, "__file__", "") or "").endswith(".py")
 
 
-def interpreted(name: str) -> ModuleType:
+def interpreted(name: str, bases: Sequence[str] = ()) -> ModuleType:
     """An interpreted copy of kvpool module ``name``, run from its source as ``name + "__interpreted"``
     (cached), for benchmarks that time both ways in one process. Its own imports resolve as usual (compiled
-    where this process runs compiled)."""
+    where this process runs compiled), but for ``bases``: the compiled modules whose classes ``name``'s
+    classes derive from, each outermost first (an interpreted class cannot derive from a compiled one):
+    their interpreted copies stand in for them while ``name``'s source runs."""
     alias = f"{name}__interpreted"
-    if alias not in sys.modules:
+    if alias in sys.modules:
+        return sys.modules[alias]
+    saved = {base: sys.modules.get(base) for base in bases}
+    try:
+        for i, base in enumerate(bases):  # each base's source may import the ones before it
+            sys.modules[base] = interpreted(base, bases[:i])
         spec = importlib.util.spec_from_file_location(alias, module_source(name))
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[alias] = module  # dataclasses look their module up while the class is made
         spec.loader.exec_module(module)
-    return sys.modules[alias]
+    finally:
+        for base, original in saved.items():
+            if original is None:
+                sys.modules.pop(base, None)
+            else:
+                sys.modules[base] = original
+    return module
 
 
 # ---- docstrings of the compiled modules ------------------------------------------------------------------

@@ -150,8 +150,9 @@ class PoolCore:
         is found without a set of the ids: each id's ref count is complemented as it is seen (negative:
         seen in this call), then every one is restored, before anything is raised or returned; with
         ``keep_marks`` a call that returns leaves them complemented, for the caller to restore
-        (:meth:`_restore`, or :meth:`_release` as it frees them). Ids past the arrays (never handed out: ref
-        count 0) are few and checked in a set."""
+        (:meth:`_restore`, or :meth:`PoolAlloc._release <kvpool.allocators.pool_alloc.PoolAlloc._release>`
+        as it frees them). Ids past the arrays (never handed out: ref count 0) are few and checked in a
+        set."""
         ref, n = self._ref, self._n
         capacity = len(ref)
         if len(ids) == 1 and 0 <= ids[0] < n and not keep_marks:

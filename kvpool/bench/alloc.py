@@ -222,7 +222,8 @@ def _interpreted_rows(size: int, ops: int, repeat: int) -> list[dict[str, Any]]:
 
     if "kvpool.allocators.block_pool" not in _native.status()["modules"]:  # type: ignore[operator]
         return []
-    slow = _native.interpreted("kvpool.allocators.block_pool").BlockPool
+    layers = ("kvpool.allocators.pool_core", "kvpool.allocators.pool_alloc", "kvpool.allocators.pool_prefix")
+    slow = _native.interpreted("kvpool.allocators.block_pool", layers).BlockPool
     rows = []
     for n in (1, 256):
         k = min(size, ops) // n * n

@@ -126,8 +126,9 @@ def auto_kv_dtype_name(model_dtype: str | None, model_type: str | None = None) -
 class TorchDtypeField:
     """A dataclass field holding a KV dtype by name, read as a torch dtype: set with anything
     :func:`kv_dtype_name` takes (checked then, without torch), read as ``torch.<name>`` (torch is imported
-    at the first read). So a spec can be built, sized (:func:`dtype_bytes`) and compared by name in a
-    process that never imports torch (a trace replay). The field's default is ``default``."""
+    at the first read). So a spec can be built, sized (:attr:`KVCacheSpec.dtype_bytes
+    <kvpool.spec.kv.KVCacheSpec.dtype_bytes>`) and compared by name in a process that never imports torch
+    (a trace replay). The field's default is ``default``."""
 
     def __init__(self, default: str) -> None:
         self.default = default
