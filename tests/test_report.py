@@ -7,10 +7,13 @@ It skips when Chromium or Playwright is missing, except under CI (``CI`` set), w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -124,9 +127,11 @@ def _browser():
     return sync_playwright
 
 
-def test_report_renders_in_headless_chromium(page: Path, sweep, tmp_path: Path) -> None:
+@contextlib.contextmanager
+def open_report(page: Path) -> Iterator[tuple[Any, list[str]]]:
+    """``page`` loaded in headless Chromium: its tab, and the console errors and warnings and the page errors
+    seen (a list that fills as the test goes on)."""
     sync_playwright = _browser()
-    shots = Path(os.environ.get("KVPOOL_SCREENSHOT_DIR", tmp_path))
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         try:
@@ -135,36 +140,42 @@ def test_report_renders_in_headless_chromium(page: Path, sweep, tmp_path: Path) 
             tab.on("console", lambda m: problems.append(m.text) if m.type in ("error", "warning") else None)
             tab.on("pageerror", lambda e: problems.append(str(e)))
             tab.goto(page.as_uri(), wait_until="load")
-            assert tab.title() == "kvpool replay report"
-            # the summary line comes first; every table fits the page (no sideways scrolling)
-            summary = tab.locator("#summary")
-            assert summary.inner_text().startswith("8 runs of 400 requests")
-            assert summary.bounding_box()["y"] < tab.locator("h2").first.bounding_box()["y"]
-            for box in tab.locator("div.table").all():
-                assert box.evaluate("d => d.scrollWidth <= d.clientWidth"), box.inner_text()[:60]
-            body = tab.evaluate("document.body.getBoundingClientRect().right")
-            runs = tab.locator("#runs").bounding_box()
-            assert runs["x"] + runs["width"] <= body
-            # the curves: one line per policy, each a drawn path of non-zero length
-            for policy in ("lru", "lfu", "arc", "belady"):
-                length = tab.eval_on_selector(f"#curves-curve-{policy} path", "p => p.getTotalLength()")
-                assert length > 10
-            shown = tab.locator("figure.run:not([hidden])")
-            assert shown.count() == 1
-            first = shown.get_attribute("id")
-            assert _heatmap_decodes(tab, f"#{first}")
-            assert tab.locator(f"#{first} svg").bounding_box()["height"] > 300
-            tab.screenshot(path=str(shots / "kvpool-report.png"), full_page=True)
-            # pick another run: its figure shows, the first hides
-            other = f"run-belady-{sweep[-1].num_blocks}"
-            tab.select_option("#run-picker", other)
-            assert tab.locator(f"#{other}").is_visible() and not tab.locator(f"#{first}").is_visible()
-            assert _heatmap_decodes(tab, f"#{other}")
-            tab.locator(f"#{other}").screenshot(path=str(shots / "kvpool-report-run.png"))
-            assert problems == []
+            yield tab, problems
         finally:
             browser.close()
-    assert (shots / "kvpool-report.png").stat().st_size > 20_000
+
+
+def test_report_renders_in_headless_chromium(page: Path, sweep, tmp_path: Path) -> None:
+    shots = Path(os.environ.get("KVPOOL_SCREENSHOT_DIR", tmp_path))
+    with open_report(page) as (tab, problems):
+        assert tab.title() == "kvpool replay report"
+        # the summary line comes first; every table fits the page (no sideways scrolling)
+        summary = tab.locator("#summary")
+        assert summary.inner_text().startswith("8 runs of 400 requests")
+        assert summary.bounding_box()["y"] < tab.locator("h2").first.bounding_box()["y"]
+        for box in tab.locator("div.table").all():
+            assert box.evaluate("d => d.scrollWidth <= d.clientWidth"), box.inner_text()[:60]
+        body = tab.evaluate("document.body.getBoundingClientRect().right")
+        runs = tab.locator("#runs").bounding_box()
+        assert runs["x"] + runs["width"] <= body
+        # the curves: one line per policy, each a drawn path of non-zero length
+        for policy in ("lru", "lfu", "arc", "belady"):
+            length = tab.eval_on_selector(f"#curves-curve-{policy} path", "p => p.getTotalLength()")
+            assert length > 10
+        shown = tab.locator("figure.run:not([hidden])")
+        assert shown.count() == 1
+        first = shown.get_attribute("id")
+        assert _heatmap_decodes(tab, f"#{first}")
+        assert tab.locator(f"#{first} svg").bounding_box()["height"] > 300
+        tab.screenshot(path=str(shots / "kvpool-report.png"), full_page=True)
+        # pick another run: its figure shows, the first hides
+        other = f"run-belady-{sweep[-1].num_blocks}"
+        tab.select_option("#run-picker", other)
+        assert tab.locator(f"#{other}").is_visible() and not tab.locator(f"#{first}").is_visible()
+        assert _heatmap_decodes(tab, f"#{other}")
+        tab.locator(f"#{other}").screenshot(path=str(shots / "kvpool-report-run.png"))
+        assert problems == []
+        assert (shots / "kvpool-report.png").stat().st_size > 20_000
 
 
 def _heatmap_decodes(tab, figure: str) -> bool:

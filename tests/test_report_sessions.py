@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_report import CHROMIUM, CHROMIUM_ARGS, _browser
+from test_report import open_report
 
 from kvpool.cli import main
 from kvpool.errors import ConfigError
@@ -96,30 +96,20 @@ def test_report_shows_sessions_in_headless_chromium(sweep, tmp_path: Path) -> No
     page = write_report(tmp_path / "report.html", sweep, {"trace": "syn.jsonl", "block_size": 16})
     text = page.read_text()
     assert 'id="sessions"' in text and 'id="curves-curve-lru-last-1"' in text
-    sync_playwright = _browser()
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        try:
-            tab = browser.new_page(viewport={"width": 1200, "height": 900})
-            problems: list[str] = []
-            tab.on("console", lambda m: problems.append(m.text) if m.type in ("error", "warning") else None)
-            tab.on("pageerror", lambda e: problems.append(str(e)))
-            tab.goto(page.as_uri(), wait_until="load")
-            rows = tab.locator("#sessions tbody tr")
-            assert rows.count() == len(sweep)
-            first = rows.nth(1).locator("td")  # lru+session at 2,000 blocks
-            assert first.nth(0).inner_text() == "lru+session" and first.nth(1).inner_text() == "2,000"
-            opened = sweep[1].result.cache["sessions"]["opened"]
-            assert first.nth(6).inner_text() == f"{opened:,}"
-            assert rows.nth(0).locator("td").nth(6).inner_text() == "-"  # plain lru keeps no session
-            for box in tab.locator("div.table").all():  # every table fits the page
-                assert box.evaluate("d => d.scrollWidth <= d.clientWidth"), box.inner_text()[:60]
-            for curve in ("lru", "lru-session", "lru-last-1", "belady"):
-                length = tab.eval_on_selector(f"#curves-curve-{curve} path", "p => p.getTotalLength()")
-                assert length > 10
-            other = f"run-lru-last-1-{SIZES[-1]}"
-            tab.select_option("#run-picker", other)
-            assert tab.locator(f"#{other}").is_visible()
-            assert problems == []
-        finally:
-            browser.close()
+    with open_report(page) as (tab, problems):
+        rows = tab.locator("#sessions tbody tr")
+        assert rows.count() == len(sweep)
+        first = rows.nth(1).locator("td")  # lru+session at 2,000 blocks
+        assert first.nth(0).inner_text() == "lru+session" and first.nth(1).inner_text() == "2,000"
+        opened = sweep[1].result.cache["sessions"]["opened"]
+        assert first.nth(6).inner_text() == f"{opened:,}"
+        assert rows.nth(0).locator("td").nth(6).inner_text() == "-"  # plain lru keeps no session
+        for box in tab.locator("div.table").all():  # every table fits the page
+            assert box.evaluate("d => d.scrollWidth <= d.clientWidth"), box.inner_text()[:60]
+        for curve in ("lru", "lru-session", "lru-last-1", "belady"):
+            length = tab.eval_on_selector(f"#curves-curve-{curve} path", "p => p.getTotalLength()")
+            assert length > 10
+        other = f"run-lru-last-1-{SIZES[-1]}"
+        tab.select_option("#run-picker", other)
+        assert tab.locator(f"#{other}").is_visible()
+        assert problems == []
