@@ -82,18 +82,29 @@ class HostTier(TierBackend):
     def set(self, keys: Sequence[Hashable], blocks: torch.Tensor | None) -> int:
         """As :meth:`store_from_device`, from tier rows; the blocks that do not fit are counted as
         evictions (a one-at-a-time store would evict them at once)."""
-        if self.host is not None:
+        holds_data = self._holds_data
+        if holds_data:
             self._check_rows(keys, blocks, "blocks")
         with self._lock:
             new = self._refresh(keys)
             held = len(keys) - len(new)
             left_out, new = self._fit(new)
             ids = self._allocate(len(new)) if new else []
-            if ids and self.host is not None:
-                scatter_rows(self.host.cache, ids, blocks if new == list(range(len(new))) else blocks[new])
+            if ids and holds_data:
+                self._write_rows(ids, new, blocks)  # type: ignore[arg-type]
             self._publish(ids, [keys[i] for i in new])
             self._overflow += len(left_out)
             return held + len(ids)
+
+    @property
+    def _holds_data(self) -> bool:
+        """Whether blocks carry bytes here (False: a hash-only tier of a replay, ``host`` None)."""
+        return self.host is not None
+
+    def _write_rows(self, ids: list[int], new: list[int], blocks: torch.Tensor) -> None:
+        """Write rows ``blocks[new]`` into this tier's blocks ``ids`` (the lock held)."""
+        assert self.host is not None
+        scatter_rows(self.host.cache, ids, blocks if new == list(range(len(new))) else blocks[new])
 
     def delete(self, keys: Sequence[Hashable]) -> int:
         with self._lock:

@@ -49,16 +49,9 @@ class HostRowsTier(HostTier):
                 out[:len(ids)] = self.rows[ids]  # type: ignore[index]
             return self._release_loaded(ids, len(keys))
 
-    def set(self, keys: Sequence[Hashable], blocks: torch.Tensor | None) -> int:
-        """As :meth:`HostTier.set`, into rows."""
-        self._check_rows(keys, blocks, "blocks")
-        with self._lock:
-            new = self._refresh(keys)
-            held = len(keys) - len(new)
-            left_out, new = self._fit(new)
-            ids = self._allocate(len(new)) if new else []
-            if ids:
-                self.rows[ids] = blocks[new]  # type: ignore[index]
-            self._publish(ids, [keys[i] for i in new])
-            self._overflow += len(left_out)
-            return held + len(ids)
+    #: Blocks always carry bytes here (its own rows).
+    _holds_data = True
+
+    def _write_rows(self, ids: list[int], new: list[int], blocks: torch.Tensor) -> None:
+        """Write ``blocks[new]`` into rows ``ids`` (the lock held); :meth:`HostTier.set` does the rest."""
+        self.rows[ids] = blocks[new]
