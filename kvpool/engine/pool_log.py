@@ -11,11 +11,11 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 from kvpool.engine.tp_compaction import MOVE, apply_moves
-from kvpool.engine.tp_group import TPGroup
+from kvpool.engine.tp_group import TPGroup, follow_call
 from kvpool.engine.tp_memory import REORDER, apply_memory_call, is_memory_call, memory_digest
 from kvpool.engine.tp_partial import COPY, apply_copy
 from kvpool.engine.tp_state import apply_state_call, is_state_call, state_digest
-from kvpool.errors import IntegrityError, KVPoolError
+from kvpool.errors import IntegrityError
 from kvpool.requests.no_state import NO_STATE, StateSide
 from kvpool.spec import cdiv
 
@@ -113,14 +113,7 @@ def replay(pool: Any, log: Sequence[tuple[str, tuple, dict[str, Any], Any]], ran
             continue
         if name not in _RECORDED:
             raise IntegrityError(f"rank {rank}: rank 0 shipped an unknown pool call {name!r}")
-        try:
-            result = getattr(pool, name)(*args, **kwargs)
-        except KVPoolError as exc:
-            raise IntegrityError(f"rank {rank}: rank 0's {name} raised here ({exc}): the pools diverged") \
-                from exc
-        if result != expected:
-            raise IntegrityError(f"rank {rank}: {name} returned {result!r} where rank 0's returned "
-                                 f"{expected!r}: the pools diverged")
+        follow_call(getattr(pool, name), name, args, kwargs, expected, rank, "pools")
 
 
 def check_batch_blocks(pool: Any, spans: Iterable[tuple[Sequence[list[int]], int, int]], block_size: int,

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kvpool.errors import CollectiveError
+from kvpool.errors import CollectiveError, IntegrityError, KVPoolError
 
 FRAME_BYTES = 16384  # a step's message is ~0.2-3 KB for a few requests: one broadcast nearly always
 DEFAULT_TIMEOUT_S = 300.0  # a collective waiting longer than this raises (a rank hung)
@@ -114,3 +114,22 @@ class Channel:
             self.tp.broadcast(rest)
             data += rest.numpy().tobytes()
         return data
+
+
+def follow_call(call: Callable[..., Any], name: str, args: tuple, kwargs: dict[str, Any], expected: Any,
+                rank: int, what: str) -> None:
+    """A follower's side of one of rank 0's logged calls: run ``call(*args, **kwargs)`` here and compare its
+    result with rank 0's ``expected``. ``name`` names the call and ``what`` the state that diverged (for the
+    messages).
+
+    Raises:
+        IntegrityError: the call raised a KVPoolError here, or returned something else than on rank 0.
+    """
+    try:
+        result = call(*args, **kwargs)
+    except KVPoolError as exc:
+        raise IntegrityError(f"rank {rank}: rank 0's {name} raised here ({exc}): the {what} diverged") \
+            from exc
+    if result != expected:
+        raise IntegrityError(f"rank {rank}: {name} returned {result!r} where rank 0's returned {expected!r}: "
+                             f"the {what} diverged")

@@ -24,7 +24,8 @@ import hashlib
 from collections.abc import Iterable
 from typing import Any
 
-from kvpool.errors import InsufficientMemoryError, IntegrityError, KVPoolError
+from kvpool.engine.tp_group import follow_call
+from kvpool.errors import InsufficientMemoryError, IntegrityError
 from kvpool.requests.page_aware import order_free_blocks
 
 #: The calls on rank 0's elastic cache that change its pages, logged for the followers.
@@ -74,12 +75,7 @@ def apply_memory_call(pool: Any, cache: Any, name: str, args: tuple, expected: A
     if name == REORDER:
         order_free_blocks(pool, cache.pages)
         return
-    try:
-        result = getattr(cache, name[7:])(*args)
-    except KVPoolError as exc:
-        raise IntegrityError(f"rank {rank}: rank 0's {name} raised here ({exc}): the pages diverged") from exc
-    if result != expected:
-        raise IntegrityError(f"rank {rank}: {name} returned {result!r} where rank 0's returned {expected!r}")
+    follow_call(getattr(cache, name[7:]), name, args, {}, expected, rank, "pages")
 
 
 def memory_digest(cache: Any) -> bytes:

@@ -27,7 +27,8 @@ import weakref
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from kvpool.errors import IntegrityError, KVPoolError
+from kvpool.engine.tp_group import follow_call
+from kvpool.errors import IntegrityError
 from kvpool.requests.no_state import StateSide
 
 #: The ``StatePool`` calls that change it, and the mover's, logged as ``state.<name>``.
@@ -149,14 +150,7 @@ def apply_state_call(states: Any, name: str, args: tuple, expected: Any, rank: i
         if states.mover is not None:
             getattr(states.mover, call)(*args)
         return
-    try:
-        result = getattr(states.pool, call)(*args)
-    except KVPoolError as exc:
-        raise IntegrityError(f"rank {rank}: rank 0's {name} raised here ({exc}): the state slots diverged") \
-            from exc
-    if result != expected:
-        raise IntegrityError(f"rank {rank}: {name} returned {result!r} where rank 0's returned {expected!r}: "
-                             f"the state slots diverged")
+    follow_call(getattr(states.pool, call), name, args, {}, expected, rank, "state slots")
 
 
 def state_digest(states: StateSide) -> bytes:
