@@ -18,14 +18,18 @@ transformers' own ``tp_plan`` (``base_model_tp_plan``: ``k_proj`` / ``v_proj`` "
 shards every weight evenly over the ranks (``Shard(0)``), so with ``tp_size > num_key_value_heads`` each rank
 would get a fraction of a KV head instead of a whole replicated one.
 
-Supported: models whose decoder layers have ``self_attn.{q,k,v,o}_proj`` and ``mlp.{gate,up,down}_proj``
-(Llama, SmolLM2, Mistral, Qwen2, Qwen3, Gemma 2 / 3, Llama 4 text with dense ``feed_forward`` MLPs, its
-chunked-local layers included), and the recurrent hybrids of
-:data:`~kvpool.engine.sharding_recurrent.RECURRENT_MODEL_TYPES` (Qwen3-Next, Qwen3.5 with dense MLPs), whose
-layers hold either ``self_attn`` (its ``q_proj`` may carry a gate per head beside each query head: rows ``[q
-head_dim, gate head_dim]`` per head, kept together) or a Gated DeltaNet ``linear_attn``, sharded by
-:func:`~kvpool.engine.sharding_recurrent.shard_recurrent_mixer`. GPT-2 (a fused ``c_attn``),
-mixture-of-experts MLPs and others raise ``ConfigError``.
+This module is the dispatcher: it shards the attention and dense MLPs itself and hands each other kind of
+layer to its own module. Supported: models whose decoder layers have ``self_attn.{q,k,v,o}_proj`` (each
+layer's own KV heads: MiMo-V2-Flash's sliding layers hold twice its full ones; V heads of their own size;
+attention ``sinks``, one logit per query head, keep this rank's heads) and ``mlp.{gate,up,down}_proj`` (Llama,
+SmolLM2, Mistral, Qwen2, Qwen3, Gemma 2 / 3, Llama 4 text with dense ``feed_forward`` MLPs, its chunked-local
+layers included) or fused experts (:data:`EXPERT_MODEL_TYPES`: gpt-oss, MiMo-V2-Flash, and Qwen3-Next's
+expert layers, sharded by :func:`~kvpool.engine.sharding_experts.shard_experts`), and the recurrent hybrids
+of :data:`~kvpool.engine.sharding_recurrent.RECURRENT_MODEL_TYPES` (Qwen3-Next, Qwen3.5), whose layers hold
+either ``self_attn`` (its ``q_proj`` may carry a gate per head beside each query head: rows ``[q head_dim,
+gate head_dim]`` per head, kept together) or a Gated DeltaNet ``linear_attn``, sharded by
+:func:`~kvpool.engine.sharding_recurrent.shard_recurrent_mixer`. Other model types (GPT-2's fused
+``c_attn``, Llama 4's experts, ...) raise ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -37,12 +41,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvpool.engine.sharding_experts import expert_sizes, is_experts_block, shard_experts
 from kvpool.engine.sharding_recurrent import RECURRENT_MODEL_TYPES, shard_recurrent_mixer
 from kvpool.errors import ConfigError
 from kvpool.spec.memory import ModelMemory
 
+#: Model types whose layers hold fused experts (:mod:`kvpool.engine.sharding_experts`).
+EXPERT_MODEL_TYPES = ("gpt_oss", "mimo_v2_flash")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "llama4_text",
-                         *RECURRENT_MODEL_TYPES)
+                         *EXPERT_MODEL_TYPES, *RECURRENT_MODEL_TYPES)
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -93,10 +100,12 @@ def check_shardable(config: Mapping[str, Any], tp_size: int) -> None:
         raise ConfigError(f"tp_size {tp_size} does not divide the {heads} query heads{more}")
     if inner % tp_size:
         raise ConfigError(f"tp_size {tp_size} does not divide intermediate_size {inner}")
-    experts, dense = config.get("num_experts") or 0, set(config.get("mlp_only_layers") or ())
-    if (experts and len(dense) < config["num_hidden_layers"]) or config.get("moe_layers"):  # Llama 4's too
-        experts = experts or config.get("num_local_experts")
-        raise ConfigError(f"tensor parallelism shards dense MLPs, not the {experts} experts of {kind!r}")
+    for name, size in expert_sizes(config).items():
+        if size % tp_size:
+            raise ConfigError(f"tp_size {tp_size} does not divide the experts' {name} {size}")
+    if config.get("moe_layers"):  # Llama 4's experts: not of transformers' fused layout
+        raise ConfigError(f"tensor parallelism shards dense MLPs and fused experts, not the "
+                          f"{config.get('num_local_experts')} experts of {kind!r}")
     # KV heads: divisible, or replicated; a hybrid's recurrent heads divisible
     ModelMemory.from_config(dict(config), tp_size=tp_size)
 
@@ -121,48 +130,77 @@ def shard_model(model: Any, rank: int, tp_size: int, all_reduce: Callable[[torch
     check_shardable(config, tp_size)
     if tp_size == 1:
         return model
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    q_heads = range(rank * heads // tp_size, (rank + 1) * heads // tp_size)
-    kv = kv_heads_of_rank(kv_heads, rank, tp_size)
+    heads = config["num_attention_heads"]
+
     def row_parallel(linear: nn.Linear, columns: slice) -> RowParallelLinear:
         return _row_parallel(linear, columns, all_reduce)
 
     for layer in _decoder_layers(model):
         attn, mlp = getattr(layer, "self_attn", None), _mlp(layer)
         if attn is not None:
-            _shard_attention(attn, q_heads, kv, row_parallel)
+            _shard_attention(attn, heads, rank, tp_size, row_parallel)
         else:
             shard_recurrent_mixer(layer.linear_attn, rank, tp_size, row_parallel, _keep_rows)
-        inner = mlp.down_proj.in_features // tp_size
-        mlp_rows = slice(rank * inner, (rank + 1) * inner)
-        _keep_rows(mlp.gate_proj, mlp_rows)
-        _keep_rows(mlp.up_proj, mlp_rows)
-        mlp.down_proj = _row_parallel(mlp.down_proj, mlp_rows, all_reduce)
+        _shard_feed_forward(mlp, rank, tp_size, all_reduce)
     return model
 
 
-def _shard_attention(attn: nn.Module, q_heads: range, kv: range,
+def _shard_feed_forward(mlp: nn.Module, rank: int, tp_size: int,
+                        all_reduce: Callable[[torch.Tensor], None]) -> None:
+    """Shard a decoder layer's feed-forward module: a dense MLP, or fused experts
+    (:func:`~kvpool.engine.sharding_experts.shard_experts`) beside a dense shared expert if any (Qwen3-Next's
+    ``shared_expert``: sharded as a dense MLP; its gate, one logit per token, stays whole)."""
+    if not is_experts_block(mlp):
+        _shard_dense_mlp(mlp, rank, tp_size, all_reduce)
+        return
+    shard_experts(mlp.experts, rank, tp_size, all_reduce)
+    shared = getattr(mlp, "shared_expert", None)
+    if shared is not None:
+        _shard_dense_mlp(shared, rank, tp_size, all_reduce)
+
+
+def _shard_dense_mlp(mlp: nn.Module, rank: int, tp_size: int,
+                     all_reduce: Callable[[torch.Tensor], None]) -> None:
+    """Rows ``r I/tp ..`` of ``gate_proj`` and ``up_proj``, those columns of a row-parallel ``down_proj``."""
+    inner = mlp.down_proj.in_features // tp_size
+    mlp_rows = slice(rank * inner, (rank + 1) * inner)
+    _keep_rows(mlp.gate_proj, mlp_rows)
+    _keep_rows(mlp.up_proj, mlp_rows)
+    mlp.down_proj = _row_parallel(mlp.down_proj, mlp_rows, all_reduce)
+
+
+def _shard_attention(attn: nn.Module, heads: int, rank: int, tp_size: int,
                      row_parallel: Callable[[nn.Linear, slice], nn.Module]) -> None:
-    """Keep query heads ``q_heads`` and KV heads ``kv`` of ``attn``; a gated ``q_proj`` (Qwen3-Next, Qwen3.5:
-    ``2 head_dim`` rows per head, the query then its gate) keeps both halves of each of its heads."""
+    """Keep rank ``rank``'s query heads of the ``heads`` and the KV heads they read, of this layer (its own
+    KV head count: MiMo-V2-Flash's sliding layers have twice its full ones; its V heads may be narrower than
+    its K heads). A gated ``q_proj`` (Qwen3-Next, Qwen3.5: ``2 head_dim`` rows per head, the query then its
+    gate) keeps both halves of each of its heads; attention sinks (gpt-oss, MiMo-V2-Flash: ``sinks``, one
+    logit per query head) keep this rank's heads."""
     head_dim = attn.head_dim
-    per_head = attn.q_proj.out_features // (attn.o_proj.in_features // head_dim)  # head_dim, or 2x if gated
-    q_rows, kv_rows = _head_rows(q_heads, per_head), _head_rows(kv, head_dim)
-    _keep_rows(attn.q_proj, q_rows)
-    _keep_rows(attn.k_proj, kv_rows)
-    _keep_rows(attn.v_proj, kv_rows)
-    attn.o_proj = row_parallel(attn.o_proj, _head_rows(q_heads, head_dim))
+    kv_heads = attn.k_proj.out_features // head_dim
+    v_dim = attn.v_proj.out_features // kv_heads
+    q_heads = range(rank * heads // tp_size, (rank + 1) * heads // tp_size)
+    kv = kv_heads_of_rank(kv_heads, rank, tp_size)
+    per_head = attn.q_proj.out_features // heads  # head_dim, or 2x if gated
+    _keep_rows(attn.q_proj, _head_rows(q_heads, per_head))
+    _keep_rows(attn.k_proj, _head_rows(kv, head_dim))
+    _keep_rows(attn.v_proj, _head_rows(kv, v_dim))
+    attn.o_proj = row_parallel(attn.o_proj, _head_rows(q_heads, v_dim))
     attn.num_key_value_groups = len(q_heads) // len(kv)  # what eager/sdpa attention would repeat
+    sinks = getattr(attn, "sinks", None)
+    if isinstance(sinks, torch.Tensor):
+        with torch.no_grad():
+            attn.sinks = nn.Parameter(sinks[q_heads.start:q_heads.stop].clone(), requires_grad=False)
 
 
 def _decoder_layers(model: Any) -> list[nn.Module]:
-    """The decoder layers: each with ``mlp.{gate,up,down}_proj`` and either ``self_attn.{q,k,v,o}_proj`` or
-    (a recurrent hybrid's) a ``linear_attn`` mixer."""
+    """The decoder layers: each with ``mlp.{gate,up,down}_proj`` (or fused ``mlp.experts``) and either
+    ``self_attn.{q,k,v,o}_proj`` or (a recurrent hybrid's) a ``linear_attn`` mixer."""
     def has(module: Any, names: tuple[str, ...]) -> bool:
         return module is not None and all(isinstance(getattr(module, n, None), nn.Linear) for n in names)
 
     layers = list(getattr(getattr(model, "model", None), "layers", None) or [])
-    ok = layers and all(has(_mlp(layer), _MLP)
+    ok = layers and all((has(_mlp(layer), _MLP) or is_experts_block(_mlp(layer)))
                         and (has(getattr(layer, "self_attn", None), _ATTENTION)
                              or getattr(layer, "linear_attn", None) is not None)
                         for layer in layers)
