@@ -2,7 +2,8 @@
 up units split, its down projection row-parallel), the router replicated, one all-reduce of the experts'
 output; attention sinks sliced by head. Families: gpt-oss (interleaved, transposed fused experts with biases,
 sinks), MiMo-V2-Flash (concatenated experts; K and V heads of other sizes; sliding layers with twice the KV
-heads of the full ones), Qwen3-Next with expert layers (and a shared expert).
+heads of the full ones), Qwen3-Next with expert layers (and a shared expert), Nemotron-H's expert layers
+(experts without a gate, shared experts).
 
 Expected values come from the whole model in one process (logits) and transformers' own greedy ``generate``
 (``--check``)."""
@@ -30,18 +31,25 @@ from kvpool.engine.sharding_experts import shard_experts  # noqa: E402
 from kvpool.errors import ConfigError  # noqa: E402
 
 QWEN3_NEXT_MOE = "qwen3-next with experts"
+NEMOTRON_MOE = "nemotron-h with experts"
 
 
 def _model(name: str) -> Any:
-    if name != QWEN3_NEXT_MOE:
+    if name not in (QWEN3_NEXT_MOE, NEMOTRON_MOE):
         return load_model(name, seed=1).model
     import transformers
 
     from kvpool.engine.models import tiny_config
 
-    config = tiny_config("tiny-qwen3-next")  # every layer's MLP an experts block with a shared expert
-    config.mlp_only_layers, config.num_experts, config.num_experts_per_tok = [], 4, 2
-    config.moe_intermediate_size, config.shared_expert_intermediate_size = 32, 64
+    if name == QWEN3_NEXT_MOE:
+        config = tiny_config("tiny-qwen3-next")  # every layer's MLP an experts block with a shared expert
+        config.mlp_only_layers, config.num_experts, config.num_experts_per_tok = [], 4, 2
+        config.moe_intermediate_size, config.shared_expert_intermediate_size = 32, 64
+    else:  # Nemotron-H: its last layer an experts block without gates, with shared experts
+        config = tiny_config("tiny-nemotron-h")
+        config.layers_block_type = ["linear_attention", "full_attention", "linear_attention", "moe"]
+        config.n_routed_experts, config.num_experts_per_tok, config.n_group, config.topk_group = 4, 2, 1, 1
+        config.moe_intermediate_size, config.moe_shared_expert_intermediate_size = 32, 64
     torch.manual_seed(1)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
@@ -51,11 +59,17 @@ def _model(name: str) -> Any:
     return model
 
 
+def _blocks(model: Any) -> list[tuple[Any, str]]:
+    """(decoder layer, attribute) of every experts block of ``model``."""
+    return [(layer, attr) for layer in model.model.layers for attr in ("mlp", "mixer")
+            if hasattr(getattr(layer, attr, None), "experts")]
+
+
 def _experts(model: Any) -> list[Any]:
-    return [layer.mlp.experts for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    return [getattr(layer, attr).experts for layer, attr in _blocks(model)]
 
 
-@pytest.mark.parametrize("name", ["tiny-gpt-oss", "tiny-mimo", QWEN3_NEXT_MOE])
+@pytest.mark.parametrize("name", ["tiny-gpt-oss", "tiny-mimo", QWEN3_NEXT_MOE, NEMOTRON_MOE])
 def test_sharded_experts_compute_the_whole_models_logits_and_a_wrong_shard_diverges(name: str) -> None:
     model = _model(name)
     ids = torch.randint(0, 256, (1, 23), generator=torch.Generator().manual_seed(0))  # crosses the window
@@ -64,18 +78,20 @@ def test_sharded_experts_compute_the_whole_models_logits_and_a_wrong_shard_diver
     shards = threaded_ranks(model, 2)
     for logits in forward_on_threads(shards, ids):
         torch.testing.assert_close(logits, whole, atol=1e-4, rtol=0)
-    # rank 1 holds half of each expert's units: gpt-oss 64 / 2, MiMo and Qwen3-Next 32 / 2 (gate + up: 2x)
+    # rank 1 holds half of each expert's units: gpt-oss 64 / 2, the others 32 / 2 (gate + up: 2x; Nemotron-H
+    # has no gate)
     units = {"tiny-gpt-oss": 32}.get(name, 16)
     for experts in _experts(shards[1]):
-        assert 2 * units in experts.gate_up_proj.shape and units in experts.down_proj.shape[1:]
+        up = experts.gate_up_proj if experts.has_gate else experts.up_proj
+        assert (2 if experts.has_gate else 1) * units in up.shape and units in experts.down_proj.shape[1:]
     # control: rank 1's experts keep rank 0's units (its attention and the rest as they should be)
     hook = next(iter(_experts(shards[1])[0]._forward_hooks.values()))
-    for layer, original in zip(shards[1].model.layers, model.model.layers, strict=True):
-        if hasattr(layer.mlp, "experts"):
-            layer.mlp.experts = copy.deepcopy(original.mlp.experts)
-            shard_experts(layer.mlp.experts, 0, 2, lambda t: None)
-            layer.mlp.experts._forward_hooks.clear()
-            layer.mlp.experts.register_forward_hook(hook)  # rank 1's all-reduce
+    for (layer, attr), (original, _) in zip(_blocks(shards[1]), _blocks(model), strict=True):
+        experts = copy.deepcopy(getattr(original, attr).experts)
+        shard_experts(experts, 0, 2, lambda t: None)
+        experts._forward_hooks.clear()
+        experts.register_forward_hook(hook)  # rank 1's all-reduce
+        getattr(layer, attr).experts = experts
     for logits in forward_on_threads(shards, ids):
         assert (logits - whole).abs().max() > 1e-2
 

@@ -1,4 +1,4 @@
-"""Tensor-parallel sharding of a Hugging Face Llama-family model, by hand, in place (Megatron style).
+"""Tensor-parallel sharding of a Hugging Face model, by hand, in place (Megatron style).
 
 In every decoder layer of a model on ``tp_size`` ranks, rank ``r`` keeps:
 
@@ -18,18 +18,26 @@ transformers' own ``tp_plan`` (``base_model_tp_plan``: ``k_proj`` / ``v_proj`` "
 shards every weight evenly over the ranks (``Shard(0)``), so with ``tp_size > num_key_value_heads`` each rank
 would get a fraction of a KV head instead of a whole replicated one.
 
-This module is the dispatcher: it shards the attention and dense MLPs itself and hands each other kind of
-layer to its own module. Supported: models whose decoder layers have ``self_attn.{q,k,v,o}_proj`` (each
-layer's own KV heads: MiMo-V2-Flash's sliding layers hold twice its full ones; V heads of their own size;
-attention ``sinks``, one logit per query head, keep this rank's heads) and ``mlp.{gate,up,down}_proj`` (Llama,
-SmolLM2, Mistral, Qwen2, Qwen3, Gemma 2 / 3, Llama 4 text with dense ``feed_forward`` MLPs, its chunked-local
-layers included) or fused experts (:data:`EXPERT_MODEL_TYPES`: gpt-oss, MiMo-V2-Flash, and Qwen3-Next's
-expert layers, sharded by :func:`~kvpool.engine.sharding_experts.shard_experts`), and the recurrent hybrids
-of :data:`~kvpool.engine.sharding_recurrent.RECURRENT_MODEL_TYPES` (Qwen3-Next, Qwen3.5), whose layers hold
-either ``self_attn`` (its ``q_proj`` may carry a gate per head beside each query head: rows ``[q head_dim,
-gate head_dim]`` per head, kept together) or a Gated DeltaNet ``linear_attn``, sharded by
-:func:`~kvpool.engine.sharding_recurrent.shard_recurrent_mixer`. Other model types (GPT-2's fused
-``c_attn``, Llama 4's experts, ...) raise ``ConfigError``.
+This module is the dispatcher: it shards the attention and dense MLPs itself and hands each other part of a
+decoder layer (:data:`_PARTS`) to its own module. Supported (:data:`SUPPORTED_MODEL_TYPES`):
+
+* attention ``self_attn.{q,k,v}_proj`` with ``o_proj`` (or LFM2's ``out_proj``): each layer's own KV heads
+  (MiMo-V2-Flash's sliding layers hold twice its full ones), V heads of their own size, attention ``sinks``
+  (one logit per query head) sliced to this rank's heads; a gated ``q_proj`` (Qwen3-Next, Qwen3.5: rows ``[q
+  head_dim, gate head_dim]`` per head) keeps both halves of each head;
+* dense MLPs (:data:`_DENSE_MLPS`: Llama's ``gate/up/down_proj``, LFM2's ``w1/w3/w2``, Nemotron-H's
+  ``up/down_proj`` without a gate, GraniteMoeHybrid's fused ``input_linear``): Llama, SmolLM2, Mistral,
+  Qwen2, Qwen3, Gemma 2 / 3, Llama 4 text with dense ``feed_forward`` MLPs (its chunked-local layers
+  included);
+* fused experts (:data:`EXPERT_MODEL_TYPES`: gpt-oss, MiMo-V2-Flash; Qwen3-Next's and Nemotron-H's expert
+  layers): :func:`~kvpool.engine.sharding_experts.shard_experts`, a shared expert as a dense MLP;
+* recurrent mixers (:data:`~kvpool.engine.sharding_recurrent.RECURRENT_MODEL_TYPES`): Gated DeltaNet
+  (Qwen3-Next, Qwen3.5: :func:`~kvpool.engine.sharding_recurrent.shard_recurrent_mixer`), LFM2's short
+  convolutions (:func:`~kvpool.engine.sharding_conv.shard_short_conv`), Mamba-2 (Nemotron-H,
+  GraniteMoeHybrid, Bamba, Falcon-H1: :func:`~kvpool.engine.sharding_mamba.shard_mamba2_mixer`).
+
+Other model types (GPT-2's fused ``c_attn``, Gemma 4, Jamba, Kimi Linear, OLMo hybrid) and Llama 4's or
+GraniteMoeHybrid's experts raise ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -41,7 +49,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvpool.engine.sharding_conv import shard_short_conv
 from kvpool.engine.sharding_experts import expert_sizes, is_experts_block, shard_experts
+from kvpool.engine.sharding_mamba import check_mamba2_groups, shard_mamba2_mixer
 from kvpool.engine.sharding_recurrent import RECURRENT_MODEL_TYPES, shard_recurrent_mixer
 from kvpool.errors import ConfigError
 from kvpool.spec.memory import ModelMemory
@@ -50,8 +60,6 @@ from kvpool.spec.memory import ModelMemory
 EXPERT_MODEL_TYPES = ("gpt_oss", "mimo_v2_flash")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "llama4_text",
                          *EXPERT_MODEL_TYPES, *RECURRENT_MODEL_TYPES)
-_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 class RowParallelLinear(nn.Module):
@@ -83,7 +91,8 @@ def check_shardable(config: Mapping[str, Any], tp_size: int) -> None:
         ConfigError: ``tp_size`` < 1; a model type outside :data:`SUPPORTED_MODEL_TYPES` (for tp_size > 1);
             query heads or ``intermediate_size`` that ``tp_size`` does not divide (more ranks than query
             heads included); KV heads that ``tp_size`` neither divides nor is a multiple of; a hybrid's
-            recurrent heads that it does not divide; layers with experts.
+            recurrent heads, Mamba-2 groups or experts' intermediate sizes that it does not divide; Llama 4's
+            and GraniteMoeHybrid's experts.
     """
     if tp_size < 1:
         raise ConfigError(f"tp_size must be >= 1, got {tp_size}")
@@ -103,9 +112,11 @@ def check_shardable(config: Mapping[str, Any], tp_size: int) -> None:
     for name, size in expert_sizes(config).items():
         if size % tp_size:
             raise ConfigError(f"tp_size {tp_size} does not divide the experts' {name} {size}")
-    if config.get("moe_layers"):  # Llama 4's experts: not of transformers' fused layout
+    # Llama 4's and GraniteMoeHybrid's experts: not of transformers' fused layout
+    if config.get("moe_layers") or (kind == "granitemoehybrid" and config.get("num_local_experts")):
         raise ConfigError(f"tensor parallelism shards dense MLPs and fused experts, not the "
                           f"{config.get('num_local_experts')} experts of {kind!r}")
+    check_mamba2_groups(config, tp_size)
     # KV heads: divisible, or replicated; a hybrid's recurrent heads divisible
     ModelMemory.from_config(dict(config), tp_size=tp_size)
 
@@ -124,49 +135,70 @@ def shard_model(model: Any, rank: int, tp_size: int, all_reduce: Callable[[torch
     ``model``, changed in place. ``tp_size == 1`` changes nothing.
 
     Raises:
-        ConfigError: as :func:`check_shardable`, or decoder layers without the projections named above.
+        ConfigError: as :func:`check_shardable`, or decoder layers without the parts named above.
     """
     config = model.config.to_dict()
     check_shardable(config, tp_size)
     if tp_size == 1:
         return model
-    heads = config["num_attention_heads"]
-
     def row_parallel(linear: nn.Linear, columns: slice) -> RowParallelLinear:
         return _row_parallel(linear, columns, all_reduce)
 
-    for layer in _decoder_layers(model):
-        attn, mlp = getattr(layer, "self_attn", None), _mlp(layer)
-        if attn is not None:
-            _shard_attention(attn, heads, rank, tp_size, row_parallel)
+    heads = config["num_attention_heads"]
+
+    def shard_part(part: nn.Module) -> None:
+        if _has(part, ("q_proj", "k_proj", "v_proj")):
+            _shard_attention(part, heads, rank, tp_size, row_parallel)
+        elif is_experts_block(part):
+            shard_experts(part.experts, rank, tp_size, all_reduce)
+            for name in ("shared_expert", "shared_experts"):  # Qwen3-Next's (its gate whole), Nemotron-H's
+                if isinstance(getattr(part, name, None), nn.Module):
+                    shard_part(getattr(part, name))
+        elif _dense_mlp(part) is not None:
+            _shard_dense_mlp(part, rank, tp_size, all_reduce)
+        elif hasattr(part, "A_log") and hasattr(part, "n_groups"):
+            shard_mamba2_mixer(part, rank, tp_size, row_parallel, _keep_rows)
+        elif hasattr(part, "A_log"):
+            shard_recurrent_mixer(part, rank, tp_size, row_parallel, _keep_rows)
         else:
-            shard_recurrent_mixer(layer.linear_attn, rank, tp_size, row_parallel, _keep_rows)
-        _shard_feed_forward(mlp, rank, tp_size, all_reduce)
+            shard_short_conv(part, rank, tp_size, row_parallel, _keep_rows)
+
+    for parts in _decoder_layers(model):
+        for part in parts:
+            shard_part(part)
     return model
 
 
-def _shard_feed_forward(mlp: nn.Module, rank: int, tp_size: int,
-                        all_reduce: Callable[[torch.Tensor], None]) -> None:
-    """Shard a decoder layer's feed-forward module: a dense MLP, or fused experts
-    (:func:`~kvpool.engine.sharding_experts.shard_experts`) beside a dense shared expert if any (Qwen3-Next's
-    ``shared_expert``: sharded as a dense MLP; its gate, one logit per token, stays whole)."""
-    if not is_experts_block(mlp):
-        _shard_dense_mlp(mlp, rank, tp_size, all_reduce)
-        return
-    shard_experts(mlp.experts, rank, tp_size, all_reduce)
-    shared = getattr(mlp, "shared_expert", None)
-    if shared is not None:
-        _shard_dense_mlp(shared, rank, tp_size, all_reduce)
+def _has(module: Any, names: tuple[str, ...]) -> bool:
+    return all(isinstance(getattr(module, n, None), nn.Linear) for n in names)
+
+
+#: A dense MLP's (gate or None, up, down) linear layers, by family: Llama's, LFM2's, Nemotron-H's (no gate),
+#: GraniteMoeHybrid's shared MLP (one ``input_linear`` of rows ``[gate I, up I]``: gate None, up it).
+_DENSE_MLPS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"), (None, "up_proj", "down_proj"),
+               (None, "input_linear", "output_linear"))
+
+
+def _dense_mlp(module: Any) -> tuple[str | None, str, str] | None:
+    """The names of ``module``'s dense MLP linear layers (:data:`_DENSE_MLPS`), or None."""
+    return next((names for names in _DENSE_MLPS if _has(module, tuple(n for n in names if n))), None)
 
 
 def _shard_dense_mlp(mlp: nn.Module, rank: int, tp_size: int,
                      all_reduce: Callable[[torch.Tensor], None]) -> None:
-    """Rows ``r I/tp ..`` of ``gate_proj`` and ``up_proj``, those columns of a row-parallel ``down_proj``."""
-    inner = mlp.down_proj.in_features // tp_size
-    mlp_rows = slice(rank * inner, (rank + 1) * inner)
-    _keep_rows(mlp.gate_proj, mlp_rows)
-    _keep_rows(mlp.up_proj, mlp_rows)
-    mlp.down_proj = _row_parallel(mlp.down_proj, mlp_rows, all_reduce)
+    """Rows ``r I/tp ..`` of the gate and up projections (GraniteMoeHybrid's fused ``input_linear``: those
+    rows of each half), those columns of a row-parallel down projection."""
+    gate, up, down = _dense_mlp(mlp) or ("", "", "")
+    if getattr(mlp, down).in_features % tp_size:  # LFM2 sizes its MLPs apart from intermediate_size
+        raise ConfigError(f"tp_size {tp_size} does not divide the {getattr(mlp, down).in_features} "
+                          f"intermediate features of {type(mlp).__name__}")
+    inner = getattr(mlp, down).in_features // tp_size
+    rows = torch.arange(rank * inner, (rank + 1) * inner)
+    if gate is not None:
+        _keep_rows(getattr(mlp, gate), rows)
+    fused = getattr(mlp, up).out_features == 2 * tp_size * inner  # [gate I, up I] in one layer
+    _keep_rows(getattr(mlp, up), torch.cat([rows, tp_size * inner + rows]) if fused else rows)
+    setattr(mlp, down, _row_parallel(getattr(mlp, down), slice(rank * inner, (rank + 1) * inner), all_reduce))
 
 
 def _shard_attention(attn: nn.Module, heads: int, rank: int, tp_size: int,
@@ -175,7 +207,8 @@ def _shard_attention(attn: nn.Module, heads: int, rank: int, tp_size: int,
     KV head count: MiMo-V2-Flash's sliding layers have twice its full ones; its V heads may be narrower than
     its K heads). A gated ``q_proj`` (Qwen3-Next, Qwen3.5: ``2 head_dim`` rows per head, the query then its
     gate) keeps both halves of each of its heads; attention sinks (gpt-oss, MiMo-V2-Flash: ``sinks``, one
-    logit per query head) keep this rank's heads."""
+    logit per query head) keep this rank's heads. The output projection: ``o_proj``, or LFM2's
+    ``out_proj``."""
     head_dim = attn.head_dim
     kv_heads = attn.k_proj.out_features // head_dim
     v_dim = attn.v_proj.out_features // kv_heads
@@ -185,7 +218,8 @@ def _shard_attention(attn: nn.Module, heads: int, rank: int, tp_size: int,
     _keep_rows(attn.q_proj, _head_rows(q_heads, per_head))
     _keep_rows(attn.k_proj, _head_rows(kv, head_dim))
     _keep_rows(attn.v_proj, _head_rows(kv, v_dim))
-    attn.o_proj = row_parallel(attn.o_proj, _head_rows(q_heads, v_dim))
+    out = "o_proj" if isinstance(getattr(attn, "o_proj", None), nn.Linear) else "out_proj"
+    setattr(attn, out, row_parallel(getattr(attn, out), _head_rows(q_heads, v_dim)))
     attn.num_key_value_groups = len(q_heads) // len(kv)  # what eager/sdpa attention would repeat
     sinks = getattr(attn, "sinks", None)
     if isinstance(sinks, torch.Tensor):
@@ -193,26 +227,20 @@ def _shard_attention(attn: nn.Module, heads: int, rank: int, tp_size: int,
             attn.sinks = nn.Parameter(sinks[q_heads.start:q_heads.stop].clone(), requires_grad=False)
 
 
-def _decoder_layers(model: Any) -> list[nn.Module]:
-    """The decoder layers: each with ``mlp.{gate,up,down}_proj`` (or fused ``mlp.experts``) and either
-    ``self_attn.{q,k,v,o}_proj`` or (a recurrent hybrid's) a ``linear_attn`` mixer."""
-    def has(module: Any, names: tuple[str, ...]) -> bool:
-        return module is not None and all(isinstance(getattr(module, n, None), nn.Linear) for n in names)
+#: A decoder layer's parts, by attribute: its mixers (attention, Gated DeltaNet, LFM2's short convolution,
+#: Mamba-2; Nemotron-H's one ``mixer`` is any of attention, Mamba-2 or an MLP) and its feed-forward modules.
+_PARTS = ("self_attn", "linear_attn", "conv", "mamba", "mixer", "mlp", "feed_forward", "shared_mlp")
 
+
+def _decoder_layers(model: Any) -> list[list[nn.Module]]:
+    """Each decoder layer's parts (:data:`_PARTS`), at least one each."""
     layers = list(getattr(getattr(model, "model", None), "layers", None) or [])
-    ok = layers and all((has(_mlp(layer), _MLP) or is_experts_block(_mlp(layer)))
-                        and (has(getattr(layer, "self_attn", None), _ATTENTION)
-                             or getattr(layer, "linear_attn", None) is not None)
-                        for layer in layers)
-    if not ok:
-        raise ConfigError(f"cannot shard {type(model).__name__}: its decoder layers lack "
-                          f"self_attn.{{q,k,v,o}}_proj (or a linear_attn mixer) or mlp.{{gate,up,down}}_proj")
-    return layers
-
-
-def _mlp(layer: nn.Module) -> Any:
-    """A decoder layer's MLP: ``mlp``, or Llama 4's ``feed_forward``."""
-    return getattr(layer, "mlp", None) or getattr(layer, "feed_forward", None)
+    parts = [[p for name in _PARTS if isinstance(p := getattr(layer, name, None), nn.Module)]
+             for layer in layers]
+    if not layers or not all(parts):
+        raise ConfigError(f"cannot shard {type(model).__name__}: its decoder layers hold none of "
+                          f"{', '.join(_PARTS)}")
+    return parts
 
 
 def _head_rows(heads: range, head_dim: int) -> slice:

@@ -18,12 +18,12 @@ transformers 5.x keeps the experts of a layer as fused 3-D parameters (the class
 * ``is_transposed`` True (gpt-oss): ``gate_up_proj`` ``[E, H, 2I]``, ``down_proj`` ``[E, I, H]``;
 * ``is_concatenated`` True: the ``2I`` features are ``[gate I, up I]``; False (gpt-oss): interleaved, unit
   ``j``'s gate at ``2j`` and its up at ``2j + 1``;
+* ``has_gate`` False (Nemotron-H): ``up_proj`` ``[E, I, H]`` in place of ``gate_up_proj``;
 * ``has_bias`` (gpt-oss): ``gate_up_proj_bias`` ``[E, 2I]`` (sliced as the ``2I`` features),
   ``down_proj_bias`` ``[E, H]`` (rank 0's only).
 
 An experts module without these attributes, or with a post-expert norm (``has_post_expert_norm``: a norm of
-each whole expert's output, which a partial sum cannot give), or without a gate, is refused with a
-ConfigError.
+each whole expert's output, which a partial sum cannot give), is refused with a ConfigError.
 """
 
 from __future__ import annotations
@@ -36,22 +36,25 @@ from torch import nn
 
 from kvpool.errors import ConfigError
 
-_LAYOUT = ("gate_up_proj", "down_proj", "is_transposed", "is_concatenated", "has_bias", "has_gate")
+_LAYOUT = ("down_proj", "is_transposed", "is_concatenated", "has_bias", "has_gate")
 
 
 def is_experts_block(mlp: Any) -> bool:
     """Whether ``mlp`` (a decoder layer's feed-forward module) holds fused experts: an ``experts`` module
     with a 3-D ``gate_up_proj``."""
-    weight = getattr(getattr(mlp, "experts", None), "gate_up_proj", None)
+    experts = getattr(mlp, "experts", None)
+    weight = getattr(experts, "gate_up_proj", None)
+    weight = getattr(experts, "up_proj", None) if weight is None else weight
     return isinstance(weight, torch.Tensor) and weight.dim() == 3
 
 
 def expert_sizes(config: dict[str, Any]) -> dict[str, int]:
     """The intermediate sizes of a Hugging Face config dict's experts that tensor parallelism splits, by
-    name: ``moe_intermediate_size`` (MiMo-V2-Flash, Qwen3-Next), Qwen3-Next's
-    ``shared_expert_intermediate_size``, gpt-oss's ``intermediate_size`` (its only MLPs are experts); empty
-    for a model without experts."""
-    names = ["moe_intermediate_size", "shared_expert_intermediate_size"]
+    name: ``moe_intermediate_size`` (MiMo-V2-Flash, Qwen3-Next, Nemotron-H), the shared expert's
+    (``shared_expert_intermediate_size``, ``moe_shared_expert_intermediate_size``), gpt-oss's
+    ``intermediate_size`` (its only MLPs are experts); empty for a model without experts."""
+    names = ["moe_intermediate_size", "shared_expert_intermediate_size",
+             "moe_shared_expert_intermediate_size"]
     if config.get("model_type") == "gpt_oss":
         names.append("intermediate_size")
     return {name: config[name] for name in names if config.get(name)}
@@ -67,24 +70,28 @@ def shard_experts(experts: nn.Module, rank: int, tp_size: int,
             size ``tp_size`` does not divide.
     """
     missing = [name for name in _LAYOUT if getattr(experts, name, None) is None]
-    if missing or not experts.has_gate or getattr(experts, "has_post_expert_norm", False):
-        why = f"no {', '.join(missing)}" if missing else "no gate or a post-expert norm"
+    if missing or getattr(experts, "has_post_expert_norm", False):
+        why = f"no {', '.join(missing)}" if missing else "a post-expert norm"
         raise ConfigError(f"cannot shard {type(experts).__name__}: not fused experts of transformers' layout "
                           f"({why})")
-    transposed = experts.is_transposed
-    gate_up_dim = 2 if transposed else 1
-    inner = experts.gate_up_proj.shape[gate_up_dim] // 2
+    transposed, up = experts.is_transposed, "gate_up_proj" if experts.has_gate else "up_proj"
+    up_dim = 2 if transposed else 1
+    inner = experts.down_proj.shape[1 if transposed else 2]
     if inner % tp_size:
         raise ConfigError(f"tp_size {tp_size} does not divide the experts' intermediate size {inner}")
     per_rank = inner // tp_size
     units = torch.arange(rank * per_rank, (rank + 1) * per_rank)
-    features = (torch.cat([units, inner + units]) if experts.is_concatenated
-                else torch.stack([2 * units, 2 * units + 1], dim=-1).flatten())
+    if not experts.has_gate:
+        features = units
+    elif experts.is_concatenated:
+        features = torch.cat([units, inner + units])
+    else:
+        features = torch.stack([2 * units, 2 * units + 1], dim=-1).flatten()
     with torch.no_grad():
-        _keep(experts, "gate_up_proj", gate_up_dim, features)
+        _keep(experts, up, up_dim, features)
         _keep(experts, "down_proj", 1 if transposed else 2, units)
         if experts.has_bias:
-            _keep(experts, "gate_up_proj_bias", 1, features)
+            _keep(experts, f"{up}_bias", 1, features)
             if rank:
                 experts.down_proj_bias.zero_()
     for name in ("intermediate_dim", "intermediate_size"):  # what the eager forward may size with
