@@ -24,11 +24,13 @@ decoder layer (:data:`_PARTS`) to its own module. Supported (:data:`SUPPORTED_MO
 * attention ``self_attn.{q,k,v}_proj`` with ``o_proj`` (or LFM2's ``out_proj``): each layer's own KV heads
   (MiMo-V2-Flash's sliding layers hold twice its full ones), V heads of their own size, attention ``sinks``
   (one logit per query head) sliced to this rank's heads; a gated ``q_proj`` (Qwen3-Next, Qwen3.5: rows ``[q
-  head_dim, gate head_dim]`` per head) keeps both halves of each head;
+  head_dim, gate head_dim]`` per head) keeps both halves of each head; Gemma 4's full layers have no
+  ``v_proj`` (V = K) and its KV-shared layers no ``k_proj`` (they read their source layer's KV, this rank's
+  shard of it);
 * dense MLPs (:data:`_DENSE_MLPS`: Llama's ``gate/up/down_proj``, LFM2's ``w1/w3/w2``, Nemotron-H's
   ``up/down_proj`` without a gate, GraniteMoeHybrid's fused ``input_linear``): Llama, SmolLM2, Mistral,
-  Qwen2, Qwen3, Gemma 2 / 3, Llama 4 text with dense ``feed_forward`` MLPs (its chunked-local layers
-  included);
+  Qwen2, Qwen3, Gemma 2 / 3 / 4 (Gemma 4's per-layer inputs stay whole), Llama 4 text with dense
+  ``feed_forward`` MLPs (its chunked-local layers included);
 * fused experts (:data:`EXPERT_MODEL_TYPES`: gpt-oss, MiMo-V2-Flash; Qwen3-Next's and Nemotron-H's expert
   layers): :func:`~kvpool.engine.sharding_experts.shard_experts`, a shared expert as a dense MLP;
 * recurrent mixers (:data:`~kvpool.engine.sharding_recurrent.RECURRENT_MODEL_TYPES`): Gated DeltaNet
@@ -36,8 +38,10 @@ decoder layer (:data:`_PARTS`) to its own module. Supported (:data:`SUPPORTED_MO
   convolutions (:func:`~kvpool.engine.sharding_conv.shard_short_conv`), Mamba-2 (Nemotron-H,
   GraniteMoeHybrid, Bamba, Falcon-H1: :func:`~kvpool.engine.sharding_mamba.shard_mamba2_mixer`).
 
-Other model types (GPT-2's fused ``c_attn``, Gemma 4, Jamba, Kimi Linear, OLMo hybrid) and Llama 4's or
-GraniteMoeHybrid's experts raise ``ConfigError``.
+GPT-2 (``Conv1D`` projections, a fused ``c_attn``) is sharded by
+:func:`~kvpool.engine.sharding_gpt2.shard_gpt2`.
+Other model types (Jamba, Kimi Linear, OLMo hybrid, ...) and Llama 4's or GraniteMoeHybrid's experts
+raise ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from torch import nn
 
 from kvpool.engine.sharding_conv import shard_short_conv
 from kvpool.engine.sharding_experts import expert_sizes, is_experts_block, shard_experts
+from kvpool.engine.sharding_gpt2 import GPT2_MODEL_TYPES, gpt2_sizes, shard_gpt2
 from kvpool.engine.sharding_mamba import check_mamba2_groups, shard_mamba2_mixer
 from kvpool.engine.sharding_recurrent import RECURRENT_MODEL_TYPES, shard_recurrent_mixer
 from kvpool.errors import ConfigError
@@ -58,8 +63,8 @@ from kvpool.spec.memory import ModelMemory
 
 #: Model types whose layers hold fused experts (:mod:`kvpool.engine.sharding_experts`).
 EXPERT_MODEL_TYPES = ("gpt_oss", "mimo_v2_flash")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "llama4_text",
-                         *EXPERT_MODEL_TYPES, *RECURRENT_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma4_text",
+                         "llama4_text", *EXPERT_MODEL_TYPES, *GPT2_MODEL_TYPES, *RECURRENT_MODEL_TYPES)
 
 
 class RowParallelLinear(nn.Module):
@@ -102,8 +107,11 @@ def check_shardable(config: Mapping[str, Any], tp_size: int) -> None:
     if kind not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"tensor parallelism shards {', '.join(SUPPORTED_MODEL_TYPES)} models, "
                           f"not {kind!r}")
-    heads = config["num_attention_heads"]
-    inner = config.get("intermediate_size_mlp") or config["intermediate_size"]  # Llama 4's dense MLPs
+    if kind in GPT2_MODEL_TYPES:
+        heads, inner = gpt2_sizes(dict(config))
+    else:
+        heads = config["num_attention_heads"]
+        inner = config.get("intermediate_size_mlp") or config["intermediate_size"]  # Llama 4's dense MLPs
     if heads % tp_size:
         more = " (more ranks than query heads)" if tp_size > heads else ""
         raise ConfigError(f"tp_size {tp_size} does not divide the {heads} query heads{more}")
@@ -144,10 +152,13 @@ def shard_model(model: Any, rank: int, tp_size: int, all_reduce: Callable[[torch
     def row_parallel(linear: nn.Linear, columns: slice) -> RowParallelLinear:
         return _row_parallel(linear, columns, all_reduce)
 
+    if config.get("model_type") in GPT2_MODEL_TYPES:  # Conv1D projections, a fused c_attn
+        shard_gpt2(model, rank, tp_size, row_parallel, _keep_rows)
+        return model
     heads = config["num_attention_heads"]
 
     def shard_part(part: nn.Module) -> None:
-        if _has(part, ("q_proj", "k_proj", "v_proj")):
+        if _has(part, ("q_proj",)):
             _shard_attention(part, heads, rank, tp_size, row_parallel)
         elif is_experts_block(part):
             shard_experts(part.experts, rank, tp_size, all_reduce)
@@ -160,8 +171,11 @@ def shard_model(model: Any, rank: int, tp_size: int, all_reduce: Callable[[torch
             shard_mamba2_mixer(part, rank, tp_size, row_parallel, _keep_rows)
         elif hasattr(part, "A_log"):
             shard_recurrent_mixer(part, rank, tp_size, row_parallel, _keep_rows)
-        else:
+        elif hasattr(part, "in_proj") and hasattr(part, "conv"):
             shard_short_conv(part, rank, tp_size, row_parallel, _keep_rows)
+        else:
+            raise ConfigError(f"cannot shard {type(part).__name__}: not an attention, MLP, experts, Gated "
+                              f"DeltaNet, Mamba-2 or short-convolution module of transformers' layout")
 
     for parts in _decoder_layers(model):
         for part in parts:
@@ -210,17 +224,21 @@ def _shard_attention(attn: nn.Module, heads: int, rank: int, tp_size: int,
     logit per query head) keep this rank's heads. The output projection: ``o_proj``, or LFM2's
     ``out_proj``."""
     head_dim = attn.head_dim
-    kv_heads = attn.k_proj.out_features // head_dim
-    v_dim = attn.v_proj.out_features // kv_heads
     q_heads = range(rank * heads // tp_size, (rank + 1) * heads // tp_size)
-    kv = kv_heads_of_rank(kv_heads, rank, tp_size)
     per_head = attn.q_proj.out_features // heads  # head_dim, or 2x if gated
     _keep_rows(attn.q_proj, _head_rows(q_heads, per_head))
-    _keep_rows(attn.k_proj, _head_rows(kv, head_dim))
-    _keep_rows(attn.v_proj, _head_rows(kv, v_dim))
+    k_proj, v_proj = getattr(attn, "k_proj", None), getattr(attn, "v_proj", None)
+    v_dim = head_dim
+    if isinstance(k_proj, nn.Linear):  # none in Gemma 4's KV-shared layers (their source's KV shard serves)
+        kv_heads = k_proj.out_features // head_dim
+        kv = kv_heads_of_rank(kv_heads, rank, tp_size)
+        _keep_rows(k_proj, _head_rows(kv, head_dim))
+        attn.num_key_value_groups = len(q_heads) // len(kv)  # what eager/sdpa attention would repeat
+        if isinstance(v_proj, nn.Linear):  # none in Gemma 4's full layers: V = K
+            v_dim = v_proj.out_features // kv_heads
+            _keep_rows(v_proj, _head_rows(kv, v_dim))
     out = "o_proj" if isinstance(getattr(attn, "o_proj", None), nn.Linear) else "out_proj"
     setattr(attn, out, row_parallel(getattr(attn, out), _head_rows(q_heads, v_dim)))
-    attn.num_key_value_groups = len(q_heads) // len(kv)  # what eager/sdpa attention would repeat
     sinks = getattr(attn, "sinks", None)
     if isinstance(sinks, torch.Tensor):
         with torch.no_grad():
