@@ -9,9 +9,9 @@ filters of the conv, so its conv state holds ``H / tp`` channels (the shape
 :class:`~kvpool.spec.state.RecurrentStateSpec` gives per rank, in this rank's own state slots), and those
 input features of ``out_proj`` (row-parallel: an all-reduce, as the attention's output projection).
 
-Layout followed (transformers 5.24 / 5.25, :data:`~kvpool.engine.state_cache.TESTED_TRANSFORMERS`; a mixer
-without ``in_proj``, ``out_proj`` and a depthwise ``conv`` of ``H`` channels is refused with a ConfigError).
-"""
+Layout followed (transformers 5.25.0, the release of :data:`~kvpool.engine.state_cache.TESTED_TRANSFORMERS`
+tested; a mixer without ``in_proj``, ``out_proj`` and a depthwise ``conv`` of ``H`` channels is refused with a
+ConfigError)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ it once, scaled by the routing weight as transformers adds it.
 
 transformers 5.x keeps the experts of a layer as fused 3-D parameters (the classes decorated by
 ``transformers.integrations.moe.use_experts_implementation``, whose flags say the layout); layouts followed
-(transformers 5.24 / 5.25, :data:`~kvpool.engine.state_cache.TESTED_TRANSFORMERS`):
+(transformers 5.25.0, the release of :data:`~kvpool.engine.state_cache.TESTED_TRANSFORMERS` tested):
 
 * ``is_transposed`` False (MiMo-V2-Flash, Qwen3-Next, the decorator's default): ``gate_up_proj`` ``[E, 2I,
   H]``, ``down_proj`` ``[E, H, I]``;

@@ -8,10 +8,9 @@ third (column-parallel); ``attn.c_proj`` is row-parallel over those heads' featu
 rows ``r I/tp ..`` (``I = n_inner`` or ``4 H``) and its ``c_proj`` those input features (row-parallel). The
 attention module's ``split_size`` (the width of each of q, k, v) and ``num_heads`` become this rank's.
 
-Layout followed (transformers 5.24 / 5.25, :data:`~kvpool.engine.state_cache.TESTED_TRANSFORMERS`: the
-decoder blocks ``transformer.h``, each with ``attn.{c_attn,c_proj}`` and ``mlp.{c_fc,c_proj}``); a model
-without it, or with cross-attention (``q_attn``), is refused with a ConfigError.
-"""
+Layout followed (transformers 5.25.0, the release of :data:`~kvpool.engine.state_cache.TESTED_TRANSFORMERS`
+tested: the decoder blocks ``transformer.h``, each with ``attn.{c_attn,c_proj}`` and ``mlp.{c_fc,c_proj}``); a
+model without it, or with cross-attention (``q_attn``), is refused with a ConfigError."""
 
 from __future__ import annotations
 

@@ -13,10 +13,9 @@ each group's channels (``group_size = I / g``), so a rank holding whole groups n
 does: ``tp`` must divide ``g`` (a model with fewer groups than ranks, such as one group, would need the norm's
 sum of squares reduced across ranks; it is refused with a ConfigError).
 
-Layout followed (transformers 5.24 / 5.25, :data:`~kvpool.engine.state_cache.TESTED_TRANSFORMERS`; a mixer
-without the attributes of :data:`_MAMBA2` is refused with a ConfigError). Falcon-H1's ``mup_vector`` (a
-multiplier per ``in_proj`` row) keeps the same rows.
-"""
+Layout followed (transformers 5.25.0, the release of :data:`~kvpool.engine.state_cache.TESTED_TRANSFORMERS`
+tested; a mixer without the attributes of :data:`_MAMBA2` is refused with a ConfigError). Falcon-H1's
+``mup_vector`` (a multiplier per ``in_proj`` row) keeps the same rows."""
 
 from __future__ import annotations
 
