@@ -256,7 +256,6 @@ CONFIGS = Path(__file__).parent / "configs"
     (["--model", "tiny-llama", "--disk-dir", "/proc/nope", "--disk-bytes", "1MiB"],
      "--disk-dir '/proc/nope'"),
     (["--model", "tiny-jamba", "--tp-size", "2"], "tensor parallelism shards"),
-    (["--model", "tiny-bamba", "--tp-size", "2"], "does not divide the 1 Mamba-2 groups"),
     (["--model", "RECURRENT-FOLDER", "--tp-size", "3"], "does not divide the 16 query heads"),
     (["--kv-memory", "64KiB"], "for one block"),  # SmolLM2's block of 16 tokens in float32: 720 KiB
     (["--tp-size", "2"], "does not divide the 9 query heads"),

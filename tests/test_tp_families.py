@@ -4,8 +4,9 @@ and group). Each rank's mixers hold the state shapes the per-rank state spec giv
 shard, as tests/test_tp_hybrid.py checks for Gated DeltaNet).
 
 Expected values come from the whole model in one process (logits) and transformers' own greedy ``generate``
-(``--check``). The tiny Bamba, Granite 4.0-H and Falcon-H1 have one Mamba-2 group, which 2 ranks cannot
-split (refused); their sharding is checked on 2-group variants.
+(``--check``). The tiny Bamba, Granite 4.0-H and Falcon-H1 have one Mamba-2 group, which both ranks keep
+whole (Bamba's and Granite's gated norm over it reduced across the ranks); Nemotron-H's 2 groups split; a
+2-group Bamba checks the split path in Bamba's layout.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from kvpool.engine.sharding import RowParallelLinear, check_shardable, shard_mod
 from kvpool.errors import ConfigError  # noqa: E402
 from kvpool.spec.memory import ModelMemory  # noqa: E402
 
-TWO_GROUPS = ("tiny-bamba", "tiny-granite-4.0-h", "tiny-falcon-h1")
+MAMBA2 = ("tiny-nemotron-h", "tiny-bamba", "tiny-granite-4.0-h", "tiny-falcon-h1")
 
 
 def _model(name: str) -> Any:
@@ -61,7 +62,7 @@ def _mixers(model: Any) -> dict[int, tuple[str, Any]]:
     return out
 
 
-@pytest.mark.parametrize("name", ["tiny-lfm2", "tiny-nemotron-h", *(f"{n} 2 groups" for n in TWO_GROUPS)])
+@pytest.mark.parametrize("name", ["tiny-lfm2", *MAMBA2, "tiny-bamba 2 groups"])
 def test_sharded_recurrent_family_computes_the_whole_models_logits_and_a_wrong_shard_diverges(name: str
                                                                                                 ) -> None:
     model = _model(name)
@@ -97,22 +98,18 @@ class _Layers(torch.nn.Module):
         self.model.layers = torch.nn.ModuleList([layer])
 
 
-@pytest.mark.parametrize("name", TWO_GROUPS)
-def test_one_mamba2_group_over_two_ranks_is_refused_in_one_line(name: str,
-                                                                 capsys: pytest.CaptureFixture) -> None:
-    from kvpool.cli import main
-
-    with pytest.raises(ConfigError, match="does not divide the 1 Mamba-2 groups"):
-        check_shardable(load_config(name), 2)
-    check_shardable({**load_config(name), "mamba_n_groups": 2}, 2)
-    assert main(["generate", "--model", name, "--tp-size", "2"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "gated norm needs whole groups" in err
+def test_mamba2_groups_the_ranks_neither_divide_nor_multiply_are_refused_in_one_line() -> None:
+    config = load_config("tiny-bamba")  # 4 heads, 1 group: any tp dividing the heads is a multiple of it
+    check_shardable(config, 2)
+    check_shardable(config, 4)
+    with pytest.raises(ConfigError, match="tp_size 2 neither divides nor is a multiple of the Mamba-2 "
+                                          "n_groups 3"):
+        check_shardable({**config, "mamba_n_groups": 3}, 2)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("name", ["tiny-lfm2", "tiny-nemotron-h"])
+@pytest.mark.parametrize("name", ["tiny-lfm2", "tiny-nemotron-h", "tiny-bamba"])
 def test_cli_generate_tp2_on_a_recurrent_family_is_token_identical_to_tp1_and_transformers(name: str) -> None:
     prompts = ["the state is sharded by channel and head", "the state is sharded by rank",
                "the state is sharded by channel and head"]

@@ -56,7 +56,7 @@ from torch import nn
 from kvpool.engine.sharding_conv import shard_short_conv
 from kvpool.engine.sharding_experts import expert_sizes, is_experts_block, shard_experts
 from kvpool.engine.sharding_gpt2 import GPT2_MODEL_TYPES, gpt2_sizes, shard_gpt2
-from kvpool.engine.sharding_mamba import check_mamba2_groups, shard_mamba2_mixer
+from kvpool.engine.sharding_mamba import shard_mamba2_mixer
 from kvpool.engine.sharding_recurrent import RECURRENT_MODEL_TYPES, shard_recurrent_mixer
 from kvpool.errors import ConfigError
 from kvpool.spec.memory import ModelMemory
@@ -96,7 +96,8 @@ def check_shardable(config: Mapping[str, Any], tp_size: int) -> None:
         ConfigError: ``tp_size`` < 1; a model type outside :data:`SUPPORTED_MODEL_TYPES` (for tp_size > 1);
             query heads or ``intermediate_size`` that ``tp_size`` does not divide (more ranks than query
             heads included); KV heads that ``tp_size`` neither divides nor is a multiple of; a hybrid's
-            recurrent heads, Mamba-2 groups or experts' intermediate sizes that it does not divide; Llama 4's
+            recurrent heads or experts' intermediate sizes that it does not divide, Mamba-2 groups it neither
+            divides nor is a multiple of; Llama 4's
             and GraniteMoeHybrid's experts.
     """
     if tp_size < 1:
@@ -124,7 +125,6 @@ def check_shardable(config: Mapping[str, Any], tp_size: int) -> None:
     if config.get("moe_layers") or (kind == "granitemoehybrid" and config.get("num_local_experts")):
         raise ConfigError(f"tensor parallelism shards dense MLPs and fused experts, not the "
                           f"{config.get('num_local_experts')} experts of {kind!r}")
-    check_mamba2_groups(config, tp_size)
     # KV heads: divisible, or replicated; a hybrid's recurrent heads divisible
     ModelMemory.from_config(dict(config), tp_size=tp_size)
 
@@ -168,7 +168,7 @@ def shard_model(model: Any, rank: int, tp_size: int, all_reduce: Callable[[torch
         elif _dense_mlp(part) is not None:
             _shard_dense_mlp(part, rank, tp_size, all_reduce)
         elif hasattr(part, "A_log") and hasattr(part, "n_groups"):
-            shard_mamba2_mixer(part, rank, tp_size, row_parallel, _keep_rows)
+            shard_mamba2_mixer(part, rank, tp_size, row_parallel, _keep_rows, all_reduce)
         elif hasattr(part, "A_log"):
             shard_recurrent_mixer(part, rank, tp_size, row_parallel, _keep_rows)
         elif hasattr(part, "in_proj") and hasattr(part, "conv"):
