@@ -149,3 +149,57 @@ def test_a_unit_checkpoint_tier_key_is_its_own_group() -> None:
     below.store(unit_key(5), 0)
     assert host.exists([(2, 5)]) == 1 and host.exists([(1, 5)]) == 0
     assert below.find(unit_key(5)) == (0, None) and below.find(5) is None
+
+
+def test_a_unit_hit_whose_source_is_gone_falls_back_to_the_block_checkpoint() -> None:
+    """Block 8, unit 2, block saves at the tail (48) and unit saves dense: SECOND (sharing 29 tokens of
+    FIRST) hits 3 blocks + 2 units = 28 tokens from the unit checkpoint at unit 14. When the source block is
+    gone by the time the hit is held (the index's lookup through the pool finds nothing then), the hit falls
+    back to the last block checkpoint within it, none (0 tokens: its 3 KV blocks have no state), nothing
+    copied, and every count stays consistent."""
+    from kvpool.allocators.hashing import BlockHasher
+    from kvpool.allocators.state_pool import StatePool
+    from kvpool.requests import KVCacheManager
+    from kvpool.requests.request import Request
+    from kvpool.requests.state_checkpoints import RequestStates
+    from kvpool.spec import KVCacheGroup
+
+    doc = [(7 * i + 3) % 251 for i in range(48)]
+    first, second = doc, doc[:29] + list(range(150, 170))
+
+    def manager() -> KVCacheManager:
+        states = RequestStates("tail", 8, StatePool(2))
+        kv = KVCacheManager([KVCacheGroup.full(8)], 64, hasher=BlockHasher(seed="unit-states-test-seed"),
+                            states=states, match_unit=2)
+        kv.partial.saves.policy = SavePolicy.parse("dense")
+        req = Request("a", first, 1)
+        kv.hash_blocks(req)
+        assert kv.admit(req, 1000) == 48
+        req.num_computed_tokens = 48
+        kv.publish(req)
+        kv.free(req)
+        return kv
+
+    def admit(kv: KVCacheManager) -> Request:
+        req = Request("b", second, 1)
+        kv.hash_blocks(req)
+        assert kv.admit(req, 1000) is not None
+        kv.check_integrity()
+        return req
+
+    kv = manager()
+    assert admit(kv).num_computed_tokens == 28 and kv.partial.saves.restored == 1
+    kv = manager()
+    index, joint_lookup = kv.partial.index, kv.partial.lookup
+
+    class GoneAtHold:  # the index as joint() sees it; at hold() (the pool's own lookup) the source is gone
+        def longest(self, hashes, k, r, lookup):  # noqa: ANN001, ANN202
+            return index.longest(hashes, k, r, lookup) if lookup is joint_lookup else (0, None)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(index, name)
+
+    kv.partial.index = GoneAtHold()
+    req = admit(kv)
+    assert req.num_computed_tokens == 0 and kv.partial.saves.restored == 0
+    assert kv.states.stats.restored == 0 and kv.partial.stats.hits == 0

@@ -204,7 +204,10 @@ class StatePartialHits(PartialHits):
         is none, and None with :meth:`refused` true when it cannot be held now (its source left the pool,
         or the pool cannot fit it)."""
         target = self._target.pop(req.request_id, None)
-        if target is None or target[0] // self.saves.m != num_hit_blocks:
+        if target is None:
+            return None
+        if target[0] // self.saves.m != num_hit_blocks:  # not the hit joint() cut to: back to a block
+            self._refused.add(req.request_id)
             return None
         (k, r), below, row = divmod(target[0], self.saves.m), target[1], target[2]
         hashes = self.units(req)
