@@ -119,3 +119,20 @@ def test_zeroing_the_copied_kv_diverges(tiny: tuple) -> None:
     _, second = _run(engine, FIRST, SECOND)
     assert second.num_cached_tokens == 28
     assert (torch.stack(second.logits)[0] - logits[0]).abs().max() > 1e-2
+
+
+def test_a_unit_checkpoint_evicted_to_the_host_tier_comes_back(tiny: tuple) -> None:
+    """4 checkpoint slots and 8-token steps: FIRST's unit saves (3 a step, dense) turn the slots over, each
+    evicted one going down to the host tier with its state's bytes; SECOND's hit still ends at the unit
+    checkpoint at 28 tokens, read back from the tier, and its tokens are transformers'."""
+    model, (tokens, logits), _ = tiny
+    engine = LLMEngine(model, num_blocks=64, block_size=BLOCK, keep_logits=True, state_save="tail",
+                       state_checkpoints=4, match_unit=UNIT, max_num_batched_tokens=8)
+    engine.kv_manager.partial.saves.policy = SavePolicy.parse("dense")  # type: ignore[union-attr]
+    offload = engine.enable_offload(["host://?blocks=64"])
+    _, second = _run(engine, FIRST, SECOND)
+    offload.close()
+    stats = engine.states.stats
+    assert second.num_cached_tokens == 28 and stats.evicted > 0 and stats.tier_restored == 1
+    assert second.output_token_ids == tokens
+    torch.testing.assert_close(torch.stack(second.logits), logits, atol=1e-3, rtol=0)
