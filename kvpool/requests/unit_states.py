@@ -155,7 +155,11 @@ class StatePartialHits(PartialHits):
     checkpoint of the state is (see the module docstring).
 
     Args:
-        match_unit, block_size, num_groups, num_blocks, hasher: as :class:`PartialHits`.
+        match_unit: tokens per unit, dividing ``block_size`` (as :class:`PartialHits`).
+        block_size: the KV cache groups' block size.
+        num_groups: KV cache groups (a copy per group).
+        num_blocks: pool blocks (sizes the index's sweeps).
+        hasher: hashes the units of requests with token ids (None: requests bring ``unit_hashes``).
         states: the hybrid's :class:`RequestStates` (its unit saves are attached to it).
         lookup: the pool's ``get_cached_block`` at call time (the pool may be wrapped later).
     """
