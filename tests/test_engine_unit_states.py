@@ -136,3 +136,19 @@ def test_a_unit_checkpoint_evicted_to_the_host_tier_comes_back(tiny: tuple) -> N
     assert second.num_cached_tokens == 28 and stats.evicted > 0 and stats.tier_restored == 1
     assert second.output_token_ids == tokens
     torch.testing.assert_close(torch.stack(second.logits), logits, atol=1e-3, rtol=0)
+
+
+def test_cli_generate_match_unit_on_a_hybrid(capsys: pytest.CaptureFixture) -> None:
+    """``kvpool generate --match-unit``: a non-divisor exits 2 with one line; on tiny LFM2 the run is
+    transformers' greedy generate (``--check``) and exits 0."""
+    import json
+
+    from kvpool.cli import main
+
+    base = ["generate", "--model", "tiny-lfm2", "--block-size", "8", "--max-new-tokens", "4"]
+    assert main([*base, "--match-unit", "3", "--prompt", "hi"]) == 2
+    assert "match_unit must divide the block size 8" in capsys.readouterr().err
+    prompt = "A state pool keeps one slot per request, and checkpoints at unit boundaries."
+    assert main([*base, "--match-unit", "2", "--check", "--json", "--prompt", prompt]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["matches_reference"] for r in out["requests"]] == [True]
