@@ -4,6 +4,7 @@ block, on ``tiny-qwen3-next`` sharded over the ranks (its attention heads and it
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -16,7 +17,9 @@ MODEL = "tiny-qwen3-next"
 
 
 def run_units(tp: Any) -> dict[str, Any] | None:
-    """FIRST then SECOND on this rank's shard (``tp`` None: one process); rank 0 returns the outcome."""
+    """FIRST then SECOND on this rank's shard (``tp`` None: one process), twice: ``shipped`` (every rank
+    copies the unit hit's KV into its own shard) and ``rank_0_only`` (the control: rank 0's copy is not
+    logged, so the followers' KV heads miss the copied slots). Rank 0 returns ``{run: outcome}``."""
     from kvpool.engine.distributed import run_engine
     from kvpool.engine.engine import LLMEngine
     from kvpool.engine.models import load_model
@@ -27,18 +30,27 @@ def run_units(tp: Any) -> dict[str, Any] | None:
     model = load_model(MODEL, seed=1).model
     if tp is not None:
         shard_model(model, tp.rank, tp.size, tp.all_reduce)
-    engine = LLMEngine(model, num_blocks=64, block_size=BLOCK, keep_logits=True, state_save="tail",
-                       state_checkpoints=64, match_unit=UNIT, tp_size=tp.size if tp else 1)
-    engine.kv_manager.partial.saves.policy = SavePolicy.parse("dense")
-    if tp is None:
-        return _lead(engine)
-    done = run_engine(tp, engine, _lead)
-    return None if done is None else done[0]
+    out = {}
+    for run, unlogged in (("shipped", False), ("rank_0_only", True)):
+        engine = LLMEngine(model, num_blocks=64, block_size=BLOCK, keep_logits=True, state_save="tail",
+                           state_checkpoints=64, match_unit=UNIT, tp_size=tp.size if tp else 1)
+        engine.kv_manager.partial.saves.policy = SavePolicy.parse("dense")
+        lead = functools.partial(_lead, unlogged=unlogged)
+        if tp is None:
+            out[run] = lead(engine)
+            continue
+        done = run_engine(tp, engine, lead)
+        if done is not None:
+            out[run] = done[0]
+    return out if tp is None or tp.rank == 0 else None
 
 
-def _lead(engine: Any) -> dict[str, Any]:
+def _lead(engine: Any, unlogged: bool) -> dict[str, Any]:
     from kvpool.engine.sampling import SamplingParams
+    from kvpool.storage.block_copy import copy_token_prefix
 
+    if unlogged:  # rank 0's own copy, not the recording one the leader put in front of it
+        engine.kv_manager.partial.copy = functools.partial(copy_token_prefix, engine.cache)
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     engine.generate([FIRST], params)
     (req,) = engine.generate([SECOND], params)
