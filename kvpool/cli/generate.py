@@ -93,6 +93,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     eviction.add_argument("--state-save", metavar="POLICY", default="tail",
                           help="a recurrent hybrid's state save policy for prefix caching: tail, dense, "
                                "interval=N, tail+junction (default: tail)")
+    eviction.add_argument("--match-unit", type=positive_int, metavar="U",
+                          help="prefix-match unit in tokens, dividing the block size: a hit may end inside a "
+                               "block (a hybrid's at a unit whose state was saved) (default: whole blocks)")
     eviction.add_argument("--pin-prefix", metavar="TEXT",
                           help="pin the full blocks of TEXT's tokens (a system prompt the prompts start "
                                "with) once they are cached, in every KV cache group")
@@ -249,7 +252,8 @@ def generate_on_rank(tp: Any, args: argparse.Namespace, texts: list[str], params
                            block_size=args.block_size, max_num_batched_tokens=args.max_batched_tokens,
                            eos_token_ids=loaded.eos_token_ids, hasher=hasher, tp_size=tp_size,
                            kv_events=observers.publisher, policy=args.policy, state_save=args.state_save,
-                           attention=args.attention, elastic=args.kv_memory == AUTO, memory=memory)
+                           attention=args.attention, elastic=args.kv_memory == AUTO, memory=memory,
+                           match_unit=args.match_unit)
         prompts = [loaded.encode(text) for text in texts]
         if args.pin_prefix and (tp is None or tp.rank == 0):  # rank 0 decides; its pins reach the followers
             engine.pin_prefix(loaded.encode(args.pin_prefix))
