@@ -251,8 +251,8 @@ def test_killing_a_rank_mid_run_ends_the_run_with_an_error_and_no_leftover_proce
 @pytest.mark.timeout(240)
 def test_ctrl_c_stops_every_rank() -> None:
     # a pool of its own size (4,001 tokens: 251 blocks of 16), not one planned from the machine's free memory
-    # SIGINT back to its default in the child: a test run started in the background by a non-interactive shell
-    # (`pytest ... &`) inherits SIGINT ignored, Python then keeps it ignored, and the job ran to the end (exit 0)
+    # SIGINT back to its default in the child: a test run started in the background by a non-interactive
+    # shell (`pytest ... &`) inherits SIGINT ignored, Python keeps it ignored, and the job ran to its end
     proc = cli("--model", "tiny-llama", "--tp-size", "2", "--prompt", "x", "--max-new-tokens", "4000",
                "--threads", "1", "--num-blocks", "512", start_new_session=True,
                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
