@@ -18,7 +18,7 @@ _spec.loader.exec_module(count_branches)  # type: ignore[union-attr]
 #: ratchet, lowered as callers move to asking the state kind: ModelMemory.state_kind, the engine's
 #: RecurrentStates / NoRecurrentStates, the request path's StateSide, the replay's ReplayConfig.state).
 MAX_KIND_SITES = 5
-MAX_HYBRID_BRANCHES = 9
+MAX_HYBRID_BRANCHES = 8
 
 
 def test_kind_branch_sites_stay_few() -> None:
