@@ -163,7 +163,8 @@ def pool_blocks(loaded: Any, args: argparse.Namespace, memory: Any, ranks_here: 
 
 def check_before_load(args: argparse.Namespace, tp_size: int, config: dict[str, Any] | None) -> Any:
     """What the model's config can tell before its weights load (README: bad input fails in seconds): a
-    block size or ``--tp-size`` its spec refuses (a hybrid's recurrent heads included), a
+    block size or ``--tp-size`` its spec refuses (its KV heads and a hybrid's recurrent heads; the rest of
+    the layout was :func:`~kvpool.cli._tp.tp_size_of`'s), a
     ``--kv-memory`` (or the CPU default) that holds no block of it. ``config``: what
     :func:`kvpool.engine.models.config_before_load` read (None, nothing to check, for Gemma 3 270M before its
     first conversion), made into one :class:`~kvpool.spec.memory.ModelMemory` with the dtypes the engine
@@ -201,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
     params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              seed=args.seed + i) for i in range(len(texts))]  # bad input fails before loading
     config = config_before_load(args.model)  # read once, before the weights
-    tp_size = tp_size_of(args, args.model, config)
+    tp_size = tp_size_of(args, args.model, config)  # the layout; the heads when the memory is made, next
     memory = check_before_load(args, tp_size, config)  # the one ModelMemory of this command
     try:
         with model_errors(args.model):
@@ -244,7 +245,7 @@ def generate_on_rank(tp: Any, args: argparse.Namespace, texts: list[str], params
     with Observers(observed) as observers:  # binds the event and metrics ports before the model loads
         loaded = load_model(args.model, device=device)
         if tp is not None:
-            shard_model(loaded.model, tp.rank, tp.size, tp.all_reduce)
+            shard_model(loaded.model, tp.rank, tp.size, tp.all_reduce, check_heads=memory is None)
         if memory is None:  # no config before loading: the loaded model's, once
             memory = model_memory(loaded.model, block_size=args.block_size, tp_size=tp_size)
         num_blocks = pool_blocks(loaded, args, memory, ranks_on_host(tp))
