@@ -273,12 +273,14 @@ class PoolAlloc(PoolCore):
         if lru is None:
             self._revive(ids)
             return
+        valid: list[int] = ids  # typed: each id a native int below (an untyped one boxes the vectors)
         where, revived = lru.where, 0
-        for block in ids:
-            if ref[block] == 0:
+        for block in valid:
+            r = ref[block]
+            if r == 0:
                 where[block] = 0
                 revived += 1
-            ref[block] += 1
+            ref[block] = r + 1
         if revived:
             lru.removed(revived)
 
@@ -291,7 +293,7 @@ class PoolAlloc(PoolCore):
                 policy.hit(block)
                 if ref[block] == 0:
                     policy.remove(block)
-            ref[block] += 1
+            ref[block] = ref[block] + 1
 
     def _checked_touch(self, ids: list[int]) -> list[int]:
         """The ids of a touch call as Python ints without the null block, once every one of them is valid."""

@@ -30,8 +30,10 @@ from mypy_extensions import i32, i64
 
 from kvpool.allocators.arrays import extend_to, grown_i32, grown_i64, release_freed_memory
 
-#: ``key[b]`` of a block that holds no hash.
-NO_HASH: Final = -(1 << 63)
+#: ``key[b]`` of a block that holds no hash: -2**62, inside the range of the small ints mypyc keeps unboxed
+#: (a compare with it is one native compare; -2**63 would be a boxed constant converted at every use).
+NO_HASH: Final = -(1 << 62)
+_INT64_MIN: Final = -(1 << 63)
 _INT64_MAX: Final = (1 << 63) - 1
 _MIN_SLOTS: Final = 8
 _MIX: Final = 0x5BD1E995  # an odd 31-bit multiplier (MurmurHash2's): times a 32-bit value, below 2**63
@@ -41,8 +43,8 @@ def key_of(block_hash: object) -> tuple[i64, bool]:
     """``(key, is_object)`` of a hash: an ``int`` hash (an int in the int64 range other than NO_HASH) is its
     own key; any other hash's key is its ``hash()``, moved off NO_HASH, and it is kept as an object. Raises
     TypeError for an unhashable value."""
-    if type(block_hash) is int and NO_HASH < block_hash <= _INT64_MAX:  # noqa: E721 (bool is no int hash)
-        return block_hash, False
+    if type(block_hash) is int and _INT64_MIN <= block_hash <= _INT64_MAX and block_hash != NO_HASH:  # noqa: E721
+        return block_hash, False  # (type() is int: a bool is no int hash)
     k: i64 = hash(block_hash)
     return (NO_HASH + 1 if k == NO_HASH else k), True
 
