@@ -56,8 +56,8 @@ class PrefixIndex:
         self.key: vec[i64] = vec[i64]()
         self._objects: list[object] = []  # per block once the first hash that is no int hash arrives
         self._slots: vec[i32] = grown_i32(vec[i32](), _MIN_SLOTS, 0)
-        self._mask = _MIN_SLOTS - 1
-        self._shift = 32 - 3  # the home of a key: the top log2(len(_slots)) bits of a 32-bit product
+        self._mask: i64 = _MIN_SLOTS - 1
+        self._shift: i64 = 32 - 3  # the home of a key: the top log2(len(_slots)) bits of a 32-bit product
         self._used = 0  # distinct hashes: filled slots
         self.dups: dict[object, list[int]] = {}
         self.num_dups = 0  # blocks in the lists of ``dups``
@@ -207,22 +207,23 @@ class PrefixIndex:
 
     # ---- the table --------------------------------------------------------------------------------------
 
-    def _home(self, k: i64) -> int:
+    def _home(self, k: i64) -> i64:
         """The slot a key is looked for first: the top bits of (its 32-bit fold times an odd constant)
         mod 2**32 (multiplicative hashing, Knuth TAOCP 6.4; no product passes 2**63, so compiled and
         interpreted runs agree)."""
         folded = (k ^ (k >> 32)) & 0xFFFFFFFF
-        return int(((folded * _MIX) & 0xFFFFFFFF) >> self._shift)
+        return ((folded * _MIX) & 0xFFFFFFFF) >> self._shift
 
-    def _slot_of(self, block: int) -> int:
+    def _slot_of(self, block: int) -> i64:
         """The slot holding ``block`` (a block lookups find)."""
-        slots, mask, target = self._slots, self._mask, block + 1
+        slots, mask = self._slots, self._mask
+        target: i32 = block + 1
         pos = self._home(self.key[block])
         while slots[pos] != target:
             pos = (pos + 1) & mask
         return pos
 
-    def _delete_at(self, hole: int) -> None:
+    def _delete_at(self, hole: i64) -> None:
         """Empty slot ``hole``, moving back each later entry of its cluster whose probe passes the hole."""
         slots, key, mask = self._slots, self.key, self._mask
         j = hole
