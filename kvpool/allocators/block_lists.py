@@ -100,10 +100,10 @@ class LevelQueues:
     ``level x SEQ_SPAN + stamp``): the lowest non-empty level, found through a small heap of the levels that
     turned non-empty (O(log levels) when a level empties or fills). Otherwise levels interleave by
     ``offsets[level]`` (ints the caller sets and may change at any time: each level's FIFO stays in order):
-    the smallest head of the non-empty levels, O(non-empty levels) a pop, for a bounded number of levels. Ties on the
-    key go to the smaller stamp, as :class:`~kvpool.allocators.policy_base.KeyedHeap` breaks them (its push
-    order). Levels are ints >= 0; within a level, stamps must not decrease from one push to the next (pushes
-    to different levels may come in any stamp order)."""
+    the smallest head of the non-empty levels, O(non-empty levels) a pop, for a bounded number of levels.
+    Ties on the key go to the smaller stamp, as :class:`~kvpool.allocators.policy_base.KeyedHeap` breaks
+    them (its push order). Levels are ints >= 0; within a level, stamps must not decrease from one push to
+    the next (pushes to different levels may come in any stamp order)."""
 
     def __init__(self, strict: bool = True) -> None:
         self.strict = strict
