@@ -16,7 +16,7 @@ import os
 from typing import Any, Final
 
 from librt.vecs import extend, vec
-from mypy_extensions import i32, i64
+from mypy_extensions import i32, i64, u8
 
 from kvpool.errors import InsufficientMemoryError
 from kvpool.units import human_bytes
@@ -77,6 +77,16 @@ def _fill_span(fill: int, size: int) -> memoryview:
         raw = memoryview(entry * FILL_SPAN)
         span = _SPANS[(fill, size)] = raw.cast("i") if size == 4 else raw.cast("q")
     return span
+
+
+def grown_u8(flags: vec[u8], length: int) -> vec[u8]:
+    """The per-block flags ``flags`` extended to ``length`` zero bytes (itself when it is that long already;
+    one new buffer, filled by a memory copy)."""
+    if length <= len(flags):
+        return flags
+    out = vec[u8](capacity=length)
+    out = extend(out, flags)
+    return extend(out, memoryview(bytes(length - len(flags))))
 
 
 def extend_to(values: list[Any], length: int, fill: object) -> None:
