@@ -19,7 +19,8 @@ def _hash(rng: random.Random, kind: str) -> object:
     """A hash from a small universe (so holders collide and leave often) of one kind."""
     v = rng.randrange(40)
     return {"int": v * 1_000_003 - 20, "bytes": v.to_bytes(16, "big"), "tuple": (1, v),
-            "edge": (NO_HASH, NO_HASH + 1, -1, 0, 2**63 - 1, 2**63, -(2**64), True, 1.0)[v % 9]}[kind]
+            "edge": (NO_HASH, NO_HASH + 1, -1, 0, 2**63 - 1, 2**63, -(2**64), -(2**63), True, 1.0)[v % 10]
+            }[kind]
 
 
 @pytest.mark.parametrize("seed", range(4))

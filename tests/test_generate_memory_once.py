@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
+import kvpool.cli.generate as generate  # noqa: E402
 import kvpool.engine.models as models  # noqa: E402
 from kvpool.cli import main  # noqa: E402
 from kvpool.engine.recurrent import model_memory  # noqa: E402
@@ -48,3 +49,24 @@ def test_the_memory_made_before_loading_is_the_loaded_models(name: str) -> None:
     loaded = model_memory(models.load_model(name).model, block_size=4)
     assert (before.kv, before.hybrid) == (loaded.kv, loaded.hybrid)
     assert pickle.loads(pickle.dumps(before)) == before
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3-next"])
+def test_generate_at_tp_2_makes_one_model_memory_for_its_ranks(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At ``--tp-size 2`` the command checks the layout, then makes the one ModelMemory at TP 2 (whose making
+    checks the KV and recurrent heads) that its ranks receive: no second one for the check. Only the
+    command's own process is counted: the ranks are not started here (test_tp.py and test_tp_hybrid.py run
+    them)."""
+    loads, made, handed = [], [], []
+    load_config, from_config = models.load_config, ModelMemory.from_config.__func__
+    monkeypatch.setattr(models, "load_config", lambda *a, **k: loads.append(a) or load_config(*a, **k))
+    monkeypatch.setattr(ModelMemory, "from_config",
+                        classmethod(lambda cls, *a, **k: made.append(a) or from_config(cls, *a, **k)))
+    monkeypatch.setattr(generate, "run_ranks", lambda target, tp_size, *args, command: handed.append(
+        (tp_size, args[-1])))
+    assert main(["generate", "--model", name, "--prompt", "abc", "--max-new-tokens", "3", "--block-size", "4",
+                 "--tp-size", "2"]) == 0
+    assert len(loads) == 1 and len(made) == 1  # one read, one ModelMemory (2 before: check_shardable's)
+    (tp_size, memory), = handed
+    assert tp_size == 2 and memory.kv.tp_size == 2

@@ -14,6 +14,7 @@ RANKS = {
     # numeric (the one rule for ids, counts and numbers) and units (counts and bytes for people): the ground
     # _native (compiled or interpreted modules) runs before everything and imports only the standard library
     "_native": -1,
+    "_native_docs": -2,  # what _native gives the compiled modules: their docstrings and signatures
     # _lazy (names a package exports, imported on first use) imports only the standard library too
     "_lazy": -1,
     "errors": 0, "numeric": 0.5, "units": 0.7, "events": 1,

@@ -39,6 +39,18 @@ def test_a_hybrid_is_its_attention_layers_and_a_state() -> None:
     assert memory.require_kv() is memory.kv
 
 
+def test_only_a_model_without_state_is_its_kv_alone() -> None:
+    # a KV spec alone describes gemma-3-1b's memory; Qwen3-Next's 12 attention layers of 48 are not its memory
+    plain = ModelMemory.from_config("gemma-3-1b")
+    assert plain.require_kv_only() is plain.kv
+    hybrid = ModelMemory.from_config(HYBRID / "qwen3-next-80b-a3b-instruct.json")
+    assert hybrid.kv.num_layers == 12
+    with pytest.raises(ConfigError, match="qwen3_next keeps a recurrent state per request"):
+        hybrid.require_kv_only()
+    with pytest.raises(ConfigError, match="mamba2 keeps a recurrent state"):
+        ModelMemory.from_config(MAMBA2).require_kv_only()
+
+
 def test_a_state_only_model_has_no_kv_to_plan() -> None:
     memory = ModelMemory.from_config(MAMBA2)
     assert memory.kv is None and memory.kinds == (RecurrentState(),)

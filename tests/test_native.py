@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool import _native
+from kvpool import _native, _native_docs
 
 PACKAGE = Path(_native.__file__).resolve().parent
 SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
@@ -216,7 +216,8 @@ def test_compiled_classes_have_their_sources_signatures(name: str) -> None:
     classes = [n for n, c in vars(source).items() if isinstance(c, type) and c.__module__ == source.__name__]
     if not classes:
         pytest.skip(f"{name} defines functions only")
-    written = _native.source_init_signatures(_native.module_source(name), vars(source))  # defining __init__
+    # the classes defining __init__
+    written = _native_docs.source_init_signatures(_native.module_source(name), vars(source))
     own = {c for c in classes if "__init__" in vars(getattr(source, c)) and "__dataclass_fields__" not in
            vars(getattr(source, c))}  # the classes whose source defines __init__ (the others inherit one)
     assert own <= set(written)

@@ -159,12 +159,6 @@ def test_a_bounded_replay_with_partial_hits_ends_clean() -> None:
     assert result.requests_completed + result.requests_rejected == 150 and result.evictions > 0
 
 
-def test_a_recurrent_state_refuses_a_match_unit() -> None:
-    with pytest.raises(ConfigError, match="recurrent state"):
-        run_replay([TraceRequest(0.0, 100, 1, (1,))],
-                   ReplayConfig(block_size=16, match_unit=4, state_save="tail"))
-
-
 def test_tier_hits_and_events_are_unchanged_by_a_match_unit() -> None:
     """The tiers and the KV events stay per full block: under an unbounded host tier a small device pool
     still hits the unbounded pool's full blocks (the partial hits come on top, from the device), and the

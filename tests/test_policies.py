@@ -605,3 +605,36 @@ def test_level_queues_pop_in_the_order_of_a_keyed_heap(seed: int, strict: bool) 
     with pytest.raises(IndexError):
         while True:
             queues.pop()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_priority_pops_as_a_sorted_model_with_many_priorities(seed: int) -> None:
+    # brute-force model: the key (priority at the last free while younger than retention_s, else 0; free
+    # sequence); 40 distinct priorities, more than the levels the policy keeps before reusing empty ones
+    rng, n, clock = random.Random(seed), 200, Clock()
+    policy = PriorityPolicy(retention_s=50.0, clock=clock)
+    policy.bind(n)
+    model: dict[int, tuple[int, float, int]] = {}  # evictable block -> (priority, freed at, sequence)
+    seq = 0
+
+    def key(b: int) -> tuple[int, int]:
+        priority, freed_at, s = model[b]
+        return (priority if clock.now - freed_at < 50.0 else 0, s)
+
+    for _ in range(6000):
+        clock.now += rng.randrange(3)
+        b, roll = rng.randrange(n), rng.random()
+        if roll < 0.45 and b not in model:
+            priority = rng.randrange(-20, 20) if rng.random() < 0.5 else 0
+            seq += 1
+            policy.insert(b, priority)
+            model[b] = (priority, clock.now, seq)
+        elif roll < 0.65 and b in model:
+            policy.remove(b)
+            del model[b]
+        elif roll >= 0.65 and model:
+            expected = min(model, key=key)
+            assert policy.pop() == expected
+            del model[expected]
+        assert len(policy) == len(model)
+    assert policy.order() == sorted(model, key=key)

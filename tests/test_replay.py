@@ -455,6 +455,22 @@ def test_a_replay_with_a_model_config_imports_no_torch() -> None:
     assert out.split() == ["0", str(1024 * 1024 * 9 // 10 // 192), "False"]
 
 
+def test_a_hybrid_replay_imports_no_torch() -> None:
+    """A recurrent hybrid's ``--model-config`` (Qwen3-Next-80B) sizes its state from dtype names too: in a
+    fresh process ``--state-split all`` leaves torch out, and each request's state is, by hand from the
+    config (36 gated-delta-net layers of 48, bfloat16): conv (2 x 16 x 128 + 32 x 128) channels x (4 - 1)
+    x 2 B = 49,152 B, SSM 32 x 128 x 128 x 2 B = 1,048,576 B; 36 x 1,097,728 B = 39,518,208 B."""
+    config = CONFIGS / "hybrid" / "qwen3-next-80b-a3b-instruct.json"
+    code = ("import contextlib, io, json, sys; from kvpool.cli import main; out = io.StringIO()\n"
+            "with contextlib.redirect_stdout(out):\n"
+            f"    code = main(['replay', '--max-requests', '5', '--model-config', {str(config)!r}, "
+            "'--gpu-memory', '80GiB', '--state-split', 'all', '--json'])\n"
+            "runs = json.loads(out.getvalue())['runs']\n"
+            "print(code, len(runs), {r['state_bytes'] for r in runs}.pop(), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["0", "3", str(36 * (8192 * 3 * 2 + 32 * 128 * 128 * 2)), "False"]
+
+
 def test_cli_num_blocks_from_model_config(capsys: pytest.CaptureFixture[str]) -> None:
     # Qwen2.5-0.5B: 12 KiB per token (DESIGN.md), 192 KiB per 16-token block; 1 GiB x 0.5 = 512 MiB.
     report = _json_run(capsys, "--max-requests", "20", "--model-config", str(CONFIGS / "qwen2.5-0.5b.json"),

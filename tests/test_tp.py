@@ -33,6 +33,7 @@ from kvpool.engine.models import reference_greedy  # noqa: E402
 from kvpool.engine.sampling import SamplingParams  # noqa: E402
 from kvpool.engine.sharding import check_shardable, kv_heads_of_rank  # noqa: E402
 from kvpool.errors import ConfigError, IntegrityError, RankFailedError  # noqa: E402
+from kvpool.spec.memory import ModelMemory  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -175,6 +176,21 @@ def test_shardable_checks(heads: int, kv: int, inner: int, tp: int, why: str) ->
         check_shardable({**config, "model_type": "jamba"}, 2)
 
 
+def test_shardable_checks_leave_the_heads_to_the_callers_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    # kvpool generate makes the model's ModelMemory at the TP size itself (its making refuses 4 KV heads over
+    # 3 ranks): with check_heads False the layout is checked and no second memory is made
+    made = []
+    monkeypatch.setattr(ModelMemory, "from_config", classmethod(lambda cls, *a, **k: made.append(a)))
+    config = {"model_type": "llama", "num_attention_heads": 6, "num_key_value_heads": 4,
+              "intermediate_size": 120, "hidden_size": 96, "num_hidden_layers": 2}
+    check_shardable(config, 3, check_heads=False)
+    assert made == []
+    with pytest.raises(ConfigError, match="does not divide the 6 query heads"):
+        check_shardable(config, 4, check_heads=False)
+    check_shardable(config, 3)
+    assert len(made) == 1
+
+
 # ---- the command line
 
 
@@ -251,8 +267,8 @@ def test_killing_a_rank_mid_run_ends_the_run_with_an_error_and_no_leftover_proce
 @pytest.mark.timeout(240)
 def test_ctrl_c_stops_every_rank() -> None:
     # a pool of its own size (4,001 tokens: 251 blocks of 16), not one planned from the machine's free memory
-    # SIGINT back to its default in the child: a test run started in the background by a non-interactive shell
-    # (`pytest ... &`) inherits SIGINT ignored, Python then keeps it ignored, and the job ran to the end (exit 0)
+    # SIGINT back to its default in the child: a test run started in the background by a non-interactive
+    # shell (`pytest ... &`) inherits SIGINT ignored, Python keeps it ignored, and the job ran to its end
     proc = cli("--model", "tiny-llama", "--tp-size", "2", "--prompt", "x", "--max-new-tokens", "4000",
                "--threads", "1", "--num-blocks", "512", start_new_session=True,
                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))

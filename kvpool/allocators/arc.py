@@ -8,7 +8,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 
-from kvpool.allocators.arrays import extend_flags, extend_to
+from librt.vecs import vec
+from mypy_extensions import u8
+
+from kvpool.allocators.arrays import extend_to, grown_u8
 from kvpool.allocators.policy_base import EvictionPolicy
 from kvpool.errors import InvalidArgumentError
 
@@ -60,13 +63,13 @@ class ARCPolicy(EvictionPolicy):
         self.b1: OrderedDict[Hashable, None] = OrderedDict()  # ghost hashes, oldest first
         self.b2: OrderedDict[Hashable, None] = OrderedDict()
         self.size_t1 = self.size_t2 = 0
-        self._in_t2 = bytearray()
+        self._in_t2: vec[u8] = vec[u8]()
         self._hash: list[Hashable | None] = []
         self._returning: OrderedDict[Hashable, None] = OrderedDict()  # ghosts missed, not yet published
         self._tie = False  # the last miss was found in B2 (the paper's tie rule for the next eviction)
 
     def grow(self, capacity: int) -> None:
-        extend_flags(self._in_t2, capacity)
+        self._in_t2 = grown_u8(self._in_t2, capacity)
         extend_to(self._hash, capacity, None)
 
     def missed(self, block_hash: Hashable) -> None:

@@ -16,7 +16,7 @@ import os
 from typing import Any, Final
 
 from librt.vecs import extend, vec
-from mypy_extensions import i32, i64
+from mypy_extensions import i32, i64, u8
 
 from kvpool.errors import InsufficientMemoryError
 from kvpool.units import human_bytes
@@ -29,6 +29,9 @@ MAX_BLOCKS: Final = (1 << 31) - 2
 #: buffers leave stay resident, at most about twice that per array; a trim below it would cost the hot path
 #: more than it gives back, the pages it releases being touched again at once).
 LARGE_BUFFER: Final = 1 << 22
+#: Entries of a kept fill buffer (:func:`_fill_span`): a growth fills its new entries in copies this long.
+FILL_SPAN: Final = 1 << 12
+_SPANS: dict[tuple[int, int], memoryview] = {}  # (fill, entry bytes) -> FILL_SPAN entries of fill
 _TRIM: dict[str, Any] = {}  # "fn": glibc's malloc_trim, or None where the C library has none
 
 
@@ -39,17 +42,51 @@ def next_capacity(current: int, needed: int, limit: int, chunk: int = GROWTH_CHU
 
 
 def grown_i32(values: vec[i32], length: int, fill: int) -> vec[i32]:
-    """``values`` extended to ``length`` entries of ``fill`` (one new buffer, filled by a memory copy)."""
+    """``values`` extended to ``length`` entries of ``fill`` (one new buffer, filled by memory copies)."""
     out = vec[i32](capacity=length)
     out = extend(out, values)
-    return extend(out, memoryview(fill.to_bytes(4, "little", signed=True) * (length - len(values))).cast("i"))
+    span = _fill_span(fill, 4)
+    rest = length - len(values)
+    while rest > 0:
+        take = min(rest, FILL_SPAN)
+        out = extend(out, span[:take])
+        rest -= take
+    return out
 
 
 def grown_i64(values: vec[i64], length: int, fill: int) -> vec[i64]:
-    """``values`` extended to ``length`` entries of ``fill`` (one new buffer, filled by a memory copy)."""
+    """``values`` extended to ``length`` entries of ``fill`` (one new buffer, filled by memory copies)."""
     out = vec[i64](capacity=length)
     out = extend(out, values)
-    return extend(out, memoryview(fill.to_bytes(8, "little", signed=True) * (length - len(values))).cast("q"))
+    span = _fill_span(fill, 8)
+    rest = length - len(values)
+    while rest > 0:
+        take = min(rest, FILL_SPAN)
+        out = extend(out, span[:take])
+        rest -= take
+    return out
+
+
+def _fill_span(fill: int, size: int) -> memoryview:
+    """:data:`FILL_SPAN` entries of ``fill``, ``size`` bytes each, made once per fill value
+    and size (4: int32, 8: int64) and kept: a growth copies from it instead of building a buffer of its fill
+    each time."""
+    span = _SPANS.get((fill, size))
+    if span is None:
+        entry = fill.to_bytes(size, "little", signed=True)
+        raw = memoryview(entry * FILL_SPAN)
+        span = _SPANS[(fill, size)] = raw.cast("i") if size == 4 else raw.cast("q")
+    return span
+
+
+def grown_u8(flags: vec[u8], length: int) -> vec[u8]:
+    """The per-block flags ``flags`` extended to ``length`` zero bytes (itself when it is that long already;
+    one new buffer, filled by a memory copy)."""
+    if length <= len(flags):
+        return flags
+    out = vec[u8](capacity=length)
+    out = extend(out, flags)
+    return extend(out, memoryview(bytes(length - len(flags))))
 
 
 def extend_to(values: list[Any], length: int, fill: object) -> None:

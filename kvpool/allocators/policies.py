@@ -56,11 +56,14 @@ import importlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, Final
+
+from librt.vecs import vec
+from mypy_extensions import i64, u8
 
 from kvpool.allocators.arc import ARC_VARIANTS, ARCPolicy
-from kvpool.allocators.arrays import extend_flags, extend_to
-from kvpool.allocators.block_lists import LevelQueues
+from kvpool.allocators.arrays import extend_to, grown_i64, grown_u8
+from kvpool.allocators.block_lists import BlockLists, LevelQueues
 from kvpool.allocators.policy_base import SEQ_SPAN, EvictionPolicy, KeyedHeap, LRUPolicy
 from kvpool.errors import InvalidArgumentError
 from kvpool.numeric import IntArg, RealArg, as_int, as_optional_int, as_real
@@ -74,60 +77,97 @@ POLICIES = ("lru", "fifo", "lfu", "slru", "priority", "arc", "arc-vllm", "s3fifo
             "queue-lru", "queue-lineage")
 
 
-# ---- LRU and FIFO ---------------------------------------------------------------------------------------
+# ---- FIFO -----------------------------------------------------------------------------------------------
 
 
-class _HeapPolicy(EvictionPolicy):
-    """A policy whose order is a key computed when a block becomes evictable, kept in a :class:`KeyedHeap`.
-    ``_freed`` counts frees, the recency tie-break of every key (smaller = freed earlier = evicted first)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._heap = KeyedHeap()
-        self._freed = 0
-
-    def grow(self, capacity: int) -> None:
-        self._heap.grow(capacity)
-
-    def remove(self, block: int) -> None:
-        self._heap.discard(block)
-
-    def pop(self) -> int:
-        return self._heap.pop()
-
-    def dropped(self, block: int) -> None:
-        self._heap.discard(block)
-
-    def order(self) -> list[int]:
-        return self._heap.order()
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-
-
-class FIFOPolicy(_HeapPolicy):
+class FIFOPolicy(EvictionPolicy):
     """First in, first out: evict the block whose hash was published longest ago, however recently it was
-    hit (SGLang's ``fifo``: node creation time; LMCache's FIFO). O(log n) per call (a heap keyed by the
-    publish sequence number)."""
+    hit (SGLang's ``fifo``: node creation time; LMCache's FIFO).
+
+    The cached blocks are linked in publish order, in use or not
+    (:class:`~kvpool.allocators.block_lists.BlockLists`); a hit does not move a block. :meth:`pop` takes the
+    list's head; an in-use block it finds there leaves the list (it is older than every block still in it),
+    and once freed waits in a small heap by publish order (:class:`KeyedHeap`), whose blocks go before the
+    list's. O(1) per call, amortized (each in-use block is passed over at most once per use), plus O(log r)
+    for the r evictable blocks passed over while in use (a prefix running requests held when its turn came).
+    """
 
     name = "fifo"
 
     def __init__(self) -> None:
         super().__init__()
-        self._born: list[int] = []
+        self._q = BlockLists(0, 1)  # cached blocks in publish order, less those passed over in use
+        self._back = KeyedHeap()  # evictable blocks passed over in use, keyed by publish order
+        self._born: vec[i64] = vec[i64]()  # per block: its publish sequence number
+        self._evictable: vec[u8] = vec[u8]()
+        self._cached: vec[u8] = vec[u8]()
         self._published = 0
+        self._live = 0
 
     def grow(self, capacity: int) -> None:
-        super().grow(capacity)
-        extend_to(self._born, capacity, 0)
+        self._q.grow(capacity)
+        self._back.grow(capacity)
+        if capacity > len(self._born):
+            self._born = grown_i64(self._born, capacity, 0)
+        self._evictable = grown_u8(self._evictable, capacity)
+        self._cached = grown_u8(self._cached, capacity)
 
     def published(self, block: int, block_hash: Hashable) -> None:
         self._published += 1
         self._born[block] = self._published
+        if self._cached[block]:  # published again while in use: it takes its new place
+            self._unqueue(block)
+        self._cached[block] = 1
+        self._q.append(0, block)
 
     def insert(self, block: int, priority: int) -> None:
-        self._heap.push(block, self._born[block])
+        self._evictable[block] = 1
+        self._live += 1
+        if not self._q.linked[block]:  # passed over while in use
+            self._back.push(block, int(self._born[block]))
+
+    def remove(self, block: int) -> None:
+        self._evictable[block] = 0
+        self._live -= 1
+        if not self._q.linked[block]:
+            self._back.discard(block)
+
+    def pop(self) -> int:
+        if len(self._back):
+            block = self._back.pop()
+        else:
+            q, evictable = self._q, self._evictable
+            block = q.head(0)
+            while not evictable[block]:  # in use: passed over (the list holds an evictable block)
+                q.unlink(block)
+                block = q.head(0)
+            q.unlink(block)
+        self._evictable[block] = 0
+        self._cached[block] = 0
+        self._live -= 1
+        return block
+
+    def dropped(self, block: int) -> None:
+        if not self._cached[block]:
+            return
+        if self._evictable[block]:
+            self._evictable[block] = 0
+            self._live -= 1
+        self._unqueue(block)
+        self._cached[block] = 0
+
+    def _unqueue(self, block: int) -> None:
+        if self._q.linked[block]:
+            self._q.unlink(block)
+        else:
+            self._back.discard(block)
+
+    def order(self) -> list[int]:
+        evictable = self._evictable
+        return self._back.order() + [b for b in self._q.items(0) if evictable[b]]
+
+    def __len__(self) -> int:
+        return self._live
 
 
 class LFUPolicy(EvictionPolicy):
@@ -175,15 +215,19 @@ class LFUPolicy(EvictionPolicy):
         return len(self._queues)
 
 
-class PriorityPolicy(_HeapPolicy):
+class PriorityPolicy(EvictionPolicy):
     """Retention priority, then recency: evict the lowest priority first, the least recently freed first
     within a priority. A block keeps the priority of the request that freed it last for ``retention_s``
     seconds after that free; then its priority decays to 0 (the default). Higher priority = kept longer;
     negative priorities are evicted before the default. SGLang's ``priority`` strategy (key
     ``(priority, last_access_time)``) plus the time decay vLLM users asked for (vllm#23083).
 
-    ``clock()`` gives seconds (default ``time.monotonic``; the replay passes its simulated clock). O(log n)
-    per call, amortized: expired blocks are re-keyed once each, in free order, before an eviction.
+    ``clock()`` gives seconds (default ``time.monotonic``; the replay passes its simulated clock). A FIFO per
+    priority (:class:`~kvpool.allocators.block_lists.LevelQueues`, each level offset by ``priority x
+    SEQ_SPAN``), and one for the blocks whose priority decayed (at offset 0, merged with priority 0's by free
+    order): O(1) per call, plus O(p) per eviction for the p priorities among the evictable blocks (the
+    levels of priorities no block holds are reused once 16 are kept). Expired blocks move to the decayed
+    FIFO once each, in free order, before an eviction.
 
     Raises:
         InvalidArgumentError: ``retention_s`` not a finite number > 0.
@@ -195,16 +239,43 @@ class PriorityPolicy(_HeapPolicy):
         super().__init__()
         self.retention_s = as_real(retention_s, "retention_s", minimum=0.0, open_min=True, finite=True)
         self.clock = clock
+        self._queues = LevelQueues(False)
+        self._queues.offsets = [0, 0]  # level 0: decayed blocks; level 1: priority 0
+        self._levels: dict[int, int] = {0: 1}  # priority -> its level
+        self._freed = 0
         self._expiring: OrderedDict[int, tuple[float, int]] = OrderedDict()  # block -> (freed at, seq)
+
+    def grow(self, capacity: int) -> None:
+        self._queues.grow(capacity)
 
     def insert(self, block: int, priority: int) -> None:
         self._freed += 1
-        self._heap.push(block, priority * SEQ_SPAN + self._freed)
+        level = 1 if priority == 0 else self._level(priority)
+        self._queues.push(block, level, self._freed)
         if priority:
             self._expiring[block] = (self.clock(), self._freed)
 
+    def _level(self, priority: int) -> int:
+        """The level of ``priority`` (a new one, or one no evictable block holds any more, for a new
+        priority)."""
+        level = self._levels.get(priority, -1)
+        if level >= 0:
+            return level
+        queues, levels = self._queues, self._levels
+        if len(levels) >= _PRIORITY_LEVELS:
+            for p, kept in list(levels.items()):
+                if p and not queues.count[kept]:
+                    del levels[p]
+        level = next((lv for lv in range(2, len(queues.offsets)) if lv not in levels.values()),
+                     len(queues.offsets))
+        if level == len(queues.offsets):
+            queues.offsets.append(0)
+        queues.offsets[level] = priority * SEQ_SPAN
+        levels[priority] = level
+        return level
+
     def remove(self, block: int) -> None:
-        self._heap.discard(block)
+        self._queues.discard(block)
         if self._expiring:
             self._expiring.pop(block, None)
 
@@ -213,15 +284,15 @@ class PriorityPolicy(_HeapPolicy):
 
     def pop(self) -> int:
         if not self._expiring:
-            return self._heap.pop()
+            return self._queues.pop()
         self._expire()
-        block = self._heap.pop()
+        block = self._queues.pop()
         self._expiring.pop(block, None)
         return block
 
     def order(self) -> list[int]:
         self._expire()
-        return super().order()
+        return self._queues.order()
 
     def _expire(self) -> None:
         """Decay to priority 0 every block idle for ``retention_s`` (the queue is in free order)."""
@@ -232,7 +303,14 @@ class PriorityPolicy(_HeapPolicy):
             if freed_at > deadline:
                 break
             del expiring[block]
-            self._heap.push(block, seq)
+            self._queues.push(block, 0, seq)
+
+    def __len__(self) -> int:
+        return len(self._queues)
+
+
+#: Priority levels :class:`PriorityPolicy` keeps before it reuses those of priorities no block holds.
+_PRIORITY_LEVELS: Final = 16
 
 
 # ---- segmented and adaptive ----------------------------------------------------------------------------
@@ -260,13 +338,13 @@ class SLRUPolicy(EvictionPolicy):
         self.probation: OrderedDict[int, None] = OrderedDict()
         self.protected: OrderedDict[int, None] = OrderedDict()
         self._cap = 1
-        self._promoted = bytearray()
+        self._promoted: vec[u8] = vec[u8]()
 
     def _bound(self, num_blocks: int) -> None:
         self._cap = max(1, int(self.protected_fraction * num_blocks))
 
     def grow(self, capacity: int) -> None:
-        extend_flags(self._promoted, capacity)
+        self._promoted = grown_u8(self._promoted, capacity)
 
     def published(self, block: int, block_hash: Hashable) -> None:
         self._promoted[block] = 0

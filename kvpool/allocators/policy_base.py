@@ -10,11 +10,12 @@ from __future__ import annotations
 import heapq
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
+from typing import Final
 
 from librt.vecs import append, vec
-from mypy_extensions import i32, mypyc_attr
+from mypy_extensions import i32, mypyc_attr, u8
 
-from kvpool.allocators.arrays import extend_flags, extend_to, grown_i32, next_capacity, release_freed_memory
+from kvpool.allocators.arrays import extend_to, grown_i32, grown_u8, next_capacity, release_freed_memory
 from kvpool.errors import InvalidArgumentError
 
 
@@ -118,13 +119,14 @@ class EvictionPolicy(ABC):
 
 
 #: Sequence numbers stay below this, so ``major * SEQ_SPAN + seq`` orders by (major, seq) in one int.
-SEQ_SPAN = 1 << 48
+SEQ_SPAN: Final = 1 << 48
 
 
 #: Bits of a heap entry below its key: the push stamp (:data:`STAMP_BITS`) above the block id (32 bits).
-BLOCK_BITS = 32
-STAMP_BITS = 40
-_BLOCK_MASK = (1 << BLOCK_BITS) - 1
+BLOCK_BITS: Final = 32
+STAMP_BITS: Final = 40
+_BLOCK_MASK: Final = (1 << BLOCK_BITS) - 1
+_STAMP_LIMIT: Final = (1 << STAMP_BITS) - 1
 
 
 class KeyedHeap:
@@ -140,14 +142,14 @@ class KeyedHeap:
     def __init__(self, num_blocks: int = 0) -> None:
         self._heap: list[int] = []
         self._entry = [0] * num_blocks  # per block, extended by grow()
-        self._in = bytearray(num_blocks)
+        self._in: vec[u8] = grown_u8(vec[u8](), num_blocks)
         self._stamp = 0
         self._size = 0
 
     def grow(self, capacity: int) -> None:
         """Cover block ids below ``capacity``."""
         extend_to(self._entry, capacity, 0)
-        extend_flags(self._in, capacity)
+        self._in = grown_u8(self._in, capacity)
 
     def push(self, block: int, key: int) -> None:
         if self._in[block]:
@@ -215,8 +217,6 @@ class KeyedHeap:
     def __len__(self) -> int:
         return self._size
 
-
-_STAMP_LIMIT = (1 << STAMP_BITS) - 1
 
 
 class LRUPolicy(EvictionPolicy):

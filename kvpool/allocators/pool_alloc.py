@@ -58,7 +58,7 @@ class PoolAlloc(PoolCore):
             elif self._tail:
                 block = self._tail.pop()
             elif len(self._lru) if self._lru is not None else len(self._policy):
-                block = self._evict(1)[0]
+                block = self._evict_one()
             else:
                 block = -1
             if block >= 0:
@@ -150,6 +150,16 @@ class PoolAlloc(PoolCore):
             out.append(block)
         self._evictions += m
         return out
+
+    def _evict_one(self) -> int:
+        """:meth:`_evict` of one block, without a list on the common path (LRU, nobody to tell)."""
+        lru, idx = self._lru, self._idx
+        if lru is None or self._on_evict is not None or self._sink is not None or idx.dups:
+            return self._evict(1)[0]
+        block = lru.pop()
+        idx.remove(block)
+        self._evictions += 1
+        return block
 
     def _evict_recorded(self, m: int, sink: KVEventSink) -> list[int]:
         """:meth:`_evict` (LRU, every hash held by one block) telling ``sink`` the hashes that left."""
@@ -273,12 +283,14 @@ class PoolAlloc(PoolCore):
         if lru is None:
             self._revive(ids)
             return
+        valid: list[int] = ids  # typed: each id a native int below (an untyped one boxes the vectors)
         where, revived = lru.where, 0
-        for block in ids:
-            if ref[block] == 0:
+        for block in valid:
+            r = ref[block]
+            if r == 0:
                 where[block] = 0
                 revived += 1
-            ref[block] += 1
+            ref[block] = r + 1
         if revived:
             lru.removed(revived)
 
@@ -291,7 +303,7 @@ class PoolAlloc(PoolCore):
                 policy.hit(block)
                 if ref[block] == 0:
                     policy.remove(block)
-            ref[block] += 1
+            ref[block] = ref[block] + 1
 
     def _checked_touch(self, ids: list[int]) -> list[int]:
         """The ids of a touch call as Python ints without the null block, once every one of them is valid."""

@@ -30,8 +30,10 @@ from mypy_extensions import i32, i64
 
 from kvpool.allocators.arrays import extend_to, grown_i32, grown_i64, release_freed_memory
 
-#: ``key[b]`` of a block that holds no hash.
-NO_HASH: Final = -(1 << 63)
+#: ``key[b]`` of a block that holds no hash: -2**62, inside the range of the small ints mypyc keeps unboxed
+#: (a compare with it is one native compare; -2**63 would be a boxed constant converted at every use).
+NO_HASH: Final = -(1 << 62)
+_INT64_MIN: Final = -(1 << 63)
 _INT64_MAX: Final = (1 << 63) - 1
 _MIN_SLOTS: Final = 8
 _MIX: Final = 0x5BD1E995  # an odd 31-bit multiplier (MurmurHash2's): times a 32-bit value, below 2**63
@@ -41,8 +43,8 @@ def key_of(block_hash: object) -> tuple[i64, bool]:
     """``(key, is_object)`` of a hash: an ``int`` hash (an int in the int64 range other than NO_HASH) is its
     own key; any other hash's key is its ``hash()``, moved off NO_HASH, and it is kept as an object. Raises
     TypeError for an unhashable value."""
-    if type(block_hash) is int and NO_HASH < block_hash <= _INT64_MAX:  # noqa: E721 (bool is no int hash)
-        return block_hash, False
+    if type(block_hash) is int and _INT64_MIN <= block_hash <= _INT64_MAX and block_hash != NO_HASH:  # noqa: E721
+        return block_hash, False  # (type() is int: a bool is no int hash)
     k: i64 = hash(block_hash)
     return (NO_HASH + 1 if k == NO_HASH else k), True
 
@@ -54,8 +56,8 @@ class PrefixIndex:
         self.key: vec[i64] = vec[i64]()
         self._objects: list[object] = []  # per block once the first hash that is no int hash arrives
         self._slots: vec[i32] = grown_i32(vec[i32](), _MIN_SLOTS, 0)
-        self._mask = _MIN_SLOTS - 1
-        self._shift = 32 - 3  # the home of a key: the top log2(len(_slots)) bits of a 32-bit product
+        self._mask: i64 = _MIN_SLOTS - 1
+        self._shift: i64 = 32 - 3  # the home of a key: the top log2(len(_slots)) bits of a 32-bit product
         self._used = 0  # distinct hashes: filled slots
         self.dups: dict[object, list[int]] = {}
         self.num_dups = 0  # blocks in the lists of ``dups``
@@ -205,22 +207,23 @@ class PrefixIndex:
 
     # ---- the table --------------------------------------------------------------------------------------
 
-    def _home(self, k: i64) -> int:
+    def _home(self, k: i64) -> i64:
         """The slot a key is looked for first: the top bits of (its 32-bit fold times an odd constant)
         mod 2**32 (multiplicative hashing, Knuth TAOCP 6.4; no product passes 2**63, so compiled and
         interpreted runs agree)."""
         folded = (k ^ (k >> 32)) & 0xFFFFFFFF
-        return int(((folded * _MIX) & 0xFFFFFFFF) >> self._shift)
+        return ((folded * _MIX) & 0xFFFFFFFF) >> self._shift
 
-    def _slot_of(self, block: int) -> int:
+    def _slot_of(self, block: int) -> i64:
         """The slot holding ``block`` (a block lookups find)."""
-        slots, mask, target = self._slots, self._mask, block + 1
+        slots, mask = self._slots, self._mask
+        target: i32 = block + 1
         pos = self._home(self.key[block])
         while slots[pos] != target:
             pos = (pos + 1) & mask
         return pos
 
-    def _delete_at(self, hole: int) -> None:
+    def _delete_at(self, hole: i64) -> None:
         """Empty slot ``hole``, moving back each later entry of its cluster whose probe passes the hole."""
         slots, key, mask = self._slots, self.key, self._mask
         j = hole

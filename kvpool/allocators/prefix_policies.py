@@ -19,14 +19,19 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable
+from typing import Final
 
-from kvpool.allocators.arrays import extend_flags, extend_to
+from librt.vecs import vec
+from mypy_extensions import u8
+
+from kvpool.allocators.arrays import extend_to, grown_u8
 from kvpool.allocators.block_lists import BlockLists, LevelQueues
 from kvpool.allocators.policy_base import SEQ_SPAN, EvictionPolicy, LRUPolicy
 from kvpool.errors import InvalidArgumentError
 from kvpool.numeric import IntArg, RealArg, as_int, as_real
 
-_SAFE, _UNSAFE = 0, 1
+_SAFE: Final = 0
+_UNSAFE: Final = 1
 
 
 class TLRUPolicy(EvictionPolicy):
@@ -59,13 +64,13 @@ class TLRUPolicy(EvictionPolicy):
             raise InvalidArgumentError(f"tlru needs threshold > next_prompt_estimate (else nothing is ever "
                                        f"TEL-safe and it is LRU), got {threshold} <= {next_prompt_estimate}")
         self._lists = BlockLists(0, 2)
-        self._unsafe = bytearray()
-        self._cached = bytearray()
+        self._unsafe: vec[u8] = vec[u8]()
+        self._cached: vec[u8] = vec[u8]()
 
     def grow(self, capacity: int) -> None:
         self._lists.grow(capacity)
-        extend_flags(self._unsafe, capacity)
-        extend_flags(self._cached, capacity)
+        self._unsafe = grown_u8(self._unsafe, capacity)
+        self._cached = grown_u8(self._cached, capacity)
 
     def published(self, block: int, block_hash: Hashable) -> None:
         self._cached[block] = 1
@@ -146,7 +151,7 @@ class LineagePolicy(EvictionPolicy):
     depth 0, 1, 3, 7, ..., 2^j - 1 of its sequence and its deepest block (about ``log2(length) + 1`` a
     request, so the ghost covers as many requests whatever their length; ``ghost_sample`` k > 0 also
     remembers 1 in k hashes, picked from the hash's value). A request that recomputes an evicted prefix
-    learns its generation from the deepest of those it holds. O(max_level) per evicted block (a FIFO per
+    learns its generation from the deepest of those it holds. O(levels in use) per evicted block (a FIFO per
     level, :class:`~kvpool.allocators.block_lists.LevelQueues`: the smallest head of the levels), O(1) per
     ghost entry, O(log length) per free call for the marks. :meth:`valued`: the block was reused (hit, or
     recomputed from a remembered hash) since it was published.
@@ -169,8 +174,8 @@ class LineagePolicy(EvictionPolicy):
         self._distance = 0.0
         self._queues = LevelQueues(False)
         self._gen: list[int] = []
-        self._reused = bytearray()
-        self._mark = bytearray()  # 1: remembered in the ghost when evicted
+        self._reused: vec[u8] = vec[u8]()
+        self._mark: vec[u8] = vec[u8]()  # 1: remembered in the ghost when evicted
         self._hash: list[Hashable | None] = []
         self._ghost: OrderedDict[Hashable, int] = OrderedDict()
         self._ghost_cap = 0
@@ -187,8 +192,8 @@ class LineagePolicy(EvictionPolicy):
     def grow(self, capacity: int) -> None:
         self._queues.grow(capacity)
         extend_to(self._gen, capacity, 0)
-        extend_flags(self._reused, capacity)
-        extend_flags(self._mark, capacity)
+        self._reused = grown_u8(self._reused, capacity)
+        self._mark = grown_u8(self._mark, capacity)
         extend_to(self._hash, capacity, None)
 
     def _sampled(self, block_hash: Hashable) -> bool:
@@ -316,7 +321,7 @@ class QueueInformedPolicy(EvictionPolicy):
         self._wanted: dict[Hashable, int] = {}
         self._holder: dict[Hashable, int] = {}  # hash -> the block the pool published it on first
         self._aside: OrderedDict[int, int] = OrderedDict()  # wanted evictable blocks -> their priority
-        self._evictable = bytearray()
+        self._evictable: vec[u8] = vec[u8]()
         self._hash: list[Hashable | None] = []
 
     def _bound(self, num_blocks: int) -> None:
@@ -324,7 +329,7 @@ class QueueInformedPolicy(EvictionPolicy):
 
     def grow(self, capacity: int) -> None:
         self.base.grow(capacity)
-        extend_flags(self._evictable, capacity)
+        self._evictable = grown_u8(self._evictable, capacity)
         extend_to(self._hash, capacity, None)
 
     def published(self, block: int, block_hash: Hashable) -> None:

@@ -20,13 +20,18 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable
+from typing import Final
 
-from kvpool.allocators.arrays import extend_flags, extend_to
+from librt.vecs import vec
+from mypy_extensions import u8
+
+from kvpool.allocators.arrays import extend_to, grown_u8
 from kvpool.allocators.block_lists import OUT, BlockLists
 from kvpool.allocators.policy_base import EvictionPolicy
 from kvpool.numeric import IntArg, RealArg, as_int, as_real
 
-_SMALL, _MAIN = 0, 1
+_SMALL: Final = 0
+_MAIN: Final = 1
 
 
 class S3FIFOPolicy(EvictionPolicy):
@@ -60,8 +65,8 @@ class S3FIFOPolicy(EvictionPolicy):
         self.threshold = as_int(move_to_main_threshold, "move_to_main_threshold", minimum=1)
         self._q = BlockLists(0, 2)
         self._freq: list[int] = []
-        self._evictable = bytearray()
-        self._member = bytearray()  # 1 + the queue whose share a cached block counts in (0: not cached)
+        self._evictable: vec[u8] = vec[u8]()
+        self._member: vec[u8] = vec[u8]()  # 1 + the queue whose share a cached block counts in (0: none)
         self._hash: list[Hashable | None] = []
         self._ghost: OrderedDict[Hashable, None] = OrderedDict()
         self._cached = [0, 0]  # cached blocks counted in each queue's share (in use or not)
@@ -78,8 +83,8 @@ class S3FIFOPolicy(EvictionPolicy):
     def grow(self, capacity: int) -> None:
         self._q.grow(capacity)
         extend_to(self._freq, capacity, 0)
-        extend_flags(self._evictable, capacity)
-        extend_flags(self._member, capacity)
+        self._evictable = grown_u8(self._evictable, capacity)
+        self._member = grown_u8(self._member, capacity)
         extend_to(self._hash, capacity, None)
 
     def published(self, block: int, block_hash: Hashable) -> None:
@@ -247,9 +252,9 @@ class SievePolicy(EvictionPolicy):
     def __init__(self) -> None:
         super().__init__()
         self._q = BlockLists(0, 1)
-        self._visited = bytearray()
-        self._evictable = bytearray()
-        self._cached = bytearray()
+        self._visited: vec[u8] = vec[u8]()
+        self._evictable: vec[u8] = vec[u8]()
+        self._cached: vec[u8] = vec[u8]()
         self._hand = 0  # the next block the hand looks at; the sentinel: start at the tail
         self._live = 0
 
@@ -258,9 +263,9 @@ class SievePolicy(EvictionPolicy):
         shift = self._q.grow(capacity)
         if self._hand >= old:  # on the sentinel: it moved
             self._hand += shift
-        extend_flags(self._visited, capacity)
-        extend_flags(self._evictable, capacity)
-        extend_flags(self._cached, capacity)
+        self._visited = grown_u8(self._visited, capacity)
+        self._evictable = grown_u8(self._evictable, capacity)
+        self._cached = grown_u8(self._cached, capacity)
 
     # The list runs oldest (the sentinel's next) to newest (its prev); libCacheSim's head is the newest.
 
@@ -327,7 +332,7 @@ class SievePolicy(EvictionPolicy):
     def order(self) -> list[int]:
         """The evictable blocks, next victim first: the hand's walk replayed on copies (for tests and
         inspection)."""
-        ev, visited = self._evictable, bytearray(self._visited)
+        ev, visited = self._evictable, [int(v) for v in self._visited]
         items = [b for b in self._q.items(0) if ev[b]]
         items += [b for b in range(len(ev)) if ev[b] and not self._q.linked[b]]  # they rejoin at the head
         hand = self._hand

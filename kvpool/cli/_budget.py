@@ -53,8 +53,10 @@ def check_budget_arguments(args: argparse.Namespace, config: ReplayConfig, pool_
     """The rule of ``--state-split`` (None without it); ConfigError where the options do not go together."""
     if args.state_split is None:
         return None
-    if config.state_save is None or pool_plan is None:
-        raise ConfigError("--state-split needs --model-config of a recurrent hybrid and --gpu-memory")
+    needs = "--state-split needs --model-config of a recurrent hybrid and --gpu-memory"
+    if pool_plan is None:
+        raise ConfigError(needs)
+    config.state.require(needs)
     if args.state_checkpoints is not None or args.sweep or args.policies:
         raise ConfigError("--state-split sizes the checkpoints itself and replays one pool size and policy: "
                           "drop --state-checkpoints, --sweep and --policies")

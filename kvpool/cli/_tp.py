@@ -33,8 +33,9 @@ def torchrun_world() -> int | None:
 
 
 def tp_size_of(args: argparse.Namespace, model: str, config: dict[str, Any] | None = None) -> int:
-    """The TP size asked for, checked against ``model``'s config (``config`` where the caller has read it)
-    before any process starts.
+    """The TP size asked for, checked against ``model``'s config before any process starts. ``config``: what
+    the caller has read, whose ModelMemory at the TP size it makes next (``kvpool generate``: that making
+    checks the KV and recurrent heads, so none is made here); None: read and checked whole here.
 
     Raises:
         ConfigError: ``--tp-size`` differs from torchrun's WORLD_SIZE, or the model cannot be sharded over
@@ -48,7 +49,8 @@ def tp_size_of(args: argparse.Namespace, model: str, config: dict[str, Any] | No
         from kvpool.engine.models import config_before_load, load_config
         from kvpool.engine.sharding import check_shardable
 
-        check_shardable(config or config_before_load(model) or load_config(model), tp_size)
+        check_shardable(config or config_before_load(model) or load_config(model), tp_size,
+                        check_heads=config is None)
     return tp_size
 
 

@@ -93,6 +93,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     eviction.add_argument("--state-save", metavar="POLICY", default="tail",
                           help="a recurrent hybrid's state save policy for prefix caching: tail, dense, "
                                "interval=N, tail+junction (default: tail)")
+    eviction.add_argument("--match-unit", type=positive_int, metavar="U",
+                          help="prefix-match unit in tokens, dividing the block size: a hit may end inside a "
+                               "block (a hybrid's at a unit whose state was saved) (default: whole blocks)")
     eviction.add_argument("--pin-prefix", metavar="TEXT",
                           help="pin the full blocks of TEXT's tokens (a system prompt the prompts start "
                                "with) once they are cached, in every KV cache group")
@@ -160,7 +163,8 @@ def pool_blocks(loaded: Any, args: argparse.Namespace, memory: Any, ranks_here: 
 
 def check_before_load(args: argparse.Namespace, tp_size: int, config: dict[str, Any] | None) -> Any:
     """What the model's config can tell before its weights load (README: bad input fails in seconds): a
-    block size or ``--tp-size`` its spec refuses (a hybrid's recurrent heads included), a
+    block size or ``--tp-size`` its spec refuses (its KV heads and a hybrid's recurrent heads; the rest of
+    the layout was :func:`~kvpool.cli._tp.tp_size_of`'s), a
     ``--kv-memory`` (or the CPU default) that holds no block of it. ``config``: what
     :func:`kvpool.engine.models.config_before_load` read (None, nothing to check, for Gemma 3 270M before its
     first conversion), made into one :class:`~kvpool.spec.memory.ModelMemory` with the dtypes the engine
@@ -198,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
     params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              seed=args.seed + i) for i in range(len(texts))]  # bad input fails before loading
     config = config_before_load(args.model)  # read once, before the weights
-    tp_size = tp_size_of(args, args.model, config)
+    tp_size = tp_size_of(args, args.model, config)  # the layout; the heads when the memory is made, next
     memory = check_before_load(args, tp_size, config)  # the one ModelMemory of this command
     try:
         with model_errors(args.model):
@@ -241,7 +245,7 @@ def generate_on_rank(tp: Any, args: argparse.Namespace, texts: list[str], params
     with Observers(observed) as observers:  # binds the event and metrics ports before the model loads
         loaded = load_model(args.model, device=device)
         if tp is not None:
-            shard_model(loaded.model, tp.rank, tp.size, tp.all_reduce)
+            shard_model(loaded.model, tp.rank, tp.size, tp.all_reduce, check_heads=memory is None)
         if memory is None:  # no config before loading: the loaded model's, once
             memory = model_memory(loaded.model, block_size=args.block_size, tp_size=tp_size)
         num_blocks = pool_blocks(loaded, args, memory, ranks_on_host(tp))
@@ -249,7 +253,8 @@ def generate_on_rank(tp: Any, args: argparse.Namespace, texts: list[str], params
                            block_size=args.block_size, max_num_batched_tokens=args.max_batched_tokens,
                            eos_token_ids=loaded.eos_token_ids, hasher=hasher, tp_size=tp_size,
                            kv_events=observers.publisher, policy=args.policy, state_save=args.state_save,
-                           attention=args.attention, elastic=args.kv_memory == AUTO, memory=memory)
+                           attention=args.attention, elastic=args.kv_memory == AUTO, memory=memory,
+                           match_unit=args.match_unit)
         prompts = [loaded.encode(text) for text in texts]
         if args.pin_prefix and (tp is None or tp.rank == 0):  # rank 0 decides; its pins reach the followers
             engine.pin_prefix(loaded.encode(args.pin_prefix))

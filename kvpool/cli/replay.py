@@ -269,7 +269,8 @@ def _plan_runs(args: argparse.Namespace
         spec = None if memory is None else memory.require_kv()
     args.model_memory = memory
     sizes: list[int | None] = [*args.sweep] if args.sweep else [num_blocks]
-    hybrid = spec is not None and (spec.has_windows or len(spec.groups) > 1)
+    # windows or several KV cache groups (hybrid attention, not a recurrent state): blocks counted per group
+    per_group = spec is not None and (spec.has_windows or len(spec.groups) > 1)
     policies: list[str] = args.policies or [args.policy]
     args.session_modes = parse_session_modes(args.sessions)
     runs = len(sizes) * len(policies) * len(args.session_modes)
@@ -284,7 +285,7 @@ def _plan_runs(args: argparse.Namespace
         block_size=args.block_size, num_blocks=sizes[0], timing=args.timing,
         max_batched_tokens=args.max_batched_tokens, max_running=args.max_running, step_s=args.step_s,
         prefill_token_s=args.prefill_token_s, decode_token_s=args.decode_token_s, policy=policies[0],
-        pin_prefix=tuple(args.pin_prefix), groups=spec.groups if spec is not None and hybrid else (),
+        pin_prefix=tuple(args.pin_prefix), groups=spec.groups if per_group else (),
         state_save=state_save, state_checkpoints=args.state_checkpoints,
         elastic_block_bytes=_elastic_block_bytes(args, spec), elastic_compact=args.compact,
         match_unit=args.match_unit,

@@ -144,8 +144,9 @@ class LLMEngine:
         match_unit: tokens per prefix-match unit (a divisor of ``block_size``): a prefix hit may end
             inside a block, its tokens copied from the cached block into the request's fresh one
             (:mod:`kvpool.requests.partial_hits`; with ``tp_size`` > 1 every rank copies its own shard:
-            :mod:`kvpool.engine.tp_partial`); None (default): whole blocks only. ConfigError for a bad
-            unit, with recurrent state, or without prefix caching.
+            :mod:`kvpool.engine.tp_partial`); a recurrent hybrid's hit ends at a unit whose state was
+            saved too (:mod:`kvpool.requests.unit_states`); None (default): whole blocks only.
+            ConfigError for a bad unit or without prefix caching.
 
     Attributes: ``kv_manager`` (the :class:`~kvpool.requests.kv_manager.KVCacheManager`), ``scheduler``,
     ``kv`` (its :class:`KVCacheCoordinator`), ``pool`` (its :class:`BlockPool`), ``cache`` (the KV tensors),

@@ -32,7 +32,7 @@ from kvpool.engine.tiny_models import (  # noqa: F401 (re-exported)
 )
 from kvpool.errors import ConfigError, KVPoolError, ModelError
 from kvpool.spec import KVCacheSpec
-from kvpool.spec.state import is_recurrent_config
+from kvpool.spec.memory import ModelMemory
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -130,7 +130,7 @@ def kv_spec(model: Any, *, block_size: int, dtype: torch.dtype | None = None, tp
     """The model's :class:`KVCacheSpec` (one rank's share of ``tp_size``) from its config; KV dtype = the
     model's own dtype unless given.
 
-    Raises ConfigError for an attention / recurrent hybrid (:func:`kvpool.spec.state.is_recurrent_config`):
+    Raises ConfigError for an attention / recurrent hybrid (its :class:`ModelMemory` keeps a state):
     read as a plain KV spec, its recurrent layers would pass as attention (or hold no state at all), so
     its spec is :func:`kvpool.engine.recurrent.model_kv_spec` (the attention layers) beside its state."""
     kv_dtype = str(dtype or model.dtype).removeprefix("torch.")
@@ -140,12 +140,10 @@ def kv_spec(model: Any, *, block_size: int, dtype: torch.dtype | None = None, tp
 def config_spec(config: dict[str, Any], *, block_size: int, kv_dtype: str, tp_size: int = 1) -> KVCacheSpec:
     """The :class:`KVCacheSpec` the engine would run a model of Hugging Face ``config`` (a dict) with,
     ``kv_dtype`` (``"float32"``) its KV dtype: what :func:`kv_spec` gives once the model is loaded, and
-    what the CLI checks before loading it. Raises ConfigError as :func:`kv_spec` and
-    :meth:`KVCacheSpec.from_hf_config` do."""
-    if is_recurrent_config(config):
-        raise ConfigError(f"{config.get('model_type')} keeps a recurrent state per request: its KV spec is "
-                          f"kvpool.engine.recurrent.model_kv_spec's (its attention layers), as LLMEngine's")
-    return KVCacheSpec.from_hf_config(config, block_size=block_size, kv_cache_dtype=kv_dtype, tp_size=tp_size)
+    what the CLI checks before loading it. Raises ConfigError as :func:`kv_spec` (a hybrid:
+    :meth:`ModelMemory.require_kv_only`) and :meth:`KVCacheSpec.from_hf_config` do."""
+    memory = ModelMemory.from_config(config, block_size=block_size, kv_cache_dtype=kv_dtype, tp_size=tp_size)
+    return memory.require_kv_only()
 
 
 def config_before_load(name: str = DEFAULT_MODEL) -> dict[str, Any] | None:

@@ -89,16 +89,20 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def check_shardable(config: Mapping[str, Any], tp_size: int) -> None:
+def check_shardable(config: Mapping[str, Any], tp_size: int, *, check_heads: bool = True) -> None:
     """Refuse a ``tp_size`` this module cannot shard ``config`` (a Hugging Face config dict) over.
+
+    The KV heads and a hybrid's recurrent heads are checked by making the model's
+    :class:`~kvpool.spec.memory.ModelMemory` at ``tp_size``, after every other check. ``check_heads`` False:
+    the caller makes that ModelMemory itself next (``kvpool generate``'s one, kept for its ranks), so none
+    is made here.
 
     Raises:
         ConfigError: ``tp_size`` < 1; a model type outside :data:`SUPPORTED_MODEL_TYPES` (for tp_size > 1);
             query heads or ``intermediate_size`` that ``tp_size`` does not divide (more ranks than query
             heads included); KV heads that ``tp_size`` neither divides nor is a multiple of; a hybrid's
             recurrent heads or experts' intermediate sizes that it does not divide, Mamba-2 groups it neither
-            divides nor is a multiple of; Llama 4's
-            and GraniteMoeHybrid's experts.
+            divides nor is a multiple of; Llama 4's and GraniteMoeHybrid's experts.
     """
     if tp_size < 1:
         raise ConfigError(f"tp_size must be >= 1, got {tp_size}")
@@ -125,8 +129,8 @@ def check_shardable(config: Mapping[str, Any], tp_size: int) -> None:
     if config.get("moe_layers") or (kind == "granitemoehybrid" and config.get("num_local_experts")):
         raise ConfigError(f"tensor parallelism shards dense MLPs and fused experts, not the "
                           f"{config.get('num_local_experts')} experts of {kind!r}")
-    # KV heads: divisible, or replicated; a hybrid's recurrent heads divisible
-    ModelMemory.from_config(dict(config), tp_size=tp_size)
+    if check_heads:  # KV heads: divisible, or replicated; a hybrid's recurrent heads and groups fit
+        ModelMemory.from_config(dict(config), tp_size=tp_size)
 
 
 def kv_heads_of_rank(num_kv_heads: int, rank: int, tp_size: int) -> range:
@@ -138,15 +142,17 @@ def kv_heads_of_rank(num_kv_heads: int, rank: int, tp_size: int) -> range:
     return range(head, head + 1)
 
 
-def shard_model(model: Any, rank: int, tp_size: int, all_reduce: Callable[[torch.Tensor], None]) -> Any:
+def shard_model(model: Any, rank: int, tp_size: int, all_reduce: Callable[[torch.Tensor], None], *,
+                check_heads: bool = True) -> Any:
     """Keep rank ``rank``'s shard of every decoder layer of ``model`` (see the module docstring); returns
-    ``model``, changed in place. ``tp_size == 1`` changes nothing.
+    ``model``, changed in place. ``tp_size == 1`` changes nothing. ``check_heads``: as
+    :func:`check_shardable` (False where the rank was given the model's ModelMemory at ``tp_size``).
 
     Raises:
         ConfigError: as :func:`check_shardable`, or decoder layers without the parts named above.
     """
     config = model.config.to_dict()
-    check_shardable(config, tp_size)
+    check_shardable(config, tp_size, check_heads=check_heads)
     if tp_size == 1:
         return model
     def row_parallel(linear: nn.Linear, columns: slice) -> RowParallelLinear:

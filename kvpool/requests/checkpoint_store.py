@@ -43,6 +43,25 @@ if TYPE_CHECKING:
 NO_SLOT = -1
 #: vLLM's ``kv_cache_spec_kind`` of a recurrent state group (its ``MambaSpec``).
 STATE_EVENT_KIND = "mamba"
+#: The tag of a unit checkpoint's key (:func:`unit_key`).
+UNIT_TAG = "unit"
+
+
+def unit_key(unit_hash: Hashable) -> tuple[str, Hashable]:
+    """The checkpoint key of the state at the end of the match unit ``unit_hash`` (a hybrid's partial hits:
+    :mod:`kvpool.requests.unit_states`): ``("unit", unit_hash)``, never equal to a block hash (an int or
+    bytes), so unit and block checkpoints share one store without meeting."""
+    return (UNIT_TAG, unit_hash)
+
+
+def state_key(group: int, key: Hashable) -> Hashable:
+    """The event and tier key of the checkpoint ``key`` of state group ``group``: a block checkpoint's
+    :func:`~kvpool.allocators.groups.group_key` ``(group, block hash)``; a unit checkpoint's
+    (:func:`unit_key`) ``(group + 1, unit hash)``, the unit checkpoints being a group of their own
+    (described as ``"mamba"`` too), so a consumer never reads a unit hash as a block's."""
+    if type(key) is tuple and len(key) == 2 and key[0] == UNIT_TAG:
+        return group_key(group + 1, key[1])
+    return group_key(group, key)
 
 
 @dataclass
@@ -187,7 +206,7 @@ class StateCheckpoints:
             if not self._pin_entry(entry, block_hash):
                 policy.insert(entry, 0)
         if self.sink is not None:
-            self.sink.check_and_store([group_key(self.group, block_hash)], None, None, None, None, None)
+            self.sink.check_and_store([state_key(self.group, block_hash)], None, None, None, None, None)
         self.stats.saved += 1
         self.stats.peak_checkpoints = max(self.stats.peak_checkpoints, len(self._entries))
 
@@ -237,7 +256,7 @@ class StateCheckpoints:
         del self._entries[block_hash]
         self._pinned.discard(entry)
         if self.sink is not None:
-            self.sink.removed([group_key(self.group, block_hash)])
+            self.sink.removed([state_key(self.group, block_hash)])
         self._free_slot(self._slots[entry])
         self._hashes[entry] = None
         self._free_ids.append(entry)

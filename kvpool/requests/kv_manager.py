@@ -100,8 +100,8 @@ class KVCacheManager:
     Raises:
         InvalidArgumentError: as :class:`KVCacheCoordinator`.
         ConfigError: a process-local ``hasher`` with an ``event_sink`` (the events carry its hashes out of
-            the process: :func:`~kvpool.allocators.hashing.hasher_for`); a bad ``match_unit``, or one with
-            recurrent ``states`` or without caching.
+            the process: :func:`~kvpool.allocators.hashing.hasher_for`); a bad ``match_unit``, or one
+            without caching.
     """
 
     def __init__(self, groups: Sequence[KVCacheGroup], num_blocks: int, *, enable_caching: bool = True,
@@ -301,6 +301,8 @@ class KVCacheManager:
             hit = self._joint_hit(req, hit, None)
         part = None if self.partial is None else self.partial.hold(
             req, hit.num_blocks, self.pool, lambda p: self._fits(req, hit, budget, p))
+        if part is None and self.partial is not None and self.partial.refused(req):
+            hit = self._joint_hit(req, hit, None, units=False)  # back to a block checkpoint
         if part is None and not self._fits(req, hit, budget):
             return None
         if self.on_admit is not None:
@@ -329,11 +331,14 @@ class KVCacheManager:
             state.plan(req, computed, computed + chunk)
         return chunk
 
-    def _joint_hit(self, req: Request, hit: CacheHit, probe: Any) -> CacheHit:
+    def _joint_hit(self, req: Request, hit: CacheHit, probe: Any, units: bool = True) -> CacheHit:
         """``hit`` cut back to the longest prefix that every group restores and whose state the state side
-        restores (a recurrent hybrid's: one that ends at a state checkpoint, or is empty)."""
+        restores (a recurrent hybrid's: one that ends at a state checkpoint, or is empty; with ``units``
+        and a match unit, one whose partial hit ends at a unit checkpoint: :meth:`PartialHits.joint`)."""
         while True:
             j = self.state.joint_blocks(req, hit.num_blocks)
+            if units and self.partial is not None:
+                j = self.partial.joint(req, hit.num_blocks, j)
             if j == hit.num_blocks:
                 return hit
             hit = self.coordinator.find_longest_cache_hit(req.block_hashes, j, count=False, probe=probe)

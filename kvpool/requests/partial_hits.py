@@ -22,8 +22,9 @@ Where it applies (:meth:`KVCacheManager.admit <kvpool.requests.kv_manager.KVCach
   tokens a position ``p`` in ``[n * B, (n + 1) * B)`` attends to outside block ``n`` (a sliding window of
   ``W`` at ``p`` reads ``[p - W, p)``, inside ``[n * B - W, n * B)`` and block ``n``; a chunk starts at or
   before ``n * B``), and block ``n`` is copied in every group;
-* never with recurrent state (a hybrid's SSM / conv state is checkpointed at block boundaries only: there
-  is no state at a position inside a block to restore): :class:`~kvpool.errors.ConfigError`.
+* with recurrent state (a hybrid's SSM / conv state), only where the state was also checkpointed at the
+  hit's unit boundary: :class:`~kvpool.requests.unit_states.StatePartialHits` (saves at unit boundaries,
+  the hit cut to the last unit with both its KV and its state).
 
 The copies are counted (:class:`PartialHitStats`): admissions with a partial hit, the tokens they gained,
 and the blocks and token slots copied (every group).
@@ -100,6 +101,15 @@ class PartialHits:
         self.copy: TokenCopy | None = None
         self.stats, self.first_stats = PartialHitStats(), PartialHitStats()
 
+    def joint(self, req: Request, kv_blocks: int, j: int) -> int:
+        """The blocks a hit of ``kv_blocks`` blocks whose state joint is ``j`` is cut to: ``j`` (no state
+        here; :class:`~kvpool.requests.unit_states.StatePartialHits` may go past it)."""
+        return j
+
+    def refused(self, req: Request) -> bool:
+        """Whether :meth:`hold` left a hit the admission must cut back: never here."""
+        return False
+
     def units(self, req: Request) -> list[Hashable]:
         """``req``'s unit hashes, those of its token ids hashed first where missing (chained on the last)."""
         if self.hasher is not None and req.prompt_token_ids is not None:
@@ -161,11 +171,17 @@ def partial_hits(match_unit: object, manager: Any, num_blocks: int) -> PartialHi
     """The :class:`PartialHits` of a :class:`~kvpool.requests.kv_manager.KVCacheManager` (its block size,
     groups and hasher).
 
+    A recurrent hybrid's (its state side's hits are block aligned) is a
+    :class:`~kvpool.requests.unit_states.StatePartialHits`, saving states at unit boundaries too.
+
     Raises:
-        ConfigError: a bad ``match_unit``; the manager has no prefix caching, or recurrent state (no state
-            at a position inside a block: see the module docstring).
+        ConfigError: a bad ``match_unit``; the manager has no prefix caching.
     """
-    if not manager.caching or manager.state.block_aligned_hits:
-        raise ConfigError("a match unit needs prefix caching and no recurrent state (a hybrid's state is "
-                          "checkpointed at block boundaries only: a hit cannot end inside a block)")
-    return PartialHits(match_unit, manager.block_size, len(manager.groups), num_blocks, manager.hasher)
+    if not manager.caching:
+        raise ConfigError("a match unit needs prefix caching")
+    args = (match_unit, manager.block_size, len(manager.groups), num_blocks, manager.hasher)
+    if manager.state.block_aligned_hits:
+        from kvpool.requests.unit_states import StatePartialHits  # it builds on this module
+
+        return StatePartialHits(*args, manager.states, lambda h: manager.pool.get_cached_block(h))
+    return PartialHits(*args)

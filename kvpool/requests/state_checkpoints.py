@@ -151,6 +151,9 @@ class RequestStates:
         #: The tiers under the checkpoints (:meth:`attach_tiers`), or None.
         self.below: CheckpointTiers | None = None
         self._staged: dict[Hashable, tuple[int, int, Any]] = {}  # request -> (k asked, boundary, row)
+        #: The saves at match-unit boundaries (:class:`~kvpool.requests.unit_states.UnitSaves`, attached with
+        #: a match unit), or None.
+        self.units: Any = None
 
     def join(self, group: int, sink: Any = None, admission: Any = None) -> None:
         """Take the KV side's settings as the state's group ``group`` (the number of KV cache groups): its
@@ -236,13 +239,17 @@ class RequestStates:
             raise OutOfBlocksError(f"request {req.request_id!r} needs a state slot, none of "
                                    f"{self.pool.capacity} is free")
         staged = self._staged.pop(req.request_id, None)
+        unit = None if self.units is None else self.units.take(req)  # a hit ending at a unit checkpoint
         key = req.block_hashes[hit_blocks - 1] if hit_blocks else None
         below = staged is not None and staged[1] == hit_blocks and key not in self.checkpoints
-        source = self.checkpoints.touch(key) if hit_blocks and not below else None
+        if unit is not None:
+            key, below, staged = unit.key, unit.below, (0, 0, unit.row)
+            self.units.restored += 1
+        source = self.checkpoints.touch(key) if key is not None and not below else None
         slot = self.pool.alloc(1)[0]
         self._slots[req.request_id] = slot
         self.stats.peak_request_slots = max(self.stats.peak_request_slots, len(self._slots))
-        if hit_blocks:
+        if key is not None:
             self.stats.restored += 1
             self.stats.tier_restored += below
         if below:
@@ -255,7 +262,8 @@ class RequestStates:
         if self.policy.junction and kv_blocks > hit_blocks:
             self._junctions[req.request_id] = kv_blocks
         if first:
-            self.stats.kv_only_tokens += (kv_blocks - hit_blocks) * self.block_size
+            kv_only = (kv_blocks - hit_blocks) * self.block_size  # less a unit hit's tokens inside it
+            self.stats.kv_only_tokens += max(0, kv_only - (unit.tokens if unit is not None else 0))
         return slot
 
     def slot(self, req: Request) -> int:
@@ -282,14 +290,19 @@ class RequestStates:
                 slot = self.checkpoints.reserve()
                 if slot is not None:
                     self._pending.setdefault(req.request_id, []).append((k, slot))
+        if self.units is not None:
+            self.units.plan(req, start, end)
 
     def pending(self, req: Request) -> list[tuple[int, int]]:
         """The saves of ``req`` this step writes: ``(tokens before the boundary, checkpoint slot)``."""
-        return [(k * self.block_size, slot) for k, slot in self._pending.get(req.request_id, ())]
+        saves = [(k * self.block_size, slot) for k, slot in self._pending.get(req.request_id, ())]
+        return saves if self.units is None else sorted(saves + self.units.pending(req))
 
     def commit(self, req: Request) -> None:
         """After the step: the saves ``req`` has now computed become checkpoints (call after its KV is
         published)."""
+        if self.units is not None:
+            self.units.commit(req)
         pending = self._pending.pop(req.request_id, None)
         if not pending:
             return
@@ -306,6 +319,8 @@ class RequestStates:
         """Release ``req``'s state slot and any save not committed (a no-op for a request that holds none)."""
         for _, slot in self._pending.pop(req.request_id, ()):
             self.checkpoints.release(slot)
+        if self.units is not None:
+            self.units.free(req)
         self._junctions.pop(req.request_id, None)
         self._staged.pop(req.request_id, None)
         slot = self._slots.pop(req.request_id, None)
@@ -337,7 +352,8 @@ class RequestStates:
                 "checkpoint_hits": s.restored, "checkpoint_evictions": s.evicted, "saves_skipped": s.skipped,
                 "kv_only_tokens": s.kv_only_tokens, "state_slots_peak": s.peak_request_slots,
                 "checkpoints_peak": s.peak_checkpoints, "checkpoints_pinned": self.checkpoints.num_pinned,
-                "checkpoints_not_admitted": s.not_admitted, "checkpoint_tier_hits": s.tier_restored}
+                "checkpoints_not_admitted": s.not_admitted, "checkpoint_tier_hits": s.tier_restored,
+                **({} if self.units is None else self.units.describe())}
 
     def stats_entries(self) -> dict[str, object]:
         """What a run's stats hold of the state: ``{"recurrent_state": describe()}``."""

@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvpool.allocators.groups import group_key
 from kvpool.errors import InvalidArgumentError
 from kvpool.numeric import as_int
+from kvpool.requests.checkpoint_store import state_key
 
 if TYPE_CHECKING:
     from kvpool.tiers.backend import TierBackend
@@ -68,7 +68,7 @@ class CheckpointTiers:
         self.stored = self.found = self.load_failures = 0
 
     def key(self, block_hash: Hashable) -> Hashable:
-        return group_key(self.group, block_hash)
+        return state_key(self.group, block_hash)
 
     def store(self, block_hash: Hashable, slot: int) -> None:
         """Store the checkpoint of ``block_hash`` held in ``slot`` into every tier (the device is about to

@@ -7,7 +7,7 @@ the functions import torch when called."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvpool._lazy import lazy_values
@@ -124,18 +124,21 @@ def auto_kv_dtype_name(model_dtype: str | None, model_type: str | None = None) -
 
 
 class TorchDtypeField:
-    """A dataclass field holding a KV dtype by name, read as a torch dtype: set with anything
-    :func:`kv_dtype_name` takes (checked then, without torch), read as ``torch.<name>`` (torch is imported
-    at the first read). So a spec can be built, sized (:attr:`KVCacheSpec.dtype_bytes
-    <kvpool.spec.kv.KVCacheSpec.dtype_bytes>`) and compared by name in a process that never imports torch
-    (a trace replay). The field's default is ``default``."""
+    """A dataclass field holding a dtype by name, read as a torch dtype: set with anything ``parse`` takes
+    (checked then, without torch; by default :func:`kv_dtype_name`'s KV dtypes), read as ``torch.<name>``
+    (torch is imported at the first read). So a spec can be built, sized (:attr:`KVCacheSpec.dtype_bytes
+    <kvpool.spec.kv.KVCacheSpec.dtype_bytes>`, :attr:`RecurrentStateSpec.conv_bytes
+    <kvpool.spec.state.RecurrentStateSpec.conv_bytes>`) and compared by name in a process that never imports
+    torch (a trace replay). The field's default is ``default``; ``parse(value, field)`` gives the torch
+    dtype's name of a value set (``field``: the field's name, for its ConfigError)."""
 
-    def __init__(self, default: str) -> None:
+    def __init__(self, default: str, parse: Callable[[object, str], str] | None = None) -> None:
         self.default = default
-        self.slot = ""
+        self.parse = parse or _kv_name
+        self.name = self.slot = ""
 
     def __set_name__(self, owner: type, name: str) -> None:
-        self.slot = f"_{name}_name"
+        self.name, self.slot = name, f"_{name}_name"
 
     def __get__(self, obj: object, owner: type | None = None) -> Any:
         if obj is None:
@@ -145,9 +148,12 @@ class TorchDtypeField:
         return getattr(torch, obj.__dict__[self.slot])
 
     def __set__(self, obj: object, value: object) -> None:
-        obj.__dict__[self.slot] = kv_dtype_name(value)
+        obj.__dict__[self.slot] = self.parse(value, self.name)
 
     def name_of(self, obj: object) -> str:
         """The dtype's name on ``obj`` (``"bfloat16"``), no torch imported."""
         return str(obj.__dict__[self.slot])
 
+
+def _kv_name(value: object, field: str) -> str:
+    return kv_dtype_name(value)

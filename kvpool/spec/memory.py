@@ -88,6 +88,12 @@ class ModelMemory:
         """:attr:`hybrid`; ConfigError for a model without recurrent state."""
         return self.state_kind.require_hybrid(self.model_type)
 
+    def require_kv_only(self) -> KVCacheSpec:
+        """:attr:`kv` where it is the model's whole memory; ConfigError for a hybrid (a spec of its KV alone
+        would leave its recurrent state out) and as :meth:`require_kv`."""
+        self.state_kind.require_kv_only(self.model_type)
+        return self.require_kv()
+
     def require_kv(self) -> KVCacheSpec:
         """:attr:`kv`; ConfigError for a model without attention layers (its memory is state only)."""
         if self.kv is None:

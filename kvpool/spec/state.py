@@ -45,8 +45,8 @@ from kvpool._lazy import lazy_values
 from kvpool.errors import ConfigError
 from kvpool.numeric import as_int
 from kvpool.spec.hf_config import config_int, load_config
-from kvpool.spec.kv import AttentionKind, KVCacheSpec, parse_kv_dtype
-from kvpool.spec.kv_dtypes import torch_dtypes
+from kvpool.spec.kv import AttentionKind, KVCacheSpec
+from kvpool.spec.kv_dtypes import TorchDtypeField, kv_dtype_name, torch_dtypes
 from kvpool.spec.state_families import (  # noqa: F401 (LAYER_TYPE_ROLES re-exported)
     FAMILIES,
     LAYER_TYPE_ROLES,
@@ -65,6 +65,8 @@ if TYPE_CHECKING:
 STATE_DTYPE_NAMES: dict[str, str] = {
     "float32": "float32", "float": "float32", "float16": "float16", "half": "float16", "bfloat16": "bfloat16",
 }
+#: Bytes per element of each torch dtype name of :data:`STATE_DTYPE_NAMES` (``torch.<name>.itemsize``).
+STATE_DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 #: Config fields that name the SSM state dtype (Qwen3.5: mamba_ssm_dtype; Nemotron-H: mamba_ssm_cache_dtype).
 SSM_DTYPE_FIELDS = ("mamba_ssm_dtype", "mamba_ssm_cache_dtype")
 
@@ -81,17 +83,22 @@ __getattr__ = lazy_values(__name__, {"STATE_DTYPES": state_dtypes})
 
 
 def parse_state_dtype(name: str | torch.dtype, field: str) -> torch.dtype:
-    """A state dtype name (or torch dtype) of ``STATE_DTYPES``; ConfigError naming ``field`` otherwise."""
+    """A state dtype name (or torch dtype) of ``STATE_DTYPES``; ConfigError naming ``field`` otherwise.
+    Imports torch (:func:`state_dtype_name` does not)."""
     import torch
 
-    dtypes = state_dtypes()
-    if isinstance(name, torch.dtype) and name in dtypes.values():
-        return name
+    return getattr(torch, state_dtype_name(name, field))
+
+
+def state_dtype_name(name: object, field: str) -> str:
+    """:func:`parse_state_dtype` without torch: the name of the torch dtype (a key of
+    :data:`STATE_DTYPE_BYTES`) of a name of :data:`STATE_DTYPE_NAMES` or a torch dtype (its ``str`` is
+    ``torch.<name>``); ConfigError naming ``field`` otherwise."""
     key = str(name).lower().removeprefix("torch.")
-    if key not in dtypes:
+    if key not in STATE_DTYPE_NAMES:
         raise ConfigError(f"{field} {name!r} is not a state dtype a pool can hold; accepted: "
-                          f"{', '.join(sorted(dtypes))}")
-    return dtypes[key]
+                          f"{', '.join(sorted(STATE_DTYPE_NAMES))}")
+    return STATE_DTYPE_NAMES[key]
 
 
 @dataclass(frozen=True)
@@ -104,7 +111,9 @@ class RecurrentStateSpec:
         layers: the model's layer indices that keep a state, ascending.
         conv_shape: ``(channels, K - 1)`` per layer per request (elements).
         ssm_shape: the SSM state per layer per request (elements); ``()`` for short convolutions.
-        conv_dtype, ssm_dtype: storage dtypes.
+        conv_dtype, ssm_dtype: storage dtypes (a torch dtype or a name of :data:`STATE_DTYPE_NAMES`), kept
+            by name (:attr:`conv_dtype_name`, :attr:`ssm_dtype_name`) and read as torch's: sizing a spec
+            imports no torch.
         conv_kernel: the convolution width K (``conv_shape[1] == K - 1``).
 
     Raises:
@@ -115,14 +124,12 @@ class RecurrentStateSpec:
     layers: tuple[int, ...]
     conv_shape: tuple[int, int]
     ssm_shape: tuple[int, ...]
-    conv_dtype: torch.dtype = "bfloat16"  # type: ignore[assignment]  # torch dtypes after __post_init__
-    ssm_dtype: torch.dtype = "bfloat16"  # type: ignore[assignment]
+    conv_dtype: torch.dtype = TorchDtypeField("bfloat16", state_dtype_name)  # type: ignore[assignment]
+    ssm_dtype: torch.dtype = TorchDtypeField("bfloat16", state_dtype_name)  # type: ignore[assignment]
     conv_kernel: int = 4
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", RecurrentKind(self.kind))
-        object.__setattr__(self, "conv_dtype", parse_state_dtype(self.conv_dtype, "conv_dtype"))
-        object.__setattr__(self, "ssm_dtype", parse_state_dtype(self.ssm_dtype, "ssm_dtype"))
         if not self.layers or len(set(self.layers)) != len(self.layers) or min(self.layers) < 0:
             raise ConfigError(f"recurrent layers must be distinct indices >= 0, got {self.layers!r}")
         object.__setattr__(self, "layers", tuple(sorted(self.layers)))
@@ -138,14 +145,24 @@ class RecurrentStateSpec:
         return len(self.layers)
 
     @property
+    def conv_dtype_name(self) -> str:
+        """The name of :attr:`conv_dtype` (``"bfloat16"``), read without importing torch."""
+        return _CONV_DTYPE.name_of(self)
+
+    @property
+    def ssm_dtype_name(self) -> str:
+        """The name of :attr:`ssm_dtype` (``"float32"``), read without importing torch."""
+        return _SSM_DTYPE.name_of(self)
+
+    @property
     def conv_bytes(self) -> int:
         """Bytes of one layer's conv state of one request: ``prod(conv_shape) x conv dtype``."""
-        return prod(self.conv_shape) * self.conv_dtype.itemsize
+        return prod(self.conv_shape) * STATE_DTYPE_BYTES[self.conv_dtype_name]
 
     @property
     def ssm_bytes(self) -> int:
         """Bytes of one layer's SSM state of one request (0 for short convolutions)."""
-        return prod(self.ssm_shape) * self.ssm_dtype.itemsize if self.ssm_shape else 0
+        return prod(self.ssm_shape) * STATE_DTYPE_BYTES[self.ssm_dtype_name] if self.ssm_shape else 0
 
     @property
     def bytes_per_layer(self) -> int:
@@ -163,6 +180,10 @@ class RecurrentStateSpec:
         """Whether transformers can continue a multi-token span from a saved state. False for Mamba-1: its
         full-sequence scan ignores the initial state, so a resumed prefill must run token by token."""
         return self.kind is not RecurrentKind.MAMBA1
+
+
+_CONV_DTYPE: TorchDtypeField = RecurrentStateSpec.__dict__["conv_dtype"]  # the dtype fields (by name)
+_SSM_DTYPE: TorchDtypeField = RecurrentStateSpec.__dict__["ssm_dtype"]
 
 
 @dataclass(frozen=True)
@@ -236,7 +257,7 @@ class HybridSpec:
         conv_shape, ssm_shape, kernel = family.geometry(ConfigReader(lm, model_type), tp)
         state = RecurrentStateSpec(family.kind, recurrent, conv_shape, ssm_shape, conv, ssm, kernel)
         n_attn = sum(r in (LayerRole.ATTENTION, LayerRole.BOTH) for r in roles)
-        kv_dtype = parse_kv_dtype(kv_cache_dtype, model_dtype)
+        kv_dtype = kv_dtype_name(kv_cache_dtype, model_dtype)
         attention = None if n_attn == 0 else _attention_spec(ConfigReader(lm, model_type), n_attn, family, tp,
                                                              kv_dtype, block_size)
         return cls(model_type, roles, attention, state)
@@ -255,23 +276,23 @@ def _dtype_name(config: dict[str, Any]) -> str | None:
     return None if dtype is None else str(dtype)
 
 
-def _conv_dtype(conv_dtype: str | torch.dtype, model_dtype: str | None) -> torch.dtype:
+def _conv_dtype(conv_dtype: str | torch.dtype, model_dtype: str | None) -> str:
     if isinstance(conv_dtype, str) and conv_dtype.lower() == "auto":
-        return parse_state_dtype(model_dtype or "float32", "the model dtype (config.json torch_dtype)")
-    return parse_state_dtype(conv_dtype, "conv_dtype")
+        return state_dtype_name(model_dtype or "float32", "the model dtype (config.json torch_dtype)")
+    return state_dtype_name(conv_dtype, "conv_dtype")
 
 
-def _ssm_dtype(ssm_dtype: str | torch.dtype, lm: dict[str, Any], conv: torch.dtype) -> torch.dtype:
+def _ssm_dtype(ssm_dtype: str | torch.dtype, lm: dict[str, Any], conv: str) -> str:
     if not (isinstance(ssm_dtype, str) and ssm_dtype.lower() == "auto"):
-        return parse_state_dtype(ssm_dtype, "ssm_dtype")
+        return state_dtype_name(ssm_dtype, "ssm_dtype")
     for field in SSM_DTYPE_FIELDS:
         if lm.get(field) not in (None, "auto"):
-            return parse_state_dtype(lm[field], f"config.json field {field!r}")
+            return state_dtype_name(lm[field], f"config.json field {field!r}")
     return conv
 
 
 # --------------------------------------------------------------------------------- attention
-def _attention_spec(r: ConfigReader, num_layers: int, family: Family, tp: int, dtype: torch.dtype,
+def _attention_spec(r: ConfigReader, num_layers: int, family: Family, tp: int, dtype: str,
                     block_size: int) -> KVCacheSpec:
     """The attention layers' KV: GQA heads and head_dim (``head_dim``, else hidden / heads), or Kimi's MLA
     latent ``kv_lora_rank + qk_rope_head_dim`` (vLLM's MLA head size; not split by tensor parallelism)."""

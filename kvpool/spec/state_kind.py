@@ -13,6 +13,8 @@ instead of asking whether the model is a hybrid. Each answers with the same memb
 * ``plan_entries(kv_bytes, max_model_len)``: the ``recurrent_state`` part of ``kvpool plan --json`` (``{}``);
 * ``checkpoint_slots(state_checkpoints, default)``: the state checkpoints an engine keeps (0 without state);
 * ``require_hybrid(model_type)``: the :class:`~kvpool.spec.state.HybridSpec`, or ConfigError;
+* ``require_kv_only(model_type)``: nothing where the KV spec is the model's whole memory, else ConfigError
+  (a KV spec alone would leave a hybrid's state out);
 * ``check_kv_budget(kv, budget_bytes)``: before the weights load, InsufficientMemoryError when
   ``budget_bytes`` of KV memory hold no block (``kv()`` gives the KV spec); a hybrid checks nothing then
   (the KV spec of its attention layers needs the loaded model:
@@ -70,6 +72,12 @@ class RecurrentStateKind:
         """:attr:`hybrid`."""
         return self.hybrid
 
+    def require_kv_only(self, model_type: str | None) -> None:
+        """ConfigError: a spec of the KV alone would leave the state out (the attention layers' KV is
+        :attr:`HybridSpec.attention <kvpool.spec.state.HybridSpec.attention>`, beside the state)."""
+        raise ConfigError(f"{model_type} keeps a recurrent state per request: its KV alone is not its memory "
+                          f"(the attention layers' KV sits beside the state: ModelMemory.hybrid)")
+
     def check_kv_budget(self, kv: Callable[[], KVCacheSpec], budget_bytes: int) -> None:
         """Nothing before loading: the attention layers' KV spec needs the loaded model."""
 
@@ -101,6 +109,9 @@ class NoRecurrentStateSpec:
     def require_hybrid(self, model_type: str | None) -> HybridSpec:
         """ConfigError: the model keeps no recurrent state."""
         raise ConfigError(f"{model_type} keeps no recurrent state")
+
+    def require_kv_only(self, model_type: str | None) -> None:
+        """Nothing: the KV spec is the model's whole memory."""
 
     def check_kv_budget(self, kv: Callable[[], KVCacheSpec], budget_bytes: int) -> None:
         """:func:`~kvpool.spec.planner.plan_pool` of ``kv()`` in ``budget_bytes`` (all of it for KV):

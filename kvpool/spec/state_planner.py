@@ -199,8 +199,8 @@ class StatePlan:
         padding, SGLang's split, and the requests of ``context_len`` tokens each fits."""
         spec, single, two, n = self.spec, self.single, self.two, self.context_len
         state = spec.state
-        shapes = (f"conv {list(state.conv_shape)} {_name(state.conv_dtype)}, "
-                  f"ssm {list(state.ssm_shape)} {_name(state.ssm_dtype)}")
+        shapes = (f"conv {list(state.conv_shape)} {state.conv_dtype_name}, "
+                  f"ssm {list(state.ssm_shape)} {state.ssm_dtype_name}")
         padding = 100 * single.padding_bytes / single.state_page_bytes
         groups = (f"{single.attention_groups} attention + {single.state_groups} state groups of "
                   f"{single.group_size} layers")
@@ -240,10 +240,6 @@ def _attention(spec: HybridSpec):  # noqa: ANN202 - a KVCacheSpec
     return spec.attention
 
 
-def _name(dtype: object) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def state_report(hybrid: HybridSpec, kv_bytes: int, max_model_len: int | None) -> dict[str, Any]:
     """A hybrid's recurrent state per request, and (with ``max_model_len``) :class:`StatePlan`'s lines for
     ``kv_bytes`` of memory: the ``recurrent_state`` object of ``--json``."""
@@ -251,8 +247,7 @@ def state_report(hybrid: HybridSpec, kv_bytes: int, max_model_len: int | None) -
     report: dict[str, Any] = {
         "kind": state.kind.value, "num_layers": state.num_layers, "layers": list(state.layers),
         "conv_shape": list(state.conv_shape), "ssm_shape": list(state.ssm_shape),
-        "conv_dtype": str(state.conv_dtype).removeprefix("torch."),
-        "ssm_dtype": str(state.ssm_dtype).removeprefix("torch."),
+        "conv_dtype": state.conv_dtype_name, "ssm_dtype": state.ssm_dtype_name,
         "bytes_per_layer": state.bytes_per_layer, "bytes_per_request": hybrid.state_bytes_per_request,
         "kv_token_equivalent": hybrid.kv_token_equivalent,
         "attention_layers": list(hybrid.attention_layers),

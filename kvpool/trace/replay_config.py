@@ -17,11 +17,11 @@ from kvpool.requests.budget import BudgetConfig
 from kvpool.requests.kv_manager import blocks_needed
 from kvpool.requests.request import Request
 from kvpool.requests.sessions import SessionPolicy
-from kvpool.requests.state_checkpoints import SavePolicy
 from kvpool.spec import KVCacheGroup
 from kvpool.spec.kv import needs_null_block
 from kvpool.storage.arena import DEFAULT_PAGE_SIZE
 from kvpool.trace.loaders import TraceRequest
+from kvpool.trace.replay_state import NoReplayState, RecurrentReplayState, replay_state
 
 TIMINGS = ("instant", "trace")
 #: Eviction policies a replay can use: the pool's own, and the offline bound.
@@ -97,8 +97,6 @@ class ReplayConfig:
     def __post_init__(self) -> None:
         if self.match_unit is not None:
             object.__setattr__(self, "match_unit", check_match_unit(self.match_unit, self.block_size))
-        if self.state_budget is not None and (self.state_save is None or self.state_checkpoints is not None):
-            raise ConfigError("state_budget needs a state_save policy and sizes the state_checkpoints itself")
         if any(g.block_size != self.block_size for g in self.groups):
             raise ConfigError(f"the KV cache groups' block size must be block_size {self.block_size}")
         if self.timing not in TIMINGS:
@@ -111,12 +109,10 @@ class ReplayConfig:
                                                             error=ConfigError) for h in self.pin_prefix))
         if self.sessions is not None:
             object.__setattr__(self, "sessions", str(SessionPolicy.parse(self.sessions)))
-        if self.state_save is not None:
-            object.__setattr__(self, "state_save", str(SavePolicy.parse(self.state_save, "state_save")))
-        elif self.state_checkpoints is not None:
-            raise ConfigError("state_checkpoints needs a state_save policy (a recurrent hybrid)")
-        object.__setattr__(self, "state_checkpoints", as_optional_int(
-            self.state_checkpoints, "state_checkpoints", minimum=1, error=ConfigError))
+        state = replay_state(self.state_save, self.state_checkpoints, self.state_budget)
+        object.__setattr__(self, "_state", state)  # not a field: asdict, eq and repr leave it out
+        object.__setattr__(self, "state_save", state.save)
+        object.__setattr__(self, "state_checkpoints", state.checkpoints)
         for name in ("block_size", "num_blocks", "max_batched_tokens", "max_running", "elastic_block_bytes",
                      "elastic_page_size"):
             check = as_optional_int if name in ("num_blocks", "elastic_block_bytes") else as_int
@@ -124,6 +120,15 @@ class ReplayConfig:
         for name in ("step_s", "prefill_token_s", "decode_token_s"):  # seconds
             object.__setattr__(self, name, as_real(getattr(self, name), name, minimum=0, finite=True,
                                                    error=ConfigError))
+
+    @property
+    def state(self) -> RecurrentReplayState | NoReplayState:
+        """The replay's state kind, made from ``state_save``, ``state_checkpoints`` and ``state_budget``
+        (:func:`~kvpool.trace.replay_state.replay_state`): a
+        :class:`~kvpool.trace.replay_state.RecurrentReplayState`, or
+        :data:`~kvpool.trace.replay_state.NO_REPLAY_STATE` without ``state_save``; the replay asks it
+        instead of asking whether the model is a hybrid."""
+        return self._state  # type: ignore[no-any-return, attr-defined]
 
     @property
     def kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:

@@ -50,7 +50,6 @@ from kvpool.allocators.policies import (
     ValuedAdmission,
     make_policy,
 )
-from kvpool.allocators.state_pool import StatePool
 from kvpool.errors import ConfigError, IntegrityError, InvalidArgumentError, OutOfBlocksError
 from kvpool.numeric import as_int
 from kvpool.requests.compaction import Compactor
@@ -58,7 +57,7 @@ from kvpool.requests.kv_manager import KVCacheManager
 from kvpool.requests.request import Request
 from kvpool.requests.scheduler import Scheduler, SchedulerOutput
 from kvpool.requests.state_budget import StateBudget
-from kvpool.requests.state_checkpoints import RequestStates, StateCheckpoints
+from kvpool.requests.state_checkpoints import RequestStates
 from kvpool.storage.elastic import PageModel
 from kvpool.trace.belady import BeladyPolicy, TraceFuture
 from kvpool.trace.clock import lone_decode_clock
@@ -162,17 +161,13 @@ class Replayer:
         self.kv.attach_tiers(tiers, write_through=write_through, asynchronous=False, admission=admission)
 
     def _states(self) -> RequestStates | None:
-        """A recurrent hybrid's state slots (one per request that may run) and counted checkpoints, evicted
-        by a policy of the pool's name (``lru`` under ``belady``, whose future is the KV blocks')."""
+        """What the config's state kind holds (:attr:`ReplayConfig.state`): a recurrent hybrid's state slots
+        (one per request that may run) and counted checkpoints, evicted by a policy of the pool's name
+        (``lru`` under ``belady``, whose future is the KV blocks'), and its budget; None without a state."""
         cfg = self.cfg
-        if cfg.state_save is None:
-            return None
-        policy = make_policy("lru" if cfg.policy == "belady" else cfg.policy, clock=lambda: self.now)
-        if cfg.state_budget is not None:
-            self.budget = StateBudget(cfg.state_budget, cfg.state_save, cfg.block_size, eviction=policy)
-            return self.budget.states
-        return RequestStates(cfg.state_save, cfg.block_size, StatePool(cfg.max_num_seqs),
-                             checkpoints=StateCheckpoints(cfg.state_checkpoints, policy=policy))
+        states, self.budget = cfg.state.request_states(cfg.block_size, cfg.max_num_seqs, lambda: make_policy(
+            "lru" if cfg.policy == "belady" else cfg.policy, clock=lambda: self.now))
+        return states
 
     def _policy(self, num_blocks: int) -> EvictionPolicy:
         cfg = self.cfg
