@@ -255,8 +255,8 @@ CONFIGS = Path(__file__).parent / "configs"
 @pytest.mark.parametrize(("argv", "message"), [
     (["--model", "tiny-llama", "--disk-dir", "/proc/nope", "--disk-bytes", "1MiB"],
      "--disk-dir '/proc/nope'"),
-    (["--model", "tiny-lfm2", "--tp-size", "2"], "tensor parallelism shards"),
-    (["--model", "RECURRENT-FOLDER", "--tp-size", "2"], "not the 512 experts of 'qwen3_next'"),
+    (["--model", "tiny-jamba", "--tp-size", "2"], "tensor parallelism shards"),
+    (["--model", "RECURRENT-FOLDER", "--tp-size", "3"], "does not divide the 16 query heads"),
     (["--kv-memory", "64KiB"], "for one block"),  # SmolLM2's block of 16 tokens in float32: 720 KiB
     (["--tp-size", "2"], "does not divide the 9 query heads"),
 ])

@@ -1,6 +1,6 @@
 """The feature matrix of a recurrent hybrid's state: every combination of {tail, dense} saves x {lru, arc} x
-{no pin, pin} x {events off, on} x {no tier, host, host+disk} x {TP 1, TP 2} (96 cells) on tiny-qwen3-next,
-and the 48 of TP 1 on tiny-lfm2 (see ``_state_matrix_helpers`` for the requests).
+{no pin, pin} x {events off, on} x {no tier, host, host+disk} x {TP 1, TP 2} (96 cells) on tiny-qwen3-next
+and on tiny-lfm2 (see ``_state_matrix_helpers`` for the requests).
 
 Each cell's tokens equal transformers' own greedy generate (logits within 1e-3); Y again hits on the device
 (its own tail checkpoint, or densely the pinned one); with tiers, Y's KV and its state came back from a
@@ -108,11 +108,13 @@ def test_state_matrix_cell_one_process_rest(cell: dict, references: dict, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("model", matrix.MODELS)
 @pytest.mark.parametrize("tiers", matrix.FACTORS["tiers"])
-def test_state_matrix_cells_on_two_ranks(tiers: str, references: dict, tmp_path) -> None:
-    """The 16 TP 2 cells of one tier setup in one launch: each rank its own shard of every state, its own
-    tiers (a checkpoint rank 0 restores from a tier, each rank restores its shard from its own)."""
-    cells = [c for c in matrix.cells(QWEN, tp=2) if c["tiers"] == tiers]
+def test_state_matrix_cells_on_two_ranks(tiers: str, model: str, references: dict, tmp_path) -> None:
+    """The 16 TP 2 cells of one tier setup in one launch: each rank its own shard of every state (Qwen3-Next's
+    heads, LFM2's channels), its own tiers (a checkpoint rank 0 restores from a tier, each rank restores its
+    shard from its own)."""
+    cells = [c for c in matrix.cells(model, tp=2) if c["tiers"] == tiers]
     outcomes = launch(matrix.run_cells, 2, cells, str(tmp_path))
     for cell, outcome in zip(cells, outcomes, strict=True):
         check_cell(cell, outcome, references[cell["model"]])

@@ -172,8 +172,8 @@ def test_shardable_checks(heads: int, kv: int, inner: int, tp: int, why: str) ->
     with pytest.raises(ConfigError, match=why):
         check_shardable(config, tp)
     check_shardable(config, 1)
-    with pytest.raises(ConfigError, match="not 'gpt2'"):
-        check_shardable({**config, "model_type": "gpt2"}, 2)
+    with pytest.raises(ConfigError, match="not 'jamba'"):
+        check_shardable({**config, "model_type": "jamba"}, 2)
 
 
 def test_shardable_checks_leave_the_heads_to_the_callers_memory(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -205,7 +205,7 @@ def test_bad_tp_size_is_one_line_before_any_process_starts(capsys: pytest.Captur
 
     for argv, why in ((["--tp-size", "3"], "tp_size 3 does not divide the 4 query heads"),
                       (["--tp-size", "8"], "more ranks than query heads"),
-                      (["--model", "tiny-gpt2", "--tp-size", "2"], "not 'gpt2'")):
+                      (["--model", "tiny-jamba", "--tp-size", "2"], "not 'jamba'")):
         before = multiprocess_children()
         assert main(["generate", "--model", "tiny-llama", *argv]) == 2
         err = capsys.readouterr().err

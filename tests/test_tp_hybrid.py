@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,12 +18,14 @@ import torch
 pytest.importorskip("transformers")
 
 import _tp_hybrid_helpers as helpers  # noqa: E402
+from _tp_threads import forward_on_threads as _forward_on_threads  # noqa: E402
+from _tp_threads import threaded_ranks as _threaded_ranks  # noqa: E402
 
 from kvpool.allocators.state_pool import StatePool  # noqa: E402
 from kvpool.engine.launch import launch  # noqa: E402
 from kvpool.engine.models import load_model, reference_greedy  # noqa: E402
 from kvpool.engine.pool_log import replay  # noqa: E402
-from kvpool.engine.sharding import _keep_rows, _row_parallel, check_shardable, shard_model  # noqa: E402
+from kvpool.engine.sharding import _keep_rows, _row_parallel, check_shardable  # noqa: E402
 from kvpool.engine.sharding_recurrent import shard_recurrent_mixer  # noqa: E402
 from kvpool.engine.tp_state import check_batch_slots, record_states, state_digest  # noqa: E402
 from kvpool.errors import ConfigError, IntegrityError  # noqa: E402
@@ -32,37 +33,6 @@ from kvpool.requests.state_checkpoints import RequestStates, StateCheckpoints  #
 from kvpool.spec.memory import ModelMemory  # noqa: E402
 
 HYBRIDS = ("tiny-qwen3-next", "tiny-qwen3.5")
-
-
-def _threaded_ranks(model: Any, tp_size: int) -> list[Any]:
-    """``tp_size`` shards of ``model`` whose all-reduces sum across threads (one thread per rank)."""
-    barrier, parts = threading.Barrier(tp_size), [None] * tp_size
-
-    def all_reduce_of(rank: int) -> Any:
-        def all_reduce(tensor: torch.Tensor) -> None:
-            parts[rank] = tensor.clone()
-            barrier.wait()
-            total = sum(parts[1:], parts[0])
-            barrier.wait()
-            tensor.copy_(total)
-        return all_reduce
-
-    return [shard_model(copy.deepcopy(model), r, tp_size, all_reduce_of(r)) for r in range(tp_size)]
-
-
-def _forward_on_threads(shards: list[Any], ids: torch.Tensor) -> list[torch.Tensor]:
-    out: list[Any] = [None] * len(shards)
-
-    def run(rank: int) -> None:
-        with torch.no_grad():
-            out[rank] = shards[rank](ids).logits
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(shards))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
 
 
 @pytest.mark.parametrize("name", HYBRIDS)
@@ -108,8 +78,8 @@ def test_hybrid_tp_checks() -> None:
     check_shardable(config, 2)
     with pytest.raises(ConfigError, match="does not divide"):
         check_shardable(config, 4)  # 4 query heads, but 2 GDN key heads
-    with pytest.raises(ConfigError, match="not 'nemotron_h'"):
-        check_shardable({**config, "model_type": "nemotron_h"}, 2)
+    with pytest.raises(ConfigError, match="not 'jamba'"):  # Mamba-1: not sharded
+        check_shardable({**config, "model_type": "jamba"}, 2)
 
 
 def _states(slots: int = 6) -> RequestStates:

@@ -1,4 +1,4 @@
-"""Tensor-parallel sharding of a Hugging Face Llama-family model, by hand, in place (Megatron style).
+"""Tensor-parallel sharding of a Hugging Face model, by hand, in place (Megatron style).
 
 In every decoder layer of a model on ``tp_size`` ranks, rank ``r`` keeps:
 
@@ -18,14 +18,30 @@ transformers' own ``tp_plan`` (``base_model_tp_plan``: ``k_proj`` / ``v_proj`` "
 shards every weight evenly over the ranks (``Shard(0)``), so with ``tp_size > num_key_value_heads`` each rank
 would get a fraction of a KV head instead of a whole replicated one.
 
-Supported: models whose decoder layers have ``self_attn.{q,k,v,o}_proj`` and ``mlp.{gate,up,down}_proj``
-(Llama, SmolLM2, Mistral, Qwen2, Qwen3, Gemma 2 / 3, Llama 4 text with dense ``feed_forward`` MLPs, its
-chunked-local layers included), and the recurrent hybrids of
-:data:`~kvpool.engine.sharding_recurrent.RECURRENT_MODEL_TYPES` (Qwen3-Next, Qwen3.5 with dense MLPs), whose
-layers hold either ``self_attn`` (its ``q_proj`` may carry a gate per head beside each query head: rows ``[q
-head_dim, gate head_dim]`` per head, kept together) or a Gated DeltaNet ``linear_attn``, sharded by
-:func:`~kvpool.engine.sharding_recurrent.shard_recurrent_mixer`. GPT-2 (a fused ``c_attn``),
-mixture-of-experts MLPs and others raise ``ConfigError``.
+This module is the dispatcher: it shards the attention and dense MLPs itself and hands each other part of a
+decoder layer (:data:`_PARTS`) to its own module. Supported (:data:`SUPPORTED_MODEL_TYPES`):
+
+* attention ``self_attn.{q,k,v}_proj`` with ``o_proj`` (or LFM2's ``out_proj``): each layer's own KV heads
+  (MiMo-V2-Flash's sliding layers hold twice its full ones), V heads of their own size, attention ``sinks``
+  (one logit per query head) sliced to this rank's heads; a gated ``q_proj`` (Qwen3-Next, Qwen3.5: rows ``[q
+  head_dim, gate head_dim]`` per head) keeps both halves of each head; Gemma 4's full layers have no
+  ``v_proj`` (V = K) and its KV-shared layers no ``k_proj`` (they read their source layer's KV, this rank's
+  shard of it);
+* dense MLPs (:data:`_DENSE_MLPS`: Llama's ``gate/up/down_proj``, LFM2's ``w1/w3/w2``, Nemotron-H's
+  ``up/down_proj`` without a gate, GraniteMoeHybrid's fused ``input_linear``): Llama, SmolLM2, Mistral,
+  Qwen2, Qwen3, Gemma 2 / 3 / 4 (Gemma 4's per-layer inputs stay whole), Llama 4 text with dense
+  ``feed_forward`` MLPs (its chunked-local layers included);
+* fused experts (:data:`EXPERT_MODEL_TYPES`: gpt-oss, MiMo-V2-Flash; Qwen3-Next's and Nemotron-H's expert
+  layers): :func:`~kvpool.engine.sharding_experts.shard_experts`, a shared expert as a dense MLP;
+* recurrent mixers (:data:`~kvpool.engine.sharding_recurrent.RECURRENT_MODEL_TYPES`): Gated DeltaNet
+  (Qwen3-Next, Qwen3.5: :func:`~kvpool.engine.sharding_recurrent.shard_recurrent_mixer`), LFM2's short
+  convolutions (:func:`~kvpool.engine.sharding_conv.shard_short_conv`), Mamba-2 (Nemotron-H,
+  GraniteMoeHybrid, Bamba, Falcon-H1: :func:`~kvpool.engine.sharding_mamba.shard_mamba2_mixer`).
+
+GPT-2 (``Conv1D`` projections, a fused ``c_attn``) is sharded by
+:func:`~kvpool.engine.sharding_gpt2.shard_gpt2`.
+Other model types (Jamba, Kimi Linear, OLMo hybrid, ...) and Llama 4's or GraniteMoeHybrid's experts
+raise ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -37,14 +53,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvpool.engine.sharding_conv import shard_short_conv
+from kvpool.engine.sharding_experts import expert_sizes, is_experts_block, shard_experts
+from kvpool.engine.sharding_gpt2 import GPT2_MODEL_TYPES, gpt2_sizes, shard_gpt2
+from kvpool.engine.sharding_mamba import shard_mamba2_mixer
 from kvpool.engine.sharding_recurrent import RECURRENT_MODEL_TYPES, shard_recurrent_mixer
 from kvpool.errors import ConfigError
 from kvpool.spec.memory import ModelMemory
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "llama4_text",
-                         *RECURRENT_MODEL_TYPES)
-_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = ("gate_proj", "up_proj", "down_proj")
+#: Model types whose layers hold fused experts (:mod:`kvpool.engine.sharding_experts`).
+EXPERT_MODEL_TYPES = ("gpt_oss", "mimo_v2_flash")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma4_text",
+                         "llama4_text", *EXPERT_MODEL_TYPES, *GPT2_MODEL_TYPES, *RECURRENT_MODEL_TYPES)
 
 
 class RowParallelLinear(nn.Module):
@@ -81,7 +101,8 @@ def check_shardable(config: Mapping[str, Any], tp_size: int, *, check_heads: boo
         ConfigError: ``tp_size`` < 1; a model type outside :data:`SUPPORTED_MODEL_TYPES` (for tp_size > 1);
             query heads or ``intermediate_size`` that ``tp_size`` does not divide (more ranks than query
             heads included); KV heads that ``tp_size`` neither divides nor is a multiple of; a hybrid's
-            recurrent heads that it does not divide; layers with experts.
+            recurrent heads or experts' intermediate sizes that it does not divide, Mamba-2 groups it neither
+            divides nor is a multiple of; Llama 4's and GraniteMoeHybrid's experts.
     """
     if tp_size < 1:
         raise ConfigError(f"tp_size must be >= 1, got {tp_size}")
@@ -91,18 +112,24 @@ def check_shardable(config: Mapping[str, Any], tp_size: int, *, check_heads: boo
     if kind not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"tensor parallelism shards {', '.join(SUPPORTED_MODEL_TYPES)} models, "
                           f"not {kind!r}")
-    heads = config["num_attention_heads"]
-    inner = config.get("intermediate_size_mlp") or config["intermediate_size"]  # Llama 4's dense MLPs
+    if kind in GPT2_MODEL_TYPES:
+        heads, inner = gpt2_sizes(dict(config))
+    else:
+        heads = config["num_attention_heads"]
+        inner = config.get("intermediate_size_mlp") or config["intermediate_size"]  # Llama 4's dense MLPs
     if heads % tp_size:
         more = " (more ranks than query heads)" if tp_size > heads else ""
         raise ConfigError(f"tp_size {tp_size} does not divide the {heads} query heads{more}")
     if inner % tp_size:
         raise ConfigError(f"tp_size {tp_size} does not divide intermediate_size {inner}")
-    experts, dense = config.get("num_experts") or 0, set(config.get("mlp_only_layers") or ())
-    if (experts and len(dense) < config["num_hidden_layers"]) or config.get("moe_layers"):  # Llama 4's too
-        experts = experts or config.get("num_local_experts")
-        raise ConfigError(f"tensor parallelism shards dense MLPs, not the {experts} experts of {kind!r}")
-    if check_heads:  # KV heads: divisible, or replicated; a hybrid's recurrent heads divisible
+    for name, size in expert_sizes(config).items():
+        if size % tp_size:
+            raise ConfigError(f"tp_size {tp_size} does not divide the experts' {name} {size}")
+    # Llama 4's and GraniteMoeHybrid's experts: not of transformers' fused layout
+    if config.get("moe_layers") or (kind == "granitemoehybrid" and config.get("num_local_experts")):
+        raise ConfigError(f"tensor parallelism shards dense MLPs and fused experts, not the "
+                          f"{config.get('num_local_experts')} experts of {kind!r}")
+    if check_heads:  # KV heads: divisible, or replicated; a hybrid's recurrent heads and groups fit
         ModelMemory.from_config(dict(config), tp_size=tp_size)
 
 
@@ -122,66 +149,122 @@ def shard_model(model: Any, rank: int, tp_size: int, all_reduce: Callable[[torch
     :func:`check_shardable` (False where the rank was given the model's ModelMemory at ``tp_size``).
 
     Raises:
-        ConfigError: as :func:`check_shardable`, or decoder layers without the projections named above.
+        ConfigError: as :func:`check_shardable`, or decoder layers without the parts named above.
     """
     config = model.config.to_dict()
     check_shardable(config, tp_size, check_heads=check_heads)
     if tp_size == 1:
         return model
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    q_heads = range(rank * heads // tp_size, (rank + 1) * heads // tp_size)
-    kv = kv_heads_of_rank(kv_heads, rank, tp_size)
     def row_parallel(linear: nn.Linear, columns: slice) -> RowParallelLinear:
         return _row_parallel(linear, columns, all_reduce)
 
-    for layer in _decoder_layers(model):
-        attn, mlp = getattr(layer, "self_attn", None), _mlp(layer)
-        if attn is not None:
-            _shard_attention(attn, q_heads, kv, row_parallel)
+    if config.get("model_type") in GPT2_MODEL_TYPES:  # Conv1D projections, a fused c_attn
+        shard_gpt2(model, rank, tp_size, row_parallel, _keep_rows)
+        return model
+    heads = config["num_attention_heads"]
+
+    def shard_part(part: nn.Module) -> None:
+        if _has(part, ("q_proj",)):
+            _shard_attention(part, heads, rank, tp_size, row_parallel)
+        elif is_experts_block(part):
+            shard_experts(part.experts, rank, tp_size, all_reduce)
+            for name in ("shared_expert", "shared_experts"):  # Qwen3-Next's (its gate whole), Nemotron-H's
+                if isinstance(getattr(part, name, None), nn.Module):
+                    shard_part(getattr(part, name))
+        elif _dense_mlp(part) is not None:
+            _shard_dense_mlp(part, rank, tp_size, all_reduce)
+        elif hasattr(part, "A_log") and hasattr(part, "n_groups"):
+            shard_mamba2_mixer(part, rank, tp_size, row_parallel, _keep_rows, all_reduce)
+        elif hasattr(part, "A_log"):
+            shard_recurrent_mixer(part, rank, tp_size, row_parallel, _keep_rows)
+        elif hasattr(part, "in_proj") and hasattr(part, "conv"):
+            shard_short_conv(part, rank, tp_size, row_parallel, _keep_rows)
         else:
-            shard_recurrent_mixer(layer.linear_attn, rank, tp_size, row_parallel, _keep_rows)
-        inner = mlp.down_proj.in_features // tp_size
-        mlp_rows = slice(rank * inner, (rank + 1) * inner)
-        _keep_rows(mlp.gate_proj, mlp_rows)
-        _keep_rows(mlp.up_proj, mlp_rows)
-        mlp.down_proj = _row_parallel(mlp.down_proj, mlp_rows, all_reduce)
+            raise ConfigError(f"cannot shard {type(part).__name__}: not an attention, MLP, experts, Gated "
+                              f"DeltaNet, Mamba-2 or short-convolution module of transformers' layout")
+
+    for parts in _decoder_layers(model):
+        for part in parts:
+            shard_part(part)
     return model
 
 
-def _shard_attention(attn: nn.Module, q_heads: range, kv: range,
+def _has(module: Any, names: tuple[str, ...]) -> bool:
+    return all(isinstance(getattr(module, n, None), nn.Linear) for n in names)
+
+
+#: A dense MLP's (gate or None, up, down) linear layers, by family: Llama's, LFM2's, Nemotron-H's (no gate),
+#: GraniteMoeHybrid's shared MLP (one ``input_linear`` of rows ``[gate I, up I]``: gate None, up it).
+_DENSE_MLPS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"), (None, "up_proj", "down_proj"),
+               (None, "input_linear", "output_linear"))
+
+
+def _dense_mlp(module: Any) -> tuple[str | None, str, str] | None:
+    """The names of ``module``'s dense MLP linear layers (:data:`_DENSE_MLPS`), or None."""
+    return next((names for names in _DENSE_MLPS if _has(module, tuple(n for n in names if n))), None)
+
+
+def _shard_dense_mlp(mlp: nn.Module, rank: int, tp_size: int,
+                     all_reduce: Callable[[torch.Tensor], None]) -> None:
+    """Rows ``r I/tp ..`` of the gate and up projections (GraniteMoeHybrid's fused ``input_linear``: those
+    rows of each half), those columns of a row-parallel down projection."""
+    gate, up, down = _dense_mlp(mlp) or ("", "", "")
+    if getattr(mlp, down).in_features % tp_size:  # LFM2 sizes its MLPs apart from intermediate_size
+        raise ConfigError(f"tp_size {tp_size} does not divide the {getattr(mlp, down).in_features} "
+                          f"intermediate features of {type(mlp).__name__}")
+    inner = getattr(mlp, down).in_features // tp_size
+    rows = torch.arange(rank * inner, (rank + 1) * inner)
+    if gate is not None:
+        _keep_rows(getattr(mlp, gate), rows)
+    fused = getattr(mlp, up).out_features == 2 * tp_size * inner  # [gate I, up I] in one layer
+    _keep_rows(getattr(mlp, up), torch.cat([rows, tp_size * inner + rows]) if fused else rows)
+    setattr(mlp, down, _row_parallel(getattr(mlp, down), slice(rank * inner, (rank + 1) * inner), all_reduce))
+
+
+def _shard_attention(attn: nn.Module, heads: int, rank: int, tp_size: int,
                      row_parallel: Callable[[nn.Linear, slice], nn.Module]) -> None:
-    """Keep query heads ``q_heads`` and KV heads ``kv`` of ``attn``; a gated ``q_proj`` (Qwen3-Next, Qwen3.5:
-    ``2 head_dim`` rows per head, the query then its gate) keeps both halves of each of its heads."""
+    """Keep rank ``rank``'s query heads of the ``heads`` and the KV heads they read, of this layer (its own
+    KV head count: MiMo-V2-Flash's sliding layers have twice its full ones; its V heads may be narrower than
+    its K heads). A gated ``q_proj`` (Qwen3-Next, Qwen3.5: ``2 head_dim`` rows per head, the query then its
+    gate) keeps both halves of each of its heads; attention sinks (gpt-oss, MiMo-V2-Flash: ``sinks``, one
+    logit per query head) keep this rank's heads. The output projection: ``o_proj``, or LFM2's
+    ``out_proj``."""
     head_dim = attn.head_dim
-    per_head = attn.q_proj.out_features // (attn.o_proj.in_features // head_dim)  # head_dim, or 2x if gated
-    q_rows, kv_rows = _head_rows(q_heads, per_head), _head_rows(kv, head_dim)
-    _keep_rows(attn.q_proj, q_rows)
-    _keep_rows(attn.k_proj, kv_rows)
-    _keep_rows(attn.v_proj, kv_rows)
-    attn.o_proj = row_parallel(attn.o_proj, _head_rows(q_heads, head_dim))
-    attn.num_key_value_groups = len(q_heads) // len(kv)  # what eager/sdpa attention would repeat
+    q_heads = range(rank * heads // tp_size, (rank + 1) * heads // tp_size)
+    per_head = attn.q_proj.out_features // heads  # head_dim, or 2x if gated
+    _keep_rows(attn.q_proj, _head_rows(q_heads, per_head))
+    k_proj, v_proj = getattr(attn, "k_proj", None), getattr(attn, "v_proj", None)
+    v_dim = head_dim
+    if isinstance(k_proj, nn.Linear):  # none in Gemma 4's KV-shared layers (their source's KV shard serves)
+        kv_heads = k_proj.out_features // head_dim
+        kv = kv_heads_of_rank(kv_heads, rank, tp_size)
+        _keep_rows(k_proj, _head_rows(kv, head_dim))
+        attn.num_key_value_groups = len(q_heads) // len(kv)  # what eager/sdpa attention would repeat
+        if isinstance(v_proj, nn.Linear):  # none in Gemma 4's full layers: V = K
+            v_dim = v_proj.out_features // kv_heads
+            _keep_rows(v_proj, _head_rows(kv, v_dim))
+    out = "o_proj" if isinstance(getattr(attn, "o_proj", None), nn.Linear) else "out_proj"
+    setattr(attn, out, row_parallel(getattr(attn, out), _head_rows(q_heads, v_dim)))
+    sinks = getattr(attn, "sinks", None)
+    if isinstance(sinks, torch.Tensor):
+        with torch.no_grad():
+            attn.sinks = nn.Parameter(sinks[q_heads.start:q_heads.stop].clone(), requires_grad=False)
 
 
-def _decoder_layers(model: Any) -> list[nn.Module]:
-    """The decoder layers: each with ``mlp.{gate,up,down}_proj`` and either ``self_attn.{q,k,v,o}_proj`` or
-    (a recurrent hybrid's) a ``linear_attn`` mixer."""
-    def has(module: Any, names: tuple[str, ...]) -> bool:
-        return module is not None and all(isinstance(getattr(module, n, None), nn.Linear) for n in names)
+#: A decoder layer's parts, by attribute: its mixers (attention, Gated DeltaNet, LFM2's short convolution,
+#: Mamba-2; Nemotron-H's one ``mixer`` is any of attention, Mamba-2 or an MLP) and its feed-forward modules.
+_PARTS = ("self_attn", "linear_attn", "conv", "mamba", "mixer", "mlp", "feed_forward", "shared_mlp")
 
+
+def _decoder_layers(model: Any) -> list[list[nn.Module]]:
+    """Each decoder layer's parts (:data:`_PARTS`), at least one each."""
     layers = list(getattr(getattr(model, "model", None), "layers", None) or [])
-    ok = layers and all(has(_mlp(layer), _MLP)
-                        and (has(getattr(layer, "self_attn", None), _ATTENTION)
-                             or getattr(layer, "linear_attn", None) is not None)
-                        for layer in layers)
-    if not ok:
-        raise ConfigError(f"cannot shard {type(model).__name__}: its decoder layers lack "
-                          f"self_attn.{{q,k,v,o}}_proj (or a linear_attn mixer) or mlp.{{gate,up,down}}_proj")
-    return layers
-
-
-def _mlp(layer: nn.Module) -> Any:
-    """A decoder layer's MLP: ``mlp``, or Llama 4's ``feed_forward``."""
-    return getattr(layer, "mlp", None) or getattr(layer, "feed_forward", None)
+    parts = [[p for name in _PARTS if isinstance(p := getattr(layer, name, None), nn.Module)]
+             for layer in layers]
+    if not layers or not all(parts):
+        raise ConfigError(f"cannot shard {type(model).__name__}: its decoder layers hold none of "
+                          f"{', '.join(_PARTS)}")
+    return parts
 
 
 def _head_rows(heads: range, head_dim: int) -> slice:

@@ -29,10 +29,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from kvpool.engine.sharding_conv import SHORT_CONV_MODEL_TYPES, keep_conv_channels
+from kvpool.engine.sharding_mamba import MAMBA2_MODEL_TYPES
 from kvpool.errors import ConfigError
 
-#: Model types whose recurrent mixers :func:`shard_recurrent_mixer` shards.
-RECURRENT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text")
+#: Model types whose Gated DeltaNet mixers :func:`shard_recurrent_mixer` shards.
+GATED_DELTA_NET_MODEL_TYPES = ("qwen3_next", "qwen3_5_text")
+#: Every recurrent hybrid whose state tensor parallelism shards per rank: the Gated DeltaNet ones, LFM2
+#: (:mod:`kvpool.engine.sharding_conv`) and the Mamba-2 ones (:mod:`kvpool.engine.sharding_mamba`).
+RECURRENT_MODEL_TYPES = (*GATED_DELTA_NET_MODEL_TYPES, *SHORT_CONV_MODEL_TYPES, *MAMBA2_MODEL_TYPES)
 _GDN_SIZES = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv1d", "dt_bias", "A_log",
               "out_proj")
 
@@ -75,7 +80,7 @@ def shard_recurrent_mixer(mixer: nn.Module, rank: int, tp_size: int,
     else:
         raise ConfigError(f"cannot shard {type(mixer).__name__}: neither in_proj_qkvz / in_proj_ba "
                           f"(Qwen3-Next) nor in_proj_qkv / z / b / a (Qwen3.5)")
-    _keep_conv_channels(mixer.conv1d, channels)
+    keep_conv_channels(mixer.conv1d, channels)
     heads = slice(rank * v_per, (rank + 1) * v_per)
     with torch.no_grad():
         mixer.dt_bias = nn.Parameter(mixer.dt_bias[heads].clone(), requires_grad=False)
@@ -84,12 +89,3 @@ def shard_recurrent_mixer(mixer: nn.Module, rank: int, tp_size: int,
     mixer.num_k_heads, mixer.num_v_heads = k_per, v_per
     mixer.key_dim, mixer.value_dim = k_per * dk, v_per * dv
     mixer.conv_dim = len(channels)
-
-
-def _keep_conv_channels(conv: nn.Conv1d, channels: torch.Tensor) -> None:
-    """Keep ``channels`` of a depthwise convolution (weight ``[C, 1, K]``, one group per channel)."""
-    with torch.no_grad():
-        conv.weight = nn.Parameter(conv.weight[channels].clone(), requires_grad=False)
-        if conv.bias is not None:
-            conv.bias = nn.Parameter(conv.bias[channels].clone(), requires_grad=False)
-    conv.in_channels = conv.out_channels = conv.groups = len(channels)
