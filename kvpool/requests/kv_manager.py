@@ -50,9 +50,10 @@ from kvpool.requests.block_memory import BlockMemory, PoolMemory
 from kvpool.requests.hit_places import DEVICE as DEVICE  # the name of the device place, re-exported
 from kvpool.requests.hit_places import PrefixCacheStats, held_below, hit_places, restore_plan
 from kvpool.requests.no_state import NO_STATE, StateSide
-from kvpool.requests.partial_hits import PartialHit, partial_hits
+from kvpool.requests.partial_hits import PartialHit
 from kvpool.requests.request import Request
 from kvpool.requests.sessions import SessionCache
+from kvpool.requests.unit_states import partial_hits
 from kvpool.spec import KVCacheGroup
 from kvpool.spec.kv import needs_null_block
 

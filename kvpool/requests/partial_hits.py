@@ -39,7 +39,6 @@ from typing import Any
 from kvpool.allocators.groups import group_key
 from kvpool.allocators.hashing import BlockHasher
 from kvpool.allocators.partial_index import PartialIndex, check_match_unit
-from kvpool.errors import ConfigError
 from kvpool.requests.request import Request
 
 #: ``copy(pairs, num_tokens)``: copy the first ``num_tokens`` token slots of block ``src`` into block
@@ -165,23 +164,3 @@ class PartialHits:
         """The replay's fields: ``match_unit`` and the first admissions' :class:`PartialHitStats`, prefixed
         ``partial_``."""
         return {"match_unit": self.unit, **{f"partial_{k}": v for k, v in asdict(self.first_stats).items()}}
-
-
-def partial_hits(match_unit: object, manager: Any, num_blocks: int) -> PartialHits:
-    """The :class:`PartialHits` of a :class:`~kvpool.requests.kv_manager.KVCacheManager` (its block size,
-    groups and hasher).
-
-    A recurrent hybrid's (its state side's hits are block aligned) is a
-    :class:`~kvpool.requests.unit_states.StatePartialHits`, saving states at unit boundaries too.
-
-    Raises:
-        ConfigError: a bad ``match_unit``; the manager has no prefix caching.
-    """
-    if not manager.caching:
-        raise ConfigError("a match unit needs prefix caching")
-    args = (match_unit, manager.block_size, len(manager.groups), num_blocks, manager.hasher)
-    if manager.state.block_aligned_hits:
-        from kvpool.requests.unit_states import StatePartialHits  # it builds on this module
-
-        return StatePartialHits(*args, manager.states, lambda h: manager.pool.get_cached_block(h))
-    return PartialHits(*args)

@@ -46,6 +46,7 @@ from typing import Any
 
 from kvpool.allocators.groups import group_key
 from kvpool.allocators.hashing import BlockHasher
+from kvpool.errors import ConfigError
 from kvpool.requests.checkpoint_store import STATE_EVENT_KIND, unit_key
 from kvpool.requests.partial_hits import PartialHit, PartialHits
 from kvpool.requests.request import Request
@@ -241,3 +242,22 @@ class StatePartialHits(PartialHits):
     def copy_into(self, hit: PartialHit, tables: Sequence[Sequence[int]], pool: Any, *, first: bool) -> None:
         super().copy_into(hit, tables, pool, first=first)
         self.saves.took(hit)  # type: ignore[arg-type]
+
+
+def partial_hits(match_unit: object, manager: Any, num_blocks: int) -> PartialHits:
+    """The :class:`PartialHits` of a :class:`~kvpool.requests.kv_manager.KVCacheManager` (its block size,
+    groups and hasher).
+
+    A recurrent hybrid's (its state side's hits are block aligned) is a :class:`StatePartialHits`, saving
+    states at unit boundaries too. Here, not in :mod:`kvpool.requests.partial_hits`, which this module builds
+    on.
+
+    Raises:
+        ConfigError: a bad ``match_unit``; the manager has no prefix caching.
+    """
+    if not manager.caching:
+        raise ConfigError("a match unit needs prefix caching")
+    args = (match_unit, manager.block_size, len(manager.groups), num_blocks, manager.hasher)
+    if manager.state.block_aligned_hits:
+        return StatePartialHits(*args, manager.states, lambda h: manager.pool.get_cached_block(h))
+    return PartialHits(*args)
