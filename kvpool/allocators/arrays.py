@@ -95,12 +95,6 @@ def extend_to(values: list[Any], length: int, fill: object) -> None:
         values.extend([fill] * (length - len(values)))
 
 
-def extend_flags(flags: bytearray, length: int) -> None:
-    """Extend the per-block flags ``flags`` in place to ``length`` zero bytes (none past it)."""
-    if length > len(flags):
-        flags.extend(bytes(length - len(flags)))
-
-
 def release_freed_memory(grown_bytes: int) -> None:
     """After a buffer of ``grown_bytes`` replaced a smaller one: give the C heap's free pages back to the OS
     (glibc's ``malloc_trim(0)``, which also releases free pages inside the heap) when the buffer is at least

@@ -132,7 +132,7 @@ def kv_spec(model: Any, *, block_size: int, dtype: torch.dtype | None = None, tp
 
     Raises ConfigError for an attention / recurrent hybrid (its :class:`ModelMemory` keeps a state):
     read as a plain KV spec, its recurrent layers would pass as attention (or hold no state at all), so
-    its spec is :func:`kvpool.engine.recurrent.model_kv_spec` (the attention layers) beside its state."""
+    its spec is :func:`kvpool.engine.recurrent.engine_kv_spec` (the attention layers) beside its state."""
     kv_dtype = str(dtype or model.dtype).removeprefix("torch.")
     return config_spec(model.config.to_dict(), block_size=block_size, kv_dtype=kv_dtype, tp_size=tp_size)
 

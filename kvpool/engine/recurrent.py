@@ -265,13 +265,6 @@ def model_memory(model: Any, *, block_size: int, dtype: torch.dtype | None = Non
                                    shard_state=config.get("model_type") in RECURRENT_MODEL_TYPES)
 
 
-def model_kv_spec(model: Any, *, block_size: int, dtype: torch.dtype | None = None, tp_size: int = 1
-                  ) -> KVCacheSpec:
-    """The KV spec the engine's paged cache holds for ``model``: :func:`engine_kv_spec` of its
-    :func:`model_memory`."""
-    return engine_kv_spec(model_memory(model, block_size=block_size, dtype=dtype, tp_size=tp_size), model)
-
-
 def engine_kv_spec(memory: ModelMemory, model: Any) -> KVCacheSpec:
     """The KV spec the engine's paged cache holds: ``memory.kv``, or for a recurrent hybrid its attention
     layers' as transformers calls them (:func:`execution_kv_spec`)."""

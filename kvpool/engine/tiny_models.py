@@ -17,7 +17,7 @@ TINY_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-gpt2", "tiny-mistral", "tiny-ge
 #: Tiny attention / recurrent hybrids (random weights, byte vocabulary): one per family of
 #: :mod:`kvpool.spec.state`, run by the engine with their state in state slots
 #: (:mod:`kvpool.engine.recurrent`; :func:`kvpool.engine.models.kv_spec` refuses them: see
-#: :func:`kvpool.engine.recurrent.model_kv_spec`).
+#: :func:`kvpool.engine.recurrent.engine_kv_spec`).
 TINY_HYBRID_MODELS = ("tiny-qwen3-next", "tiny-qwen3.5", "tiny-nemotron-h", "tiny-granite-4.0-h",
                       "tiny-bamba", "tiny-lfm2", "tiny-kimi-linear", "tiny-olmo-hybrid", "tiny-jamba",
                       "tiny-falcon-h1")

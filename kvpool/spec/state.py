@@ -82,18 +82,10 @@ def state_dtypes() -> dict[str, torch.dtype]:
 __getattr__ = lazy_values(__name__, {"STATE_DTYPES": state_dtypes})
 
 
-def parse_state_dtype(name: str | torch.dtype, field: str) -> torch.dtype:
-    """A state dtype name (or torch dtype) of ``STATE_DTYPES``; ConfigError naming ``field`` otherwise.
-    Imports torch (:func:`state_dtype_name` does not)."""
-    import torch
-
-    return getattr(torch, state_dtype_name(name, field))
-
-
 def state_dtype_name(name: object, field: str) -> str:
-    """:func:`parse_state_dtype` without torch: the name of the torch dtype (a key of
-    :data:`STATE_DTYPE_BYTES`) of a name of :data:`STATE_DTYPE_NAMES` or a torch dtype (its ``str`` is
-    ``torch.<name>``); ConfigError naming ``field`` otherwise."""
+    """The name of the torch dtype (a key of :data:`STATE_DTYPE_BYTES`) of a name of :data:`STATE_DTYPE_NAMES`
+    or a torch dtype (its ``str`` is ``torch.<name>``), without importing torch; ConfigError naming ``field``
+    otherwise."""
     key = str(name).lower().removeprefix("torch.")
     if key not in STATE_DTYPE_NAMES:
         raise ConfigError(f"{field} {name!r} is not a state dtype a pool can hold; accepted: "
