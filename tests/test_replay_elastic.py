@@ -59,6 +59,7 @@ def test_bad_sizes_are_refused() -> None:
         PageModel(0, 1024)
 
 
+@pytest.mark.slow  # ~90 s (300 requests on 80 GiB of 2 MiB blocks); the parametrized one above is default
 def test_replay_elastic_on_the_command_line(capsys) -> None:
     import json
 
