@@ -44,6 +44,18 @@ def forward_on_threads(shards: list[Any], ids: torch.Tensor) -> list[torch.Tenso
     return out
 
 
+def shards_match_whole(model: Any, length: int = 23) -> tuple[list[Any], torch.Tensor, torch.Tensor]:
+    """Two threaded ranks of ``model``, checked to compute its whole logits (within 1e-4) on ``length``
+    seeded byte ids; returns (shards, ids, whole logits) for the test's own checks and controls."""
+    ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        whole = model(ids).logits
+    shards = threaded_ranks(model, 2)
+    for logits in forward_on_threads(shards, ids):
+        torch.testing.assert_close(logits, whole, atol=1e-4, rtol=0)
+    return shards, ids, whole
+
+
 def cli_tp1_tp2(model: str, prompts: list[str], *extra: str) -> tuple[dict, dict]:
     """``kvpool generate --model MODEL --check --json`` on ``prompts`` in one process and with ``--tp-size
     2`` (run side by side); both reports, after checking both exited 0."""

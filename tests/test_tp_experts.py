@@ -22,10 +22,11 @@ from _tp_threads import (  # noqa: E402
     assert_same_tokens_as_transformers,
     cli_tp1_tp2,
     forward_on_threads,
+    shards_match_whole,
     threaded_ranks,
 )
 
-from kvpool.engine.models import TINY_INIT_STD, load_model  # noqa: E402
+from kvpool.engine.models import build_tiny_model, load_model  # noqa: E402
 from kvpool.engine.sharding import check_shardable  # noqa: E402
 from kvpool.engine.sharding_experts import shard_experts  # noqa: E402
 from kvpool.errors import ConfigError  # noqa: E402
@@ -37,26 +38,18 @@ NEMOTRON_MOE = "nemotron-h with experts"
 def _model(name: str) -> Any:
     if name not in (QWEN3_NEXT_MOE, NEMOTRON_MOE):
         return load_model(name, seed=1).model
-    import transformers
-
     from kvpool.engine.models import tiny_config
 
-    if name == QWEN3_NEXT_MOE:
-        config = tiny_config("tiny-qwen3-next")  # every layer's MLP an experts block with a shared expert
+    base = "tiny-qwen3-next" if name == QWEN3_NEXT_MOE else "tiny-nemotron-h"
+    config = tiny_config(base)
+    if name == QWEN3_NEXT_MOE:  # every layer's MLP an experts block with a shared expert
         config.mlp_only_layers, config.num_experts, config.num_experts_per_tok = [], 4, 2
         config.moe_intermediate_size, config.shared_expert_intermediate_size = 32, 64
     else:  # Nemotron-H: its last layer an experts block without gates, with shared experts
-        config = tiny_config("tiny-nemotron-h")
         config.layers_block_type = ["linear_attention", "full_attention", "linear_attention", "moe"]
         config.n_routed_experts, config.num_experts_per_tok, config.n_group, config.topk_group = 4, 2, 1, 1
         config.moe_intermediate_size, config.moe_shared_expert_intermediate_size = 32, 64
-    torch.manual_seed(1)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, TINY_INIT_STD)
-    return model
+    return build_tiny_model(base, seed=1, config=config).eval()
 
 
 def _blocks(model: Any) -> list[tuple[Any, str]]:
@@ -72,12 +65,7 @@ def _experts(model: Any) -> list[Any]:
 @pytest.mark.parametrize("name", ["tiny-gpt-oss", "tiny-mimo", QWEN3_NEXT_MOE, NEMOTRON_MOE])
 def test_sharded_experts_compute_the_whole_models_logits_and_a_wrong_shard_diverges(name: str) -> None:
     model = _model(name)
-    ids = torch.randint(0, 256, (1, 23), generator=torch.Generator().manual_seed(0))  # crosses the window
-    with torch.no_grad():
-        whole = model(ids).logits
-    shards = threaded_ranks(model, 2)
-    for logits in forward_on_threads(shards, ids):
-        torch.testing.assert_close(logits, whole, atol=1e-4, rtol=0)
+    shards, ids, whole = shards_match_whole(model)  # crosses the window
     # rank 1 holds half of each expert's units: gpt-oss 64 / 2, the others 32 / 2 (gate + up: 2x; Nemotron-H
     # has no gate)
     units = {"tiny-gpt-oss": 32}.get(name, 16)

@@ -23,10 +23,10 @@ from _tp_threads import (  # noqa: E402
     assert_same_tokens_as_transformers,
     cli_tp1_tp2,
     forward_on_threads,
-    threaded_ranks,
+    shards_match_whole,
 )
 
-from kvpool.engine.models import TINY_INIT_STD, load_config, load_model, tiny_config  # noqa: E402
+from kvpool.engine.models import build_tiny_model, load_config, load_model, tiny_config  # noqa: E402
 from kvpool.engine.sharding import RowParallelLinear, check_shardable, shard_model  # noqa: E402
 from kvpool.errors import ConfigError  # noqa: E402
 from kvpool.spec.memory import ModelMemory  # noqa: E402
@@ -38,17 +38,10 @@ def _model(name: str) -> Any:
     """The tiny model ``name`` (seed 1), or for ``"<name> 2 groups"`` its variant of 2 Mamba-2 groups."""
     if not name.endswith(" 2 groups"):
         return load_model(name, seed=1).model
-    import transformers
-
-    config = tiny_config(name.removesuffix(" 2 groups"))
+    base = name.removesuffix(" 2 groups")
+    config = tiny_config(base)
     config.mamba_n_groups = 2
-    torch.manual_seed(1)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, TINY_INIT_STD)
-    return model
+    return build_tiny_model(base, seed=1, config=config).eval()
 
 
 def _mixers(model: Any) -> dict[int, tuple[str, Any]]:
@@ -66,12 +59,7 @@ def _mixers(model: Any) -> dict[int, tuple[str, Any]]:
 def test_sharded_recurrent_family_computes_the_whole_models_logits_and_a_wrong_shard_diverges(name: str
                                                                                                 ) -> None:
     model = _model(name)
-    ids = torch.randint(0, 256, (1, 23), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        whole = model(ids).logits
-    shards = threaded_ranks(model, 2)
-    for logits in forward_on_threads(shards, ids):
-        torch.testing.assert_close(logits, whole, atol=1e-4, rtol=0)
+    shards, ids, whole = shards_match_whole(model)
     # each rank's mixers hold the state the per-rank spec sizes (what its state slots hold)
     spec = ModelMemory.from_config(model.config.to_dict(), tp_size=2).state
     for layer, (_, mixer) in _mixers(shards[1]).items():

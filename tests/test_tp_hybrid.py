@@ -19,6 +19,7 @@ pytest.importorskip("transformers")
 
 import _tp_hybrid_helpers as helpers  # noqa: E402
 from _tp_threads import forward_on_threads as _forward_on_threads  # noqa: E402
+from _tp_threads import shards_match_whole  # noqa: E402
 from _tp_threads import threaded_ranks as _threaded_ranks  # noqa: E402
 
 from kvpool.allocators.state_pool import StatePool  # noqa: E402
@@ -38,12 +39,7 @@ HYBRIDS = ("tiny-qwen3-next", "tiny-qwen3.5")
 @pytest.mark.parametrize("name", HYBRIDS)
 def test_sharded_hybrid_computes_the_whole_models_logits(name: str) -> None:
     model = load_model(name, seed=1).model
-    ids = torch.randint(0, 256, (1, 11), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        whole = model(ids).logits
-    shards = _threaded_ranks(model, 2)
-    for logits in _forward_on_threads(shards, ids):
-        torch.testing.assert_close(logits, whole, atol=1e-4, rtol=0)
+    shards, ids, whole = shards_match_whole(model, 11)
     # each rank's mixer holds the state the per-rank spec sizes: conv channels and SSM heads halved
     spec = ModelMemory.from_config(model.config.to_dict(), tp_size=2).state
     for layer in spec.layers:

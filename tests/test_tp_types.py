@@ -46,18 +46,13 @@ def test_tp2_tiny_llama4_matches_one_process_and_transformers() -> None:
 
 def test_sharded_gpt2_computes_the_whole_models_logits_and_a_wrong_shard_diverges() -> None:
     # GPT-2's Conv1D projections become linear layers: its fused c_attn split by head in each of q, k, v
-    from _tp_threads import forward_on_threads, threaded_ranks
+    from _tp_threads import forward_on_threads, shards_match_whole
 
     from kvpool.engine.sharding import _keep_rows
     from kvpool.engine.sharding_gpt2 import _as_linear
 
     model = load_model("tiny-gpt2", seed=1).model
-    ids = torch.randint(0, 256, (1, 23), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        whole = model(ids).logits
-    shards = threaded_ranks(model, 2)
-    for logits in forward_on_threads(shards, ids):
-        torch.testing.assert_close(logits, whole, atol=1e-4, rtol=0)
+    shards, ids, whole = shards_match_whole(model)
     attn = shards[1].transformer.h[0].attn
     assert attn.c_attn.weight.shape == (3 * 32, 64) and attn.num_heads == 2  # 4 heads of 16 over 2 ranks
     # control: rank 1's c_attn keeps rank 0's heads (its output projection and MLP as they should be)
@@ -80,15 +75,10 @@ def test_cli_generate_tp2_on_gpt2_is_token_identical_to_tp1_and_transformers() -
 def test_sharded_gemma4_computes_the_whole_models_logits_and_a_wrong_shard_diverges() -> None:
     # Gemma 4: its full layers' K = V (no v_proj, 1 KV head of 64, replicated), its last 2 layers read the KV
     # of layers 3 and 2 (no k_proj: the source's KV shard serves), per-layer inputs whole on every rank
-    from _tp_threads import forward_on_threads, threaded_ranks
+    from _tp_threads import forward_on_threads, shards_match_whole
 
     model = load_model("tiny-gemma4", seed=1).model
-    ids = torch.randint(0, 256, (1, 23), generator=torch.Generator().manual_seed(0))  # crosses the window
-    with torch.no_grad():
-        whole = model(ids).logits
-    shards = threaded_ranks(model, 2)
-    for logits in forward_on_threads(shards, ids):
-        torch.testing.assert_close(logits, whole, atol=1e-4, rtol=0)
+    shards, ids, whole = shards_match_whole(model)  # crosses the window
     full = shards[1].model.layers[2].self_attn
     assert full.k_proj.weight.shape == (64, 64) and full.q_proj.weight.shape == (2 * 64, 64)
     # control: rank 1's full layers keep rank 0's query heads

@@ -25,7 +25,7 @@ TINY_WINDOW = 16
 TINY_INIT_STD = 0.3  # the default 0.02 makes random models repeat one greedy token (DESIGN.md)
 
 
-def build_tiny_model(name: str, *, seed: int = 0) -> Any:
+def build_tiny_model(name: str, *, seed: int = 0, config: Any = None) -> Any:
     """A small random model (vocab 256 = bytes, hidden 64, 4 query heads, 2 KV heads but GPT-2's), weight
     matrices drawn from N(0, 0.3^2) under ``torch.manual_seed(seed)``; no EOS token. Llama, Qwen2 and GPT-2
     have 2 layers; the sliding-window ones slide over :data:`TINY_WINDOW` tokens: ``tiny-mistral`` (2
@@ -40,10 +40,11 @@ def build_tiny_model(name: str, *, seed: int = 0) -> Any:
     V heads of 16; 4 experts of which 2 per token), ``tiny-llama4`` (Llama 4's text layout: 4 layers, the
     first 3 chunked-local attention over chunks of :data:`TINY_WINDOW` tokens with RoPE, the last full
     with no RoPE; dense MLPs, no experts). The hybrids of :data:`TINY_HYBRID_MODELS` are
-    described at :func:`tiny_hybrid_config`."""
+    described at :func:`tiny_hybrid_config`. ``config``: a variant of ``tiny_config(name)`` to build instead
+    (the same initialisation)."""
     import transformers
 
-    config = tiny_config(name)
+    config = tiny_config(name) if config is None else config
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
