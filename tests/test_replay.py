@@ -20,6 +20,7 @@ from kvpool.cli import main
 from kvpool.errors import ConfigError
 from kvpool.trace.loaders import TraceRequest, load_trace
 from kvpool.trace.replay import ReplayConfig, run_replay
+from kvpool.trace.replay_result import prefill_percentiles
 
 replay_module = importlib.import_module("kvpool.trace.replayer")  # where FAST_FORWARD is read
 CONFIGS = Path(__file__).parent / "configs"
@@ -325,6 +326,34 @@ def test_hits_on_a_hand_trace() -> None:
     result = run_replay(requests, ReplayConfig(block_size=256))
     assert (result.hit_blocks, result.prompt_blocks) == (0 + 2 + 2, 4 + 4 + 2)
     assert result.token_hit_ratio == 4 * 256 / (1024 + 1024 + 700)
+
+
+def test_prefill_percentiles_on_the_hand_trace() -> None:
+    # The same hand trace: the requests prefill 1,024, 1,024 - 512 and 700 - 512 tokens; nearest rank over
+    # 3 values: p50 the 2nd smallest (ceil(1.5)), p90, p95 and p99 the 3rd (ceil(2.7), ...)
+    requests = [TraceRequest(0.0, 1024, 0, (1, 2)), TraceRequest(1.0, 1024, 0, (1, 3)),
+                TraceRequest(2.0, 700, 0, (1, 2))]
+    result = run_replay(requests, ReplayConfig(block_size=256))
+    assert [getattr(result, f"prefill_tokens_p{q}") for q in (50, 90, 95, 99)] == [512, 1024, 1024, 1024]
+
+
+def test_prefill_percentiles_leave_out_rejected_requests() -> None:
+    # The shared-denominator trace: the 4-block pool rejects the 5,120-token request, so only A (1,024
+    # prefilled) and A again (1,024 - 512) count; the 40-block pool serves all three
+    a, huge = TraceRequest(0.0, 1024, 1, (1, 2)), TraceRequest(1.0, 5120, 1, tuple(range(100, 110)))
+    requests = [a, huge, TraceRequest(2.0, 1024, 1, (1, 2))]
+    small, big = (run_replay(requests, ReplayConfig(block_size=512, num_blocks=n)) for n in (4, 40))
+    assert (small.prefill_tokens_p50, small.prefill_tokens_p90) == (512, 1024)
+    assert (big.prefill_tokens_p50, big.prefill_tokens_p90, big.prefill_tokens_p99) == (1024, 5120, 5120)
+
+
+def test_prefill_percentiles_nearest_rank_by_hand() -> None:
+    # 1..200: the q-th percentile by nearest rank is the value at rank ceil(q x 200 / 100) = 2q
+    values = list(range(200, 0, -1))
+    assert prefill_percentiles(values) == {"prefill_tokens_p50": 100, "prefill_tokens_p90": 180,
+                                           "prefill_tokens_p95": 190, "prefill_tokens_p99": 198}
+    assert prefill_percentiles([7]) == dict.fromkeys(prefill_percentiles([7]), 7)
+    assert set(prefill_percentiles([]).values()) == {0}
 
 
 def test_fast_forward_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:

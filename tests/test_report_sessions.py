@@ -85,7 +85,8 @@ def test_cli_sweep_prints_the_session_rows(trace_file: Path, capsys: pytest.Capt
     assert set(report["share_of_bound"]) == {"lru", "lru+session", "lru+last=1", "belady"}
     assert main(argv) == 0
     rows = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
-    assert rows.count("lru+session") == 2 and rows.count("lru+last=1") == 2  # hit ratio, and of bound
+    # hit ratio, p90 prefill and share of the bound
+    assert rows.count("lru+session") == 3 and rows.count("lru+last=1") == 3
     for bad, why in (("none,none", "distinct"), ("last=1,last=01", "twice"), ("last=-1", "last=N")):
         assert main([*argv[:-1], bad]) == 2
         err = capsys.readouterr().err

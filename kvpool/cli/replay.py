@@ -53,7 +53,7 @@ from kvpool.tiers.auth import redact_url
 from kvpool.trace.loaders import FORMATS, load_trace
 from kvpool.trace.replay import HIT_RATIO_BASIS, REPLAY_POLICIES, TIMINGS, ReplayConfig, compare_all_full
 from kvpool.trace.sessions import parse_session_modes, usage_lines
-from kvpool.trace.sweep import SweepRun, hit_ratio_table, rejected_table, run_sweep
+from kvpool.trace.sweep import SweepRun, hit_ratio_table, rejected_table, result_table, run_sweep
 from kvpool.units import plural
 
 #: Requests (over every run) from which progress is shown on stderr, unless --no-progress: a bar at a
@@ -440,7 +440,8 @@ _FORMATS = {
     "checkpoint_tier_hits": ",", "kv_only_tokens": ",", "peak_committed_bytes": ",",
     "final_committed_bytes": ",", "trimmed_committed_bytes": ",", "blocks_moved": ",", "compaction_s": ".3f",
     "match_unit": ",", "partial_hits": ",", "partial_tokens": ",", "partial_copied_blocks": ",",
-    "partial_copied_tokens": ",",
+    "partial_copied_tokens": ",", "prefill_tokens_p50": ",", "prefill_tokens_p90": ",",
+    "prefill_tokens_p95": ",", "prefill_tokens_p99": ",",
 }
 #: Report fields of a finer match unit (hits inside a block), printed only with one (--match-unit).
 _PARTIAL_FIELDS = ("match_unit", "partial_hits", "partial_tokens", "partial_copied_blocks",
@@ -470,8 +471,11 @@ def _human(report: dict[str, Any]) -> str:
 
 
 def _sweep_text(runs: list[SweepRun], report: dict[str, Any]) -> str:
-    """The block hit ratio by policy (rows) and pool size (columns); with belady, each one's share of it."""
+    """The block hit ratio by policy (rows) and pool size (columns), the requests each run rejected, the
+    90th percentile of the tokens a request prefilled (``prefill_tokens_p90``); with belady, each one's
+    share of the bound's hit ratio."""
     table, rejected = hit_ratio_table(runs), rejected_table(runs)
+    p90 = result_table(runs, "prefill_tokens_p90")
     sizes = sorted({run.num_blocks for run in runs})
     width = max(12, *(len(p) for p in table)) + 2
 
@@ -486,7 +490,8 @@ def _sweep_text(runs: list[SweepRun], report: dict[str, Any]) -> str:
     text = [f"trace {report['trace']} ({report['format']}), block size {report['block_size']}, "
             f"{report['timing']} timing", f"hit ratios over {HIT_RATIO_BASIS}",
             *lines("hit ratio", lambda p, row, s: f"{row[s]:.4f}",
-                   lambda p, s: f"{rejected[p][s]:,}" if s in rejected[p] else "-")]
+                   lambda p, s: f"{rejected[p][s]:,}" if s in rejected[p] else "-"),
+            *lines("p90 prefill", lambda p, row, s: f"{p90[p][s]:,}" if s in p90[p] else "-")]
     bound = table.get("belady")
     if bound:
         text += lines("of bound", lambda p, row, s: f"{row[s] / bound[s]:.1%}" if bound.get(s) else "-")

@@ -5,6 +5,8 @@ end: the recurrent state's counters (:func:`state_report`) and the hits by place
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +65,12 @@ class ReplayResult:
     tier, ``sessions``: the session counters under ``config.sessions``).
     ``state_budget`` (with ``config.state_budget``, else None): :meth:`StateBudget.report`; the blocks it
     holds for state slots are not in ``peak_blocks_used`` / ``mean_blocks_used``.
+
+    ``prefill_tokens_p50`` / ``_p90`` / ``_p95`` / ``_p99``: the tokens each admitted request computed at
+    its first admission (its prompt less the tokens read from the cache, any tier), nearest-rank
+    percentiles over the admitted requests (:func:`prefill_percentiles`; 0 when none was admitted). Prefill
+    time grows with them, so their tail is the tail time-to-first-token a policy leaves (the metric
+    Tail-Optimized LRU, ``tlru``, is designed for: arXiv 2510.15152 reports P90 and P95 TTFT).
     """
 
     requests_completed: int
@@ -109,6 +117,10 @@ class ReplayResult:
     cache: dict[str, Any] = field(default_factory=dict)
     memory_timeline: list[MemorySample] = field(default_factory=list, repr=False)
     state_budget: dict[str, Any] | None = None
+    prefill_tokens_p50: int = 0
+    prefill_tokens_p90: int = 0
+    prefill_tokens_p95: int = 0
+    prefill_tokens_p99: int = 0
 
     def to_dict(self) -> dict[str, object]:
         """Every field but the timelines, JSON-ready."""
@@ -131,6 +143,20 @@ def tier_report(kv: KVCacheManager) -> tuple[dict[str, int], dict[str, Any]]:
         return places, {}
     kv.tiers.synchronize()
     return places, kv.tiers.stats()
+
+
+#: The percentiles of the tokens prefilled per request a replay reports (``prefill_tokens_p<q>``).
+PREFILL_PERCENTILES = (50, 90, 95, 99)
+
+
+def prefill_percentiles(computed: Sequence[int]) -> dict[str, int]:
+    """``{"prefill_tokens_p<q>": value}`` for each q of :data:`PREFILL_PERCENTILES`: the nearest-rank
+    percentile of ``computed`` (the smallest value that at least q% of the values do not exceed; all 0
+    when ``computed`` is empty). O(n log n)."""
+    ordered = sorted(computed)
+    n = len(ordered)
+    return {f"prefill_tokens_p{q}": ordered[max(0, math.ceil(q * n / 100) - 1)] if n else 0
+            for q in PREFILL_PERCENTILES}
 
 
 def ratio(num: float, den: float) -> float:

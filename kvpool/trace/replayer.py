@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -69,7 +70,8 @@ from kvpool.trace.replay_config import UNLIMITED_TOKENS as UNLIMITED_TOKENS
 from kvpool.trace.replay_config import ReplayConfig, admission_order, trace_request, unbounded_num_blocks
 from kvpool.trace.replay_config import request_blocks as request_blocks
 from kvpool.trace.replay_result import HIT_RATIO_BASIS as HIT_RATIO_BASIS
-from kvpool.trace.replay_result import ReplayResult, Sample, ratio, state_report, tier_report
+from kvpool.trace.replay_result import (ReplayResult, Sample, prefill_percentiles, ratio, state_report,
+                                        tier_report)
 from kvpool.trace.sessions import ReplaySessions
 
 if TYPE_CHECKING:
@@ -145,6 +147,7 @@ class Replayer:
         self.next_sample = 0.0
         self.completed = self.rejected = 0
         self.prompt_blocks = self.prompt_tokens = self.rejected_blocks = 0
+        self.prefilled = array("q")  # per first admission: prompt tokens not read from the cache
         self.area = 0.0
         self.peak = 0
         self.track = None if memory is None else CommittedTrack(
@@ -225,7 +228,8 @@ class Replayer:
             pinned, self.rejected_blocks, tier_hits, tiers, timeline=self.timeline or [], cache=cache,
             **state_report(self.kv.state, self.cfg.state_save),
             **({} if self.track is None else self.track.report()), **part,
-            state_budget=None if self.budget is None else self.budget.report())
+            state_budget=None if self.budget is None else self.budget.report(),
+            **prefill_percentiles(self.prefilled))
 
 
     def _arrive(self, pending: deque[int]) -> None:
@@ -285,6 +289,8 @@ class Replayer:
         for req in out.admitted:
             if req.num_preemptions == 0:  # a first admission
                 self._count_prompt(req)
+                usage = req.cache_usage
+                self.prefilled.append(req.num_prompt_tokens - (usage.cache_read_tokens if usage else 0))
 
     def _count_prompt(self, req: Request) -> None:
         """Count ``req``'s prompt in the hit ratios' denominators (once per request)."""

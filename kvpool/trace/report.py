@@ -370,6 +370,7 @@ _RUN_COLUMNS: tuple[tuple[str, Any], ...] = (
     ("requests done / rejected", lambda r: f"{r.requests_completed:,} / {r.requests_rejected:,}"),
     ("evictions", lambda r: r.evictions), ("preemptions", lambda r: r.preemptions),
     ("peak / mean blocks used", lambda r: f"{r.peak_blocks_used:,} / {r.mean_blocks_used:,.0f}"),
+    ("prefill tokens p90 / p99", lambda r: f"{r.prefill_tokens_p90:,} / {r.prefill_tokens_p99:,}"),
     ("simulated s", lambda r: r.simulated_s), ("wall s", lambda r: r.wall_s),
 )
 

@@ -3,7 +3,8 @@
 ``run_sweep`` runs :func:`kvpool.trace.replay.run_replay` once per (pool size, policy), each on a fresh
 pool, optionally recording each run's timeline and a :class:`~kvpool.trace.report.PoolHeatmap`;
 ``hit_ratio_table`` arranges the block hit ratios by policy and size, ``rejected_table`` the requests
-each run rejected (their prompts count as misses, so every run's ratio is over the same requests).
+each run rejected (their prompts count as misses, so every run's ratio is over the same requests),
+``result_table`` any other field of the runs' results.
 ``belady`` (the offline bound) is a policy like the others here.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvpool.trace.loaders import TraceRequest
 from kvpool.trace.replay import ReplayConfig, run_replay
@@ -61,18 +62,21 @@ def run_sweep(requests: Sequence[TraceRequest], config: ReplayConfig, sizes: Seq
     return runs
 
 
+def result_table(runs: Sequence[SweepRun], name: str) -> dict[str, dict[int, Any]]:
+    """``{policy: {num_blocks: result.<name>}}`` in the runs' order, for a field of
+    :class:`~kvpool.trace.replay_result.ReplayResult`."""
+    table: dict[str, dict[int, Any]] = {}
+    for run in runs:
+        table.setdefault(run.policy, {})[run.num_blocks] = getattr(run.result, name)
+    return table
+
+
 def hit_ratio_table(runs: Sequence[SweepRun]) -> dict[str, dict[int, float]]:
     """``{policy: {num_blocks: block_hit_ratio}}`` in the runs' order."""
-    table: dict[str, dict[int, float]] = {}
-    for run in runs:
-        table.setdefault(run.policy, {})[run.num_blocks] = run.result.block_hit_ratio
-    return table
+    return result_table(runs, "block_hit_ratio")
 
 
 def rejected_table(runs: Sequence[SweepRun]) -> dict[str, dict[int, int]]:
     """``{policy: {num_blocks: requests_rejected}}`` in the runs' order: what stands beside each ratio of
     :func:`hit_ratio_table` (a rejected request's prompt counts there as misses)."""
-    table: dict[str, dict[int, int]] = {}
-    for run in runs:
-        table.setdefault(run.policy, {})[run.num_blocks] = run.result.requests_rejected
-    return table
+    return result_table(runs, "requests_rejected")
