@@ -70,8 +70,14 @@ from kvpool.trace.replay_config import UNLIMITED_TOKENS as UNLIMITED_TOKENS
 from kvpool.trace.replay_config import ReplayConfig, admission_order, trace_request, unbounded_num_blocks
 from kvpool.trace.replay_config import request_blocks as request_blocks
 from kvpool.trace.replay_result import HIT_RATIO_BASIS as HIT_RATIO_BASIS
-from kvpool.trace.replay_result import (ReplayResult, Sample, prefill_percentiles, ratio, state_report,
-                                        tier_report)
+from kvpool.trace.replay_result import (
+    ReplayResult,
+    Sample,
+    prefill_percentiles,
+    ratio,
+    state_report,
+    tier_report,
+)
 from kvpool.trace.sessions import ReplaySessions
 
 if TYPE_CHECKING:
