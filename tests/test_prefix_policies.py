@@ -173,19 +173,36 @@ def test_lineage_caps_the_level_so_a_finished_loop_ages_out() -> None:
         assert (order.index(loop[4]) < order.index(other[1])) is loop_first, max_level
 
 
-def test_lineage_span_follows_the_reuse_distance() -> None:
-    # reuse_aging 1 on a pool of 64 blocks, aging 4: the span starts at 4 x 64 = 256 (level L at offset
-    # L x 256). Turn 1 [1, 2] frees 2 blocks (generation 1: not sampled when reused), turn 2 [1, 2, 3] reuses
-    # them and frees 3, 2, 1 at stamps 3-5 (hash 3: generation 2, at stamp 3); 4 one-offs free 4 more
-    # (freed = 9); turn 3 [1, 2, 3, 4] reuses hash 3, 9 - 3 = 6 blocks after its free: the mean distance
-    # 256 + (6 - 256) / 32 = 248.1875, span int(248.1875) = 248, level 2 at offset 496
-    pool = BlockPool(64, policy=LineagePolicy(reuse_aging=1.0))
-    offsets = pool.policy._queues.offsets  # noqa: SLF001
-    assert offsets[:4] == [0, 256, 512, 768]
-    run(pool, [1, 2])
-    run(pool, [1, 2, 3])
-    for h in (20, 21, 22, 23):
-        run(pool, [h])
-    assert offsets[:4] == [0, 256, 512, 768]
-    run(pool, [1, 2, 3, 4])
-    assert offsets[:4] == [0, 248, 496, 744]
+def test_lineage_span_follows_the_reuse_distance_past_lrus_reach() -> None:
+    # The policy alone, a pool of 4 blocks, aging 8: the span starts at 8 x 4 = 32 (level L at offset 32 L)
+    # and the mean reuse distance at 32 / reuse_aging = 32.
+    policy = LineagePolicy(aging=8.0, reuse_aging=1.0)
+    policy.bind(4)
+    offsets = policy._queues.offsets  # noqa: SLF001
+    policy.published(0, "a")
+    policy.released([0], [0], 0)  # generation 1, freed 1
+    policy.published(1, "b")
+    policy.released([1], [1], 0)  # generation 1, freed 2
+    assert policy.pop() == 0  # the older of the two level-1 blocks; evictions 1
+    policy.remove(1)  # a request reuses b (a hit takes it off the queue) and publishes c: generation 2
+    policy.published(2, "c")
+    policy.released([2, 1], [2, 1], 0)  # tail first: c freed 3rd, b 4th; frees 4
+    assert offsets[:4] == [0, 32, 64, 96]  # no generation-2 block reused yet
+    # a request reuses b and c: c (generation 2) was freed 3rd, now 4 frees in: distance 1, the mean
+    # 32 + (1 - 32) / 32 = 31.03125; LRU's reach 4 blocks x 4 frees / 1 eviction = 16: span int(15.03) = 15
+    policy.remove(2)
+    policy.remove(1)
+    policy.published(3, "d")
+    policy.released([3, 2, 1], [3, 2, 1], 0)  # d (generation 3) freed 5th, c 6th, b 7th
+    assert offsets[:4] == [0, 15, 30, 45]
+    for _ in range(10):  # b hit and freed again 10 times: frees 7 + 10 = 17, still 1 eviction
+        policy.remove(1)
+        policy.released([1], [1], 0)
+    # d (freed 5th) reused 17 - 5 = 12 frees later: the mean 31.03125 + (12 - 31.03125) / 32 = 30.43; LRU's
+    # reach 4 x 17 / 1 = 68 is past it, so a level buys nothing: every offset 0, LRU's order
+    for block in (3, 2, 1):
+        policy.remove(block)
+    policy.published(0, "e")  # on the block a's eviction left free
+    policy.released([0, 3, 2, 1], [0, 3, 2, 1], 0)
+    assert offsets[:4] == [0, 0, 0, 0]
+    assert policy.order() == [0, 3, 2, 1]  # freed in that order, generations 4, 3, 2, 1 now at one offset

@@ -137,12 +137,17 @@ class LineagePolicy(EvictionPolicy):
     old, long prefix nobody extends any more does not stay forever. The cap keeps a finished agent loop
     (dozens of generations) from outliving everything else by dozens of spans.
 
-    ``span`` follows the trace (``reuse_aging`` > 0): ``reuse_aging`` x the running mean of how many
-    blocks were freed between a lineage block's (generation >= 2) free and its reuse, sampled once a
-    request at its deepest reused lineage block (a hit, or a hash the ghost remembers with the free it
-    left at), starting from ``aging x num_blocks``. Where conversations come back long after (the shipped
-    Mooncake trace: 90% of follow-ups 141 or more requests later) a level protects for that long; where
-    turns follow within seconds (agent loops) it protects for less. ``reuse_aging=0``: a fixed span of
+    ``span`` follows the trace (``reuse_aging`` > 0): ``reuse_aging`` x (the running mean of how many
+    blocks were freed between a lineage block's (generation >= 2) free and its reuse, less LRU's reach),
+    at least 0 (every level at offset 0: the order is LRU's). The distance is sampled once a request at
+    its deepest reused lineage block (a hit, or a hash the ghost remembers with the free it left at);
+    LRU's reach is how many frees a block outlives under recency alone, ``num_blocks x frees /
+    evictions`` (each eviction makes room for one free; the others are frees of blocks a hit revived),
+    counted over about the last ``num_blocks`` evictions. So a level buys only the recency LRU would not
+    give: where conversations come back long after (the shipped Mooncake trace: 90% of follow-ups 141 or
+    more requests later, far past the pool) a level protects for that long; where turns follow within
+    what the pool holds anyway (agent loops, chats answered in seconds) the levels shrink to LRU. Until
+    the first eviction and sample the span is ``aging x num_blocks``. ``reuse_aging=0``: a fixed span of
     ``aging x num_blocks``.
 
     A conversation's next turn often comes after its blocks were evicted, so the policy remembers the
@@ -181,6 +186,8 @@ class LineagePolicy(EvictionPolicy):
         self._ghost_cap = 0
         self._span = 1
         self._freed = 0
+        self._frees = 0.0  # over about the last num_blocks evictions: LRU's reach
+        self._evictions = 0.0
 
     def _bound(self, num_blocks: int) -> None:
         self._ghost_cap = int(self.ghost_ratio * num_blocks)
@@ -246,20 +253,26 @@ class LineagePolicy(EvictionPolicy):
         for block in evictable:
             self._freed += 1
             queues.push(block, level, self._freed)
+        self._frees += len(evictable)
 
     def _reused_after(self, freed: int) -> None:
         """A lineage block was reused ``freed`` blocks after its free: with ``reuse_aging``, one level is
-        worth ``reuse_aging`` x the running mean of those distances (the last 32 or so)."""
+        worth ``reuse_aging`` x (the running mean of those distances, the last 32 or so, less LRU's reach
+        ``num_blocks x frees / evictions``), at least 0; unchanged until the first eviction."""
         if self.reuse_aging <= 0.0 or freed <= 0:
             return
         self._distance += (freed - self._distance) / 32.0
-        self._span = span = max(1, int(self.reuse_aging * self._distance))
+        if self._evictions <= 0.0:
+            return  # nothing evicted yet: LRU's reach is not known
+        reach = self._n * self._frees / self._evictions
+        self._span = span = max(0, int(self.reuse_aging * (self._distance - reach)))
         offsets = self._queues.offsets
         for level in range(len(offsets)):
             offsets[level] = level * span
 
     def insert(self, block: int, priority: int) -> None:
         self._freed += 1
+        self._frees += 1.0
         self._queues.push(block, min(max(self._gen[block], 1), self.max_level), self._freed)
 
     def remove(self, block: int) -> None:
@@ -267,6 +280,10 @@ class LineagePolicy(EvictionPolicy):
 
     def pop(self) -> int:
         block = self._queues.pop()
+        self._evictions += 1.0
+        if self._evictions > self._n:  # a window of about num_blocks evictions
+            self._evictions *= 0.5
+            self._frees *= 0.5
         key = self._hash[block]
         if self._ghost_cap and key is not None and (self._mark[block] or self._sampled(key)):
             ghost = self._ghost
