@@ -261,12 +261,14 @@ class KVCacheManager:
 
     def announce_waiting(self, req: Request, waiting: bool) -> None:
         """Tell a queue-informed policy (:meth:`BlockPool.waiting`) that ``req`` joined (``waiting``) or left
-        the waiting queue, with the block hashes it has now, in every group. Nothing for other policies."""
+        the waiting queue, with the hashes of its cached prefix now (what it would hit if nothing were
+        evicted; cached blocks past a break in its prefix it would not hit), in every group; leaving withdraws
+        what joining announced. Nothing for other policies."""
         pool = self.pool
         if not self.caching or not getattr(getattr(pool, "policy", None), "reads_waiting", False):
             return
         if waiting:
-            hashes = list(req.block_hashes)
+            hashes = req.block_hashes[:len(pool.match_prefix(req.block_hashes))]
             self._waiting[req.request_id] = hashes
         else:
             gone = self._waiting.pop(req.request_id, None)
