@@ -13,16 +13,14 @@ import torch
 
 pytest.importorskip("transformers")
 
+from _partial_helpers import BLOCK, FIRST, SECOND, UNIT, zeroing_copy  # noqa: E402
+
 from kvpool.engine.engine import LLMEngine  # noqa: E402
 from kvpool.engine.models import load_model, reference_greedy  # noqa: E402
 from kvpool.engine.sampling import SamplingParams  # noqa: E402
 from kvpool.errors import ConfigError  # noqa: E402
-from kvpool.storage.block_copy import copy_token_prefix  # noqa: E402
 
-BLOCK, UNIT, NEW = 8, 2, 8
-DOC = [(7 * i + 3) % 251 for i in range(45)]  # 45 tokens (byte ids)
-FIRST = DOC + [10, 11, 12]  # 48 tokens: 6 full blocks published
-SECOND = DOC[:29] + list(range(150, 170))  # shares 29 tokens: 3 full blocks (24) + 2 units (4) = 28 hit
+NEW = 8  # FIRST (48 tokens, 6 full blocks) published, SECOND hits 3 full blocks (24) + 2 units (4) = 28
 MODELS = ("tiny-llama", "tiny-qwen2", "tiny-gpt2", "tiny-mistral", "tiny-gemma3")  # the last two slide
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -66,15 +64,7 @@ def test_zeroing_the_copied_slots_diverges(tiny: tuple) -> None:
     leave transformers' (the copy is what the request's attention reads)."""
     model, (_, logits) = tiny
     engine = LLMEngine(model, num_blocks=64, block_size=BLOCK, keep_logits=True, match_unit=UNIT)
-
-    def copy_then_zero(pairs: list[tuple[int, int]], n: int) -> None:
-        copy_token_prefix(engine.cache, pairs, n)
-        for layer in range(engine.cache.num_layers):
-            for view in (engine.cache.k_cache(layer), engine.cache.v_cache(layer)):
-                for _, dst in pairs:
-                    view[dst, :n] = 0
-
-    engine.kv_manager.partial.copy = copy_then_zero
+    engine.kv_manager.partial.copy = zeroing_copy(engine.cache)
     engine.generate([FIRST], SamplingParams(max_new_tokens=2))
     (req,) = engine.generate([SECOND], SamplingParams(max_new_tokens=NEW))
     assert req.num_cached_tokens == 28

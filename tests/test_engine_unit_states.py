@@ -15,16 +15,14 @@ import torch
 
 pytest.importorskip("transformers")
 
+from _partial_helpers import BLOCK, DOC, FIRST, SECOND, UNIT, zeroing_copy  # noqa: E402
+
 from kvpool.engine.engine import LLMEngine  # noqa: E402
 from kvpool.engine.models import load_model, reference_greedy  # noqa: E402
 from kvpool.engine.sampling import SamplingParams  # noqa: E402
 from kvpool.requests.state_checkpoints import SavePolicy  # noqa: E402
-from kvpool.storage.block_copy import copy_token_prefix  # noqa: E402
 
-BLOCK, UNIT, NEW = 8, 2, 6
-DOC = [(7 * i + 3) % 251 for i in range(45)]
-FIRST = DOC + [10, 11, 12]  # 48 tokens: 6 full blocks; block checkpoint at 48 (its tail)
-SECOND = DOC[:29] + list(range(150, 170))  # shares 29 tokens: 3 blocks (24) + 2 units of 2 (4) = 28
+NEW = 6  # FIRST: block checkpoint at 48 (its tail); SECOND shares 29 tokens: 3 blocks + 2 units of 2 = 28
 THIRD = DOC[:29] + list(range(60, 75))  # shares the same 29 tokens with both
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -107,15 +105,7 @@ def test_zeroing_the_restored_unit_state_diverges(tiny: tuple) -> None:
 def test_zeroing_the_copied_kv_diverges(tiny: tuple) -> None:
     model, (_, logits), _ = tiny
     engine = _engine(model)
-
-    def copy_then_zero(pairs: list[tuple[int, int]], n: int) -> None:
-        copy_token_prefix(engine.cache, pairs, n)
-        for layer in range(engine.cache.num_layers):
-            for view in (engine.cache.k_cache(layer), engine.cache.v_cache(layer)):
-                for _, dst in pairs:
-                    view[dst, :n] = 0
-
-    engine.kv_manager.partial.copy = copy_then_zero  # type: ignore[union-attr]
+    engine.kv_manager.partial.copy = zeroing_copy(engine.cache)  # type: ignore[union-attr]
     _, second = _run(engine, FIRST, SECOND)
     assert second.num_cached_tokens == 28
     assert (torch.stack(second.logits)[0] - logits[0]).abs().max() > 1e-2
